@@ -70,7 +70,8 @@ class KTiedNormal(dist.Normal):
             )
         matrix_shape = loc.shape[loc.dim() - tied_dims :]
         m, n = matrix_shape[0], math.prod(matrix_shape[1:])
-        if scale_u.shape[-2] != m or scale_v.shape[-2] != n or scale_u.shape[-1] != scale_v.shape[-1]:
+        k = scale_u.shape[-1]
+        if scale_u.shape[-2] != m or scale_v.shape[-2] != n or scale_v.shape[-1] != k:
             raise ValueError(
                 f"KTiedNormal: loc's last {tied_dims} dims {tuple(matrix_shape)} form an "
                 f"({m} x {n}) matrix, so scale_u must end in ({m}, k) and scale_v in ({n}, k); "
