@@ -58,7 +58,7 @@ class RadialNormal(TorchDistribution):
     .. math::
 
         H[q] = \sum_i \log\sigma_i + \frac{1 + \log 2\pi}{2} - \log\Gamma(D/2)
-            + \frac{D}{2}\log\pi + \frac{D - 1}{2}(\gamma + \log 2).
+            + \frac{D}{2}\log\pi - \frac{D - 1}{2}(\gamma + \log 2).
 
     The KL divergence to a factorized Normal prior is registered in closed form,
     so :class:`~pyro.infer.TraceMeanField_ELBO` needs no Monte Carlo for it.
@@ -166,7 +166,7 @@ class RadialNormal(TorchDistribution):
 
     def entropy(self) -> torch.Tensor:
         d = self.event_numel
-        const = 0.5 - self._log_normalizer() + (d - 1) / 2 * (_EULER_GAMMA + math.log(2))
+        const = 0.5 - self._log_normalizer() - (d - 1) / 2 * (_EULER_GAMMA + math.log(2))
         return _sum_rightmost(self.scale.log(), len(self.event_shape)) + const
 
 
