@@ -1,0 +1,426 @@
+"""
+Test metrics of Bayesian predictive distributions estimated from posterior
+samples.
+
+Every function takes the targets ``y`` and the per-sample parameters of the
+likelihood, with the posterior samples along the leftmost dimension (as
+:class:`~pyro.infer.Predictive` stacks them):
+
+- classification: ``logits`` (or ``probs``) of shape ``(S, N, C)`` and integer
+  labels ``y`` of shape ``(N,)``;
+- regression: means ``loc`` of shape ``(S,) + y.shape`` and, where a density is
+  needed, the likelihood's standard deviation ``scale`` (a number or a tensor
+  broadcastable to ``loc``).
+
+The Monte Carlo predictive distribution is the mixture of the ``S``
+likelihoods, :math:`p(y \\mid x) \\approx \\frac{1}{S} \\sum_s p(y \\mid x, w_s)`.
+
+Usage::
+
+    predictive = Predictive(model, guide=guide, num_samples=100, return_sites=["_RETURN"])
+    logits = predictive(x_test)["_RETURN"]            # (100, N, C) for BayesianClassifier
+    metrics.classification_metrics(y_test, logits=logits)
+"""
+
+import math
+from typing import Dict, NamedTuple, Optional, Union
+
+import torch
+
+__all__ = [
+    "Calibration",
+    "brier_score",
+    "calibration",
+    "classification_metrics",
+    "error_rate",
+    "expected_calibration_error",
+    "mnll",
+    "predictive_entropy",
+    "predictive_probs",
+    "regression_metrics",
+    "rmse",
+]
+
+
+def _check_samples(
+    name: str, samples: torch.Tensor, y: Optional[torch.Tensor], extra_dims: int
+) -> None:
+    if not isinstance(samples, torch.Tensor) or not isinstance(y, (torch.Tensor, type(None))):
+        raise TypeError(
+            f"expected tensors for {name} and y, "
+            f"got {type(samples).__name__} and {type(y).__name__}"
+        )
+    expected = samples.shape[1 : samples.dim() - extra_dims]
+    if samples.dim() < 1 + extra_dims + 1 or (y is not None and expected != y.shape):
+        what = "(S,) + y.shape + (C,)" if extra_dims else "(S,) + y.shape"
+        got = "" if y is None else f" and y.shape = {tuple(y.shape)}"
+        raise ValueError(
+            f"{name} must have shape {what} with the posterior samples on the left, "
+            f"got {name}.shape = {tuple(samples.shape)}{got}; "
+            "for a single prediction use .unsqueeze(0), "
+            "for a (N, 1) network output use .squeeze(-1)"
+        )
+
+
+def _class_log_probs(
+    y: Optional[torch.Tensor], logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
+) -> torch.Tensor:
+    # Per-sample log class probabilities (S, N, C).
+    if (logits is None) == (probs is None):
+        raise ValueError("pass exactly one of logits= or probs= (shape (S, N, C))")
+    samples = logits if logits is not None else probs
+    name = "logits" if logits is not None else "probs"
+    _check_samples(name, samples, y, extra_dims=1)
+    if samples.dim() != 3:
+        raise ValueError(f"{name} must have shape (S, N, C), got {tuple(samples.shape)}")
+    if y is not None:
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+            raise ValueError(
+                f"classification targets y must be integer labels, got dtype {y.dtype}"
+            )
+        num_classes = samples.shape[-1]
+        if y.numel() and (y.min() < 0 or y.max() >= num_classes):
+            raise ValueError(
+                f"labels y must lie in [0, {num_classes}), "
+                f"got min {int(y.min())} and max {int(y.max())}"
+            )
+    if logits is not None:
+        return torch.log_softmax(logits, dim=-1)
+    if (probs < 0).any() or not torch.allclose(probs.sum(-1), probs.new_ones(())):
+        raise ValueError("probs must be non-negative and sum to 1 over the last dimension")
+    return probs.log()
+
+
+def _predictive_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    # log of the Monte Carlo mixture (N, C): logsumexp over samples minus log S
+    return torch.logsumexp(log_probs, dim=0) - math.log(log_probs.shape[0])
+
+
+def predictive_probs(
+    *,
+    logits: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    r"""
+    The Monte Carlo predictive class probabilities
+    :math:`\bar p_{nc} = \frac{1}{S} \sum_s \mathrm{softmax}(f_s(x_n))_c`.
+
+    Usage::
+
+        p = predictive_probs(logits=logits)   # (N, C)
+
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``
+        (instead of ``logits``).
+    :return: A tensor ``(N, C)``.
+    """
+    return _predictive_log_probs(_class_log_probs(None, logits, probs)).exp()
+
+
+def mnll(
+    y: torch.Tensor,
+    *,
+    logits: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    loc: Optional[torch.Tensor] = None,
+    scale: Union[float, torch.Tensor, None] = None,
+) -> torch.Tensor:
+    r"""
+    Test mean negative log-likelihood (MNLL): the mean over test points of the
+    negative log of the Monte Carlo predictive density, computed stably with
+    ``logsumexp``,
+
+    .. math::
+
+        \mathrm{MNLL} = -\frac{1}{N} \sum_{n=1}^N \log \frac{1}{S} \sum_{s=1}^S
+            p(y_n \mid x_n, w_s).
+
+    The likelihood is Categorical given ``logits`` or ``probs``, and Normal
+    given ``loc`` and ``scale`` (for ``y`` with more than one dimension the
+    trailing dimensions are one event: their log densities add up per point).
+
+    Usage::
+
+        mnll(y_test, logits=logits)              # classification
+        mnll(y_test, loc=means, scale=0.1)       # regression
+
+    :param torch.Tensor y: Targets: labels ``(N,)`` or real values ``(N, ...)``.
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
+    :param torch.Tensor loc: Per-sample means ``(S,) + y.shape``.
+    :param scale: The Normal likelihood's standard deviation, a positive number
+        or a tensor broadcastable to ``loc`` (e.g. per-sample noise).
+    :type scale: float or torch.Tensor
+    :return: A 0-dim tensor.
+    """
+    if loc is not None or scale is not None:
+        if logits is not None or probs is not None:
+            raise ValueError(
+                "pass either logits=/probs= (classification) or loc=, scale= (regression)"
+            )
+        if loc is None or scale is None:
+            raise ValueError(
+                "regression MNLL needs both loc= (per-sample means) and scale= (the likelihood's "
+                "standard deviation)"
+            )
+        _check_samples("loc", loc, y, extra_dims=0)
+        scale = torch.as_tensor(scale, dtype=loc.dtype, device=loc.device)
+        if not (scale > 0).all():
+            raise ValueError("scale must be positive")
+        log_p = torch.distributions.Normal(loc, scale).log_prob(y)
+        log_p = log_p.reshape(log_p.shape[:2] + (-1,)).sum(-1)  # (S, N)
+        return -_predictive_log_probs(log_p).mean()
+    log_probs = _class_log_probs(y, logits, probs)
+    log_p = log_probs.gather(-1, y.expand(log_probs.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+    return -_predictive_log_probs(log_p).mean()
+
+
+def rmse(y: torch.Tensor, *, loc: torch.Tensor) -> torch.Tensor:
+    r"""
+    Root mean squared error of the predictive mean
+    :math:`\bar\mu_n = \frac{1}{S}\sum_s \mu_s(x_n)`,
+
+    .. math::
+
+        \mathrm{RMSE} = \sqrt{\frac{1}{N} \sum_{n=1}^N (y_n - \bar\mu_n)^2}.
+
+    Usage::
+
+        rmse(y_test, loc=Predictive(model, guide=guide, num_samples=100,
+                                    return_sites=["_RETURN"])(x_test)["_RETURN"])
+
+    :param torch.Tensor y: Targets ``(N,)`` (or ``(N, ...)``: the mean runs over
+        all elements).
+    :param torch.Tensor loc: Per-sample means ``(S,) + y.shape`` (samples of
+        ``y`` itself, e.g. Predictive's ``"obs"``, give the same predictive mean).
+    :return: A 0-dim tensor.
+    """
+    _check_samples("loc", loc, y, extra_dims=0)
+    return (loc.mean(0) - y).pow(2).mean().sqrt()
+
+
+def error_rate(
+    y: torch.Tensor, *, logits: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    r"""
+    Fraction of test points whose most probable class under the Monte Carlo
+    predictive distribution :math:`\bar p` is not the label.
+
+    Usage::
+
+        error_rate(y_test, logits=logits)
+
+    :param torch.Tensor y: Labels ``(N,)``.
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
+    :return: A 0-dim tensor in [0, 1].
+    """
+    log_p = _predictive_log_probs(_class_log_probs(y, logits, probs))
+    return (log_p.argmax(-1) != y).to(log_p.dtype).mean()
+
+
+def brier_score(
+    y: torch.Tensor, *, logits: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    r"""
+    Brier score [1] of the Monte Carlo predictive probabilities: the mean over
+    points of the squared distance to the one-hot label,
+
+    .. math::
+
+        \mathrm{BS} = \frac{1}{N} \sum_{n=1}^N \sum_{c=1}^C (\bar p_{nc} - [y_n = c])^2
+        \in [0, 2].
+
+    Usage::
+
+        brier_score(y_test, logits=logits)
+
+    :param torch.Tensor y: Labels ``(N,)``.
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
+    :return: A 0-dim tensor.
+
+    [1] Brier (1950) "Verification of forecasts expressed in terms of probability"
+    """
+    p = _predictive_log_probs(_class_log_probs(y, logits, probs)).exp()
+    one_hot = torch.nn.functional.one_hot(y, p.shape[-1]).to(p.dtype)
+    return (p - one_hot).pow(2).sum(-1).mean()
+
+
+def predictive_entropy(
+    *, logits: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    r"""
+    Entropy of the Monte Carlo predictive distribution at each test point (in
+    nats), :math:`H_n = -\sum_c \bar p_{nc} \log \bar p_{nc}`: the total
+    predictive uncertainty, e.g. to compare in- and out-of-distribution inputs.
+
+    Usage::
+
+        h = predictive_entropy(logits=logits)   # (N,); h.mean() for a summary
+
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
+    :return: A tensor ``(N,)``, one entropy per point (not averaged).
+    """
+    log_p = _predictive_log_probs(_class_log_probs(None, logits, probs))
+    # xlogy-style: a class of zero probability contributes 0, not nan
+    return -torch.where(log_p > -math.inf, log_p.exp() * log_p, log_p.new_zeros(())).sum(-1)
+
+
+class Calibration(NamedTuple):
+    """
+    Expected calibration error with the data of a reliability diagram (see
+    :func:`calibration`). Per-bin statistics are ``nan`` for empty bins.
+
+    :ivar torch.Tensor ece: The expected calibration error (0-dim).
+    :ivar torch.Tensor bin_edges: ``num_bins + 1`` edges from 0 to 1; bin ``b``
+        is the interval ``(bin_edges[b], bin_edges[b + 1]]``.
+    :ivar torch.Tensor confidence: Mean confidence of the points in each bin.
+    :ivar torch.Tensor accuracy: Fraction of correct predictions in each bin.
+    :ivar torch.Tensor count: Number of points in each bin (integers).
+    """
+
+    ece: torch.Tensor
+    bin_edges: torch.Tensor
+    confidence: torch.Tensor
+    accuracy: torch.Tensor
+    count: torch.Tensor
+
+
+def calibration(
+    y: torch.Tensor,
+    *,
+    logits: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    num_bins: int = 15,
+) -> Calibration:
+    r"""
+    Expected calibration error (ECE) [1, 2] and the data of a reliability
+    diagram [3].
+
+    Each test point gets the confidence :math:`\hat c_n = \max_c \bar p_{nc}` of
+    its predicted class :math:`\hat y_n = \arg\max_c \bar p_{nc}`; the points
+    are grouped into ``num_bins`` equal-width bins :math:`B_b` of confidence
+    :math:`((b - 1) / M, b / M]`, and
+
+    .. math::
+
+        \mathrm{ECE} = \sum_{b=1}^M \frac{|B_b|}{N}
+            \left| \mathrm{acc}(B_b) - \mathrm{conf}(B_b) \right|.
+
+    Usage::
+
+        cal = calibration(y_test, logits=logits)
+        plt.bar(cal.bin_edges[:-1], cal.accuracy, width=1 / 15, align="edge")
+
+    :param torch.Tensor y: Labels ``(N,)``.
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
+    :param int num_bins: Number of equal-width confidence bins (15 as in [2]).
+    :return: A :class:`Calibration` with the ECE and the per-bin statistics.
+
+    [1] Naeini, Cooper, Hauskrecht (2015) "Obtaining Well Calibrated
+    Probabilities Using Bayesian Binning"
+
+    [2] Guo, Pleiss, Sun, Weinberger (2017) "On Calibration of Modern Neural
+    Networks"
+
+    [3] Niculescu-Mizil, Caruana (2005) "Predicting Good Probabilities with
+    Supervised Learning"
+    """
+    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
+    log_p = _predictive_log_probs(_class_log_probs(y, logits, probs))
+    if y.numel() == 0:
+        raise ValueError("calibration needs at least one test point")
+    log_conf, pred = log_p.max(-1)
+    conf = log_conf.exp()
+    correct = (pred == y).to(conf.dtype)
+    edges = torch.linspace(0, 1, num_bins + 1, dtype=conf.dtype, device=conf.device)
+    # right=False: bin b holds (edges[b], edges[b + 1]]
+    index = torch.bucketize(conf, edges[1:-1]).clamp(max=num_bins - 1)
+    count = torch.bincount(index, minlength=num_bins)
+    sum_conf = conf.new_zeros(num_bins).index_add_(0, index, conf)
+    sum_correct = conf.new_zeros(num_bins).index_add_(0, index, correct)
+    ece = (sum_correct - sum_conf).abs().sum() / y.numel()
+    denom = count.to(conf.dtype)
+    empty = count == 0
+    nan = conf.new_full((), math.nan)
+    confidence = torch.where(empty, nan, sum_conf / denom.clamp(min=1))
+    accuracy = torch.where(empty, nan, sum_correct / denom.clamp(min=1))
+    return Calibration(ece, edges, confidence, accuracy, count)
+
+
+def expected_calibration_error(
+    y: torch.Tensor,
+    *,
+    logits: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    num_bins: int = 15,
+) -> torch.Tensor:
+    """
+    The expected calibration error alone; see :func:`calibration`.
+
+    Usage::
+
+        expected_calibration_error(y_test, logits=logits)
+
+    :param torch.Tensor y: Labels ``(N,)``.
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
+    :param int num_bins: Number of equal-width confidence bins.
+    :return: A 0-dim tensor in [0, 1].
+    """
+    return calibration(y, logits=logits, probs=probs, num_bins=num_bins).ece
+
+
+def classification_metrics(
+    y: torch.Tensor,
+    *,
+    logits: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    num_bins: int = 15,
+) -> Dict[str, float]:
+    """
+    The classification metrics at once, as Python floats (e.g. for a JSON
+    report): ``error_rate``, ``mnll``, ``ece``, ``brier`` and
+    ``mean_entropy`` (the mean :func:`predictive_entropy`).
+
+    Usage::
+
+        classification_metrics(y_test, logits=logits)
+
+    :param torch.Tensor y: Labels ``(N,)``.
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
+    :param int num_bins: Number of confidence bins of the ECE.
+    :rtype: dict
+    """
+    kw = dict(logits=logits, probs=probs)
+    return {
+        "error_rate": error_rate(y, **kw).item(),
+        "mnll": mnll(y, **kw).item(),
+        "ece": expected_calibration_error(y, num_bins=num_bins, **kw).item(),
+        "brier": brier_score(y, **kw).item(),
+        "mean_entropy": predictive_entropy(**kw).mean().item(),
+    }
+
+
+def regression_metrics(
+    y: torch.Tensor, *, loc: torch.Tensor, scale: Union[float, torch.Tensor]
+) -> Dict[str, float]:
+    """
+    The regression metrics at once, as Python floats: ``rmse`` and ``mnll``.
+
+    Usage::
+
+        regression_metrics(y_test, loc=means, scale=noise_scale)
+
+    :param torch.Tensor y: Targets ``(N,)``.
+    :param torch.Tensor loc: Per-sample means ``(S,) + y.shape``.
+    :param scale: The Normal likelihood's standard deviation.
+    :type scale: float or torch.Tensor
+    :rtype: dict
+    """
+    return {"rmse": rmse(y, loc=loc).item(), "mnll": mnll(y, loc=loc, scale=scale).item()}
