@@ -3,7 +3,7 @@ pyro-vinit: variational inference for Bayesian neural networks in Pyro that
 starts well and trains fast.
 """
 
-from pyro_vinit import distributions
+from pyro_vinit import distributions, metrics, schedules
 from pyro_vinit.guides import AutoKTiedNormal, AutoRadialNormal
 
 __version__ = "0.1.0"
@@ -12,4 +12,6 @@ __all__ = [
     "AutoKTiedNormal",
     "AutoRadialNormal",
     "distributions",
+    "metrics",
+    "schedules",
 ]
