@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union, overload
 
 import torch
 from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
 
 from pyro_vinit.schedules import Schedule
 
@@ -127,7 +128,8 @@ class KLAnnealingMessenger(Messenger):
         return self._scale
 
     def _pyro_sample(self, msg: "Message") -> None:
-        if not msg["is_observed"]:
+        # a plate's subsample site carries no density
+        if not msg["is_observed"] and not site_is_subsample(msg):
             msg["scale"] = self._scale * msg["scale"]
 
 
