@@ -1,0 +1,152 @@
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.optim import Adam
+
+from pyro_vinit import AutoKTiedNormal
+from pyro_vinit.distributions import KTiedNormal
+from tests.common import assert_close
+
+
+def layer_model(data=None):
+    w = pyro.sample("fc.weight", dist.Normal(torch.zeros(30, 20), 1.0).to_event(2))
+    pyro.sample("fc.bias", dist.Normal(torch.zeros(30), 1.0).to_event(1))
+    pyro.sample("conv.weight", dist.Normal(torch.zeros(8, 3, 3, 3), 1.0).to_event(4))
+    with pyro.plate("groups", 4):
+        pyro.sample("local.weight", dist.Normal(torch.zeros(5, 6), 1.0).to_event(2))
+    if data is not None:
+        with pyro.plate("data", data.shape[0]):
+            pyro.sample("obs", dist.Normal(w, 0.3).to_event(2), obs=data)
+
+
+def _train(guide, steps=30, elbo=Trace_ELBO):
+    data = torch.randn(10, 30, 20)
+    svi = SVI(layer_model, guide, Adam({"lr": 0.05}), elbo())
+    for _ in range(steps):
+        svi.step(data)
+    return guide
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_std_matrix_has_rank_at_most_k(rank):
+    guide = AutoKTiedNormal(layer_model, rank=rank)
+    guide()
+    for name in ["fc.weight", "conv.weight"]:
+        _, scale = guide.get_loc_and_scale(name)
+        matrix = scale.reshape(scale.shape[0], -1).double()
+        assert torch.linalg.matrix_rank(matrix) <= rank
+    _, scale = guide.get_loc_and_scale("local.weight")
+    assert scale.shape == (4, 5, 6)
+    for g in range(4):  # tied per plate element, never across the plate
+        assert torch.linalg.matrix_rank(scale[g].double()) <= rank
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_rank_survives_training(rank):
+    guide = _train(AutoKTiedNormal(layer_model, rank=rank, init_scale=0.3))
+    _, scale = guide.get_loc_and_scale("fc.weight")
+    singular_values = torch.linalg.svdvals(scale.double())
+    assert (singular_values[rank:] < 1e-5 * singular_values[0]).all()  # float32 round-off
+    if rank > 1:
+        # Symmetry was broken at init: training uses more than one component.
+        assert singular_values[1] > 1e-3 * singular_values[0]
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_parameter_counts(rank):
+    guide = AutoKTiedNormal(layer_model, rank=rank)
+    guide()
+    counts = {name: p.numel() for name, p in guide.named_parameters()}
+    assert counts["scale_u.fc.weight_unconstrained"] == 30 * rank
+    assert counts["scale_v.fc.weight_unconstrained"] == 20 * rank
+    assert counts["scale_u.conv.weight_unconstrained"] == 8 * rank
+    assert counts["scale_v.conv.weight_unconstrained"] == 27 * rank
+    assert counts["scale_u.local.weight_unconstrained"] == 4 * 5 * rank
+    expected = (
+        (30 * 20 + rank * (30 + 20))  # fc.weight: mn + k(m + n)
+        + 2 * 30  # fc.bias: per-element scale
+        + (8 * 27 + rank * (8 + 27))  # conv.weight as 8 x 27
+        + 4 * (5 * 6 + rank * (5 + 6))  # one tied matrix per plate element
+    )
+    assert sum(counts.values()) == expected
+
+
+def test_init_is_exact_and_components_differ():
+    guide = AutoKTiedNormal(layer_model, rank=3, init_scale=0.07)
+    guide()
+    for name in ["fc.weight", "conv.weight", "local.weight", "fc.bias"]:
+        _, scale = guide.get_loc_and_scale(name)
+        assert_close(scale, torch.full_like(scale, 0.07))
+    u, v = guide.get_scale_factors("fc.weight")
+    assert u.shape == (30, 3) and v.shape == (20, 3)
+    # No two components of U are the same (so their gradients differ).
+    for a in range(3):
+        for b in range(a):
+            assert (u[:, a] - u[:, b]).abs().max() > 1e-3
+
+
+def test_equivalent_to_auto_normal_for_constant_std():
+    kt = AutoKTiedNormal(layer_model, rank=2, init_scale=0.2)
+    an = AutoNormal(layer_model, init_scale=0.2)
+    kt_trace = poutine.trace(kt).get_trace()
+    an_trace = poutine.trace(an).get_trace()
+    with torch.no_grad():
+        for name in ["fc.weight", "fc.bias", "conv.weight", "local.weight"]:
+            an_loc = getattr(an.locs, name.split(".")[0])
+            kt_loc = getattr(kt.locs, name.split(".")[0])
+            getattr(kt_loc, name.split(".")[1] + "_unconstrained").copy_(
+                getattr(an_loc, name.split(".")[1])
+            )
+    kt_trace = poutine.trace(kt).get_trace()
+    an_trace = poutine.trace(an).get_trace()
+    for name in ["fc.weight", "conv.weight", "local.weight"]:
+        kt_fn = kt_trace.nodes[name]["fn"]
+        an_fn = an_trace.nodes[name + "_unconstrained"]["fn"]
+        value = an_trace.nodes[name]["value"]
+        assert_close(kt_fn.log_prob(value), an_fn.log_prob(value), atol=1e-4, rtol=1e-6)
+        prior = dist.Normal(0.0, 1.0).expand(value.shape).to_event(kt_fn.event_dim)
+        assert_close(
+            torch.distributions.kl_divergence(kt_fn, prior),
+            torch.distributions.kl_divergence(an_fn, prior),
+            atol=1e-4,
+            rtol=1e-6,
+        )
+
+
+def test_site_distribution_is_k_tied_normal():
+    guide = AutoKTiedNormal(layer_model, rank=2)
+    trace = poutine.trace(guide).get_trace()
+    fn = trace.nodes["conv.weight"]["fn"]
+    assert isinstance(fn.base_dist, KTiedNormal) and fn.event_shape == (8, 3, 3, 3)
+    assert fn.base_dist.scale_u.shape == (8, 2) and fn.base_dist.scale_v.shape == (27, 2)
+    assert isinstance(trace.nodes["fc.bias"]["fn"].base_dist, dist.Normal)
+
+
+def test_trains_with_mean_field_elbo():
+    guide = _train(AutoKTiedNormal(layer_model, rank=2), steps=200, elbo=TraceMeanField_ELBO)
+    loc, scale = guide.get_loc_and_scale("fc.weight")
+    # The posterior sd of each element with 10 observations of noise 0.3 is ~0.0945.
+    assert_close(scale.mean(), 0.3 / (10 + 0.09) ** 0.5, rtol=0.15, atol=0)
+
+
+@pytest.mark.parametrize("rank", [0, -1, 1.5, True, "2"])
+def test_bad_rank(rank):
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        AutoKTiedNormal(layer_model, rank=rank)
+
+
+def test_get_scale_factors_of_untied_site():
+    guide = AutoKTiedNormal(layer_model)
+    guide()
+    with pytest.raises(KeyError, match="not tied"):
+        guide.get_scale_factors("fc.bias")
+
+
+def test_large_rank_allowed():
+    guide = _train(AutoKTiedNormal(layer_model, rank=40), steps=5)
+    _, scale = guide.get_loc_and_scale("fc.weight")
+    assert scale.shape == (30, 20) and torch.isfinite(scale).all()
