@@ -22,9 +22,55 @@ def _fan_in(module: nn.Module) -> int:
     return module.weight[0].numel()
 
 
-def _normal_prior(shape: torch.Size, scale: float, like: torch.Tensor) -> dist.Independent:
-    loc = torch.zeros((), dtype=like.dtype, device=like.device)
-    return dist.Normal(loc, torch.full_like(loc, scale)).expand(shape).to_event(len(shape))
+class _NormalPrior:
+    """
+    The prior N(0, scale²) of one parameter, built at each access from the
+    layer's ``prior_scale`` buffer so that it follows the module through
+    ``.to()``, ``.double()`` and ``.cuda()``. A class rather than a lambda so
+    that converted modules pickle.
+    """
+
+    def __init__(self, shape: torch.Size) -> None:
+        self.shape = torch.Size(shape)
+
+    def __call__(self, module: nn.Module) -> dist.Independent:
+        scale = module.prior_scale
+        return (
+            dist.Normal(torch.zeros_like(scale), scale).expand(self.shape).to_event(len(self.shape))
+        )
+
+
+def _check_exclude(
+    module: nn.Module, exclude: Iterable[Union[str, Type[nn.Module]]]
+) -> Tuple[Tuple[str, ...], Tuple[type, ...]]:
+    if isinstance(exclude, (str, type)):
+        exclude = (exclude,)
+    exclude = tuple(exclude)
+    names = {name for name, _ in module.named_modules()}
+    bad = [
+        e
+        for e in exclude
+        if not (isinstance(e, str) or (isinstance(e, type) and issubclass(e, nn.Module)))
+    ]
+    if bad:
+        raise TypeError(
+            f"bayesianize: exclude takes submodule names (str) or nn.Module subclasses "
+            f"(e.g. nn.Conv2d, not nn.Conv2d(...)), got {bad!r}"
+        )
+    excluded_names = tuple(e for e in exclude if isinstance(e, str))
+    unknown = [e for e in excluded_names if e not in names]
+    if unknown:
+        raise ValueError(
+            f"bayesianize: exclude names {unknown} are not submodules of the network; "
+            f"its submodule names are {sorted(n for n in names if n)}"
+        )
+    return excluded_names, tuple(e for e in exclude if isinstance(e, type))
+
+
+def _is_excluded(name: str, sub: nn.Module, names: Tuple[str, ...], types: Tuple[type, ...]):
+    # a name excludes the submodule and everything inside it ("" is the root)
+    inside = any(name == e or name.startswith(e + ".") or e == "" for e in names)
+    return inside or isinstance(sub, types)
 
 
 def bayesianize(
@@ -52,53 +98,93 @@ def bayesianize(
 
     with :math:`D_\text{in}` the layer's fan-in (``in_features``, or
     ``in_channels / groups × kernel size``), for weights and biases alike.
+    Sample sites are named after the parameters (``"0.weight"``, and
+    ``"net.0.weight"`` once inside a :class:`BayesianClassifier`). Each
+    converted layer keeps its prior standard deviation in a buffer
+    ``prior_scale``, so the prior follows ``.to(dtype/device)``.
+
+    Every other parameter (of excluded layers, normalization layers, ...)
+    stays deterministic: Pyro registers it in the param store when the model
+    runs, and SVI learns it as a point estimate.
 
     :param torch.nn.Module module: The network; converted in place and returned.
     :param float prior_scale: If given, a fixed prior N(0, prior_scale²) for
         every weight and bias instead.
     :param exclude: Layers to leave deterministic, by qualified name (as in
-        ``module.named_modules()``, e.g. ``"0"`` or ``"features.conv1"``) or by
-        type (e.g. ``nn.Conv2d``).
+        ``module.named_modules()``, e.g. ``"0"`` or ``"features.conv1"``; a
+        container's name excludes all layers inside it) or by type (e.g.
+        ``nn.Conv2d``).
+    :type exclude: str, type or an iterable of them
     :return: The converted module, now a :class:`~pyro.nn.PyroModule`.
 
     [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
     Bayes for Deep Models"
     """
-    if prior_scale is not None and not (isinstance(prior_scale, (int, float)) and prior_scale > 0):
-        raise ValueError(f"bayesianize: prior_scale must be a positive number, got {prior_scale!r}")
-    exclude = tuple(exclude)
-    names = {name for name, _ in module.named_modules()}
-    unknown = [e for e in exclude if isinstance(e, str) and e not in names]
-    if unknown:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"bayesianize: expected a torch.nn.Module, got {type(module).__name__}")
+    if prior_scale is not None and (
+        isinstance(prior_scale, bool)
+        or not isinstance(prior_scale, (int, float))
+        or not math.isfinite(prior_scale)
+        or not prior_scale > 0
+    ):
         raise ValueError(
-            f"bayesianize: exclude names {unknown} are not submodules of the network; "
-            f"its layer names are {sorted(n for n in names if n)}"
+            f"bayesianize: prior_scale must be a positive finite number, got {prior_scale!r}"
         )
-    excluded_types = tuple(e for e in exclude if isinstance(e, type))
+    excluded_names, excluded_types = _check_exclude(module, exclude)
 
-    found = False
-    for name, sub in list(module.named_modules()):
-        if not isinstance(sub, _LAYER_TYPES) or name in exclude or isinstance(sub, excluded_types):
-            continue
-        found = True
-        scale = prior_scale if prior_scale is not None else 1.0 / math.sqrt(_fan_in(sub))
-        weight, bias = sub.weight, sub.bias
-        pyro.nn.module.to_pyro_module_(sub, recurse=False)
-        sub.weight = PyroSample(_normal_prior(weight.shape, scale, weight))
-        if bias is not None:
-            sub.bias = PyroSample(_normal_prior(bias.shape, scale, bias))
-    if not found:
+    layers = [
+        (name, sub)
+        for name, sub in module.named_modules()
+        if isinstance(sub, _LAYER_TYPES)
+        and not _is_excluded(name, sub, excluded_names, excluded_types)
+    ]
+    if not layers:
         raise ValueError(
-            "bayesianize: the network has no nn.Linear or nn.Conv layer left to convert "
+            "bayesianize: the network has no nn.Linear or nn.Conv1d/2d/3d layer left to convert "
             "(check `exclude`)"
         )
+    converted = [name or "<root>" for name, sub in layers if "weight" not in sub._parameters]
+    if converted:
+        raise ValueError(
+            f"bayesianize: layers {converted} have no weight parameter; are they Bayesian "
+            "already? Convert a fresh network, or exclude them by name"
+        )
+
+    # all checks passed: now modify
+    for _, sub in layers:
+        weight, bias = sub.weight, sub.bias
+        scale = prior_scale if prior_scale is not None else 1.0 / math.sqrt(_fan_in(sub))
+        pyro.nn.module.to_pyro_module_(sub, recurse=False)
+        sub.register_buffer(
+            "prior_scale",
+            torch.tensor(scale, dtype=weight.dtype, device=weight.device),
+            persistent=False,
+        )
+        sub.weight = PyroSample(_NormalPrior(weight.shape))
+        if bias is not None:
+            sub.bias = PyroSample(_NormalPrior(bias.shape))
     pyro.nn.module.to_pyro_module_(module)
     return module
+
+
+def _check_num_data(cls: type, num_data: Optional[int]) -> None:
+    if num_data is not None and (
+        isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1
+    ):
+        raise ValueError(
+            f"{cls.__name__}: num_data must be a positive int or None, got {num_data!r}"
+        )
 
 
 def _data_plate(x: torch.Tensor, num_data: Optional[int]) -> pyro.plate:
     # An explicit subsample makes the plate scale the likelihood by num_data / batch.
     n = x.shape[0]
+    if num_data is not None and n > num_data:
+        raise ValueError(
+            f"the batch has {n} points but num_data={num_data}: num_data is the size of the "
+            "full training set, at least the batch size"
+        )
     return pyro.plate("data", num_data or n, subsample=torch.arange(n, device=x.device))
 
 
@@ -113,6 +199,11 @@ class BayesianClassifier(PyroModule):
     """
 
     def __init__(self, net: nn.Module, num_data: Optional[int] = None):
+        if not isinstance(net, nn.Module):
+            raise TypeError(
+                f"BayesianClassifier: net must be an nn.Module, got {type(net).__name__}"
+            )
+        _check_num_data(type(self), num_data)
         super().__init__()
         self.net = net
         self.num_data = num_data
@@ -136,21 +227,60 @@ class BayesianRegressor(PyroModule):
     """
 
     def __init__(self, net: nn.Module, noise_scale: float = 1.0, num_data: Optional[int] = None):
+        if not isinstance(net, nn.Module):
+            raise TypeError(
+                f"BayesianRegressor: net must be an nn.Module, got {type(net).__name__}"
+            )
+        if (
+            isinstance(noise_scale, bool)
+            or not isinstance(noise_scale, (int, float))
+            or not math.isfinite(noise_scale)
+            or not noise_scale > 0
+        ):
+            raise ValueError(
+                f"BayesianRegressor: noise_scale must be a positive number, got {noise_scale!r}"
+            )
+        _check_num_data(type(self), num_data)
         super().__init__()
         self.net = net
         self.noise_scale = noise_scale
         self.num_data = num_data
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-        mean = self.net(x).squeeze(-1)
+        out = self.net(x)
+        mean = out.squeeze(-1) if out.dim() > 1 else out
+        # leading dims beyond the batch are allowed (e.g. vectorized particles)
+        if mean.dim() == 0 or mean.shape[-1] != x.shape[0]:
+            raise ValueError(
+                f"BayesianRegressor: the network must output shape (batch,) or (batch, 1), "
+                f"got {tuple(out.shape)} for a batch of {x.shape[0]}"
+            )
         with _data_plate(x, self.num_data):
             pyro.sample("obs", dist.Normal(mean, self.noise_scale), obs=y)
         return mean
 
 
 def mlp(sizes: Tuple[int, ...], activation: Type[nn.Module] = nn.ReLU) -> nn.Sequential:
-    """An ``nn.Sequential`` MLP with layer sizes ``sizes`` and ``activation``
-    between layers (not after the last)."""
+    """
+    An ``nn.Sequential`` MLP with layer sizes ``sizes`` (input, hidden...,
+    output) and ``activation`` between layers (not after the last).
+
+    Usage::
+
+        net = bayesianize(mlp((64, 100, 10)))
+
+    :param tuple sizes: At least two positive ints.
+    :param type activation: An ``nn.Module`` class, instantiated between layers.
+    """
+    sizes = tuple(sizes)
+    if len(sizes) < 2 or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in sizes
+    ):
+        raise ValueError(f"mlp: sizes must be at least two positive ints, got {sizes!r}")
+    if not (isinstance(activation, type) and issubclass(activation, nn.Module)):
+        raise TypeError(
+            f"mlp: activation must be an nn.Module class (e.g. nn.Tanh), got {activation!r}"
+        )
     layers = []
     for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(d_in, d_out))

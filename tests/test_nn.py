@@ -1,0 +1,292 @@
+import copy
+import math
+import pickle
+
+import pyro
+import pyro.poutine as poutine
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule
+from pyro.optim import Adam
+from torch import nn
+
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
+from tests.common import assert_close
+
+
+class SmallCNN(nn.Module):
+    """Nested modules: a Sequential of convolutions inside a custom module."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(2, 4, kernel_size=3),  # fan-in 2 * 3 * 3 = 18
+            nn.ReLU(),
+            nn.Conv2d(4, 6, kernel_size=(3, 2), groups=2),  # fan-in 4 / 2 * 3 * 2 = 12
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        self.head = nn.Linear(6 * 4 * 5, 3)  # fan-in 120
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+CNN_FAN_IN = {"features.0": 18, "features.2": 12, "head": 120}
+
+
+def _sites(net, *args):
+    tr = poutine.trace(net).get_trace(*args)
+    return {n: s for n, s in tr.nodes.items() if s["type"] == "sample" and not s["is_observed"]}
+
+
+def _prior_loc_scale(site):
+    base = site["fn"].base_dist
+    return base.loc, base.scale
+
+
+def test_mlp_structure():
+    net = mlp((4, 6, 5, 3), activation=nn.Tanh)
+    assert [type(m) for m in net] == [nn.Linear, nn.Tanh, nn.Linear, nn.Tanh, nn.Linear]
+    assert [(m.in_features, m.out_features) for m in net[::2]] == [(4, 6), (6, 5), (5, 3)]
+
+
+def test_converts_mlp():
+    net = bayesianize(mlp((4, 6, 3)))
+    assert isinstance(net, PyroModule) and all(isinstance(m, PyroModule) for m in net)
+    assert list(net.parameters()) == []  # every weight and bias is now random
+    x = torch.randn(5, 4)
+    sites = _sites(net, x)
+    assert list(sites) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for name, shape, fan_in in [
+        ("0.weight", (6, 4), 4),
+        ("0.bias", (6,), 4),
+        ("2.weight", (3, 6), 6),
+        ("2.bias", (3,), 6),
+    ]:
+        site = sites[name]
+        assert site["fn"].event_shape == shape and site["value"].shape == shape
+        loc, scale = _prior_loc_scale(site)
+        assert_close(loc, torch.zeros(shape))
+        assert_close(scale.pow(2), torch.full(shape, 1.0 / fan_in))  # N(0, 1/D_in)
+
+
+def test_forward_uses_sampled_weights():
+    net = bayesianize(mlp((4, 6, 3)))
+    x = torch.randn(5, 4)
+    tr = poutine.trace(net).get_trace(x)
+    w = {n: s["value"] for n, s in tr.nodes.items() if s["type"] == "sample"}
+    expected = F.linear(F.relu(F.linear(x, w["0.weight"], w["0.bias"])), w["2.weight"], w["2.bias"])
+    assert_close(tr.nodes["_RETURN"]["value"], expected)
+    # two calls draw two different networks
+    assert not torch.equal(net(x), net(x))
+
+
+def test_converts_nested_cnn_with_conv_fan_in():
+    net = bayesianize(SmallCNN())
+    assert isinstance(net.features, PyroModule) and isinstance(net.features[2], PyroModule)
+    sites = _sites(net, torch.randn(2, 2, 8, 8))
+    assert set(sites) == {f"{layer}.{p}" for layer in CNN_FAN_IN for p in ("weight", "bias")}
+    for layer, fan_in in CNN_FAN_IN.items():
+        for p in ("weight", "bias"):
+            _, scale = _prior_loc_scale(sites[f"{layer}.{p}"])
+            assert_close(scale, torch.full_like(scale, 1 / math.sqrt(fan_in)))
+    assert sites["features.2.weight"]["value"].shape == (6, 2, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "layer, fan_in",
+    [(nn.Conv1d(3, 5, 4), 12), (nn.Conv3d(2, 2, (1, 2, 3)), 12), (nn.Linear(7, 2), 7)],
+)
+def test_fan_in_other_layers(layer, fan_in):
+    # the layer itself as the root: its sites are "weight" and "bias"
+    net = bayesianize(layer)
+    x = (
+        torch.randn(1, 7)
+        if isinstance(layer, nn.Linear)
+        else torch.randn(1, *([3, 8] if isinstance(layer, nn.Conv1d) else [2, 4, 4, 4]))
+    )
+    sites = _sites(net, x)
+    assert set(sites) == {"weight", "bias"}
+    _, scale = _prior_loc_scale(sites["weight"])
+    assert_close(scale, torch.full_like(scale, 1 / math.sqrt(fan_in)))
+
+
+def test_fixed_prior_scale_and_no_bias():
+    net = bayesianize(nn.Sequential(nn.Linear(3, 4, bias=False), nn.Linear(4, 2)), prior_scale=0.5)
+    sites = _sites(net, torch.randn(2, 3))
+    assert set(sites) == {"0.weight", "1.weight", "1.bias"}
+    for site in sites.values():
+        _, scale = _prior_loc_scale(site)
+        assert_close(scale, torch.full_like(scale, 0.5))
+
+
+@pytest.mark.parametrize(
+    "exclude, random_layers",
+    [
+        ("head", {"features.0", "features.2"}),  # a single name, not its characters
+        (["features.0"], {"features.2", "head"}),
+        (["features"], {"head"}),  # a container excludes everything inside it
+        ([nn.Conv2d], {"head"}),
+        ((nn.Linear, "features.2"), {"features.0"}),
+    ],
+)
+def test_exclusion(exclude, random_layers):
+    net = bayesianize(SmallCNN(), exclude=exclude)
+    sites = _sites(net, torch.randn(2, 2, 8, 8))
+    assert {name.rpartition(".")[0] for name in sites} == random_layers
+    deterministic = {n.rpartition(".")[0] for n, _ in net.named_parameters()}
+    assert deterministic == set(CNN_FAN_IN) - random_layers
+
+
+def test_excluded_layers_are_learned_as_point_estimates():
+    torch.manual_seed(0)
+    x, y = torch.randn(20, 4), torch.randint(0, 3, (20,))
+    model = BayesianClassifier(bayesianize(mlp((4, 5, 3)), exclude=["0"]))
+    guide = AutoNormal(model)
+    svi = SVI(model, guide, Adam({"lr": 0.05}), Trace_ELBO())
+    before = model.net[0].weight.detach().clone()
+    svi.step(x, y)
+    assert "net.0.weight" in pyro.get_param_store()  # registered by PyroModule
+    assert "net.0.weight" not in guide.locs._pyro_params  # not a latent site
+    assert not torch.equal(model.net[0].weight.detach(), before)
+
+
+def test_follows_dtype_and_pickles():
+    net = bayesianize(SmallCNN()).double()
+    x = torch.randn(2, 2, 8, 8, dtype=torch.float64)
+    sites = _sites(net, x)
+    assert all(s["value"].dtype == torch.float64 for s in sites.values())
+    assert net(x).dtype == torch.float64
+    for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        assert set(_sites(clone, x)) == set(sites)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: bayesianize("net"), TypeError, "expected a torch.nn.Module"),
+        (lambda: bayesianize(mlp((2, 3)), prior_scale=0.0), ValueError, "positive finite"),
+        (lambda: bayesianize(mlp((2, 3)), prior_scale=-1.0), ValueError, "positive finite"),
+        (lambda: bayesianize(mlp((2, 3)), prior_scale=math.nan), ValueError, "positive finite"),
+        (lambda: bayesianize(mlp((2, 3)), prior_scale=True), ValueError, "positive finite"),
+        (
+            lambda: bayesianize(mlp((2, 3)), exclude=["fc9"]),
+            ValueError,
+            r"\['fc9'\].*names are \['0'\]",
+        ),
+        (
+            lambda: bayesianize(mlp((2, 3)), exclude=[nn.Linear(2, 3)]),
+            TypeError,
+            "nn.Module subclasses",
+        ),
+        (lambda: bayesianize(mlp((2, 3)), exclude=[int]), TypeError, "nn.Module subclasses"),
+        (lambda: bayesianize(nn.Sequential(nn.ReLU())), ValueError, "no nn.Linear or nn.Conv"),
+        (lambda: bayesianize(mlp((2, 3)), exclude=nn.Linear), ValueError, "check `exclude`"),
+        (lambda: bayesianize(bayesianize(mlp((2, 3)))), ValueError, "Bayesian already"),
+        (lambda: mlp((3,)), ValueError, "at least two positive ints"),
+        (lambda: mlp((3, 0)), ValueError, "at least two positive ints"),
+        (lambda: mlp((3, 2), activation=nn.ReLU()), TypeError, "nn.Module class"),
+        (lambda: BayesianClassifier(lambda x: x), TypeError, "nn.Module"),
+        (lambda: BayesianClassifier(mlp((2, 3)), num_data=0), ValueError, "num_data"),
+        (lambda: BayesianRegressor(mlp((2, 1)), noise_scale=0.0), ValueError, "noise_scale"),
+        (lambda: BayesianRegressor(mlp((2, 1)), num_data=2.5), ValueError, "num_data"),
+    ],
+)
+def test_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_error_leaves_module_untouched():
+    net = mlp((2, 3, 4))
+    with pytest.raises(ValueError, match="nope"):
+        bayesianize(net, exclude=["2", "nope"])
+    assert not any(isinstance(m, PyroModule) for m in net.modules())
+    assert len(list(net.parameters())) == 4
+
+
+def test_model_shape_errors():
+    model = BayesianRegressor(bayesianize(mlp((2, 2))))
+    with pytest.raises(ValueError, match=r"\(batch,\) or \(batch, 1\)"):
+        model(torch.randn(3, 2))
+    model = BayesianClassifier(bayesianize(mlp((2, 3))), num_data=4)
+    with pytest.raises(ValueError, match="num_data=4"):
+        model(torch.randn(5, 2))
+
+
+@pytest.mark.parametrize("num_data", [None, 40])
+def test_classifier_likelihood_scaling(num_data):
+    model = BayesianClassifier(bayesianize(mlp((3, 4))), num_data=num_data)
+    x, y = torch.randn(8, 3), torch.randint(0, 4, (8,))
+    tr = poutine.trace(model).get_trace(x, y)
+    tr.compute_log_prob()
+    obs = tr.nodes["obs"]
+    scale = 1.0 if num_data is None else 40 / 8
+    assert obs["scale"] == pytest.approx(scale)
+    logits = tr.nodes["_RETURN"]["value"]
+    expected = scale * logits.log_softmax(-1).gather(-1, y[:, None]).sum()
+    assert_close(obs["log_prob_sum"], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_regressor_likelihood_scaling(dtype):
+    model = BayesianRegressor(bayesianize(mlp((3, 1)).to(dtype)), noise_scale=0.3, num_data=30)
+    x, y = torch.randn(6, 3, dtype=dtype), torch.randn(6, dtype=dtype)
+    tr = poutine.trace(model).get_trace(x, y)
+    tr.compute_log_prob()
+    mean = tr.nodes["_RETURN"]["value"]
+    assert mean.shape == (6,) and mean.dtype == dtype
+    log_n = -0.5 * ((y - mean) / 0.3) ** 2 - math.log(0.3) - 0.5 * math.log(2 * math.pi)
+    assert_close(tr.nodes["obs"]["log_prob_sum"], 5.0 * log_n.sum(), atol=1e-5)
+
+
+def _blobs(n=40):
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(n) % 2
+    x = torch.randn(n, 2, generator=g) * 0.5 + (2.0 * y[:, None] - 1.0) * 1.5
+    return x, y
+
+
+@pytest.mark.parametrize(
+    "guide_cls, elbo",
+    [
+        (AutoNormal, Trace_ELBO),
+        (AutoKTiedNormal, TraceMeanField_ELBO),
+        (AutoRadialNormal, TraceMeanField_ELBO),
+    ],
+)
+def test_svi_with_guides(guide_cls, elbo):
+    x, y = _blobs()
+    model = BayesianClassifier(bayesianize(mlp((2, 8, 2))), num_data=40)
+    guide = guide_cls(model)
+    svi = SVI(model, guide, Adam({"lr": 0.05}), elbo())
+    losses = [svi.step(x[i : i + 20], y[i : i + 20]) for _ in range(75) for i in (0, 20)]
+    assert sum(losses[-20:]) < 0.5 * sum(losses[:20])
+    logits = Predictive(model, guide=guide, num_samples=20, return_sites=["_RETURN"])(x)["_RETURN"]
+    accuracy = (logits.softmax(-1).mean(0).argmax(-1) == y).float().mean()
+    assert accuracy > 0.9
+
+
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoKTiedNormal, AutoRadialNormal])
+def test_svi_cnn_with_guides(guide_cls):
+    x, y = torch.randn(6, 2, 8, 8), torch.randint(0, 3, (6,))
+    model = BayesianClassifier(bayesianize(SmallCNN()))
+    guide = guide_cls(model)
+    svi = SVI(model, guide, Adam({"lr": 0.01}), Trace_ELBO())
+    params_before = None
+    for _ in range(3):
+        assert math.isfinite(svi.step(x, y))
+        if params_before is None:
+            params_before = {k: v.detach().clone() for k, v in guide.named_parameters()}
+    # every conv and linear site is in the guide and got updated
+    loc_names = {k for k in params_before if k.startswith("locs.")}
+    assert {k.removesuffix("_unconstrained") for k in loc_names} == {
+        f"locs.net.{layer}.{p}" for layer in CNN_FAN_IN for p in ("weight", "bias")
+    }
+    after = dict(guide.named_parameters())
+    assert all(not torch.equal(params_before[k], after[k].detach()) for k in loc_names)
