@@ -197,7 +197,7 @@ def test_subsample_guide(Guide):
 
     guide = Guide(model, create_plates=create_plates)
     svi = SVI(model, guide, Adam({"lr": 0.01}), Trace_ELBO())
-    for step in range(3):
+    for _ in range(3):
         ind = torch.randperm(100)[:7]
         svi.step(data, ind)
     loc, _ = guide._get_loc_and_scale("local")
