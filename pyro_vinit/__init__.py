@@ -5,13 +5,17 @@ starts well and trains fast.
 
 from pyro_vinit import distributions, metrics, schedules
 from pyro_vinit.guides import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_guide_iblm
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoKTiedNormal",
     "AutoRadialNormal",
+    "IBLMGuideInitializer",
     "distributions",
+    "init_guide",
+    "init_guide_iblm",
     "metrics",
     "schedules",
 ]

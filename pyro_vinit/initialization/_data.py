@@ -1,0 +1,138 @@
+"""The data the initializers read: model arguments, as one tuple or a loader."""
+
+import math
+import warnings
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+Data = Union[Tuple[Any, ...], Iterable[Sequence[Any]]]
+
+
+def _aligned(args: Sequence[Any]) -> Tuple[int, List[bool]]:
+    """Number of rows, and which arguments are tensors indexed by the data rows
+    (those whose leading dim equals the first tensor argument's)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+    if not tensors:
+        raise ValueError(
+            "the data must contain at least one tensor argument whose leading dim indexes "
+            "the data rows, e.g. (x_train, y_train)"
+        )
+    n = tensors[0].shape[0]
+    return n, [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n for a in args]
+
+
+def _check_finite(args: Sequence[Any]) -> None:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and not bool(
+            torch.isfinite(a).all()
+        ):
+            raise ValueError(
+                f"data argument {i} (shape {tuple(a.shape)}) contains NaN or inf; clean or "
+                "impute the data before initializing the guide"
+            )
+
+
+class DataPool:
+    """
+    Up to ``max_rows`` rows of the data, held as model arguments, from which
+    the initializers draw minibatches and forward chunks.
+
+    ``data`` is either one tuple of model arguments (``model(*data)``) or
+    any other iterable (a list, a generator, a
+    :class:`~torch.utils.data.DataLoader`) of such tuples, whose batches are
+    concatenated along the leading dim until ``max_rows`` rows are collected
+    or it is exhausted. Tensor arguments whose leading dim is the number of
+    rows are sliced; other arguments are passed unchanged.
+    """
+
+    def __init__(self, data: Data, max_rows: Optional[int] = None):
+        if data is None:
+            raise ValueError("this initializer needs data: pass (x, y) or a DataLoader")
+        if isinstance(data, tuple) and not (
+            data and all(isinstance(b, (tuple, list)) for b in data)
+        ):
+            if not data:
+                raise ValueError("the data is empty: pass a tuple of model arguments, e.g. (x, y)")
+            args = data
+            n, aligned = _aligned(args)
+            if max_rows is not None and n > max_rows:
+                keep = torch.randperm(n, device=_device(args))[:max_rows]
+                args = tuple(a[keep] if al else a for a, al in zip(args, aligned))
+                n = max_rows
+        else:
+            args, n, aligned = self._collect(data, max_rows)
+        if n == 0:
+            raise ValueError("the data is empty: there are no rows to initialize from")
+        _check_finite(args)
+        self.args, self.num_rows, self._aligned = args, n, aligned
+
+    @staticmethod
+    def _collect(batches: Iterable[Sequence[Any]], max_rows: Optional[int]):
+        first, parts, n = None, [], 0
+        for batch in batches:
+            if not isinstance(batch, (tuple, list)):
+                raise TypeError(
+                    "each batch of the data iterable must be a tuple of model arguments, "
+                    f"got {type(batch).__name__}"
+                )
+            rows, aligned = _aligned(batch)
+            if first is None:
+                first = (tuple(batch), aligned)
+            _check_finite(batch)
+            parts.append(tuple(batch))
+            n += rows
+            if max_rows is not None and n >= max_rows:
+                break
+        if first is None:
+            raise ValueError("the data is empty: the iterable yielded no batch")
+        template, aligned = first
+        args = tuple(
+            torch.cat([p[i] for p in parts])[:max_rows] if al else a
+            for i, (a, al) in enumerate(zip(template, aligned))
+        )
+        return args, min(n, max_rows) if max_rows is not None else n, aligned
+
+    def select(self, rows: torch.Tensor) -> Tuple[Any, ...]:
+        """The model arguments of the given rows."""
+        return tuple(a[rows] if al else a for a, al in zip(self.args, self._aligned))
+
+    def chunks(self, rows_per_chunk: int) -> Iterator[Tuple[Any, ...]]:
+        """The model arguments of consecutive chunks covering all rows."""
+        for start in range(0, self.num_rows, rows_per_chunk):
+            yield tuple(
+                a[start : start + rows_per_chunk] if al else a
+                for a, al in zip(self.args, self._aligned)
+            )
+
+    def batch_indices(self, num_batches: int, batch_size: int) -> torch.Tensor:
+        """
+        Row indices ``(num_batches, batch_size)`` of consecutive minibatches of a
+        stream of random permutations of the rows (the "next batch in D" of
+        Algorithm 1), so that every batch is distinct whenever there are more
+        rows than ``batch_size``.
+        """
+        total = num_batches * batch_size
+        device = _device(self.args)
+        perms = [torch.randperm(self.num_rows, device=device)
+                 for _ in range(math.ceil(total / self.num_rows))]
+        return torch.cat(perms)[:total].reshape(num_batches, batch_size)
+
+    def effective_batch_size(self, batch_size: int, who: str) -> int:
+        """``batch_size``, or the number of rows if that is smaller (with one warning)."""
+        if batch_size > self.num_rows:
+            warnings.warn(
+                f"{who}: batch_size={batch_size} is larger than the {self.num_rows} rows of "
+                f"data; using batches of {self.num_rows}",
+                UserWarning,
+                stacklevel=3,
+            )
+            return self.num_rows
+        return batch_size
+
+
+def _device(args: Sequence[Any]) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")

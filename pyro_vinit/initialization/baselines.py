@@ -1,0 +1,234 @@
+"""The initializations I-BLM is compared with in [1], behind one entry point."""
+
+import math
+import time
+from typing import Dict, List, Optional, Tuple
+
+import pyro.poutine as poutine
+import torch
+
+from pyro_vinit.initialization._data import Data
+from pyro_vinit.initialization._tracing import (
+    Layer,
+    capture,
+    guide_values,
+    observed_site,
+    prepare,
+)
+from pyro_vinit.initialization.iblm import init_guide_iblm
+from pyro_vinit.initialization.projection import GuideWriter
+
+__all__ = ["METHODS", "init_guide"]
+
+METHODS = ("uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map", "iblm")
+_DATA_METHODS = ("lsuv", "map", "iblm")
+_MAP_LOG_VAR = -5.5
+
+
+def _layers_by_name(writer: GuideWriter) -> List[Layer]:
+    """Without data: every site with two or more dims is a weight ``<m>.weight``,
+    paired with a site ``<m>.bias`` of its output size if there is one."""
+    layers = []
+    names = set(writer.latent_names)
+    for name in writer.latent_names:
+        shape = writer.shape(name)
+        if len(shape) < 2:
+            continue
+        prefix = name.rpartition(".")[0]
+        bias = f"{prefix}.bias" if prefix else "bias"
+        layer = Layer("unknown", name, shape)
+        if bias in names and tuple(writer.shape(bias)) == (shape[0],):
+            layer.bias_name = bias
+        layers.append(layer)
+    if not layers:
+        raise ValueError(
+            "the guide has no latent site with two or more dims (a layer weight) to initialize"
+        )
+    return layers
+
+
+def _orthogonal(layer: Layer, like: torch.Tensor) -> torch.Tensor:
+    matrix = torch.empty(layer.num_units, layer.fan_in, dtype=like.dtype, device=like.device)
+    return torch.nn.init.orthogonal_(matrix).reshape(layer.weight_shape)
+
+
+def _variance(method: str, layer: Layer) -> float:
+    if method == "uninformative":
+        return 1.0
+    if method == "xavier":
+        return 2.0 / (layer.fan_in + layer.fan_out)
+    if method == "map":
+        return math.exp(_MAP_LOG_VAR)
+    return 1.0 / layer.fan_in  # heuristic, orthogonal, lsuv
+
+
+def _lsuv(prep, means: Dict[str, torch.Tensor], batch_size: int, tol: float, max_iters: int):
+    """Rescales each layer's (orthogonal) mean so that its output on a data batch
+    has unit variance, layer by layer (Mishkin and Matas, 2015)."""
+    pool, model = prep.pool, prep.writer.guide.model
+    batch_size = pool.effective_batch_size(batch_size, "init_guide(method='lsuv')")
+    args = pool.select(pool.batch_indices(1, batch_size)[0])
+    values = guide_values(prep.writer.guide, args, prep.latent)
+    for layer in prep.layers:
+        for _ in range(max_iters):
+            _, out = capture(model, {**values, **means}, args, layer, output=True)
+            var = out.var().item()
+            if not math.isfinite(var) or var <= 0:
+                raise ValueError(
+                    f"LSUV: the output of layer {layer.weight_name!r} has variance {var}"
+                )
+            if abs(var - 1.0) < tol:
+                break
+            means[layer.weight_name] = means[layer.weight_name] / math.sqrt(var)
+
+
+def _map(prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max_seconds, lr):
+    """Means minimizing the mean negative log-likelihood of the data with Adam."""
+    pool, guide = prep.pool, prep.writer.guide
+    batch_size = pool.effective_batch_size(batch_size, "init_guide(method='map')")
+    model = guide.model
+    params = {name: value.clone().requires_grad_() for name, value in means.items()}
+    optim = torch.optim.Adam(params.values(), lr=lr)
+    start = time.perf_counter()
+    for step in range(num_steps):
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+        args = pool.select(pool.batch_indices(1, batch_size)[0])
+        with torch.no_grad():
+            values = guide_values(guide, args, prep.latent)
+        values.update(params)
+        trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args)
+        site = observed_site(trace, prep.latent)
+        loss = -site["fn"].log_prob(site["value"]).sum() / batch_size
+        if not torch.isfinite(loss):
+            raise ValueError(f"MAP: the negative log-likelihood is {loss.item()} at step {step}")
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    for name, value in params.items():
+        means[name] = value.detach()
+
+
+def init_guide(
+    guide,
+    data: Optional[Data] = None,
+    *,
+    method: str,
+    batch_size: int = 128,
+    max_pool_size: int = 10_000,
+    lsuv_tol: float = 0.1,
+    lsuv_max_iters: int = 10,
+    map_steps: int = 500,
+    map_seconds: Optional[float] = None,
+    map_lr: float = 1e-2,
+    **iblm_options,
+):
+    r"""
+    Initializes the layer sites of an autoguide with one of the methods
+    compared in [1], in place, and returns the guide.
+
+    Usage::
+
+        init_guide(guide, method="xavier")                   # data-free
+        init_guide(guide, (x_train, y_train), method="iblm")
+
+    Each Bayesian layer's weight (and bias) site gets a mean :math:`\mu` and a
+    per-weight variance :math:`\sigma^2`, with :math:`D_\text{in}` the fan-in
+    (``in_features``, or ``in_channels / groups ×`` kernel size) and
+    :math:`D_\text{out}` the fan-out (``out_features``, or ``out_channels ×``
+    kernel size); biases get :math:`\mu = 0` and their layer's variance:
+
+    ================= ======================================== ==============================
+    method            mean                                     variance
+    ================= ======================================== ==============================
+    ``uninformative`` 0                                        1
+    ``heuristic``     0                                        :math:`1/D_\text{in}`
+    ``xavier``        0                                        :math:`2/(D_\text{in}+D_\text{out})`
+    ``orthogonal``    a random orthogonal matrix (QR)          :math:`1/D_\text{in}`
+    ``lsuv``          orthogonal, rescaled so that each layer's :math:`1/D_\text{in}`
+                      output has unit variance on a data batch
+    ``map``           Adam on the mean negative log-likelihood :math:`e^{-5.5}`
+                      from a Xavier-Normal draw
+    ``iblm``          :func:`init_guide_iblm`                  :func:`init_guide_iblm`
+    ================= ======================================== ==============================
+
+    The data-free methods need only a set-up guide; their layers are then
+    recognized by name: every site with two or more dims is a weight, and a site
+    ``<module>.bias`` of matching size is its bias. With data, the layers are
+    found by tracing the model's ``F.linear`` / ``F.conv*d`` calls. Sites that
+    are not a layer's weight or bias are left unchanged, and nothing is written
+    unless every value has been computed.
+
+    :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
+        AutoRadialNormal guide.
+    :param data: One tuple of model arguments or an iterable of such tuples;
+        required by ``lsuv``, ``map`` and ``iblm`` (and to set up a guide that
+        is not set up yet).
+    :param str method: One of ``uninformative``, ``heuristic``, ``xavier``,
+        ``orthogonal``, ``lsuv``, ``map``, ``iblm``.
+    :param int batch_size: Rows per batch for ``lsuv`` and ``map`` (and ``iblm``).
+    :param int max_pool_size: At most this many data rows are read.
+    :param float lsuv_tol: LSUV stops when the output variance is within this of 1.
+    :param int lsuv_max_iters: Maximum LSUV rescalings per layer.
+    :param int map_steps: Adam steps for ``map``.
+    :param float map_seconds: Optional time budget for ``map``, in seconds.
+    :param float map_lr: Adam's learning rate for ``map``.
+    :param iblm_options: Further options of
+        :class:`~pyro_vinit.initialization.IBLMGuideInitializer` (``iblm`` only).
+
+    [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
+    Bayes for Deep Models"
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown initialization method {method!r}; valid methods are {METHODS}")
+    if method == "iblm":
+        return init_guide_iblm(
+            guide, data, batch_size=batch_size, max_pool_size=max_pool_size, **iblm_options
+        )
+    if iblm_options:
+        raise TypeError(f"init_guide: unexpected options {sorted(iblm_options)} for {method!r}")
+    if data is None:
+        if method in _DATA_METHODS:
+            raise ValueError(f"init_guide(method={method!r}) needs data: pass (x, y) or a loader")
+        GuideWriter.family_of(guide)
+        if guide.prototype_trace is None:
+            raise RuntimeError(
+                f"{type(guide).__name__} is not set up yet: pass data (e.g. "
+                "init_guide(guide, (x, y), method=...)) or call the guide once first"
+            )
+        writer = GuideWriter(guide)
+        layers, prep = _layers_by_name(writer), None
+    else:
+        prep = prepare(guide, data, max_pool_size, chunk_rows=4096, normal_priors=False)
+        writer, layers = prep.writer, prep.layers
+
+    like = next(guide.parameters())
+    means: Dict[str, torch.Tensor] = {}
+    shapes: Dict[str, Tuple[torch.Size, float]] = {}
+    for layer in layers:
+        var = _variance(method, layer)
+        shapes[layer.weight_name] = (layer.weight_shape, var)
+        if method in ("orthogonal", "lsuv"):
+            means[layer.weight_name] = _orthogonal(layer, like)
+        elif method == "map":
+            std = math.sqrt(2.0 / (layer.fan_in + layer.fan_out))
+            means[layer.weight_name] = std * torch.randn(layer.weight_shape, dtype=like.dtype,
+                                                         device=like.device)
+        if layer.bias_name is not None:
+            shapes[layer.bias_name] = (torch.Size([layer.num_units]), var)
+            if method == "map":
+                means[layer.bias_name] = like.new_zeros(layer.num_units)
+
+    if method == "lsuv":
+        with torch.no_grad():
+            _lsuv(prep, means, batch_size, lsuv_tol, lsuv_max_iters)
+    elif method == "map":
+        _map(prep, means, batch_size, map_steps, map_seconds, map_lr)
+
+    staged = {}
+    for name, (shape, var) in shapes.items():
+        loc = means.get(name)
+        loc = like.new_zeros(shape) if loc is None else loc
+        staged[name] = writer.project(name, loc, torch.full_like(loc, var))
+    writer.write(staged)
+    return guide
