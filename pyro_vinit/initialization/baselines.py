@@ -89,14 +89,15 @@ def _map(prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max_second
     model = guide.model
     params = {name: value.clone().requires_grad_() for name, value in means.items()}
     optim = torch.optim.Adam(params.values(), lr=lr)
+    # The model's other latent sites (if any) stay at one draw from the guide.
+    with torch.no_grad():
+        values = guide_values(guide, prep.first, prep.latent)
+    values.update(params)
     start = time.perf_counter()
     for step in range(num_steps):
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
         args = pool.select(pool.batch_indices(1, batch_size)[0])
-        with torch.no_grad():
-            values = guide_values(guide, args, prep.latent)
-        values.update(params)
         trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args)
         site = observed_site(trace, prep.latent)
         loss = -site["fn"].log_prob(site["value"]).sum() / batch_size
@@ -216,8 +217,7 @@ def init_guide(
                                                          device=like.device)
         if layer.bias_name is not None:
             shapes[layer.bias_name] = (torch.Size([layer.num_units]), var)
-            if method == "map":
-                means[layer.bias_name] = like.new_zeros(layer.num_units)
+            means[layer.bias_name] = like.new_zeros(layer.num_units)
 
     if method == "lsuv":
         with torch.no_grad():
@@ -227,8 +227,7 @@ def init_guide(
 
     staged = {}
     for name, (shape, var) in shapes.items():
-        loc = means.get(name)
-        loc = like.new_zeros(shape) if loc is None else loc
+        loc = means.get(name, like.new_zeros(shape))
         staged[name] = writer.project(name, loc, torch.full_like(loc, var))
     writer.write(staged)
     return guide

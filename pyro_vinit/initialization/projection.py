@@ -59,9 +59,10 @@ def fit_positive_low_rank(
 
     Starts from the leading singular pair (power iteration from a positive
     vector stays positive, and equals the best rank-1 fit), splits it into
-    ``rank`` distinct components with the same product, then runs ``num_iters``
-    multiplicative updates of Lee and Seung, which keep the factors positive
-    and do not increase the error.
+    ``rank`` distinct components with the same product, then runs up to
+    ``num_iters`` multiplicative updates of Lee and Seung, which keep the
+    factors positive and do not increase the error (stopping early when the
+    error no longer decreases).
 
     :param torch.Tensor matrix: Positive, shape ``(..., m, n)``.
     :param int rank: The number :math:`k` of components.
@@ -80,15 +81,26 @@ def fit_positive_low_rank(
     weights = torch.rand(u.shape[:-1] + (rank,), dtype=u.dtype, device=u.device) + 0.5
     u = u * weights / weights.sum(-1, keepdim=True)
     v = v.expand(v.shape[:-1] + (rank,)).clone()
-    tiny = torch.finfo(matrix.dtype).tiny
-    if rank > 1:
-        for _ in range(num_iters):
-            u = u * (matrix @ v) / (u @ (v.transpose(-1, -2) @ v)).clamp_min(tiny)
-            v = v * (matrix.transpose(-1, -2) @ u) / (v @ (u.transpose(-1, -2) @ u)).clamp_min(
-                tiny
-            )
-    floor = 1e-6 * matrix.amax((-2, -1), keepdim=True)
-    return u.clamp_min(floor.sqrt()), v.clamp_min(floor.sqrt())
+    # A floor keeps the factors positive and away from denormal numbers, whose
+    # arithmetic is very slow, when an update drives a component towards zero.
+    floor = (1e-6 * matrix.amax((-2, -1), keepdim=True)).sqrt()
+    if rank == 1:
+        return u.clamp_min(floor), v.clamp_min(floor)
+    def residual():
+        return (matrix - u @ v.transpose(-1, -2)).norm()
+
+    # Stop early once the updates no longer help (at once for an exact rank-1 fit).
+    tol, error = 1e-6 * matrix.norm(), residual()
+    for i in range(num_iters):
+        if error <= tol:
+            break
+        u = (u * (matrix @ v) / (u @ (v.transpose(-1, -2) @ v))).clamp_min(floor)
+        v = (v * (matrix.transpose(-1, -2) @ u) / (v @ (u.transpose(-1, -2) @ u))).clamp_min(floor)
+        if (i + 1) % 10 == 0:
+            previous, error = error, residual()
+            if error > (1 - 1e-4) * previous:
+                break
+    return u.clamp_min(floor), v.clamp_min(floor)
 
 
 @dataclass

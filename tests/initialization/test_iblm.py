@@ -198,7 +198,7 @@ def test_digits_paper_recipe_fails_with_relu(digits):
     x, y, x_test, y_test = digits
     model = _mlp_classifier()
     guide = AutoNormal(model)
-    init_guide_iblm(guide, (x, y), center_hidden_targets=False, propagate="sample")
+    init_guide_iblm(guide, (x, y), center_targets=False, propagate="sample")
     assert _median_accuracy(model, guide, x_test, y_test) < 0.25
 
 
@@ -456,7 +456,7 @@ def test_last_layer_must_match_targets():
                 pyro.sample("obs", dist.Normal(mean, 1.0), obs=y)
 
     model = SumOfTwo()
-    x, y = torch.randn(20, 3), torch.randn(20)
+    x, y = torch.randn(200, 3), torch.randn(200)
     with pytest.raises(ValueError, match="target columns"):
         init_guide_iblm(AutoNormal(model), (x, y))
 
@@ -470,3 +470,36 @@ def test_bad_options():
         IBLMGuideInitializer(propagate="mode")
     with pytest.raises(ValueError, match="hidden_columns"):
         IBLMGuideInitializer(hidden_columns="any")
+
+
+def test_linear_layer_on_positions():
+    # A linear layer applied to (N, T, d) inputs regresses every position onto its row's target.
+    net = bayesianize(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Flatten(), nn.Linear(18, 3)))
+    model = BayesianClassifier(net)
+    x = torch.randn(300, 3, 4)
+    y = x[:, :, 0].sum(-1).gt(0).long() + x[:, 0, 1].gt(1).long()
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y))
+    assert _median_accuracy(model, guide, x, y) > 0.6
+
+
+def test_latent_noise_default():
+    class NoisyRegressor(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.net = bayesianize(mlp((3, 10, 1)))
+
+        def forward(self, x, y=None):
+            sigma = pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0), 1.0))
+            mean = self.net(x).squeeze(-1)
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+
+    x = torch.randn(200, 3)
+    y = x @ torch.tensor([1.0, -2.0, 0.5])
+    model = NoisyRegressor()
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y))  # noise: a tenth of the targets' standard deviation
+    with torch.no_grad():
+        pred = pyro.poutine.condition(lambda: model.net(x), data=guide.median())()
+    assert ((pred.squeeze(-1) - y).pow(2).mean().sqrt() / y.std()) < 0.3

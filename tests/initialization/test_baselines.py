@@ -1,0 +1,131 @@
+import math
+
+import pyro
+import pytest
+import torch
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from torch import nn
+
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide
+from pyro_vinit.data import load_digits
+from pyro_vinit.initialization._tracing import capture, guide_values, prepare
+from pyro_vinit.initialization.baselines import METHODS
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from tests.common import assert_close
+
+GUIDES = [AutoNormal, AutoDiagonalNormal, AutoKTiedNormal, AutoRadialNormal]
+
+
+def _model():
+    return BayesianClassifier(bayesianize(mlp((64, 30, 20, 10))))
+
+
+def _cnn_model():
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 10))
+    return BayesianClassifier(bayesianize(net))
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()
+
+
+def _site(guide, name):
+    """(loc, per-element std) of a site, whatever the family."""
+    if isinstance(guide, AutoDiagonalNormal):
+        median = guide.median()[name]
+        q = guide.quantiles([0.5 + math.erf(1 / math.sqrt(2)) / 2])
+        return median, q[name][0] - median
+    if isinstance(guide, AutoNormal) and not isinstance(guide, (AutoKTiedNormal,
+                                                                  AutoRadialNormal)):
+        loc = guide.median()[name]
+        return loc, guide.quantiles([0.8413447460685429])[name][0] - loc
+    loc, scale = guide.get_loc_and_scale(name)
+    if isinstance(guide, AutoRadialNormal):
+        scale = scale / math.sqrt(scale.numel())
+    return loc, scale
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+@pytest.mark.parametrize("method", ["uninformative", "heuristic", "xavier", "orthogonal"])
+def test_data_free_values(guide_class, method, digits):
+    x, y, _, _ = digits
+    model = _model()
+    guide = guide_class(model)
+    guide(x[:3], y[:3])
+    init_guide(guide, method=method)
+    for name, (d_in, d_out) in {"net.0": (64, 30), "net.2": (30, 20), "net.4": (20, 10)}.items():
+        var = {"uninformative": 1.0, "xavier": 2 / (d_in + d_out)}.get(method, 1 / d_in)
+        w_loc, w_std = _site(guide, f"{name}.weight")
+        b_loc, b_std = _site(guide, f"{name}.bias")
+        tol = dict(atol=1e-4, rtol=1e-3 if guide_class is not AutoKTiedNormal else 1e-2)
+        assert_close(w_std, torch.full_like(w_std, math.sqrt(var)), **tol)
+        assert_close(b_std, torch.full_like(b_std, math.sqrt(var)), **tol)
+        assert_close(b_loc, torch.zeros_like(b_loc))
+        if method == "orthogonal":
+            rows = w_loc if d_out <= d_in else w_loc.T
+            assert_close(rows @ rows.T, torch.eye(rows.shape[0]), atol=1e-4, rtol=0)
+        else:
+            assert_close(w_loc, torch.zeros_like(w_loc))
+
+
+def test_conv_fans():
+    x, y, _, _ = load_digits(image=True)
+    model = _cnn_model()
+    guide = AutoNormal(model)
+    init_guide(guide, (x[:20], y[:20]), method="xavier")
+    _, std = _site(guide, "net.0.weight")
+    assert_close(std, torch.full_like(std, math.sqrt(2 / (9 + 36))), atol=1e-5, rtol=1e-4)
+
+
+def test_lsuv_unit_output_variance(digits):
+    x, y, _, _ = digits
+    model = _model()
+    guide = AutoNormal(model)
+    init_guide(guide, (x, y), method="lsuv", batch_size=len(x))
+    prep = prepare(guide, (x, y), 10_000, 4096, normal_priors=False)
+    values = {**guide_values(guide, (x, y), prep.latent), **guide.median()}
+    for layer in prep.layers:
+        _, out = capture(guide.model, values, (x, y), layer, output=True)
+        assert abs(out.var().item() - 1) < 0.1, layer.weight_name
+
+
+def test_map_fits_the_data(digits):
+    x, y, x_test, y_test = digits
+    model = _model()
+    guide = AutoNormal(model)
+    init_guide(guide, (x, y), method="map", map_steps=150)
+    with torch.no_grad():
+        logits = pyro.poutine.condition(model, data=guide.median())(x_test)
+    assert (logits.argmax(-1) == y_test).float().mean() > 0.8
+    _, std = _site(guide, "net.0.weight")
+    assert_close(std, torch.full_like(std, math.exp(-5.5 / 2)), atol=1e-5, rtol=1e-4)
+
+
+def test_map_time_budget(digits):
+    x, y, _, _ = digits
+    guide = AutoNormal(_model())
+    init_guide(guide, (x, y), method="map", map_steps=10**9, map_seconds=0.2)
+
+
+def test_iblm_method_forwards_options(digits):
+    x, y, _, _ = digits
+    guide = AutoNormal(_model())
+    init_guide(guide, (x, y), method="iblm", alpha=0.05, batch_size=64)
+
+
+def test_errors(digits):
+    x, y, _, _ = digits
+    guide = AutoNormal(_model())
+    with pytest.raises(ValueError, match="valid methods are"):
+        init_guide(guide, (x, y), method="kaiming")
+    with pytest.raises(RuntimeError, match="not set up"):
+        init_guide(guide, method="xavier")
+    for method in ["lsuv", "map", "iblm"]:
+        with pytest.raises(ValueError, match="needs data"):
+            init_guide(guide, method=method)
+    with pytest.raises(TypeError, match="unexpected options"):
+        init_guide(guide, (x, y), method="xavier", alpha=0.1)
+    assert set(METHODS) == {
+        "uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map", "iblm"
+    }
