@@ -139,19 +139,19 @@ def init_guide(
     :math:`D_\text{out}` the fan-out (``out_features``, or ``out_channels ×``
     kernel size); biases get :math:`\mu = 0` and their layer's variance:
 
-    ================= ======================================== ==============================
-    method            mean                                     variance
-    ================= ======================================== ==============================
-    ``uninformative`` 0                                        1
-    ``heuristic``     0                                        :math:`1/D_\text{in}`
-    ``xavier``        0                                        :math:`2/(D_\text{in}+D_\text{out})`
-    ``orthogonal``    a random orthogonal matrix (QR)          :math:`1/D_\text{in}`
+    ================= ========================================= ========
+    method            mean                                      variance
+    ================= ========================================= ========
+    ``uninformative`` 0                                         1
+    ``heuristic``     0                                         :math:`1/D_\text{in}`
+    ``xavier``        0                                         :math:`2/(D_\text{in}+D_\text{out})`
+    ``orthogonal``    a random orthogonal matrix (QR)           :math:`1/D_\text{in}`
     ``lsuv``          orthogonal, rescaled so that each layer's :math:`1/D_\text{in}`
                       output has unit variance on a data batch
-    ``map``           Adam on the mean negative log-likelihood :math:`e^{-5.5}`
+    ``map``           Adam on the mean negative log-likelihood  :math:`e^{-5.5}`
                       from a Xavier-Normal draw
-    ``iblm``          :func:`init_guide_iblm`                  :func:`init_guide_iblm`
-    ================= ======================================== ==============================
+    ``iblm``          :func:`init_guide_iblm`                   :func:`init_guide_iblm`
+    ================= ========================================= ========
 
     The data-free methods need only a set-up guide; their layers are then
     recognized by name: every site with two or more dims is a weight, and a site
