@@ -6,16 +6,21 @@ starts well and trains fast.
 from pyro_vinit import distributions, metrics, schedules
 from pyro_vinit.guides import AutoKTiedNormal, AutoRadialNormal
 from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_guide_iblm
+from pyro_vinit.poutine import FlipoutMessenger, LocalReparamMessenger, flipout, local_reparam
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoKTiedNormal",
     "AutoRadialNormal",
+    "FlipoutMessenger",
     "IBLMGuideInitializer",
+    "LocalReparamMessenger",
     "distributions",
+    "flipout",
     "init_guide",
     "init_guide_iblm",
+    "local_reparam",
     "metrics",
     "schedules",
 ]

@@ -4,29 +4,53 @@ sample sites their weights came from.
 
 :class:`LayerCallMessenger` is the base of the library's layer-aware effect
 handlers (local reparameterization, Flipout, the I-BLM tracer). While it is
-active it
+active it records, for every sample site, the messages that hold its value,
+so that a weight tensor can be traced back to the distribution that drew it
+(the guide's) and to the model's prior, and it hands each layer call to
+:meth:`LayerCallMessenger._process_layer_call` as a :class:`LayerCall`.
 
-* records, for every sample site, the message that produced its value
-  (``_pyro_post_sample``), so a weight tensor can be traced back to the
-  guide's distribution that drew it and to the model's prior; and
-* intercepts ``torch.nn.functional.linear`` and ``conv1d/2d/3d`` with a
-  :class:`torch.overrides.TorchFunctionMode`, handing each call to
-  :meth:`LayerCallMessenger._process_layer_call` as a :class:`LayerCall`.
+How calls are intercepted is chosen per class by
+:attr:`LayerCallMessenger.interception`; neither way touches a module
+attribute, so ``torch.nn.functional`` is exactly as it was, also after an
+exception, and nothing outside the context can observe the handler:
 
-A ``TorchFunctionMode`` is used instead of patching ``torch.nn.functional``:
-it is scoped to the context by construction (it is popped on exit, also after
-an exception), it also sees ``torch.conv2d`` called directly and ``nn.Linear``
-/ ``nn.Conv*d`` modules, and nothing outside the context can observe it.
+``"mode"`` (the default)
+    A :class:`torch.overrides.TorchFunctionMode`, scoped to the context by
+    construction (popped on exit, also after an exception). It sees every
+    layer call, including those whose weight is a plain parameter and
+    ``torch.conv2d`` called directly. Its cost is a Python call for *every*
+    torch function run inside the context: guide, model, ELBO and optimizer
+    alike, about 2 ms of a 9 ms SVI step of a 64-400-400-10 network here
+    (``benchmarks/bench_lrt.py``). Right for one-off passes such as an
+    initializer.
+
+``"site_values"``
+    Each floating-point sample-site value is handed to the program as a
+    :class:`~pyro_vinit.poutine._site_value.SiteValue`, a tensor subclass
+    whose ``__torch_function__`` reports the layer calls it takes part in.
+    Only operations on site values pay for the interception, which makes it
+    the choice of the per-step handlers (local reparameterization, Flipout).
+    It sees exactly the calls whose weight or bias is a site value, also a
+    reshaped or cast one (:attr:`SiteValue.derived`), and the other uses of
+    site values by matrix products (:meth:`_on_custom_op`). It also lets a
+    handler *defer* a draw until something needs the value
+    (:meth:`_draw`). Site values stay ordinary tensors in every other
+    respect, also after the context exits.
+
+Only one layer-call handler may be active at a time.
 """
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro.poutine.messenger import Messenger
+from torch.distributions import Distribution, Independent
 from torch.overrides import TorchFunctionMode
+
+from pyro_vinit.poutine._site_value import ACTIVE, SiteValue, contains_site_value, unwrap
 
 __all__ = ["LayerCall", "LayerCallMessenger"]
 
@@ -39,9 +63,31 @@ _LAYER_OPS: Dict[Callable, Tuple[str, Tuple[str, ...]]] = {
 }
 _CONV_DEFAULTS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
-# At most one layer-call handler may be active: two would each rewrite the
-# other's output and the result would depend on their order.
-_ACTIVE: List["LayerCallMessenger"] = []
+_T = torch.Tensor
+# Operations after which a site value is still "the weight", reshaped or cast.
+_DERIVING_OPS = {
+    _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
+    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.to, _T.float,
+    _T.double, _T.half, _T.bfloat16, _T.type, _T.clone, _T.detach, _T.expand, _T.expand_as,
+    _T.__getitem__, _T.narrow, _T.T.__get__, _T.mT.__get__, torch.reshape, torch.transpose,
+    torch.t, torch.permute, torch.flatten, torch.squeeze, torch.unsqueeze, torch.clone,
+    torch.narrow,
+}
+# Operations that use a site value as a layer's weight in a way the handlers cannot see.
+_CUSTOM_LAYER_OPS = {
+    torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm,
+    _T.bmm, torch.einsum, torch.tensordot, torch.addmm, _T.addmm, torch.mv, _T.mv,
+    torch.addmv, torch.baddbmm, torch.inner, F.bilinear, F.embedding, F.conv_transpose1d,
+    F.conv_transpose2d, F.conv_transpose3d,
+}
+
+
+def base_distribution(fn: Any) -> Any:
+    """``fn`` without its ``Independent`` and mask wrappers (which change
+    neither the values nor their element-wise distribution)."""
+    while isinstance(fn, (Independent, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return fn
 
 
 @dataclass
@@ -56,11 +102,13 @@ class LayerCall:
     :ivar dict kwargs: The op's remaining arguments (``stride``, ``padding``,
         ``dilation``, ``groups`` for convolutions, with defaults filled in).
     :ivar list weight_msgs: The sample-site messages whose value *is* ``weight``,
-        in the order they were seen: under SVI or Predictive the guide's
-        message (the distribution that drew the value; for Pyro's AutoNormal
-        the auxiliary ``<name>_unconstrained`` Normal first), then the
-        model's. Empty if the weight is not a sample site's value (a plain
-        parameter, or a reshaped or cast sample).
+        in the order they were seen: the message whose distribution drew the
+        value first (under SVI the guide's; for Pyro's AutoNormal the
+        auxiliary ``<name>_unconstrained`` Normal, followed through the
+        ``Delta`` at the site; under :class:`~pyro.infer.Predictive`, which
+        conditions the model on guide samples, the guide's last draw of the
+        site), then the model's. Empty if the weight is not a sample site's
+        value (a plain parameter, or a reshaped or cast sample).
     :ivar list bias_msgs: The same for ``bias``.
     """
 
@@ -84,7 +132,7 @@ class LayerCall:
         weight = self.weight if weight is None else weight
         bias = self.bias if bias is None else (None if bias is False else bias)
         fn = getattr(F, self.op)
-        return fn(input, weight, bias, **self.kwargs)
+        return fn(*unwrap((input, weight, bias)), **self.kwargs)
 
     @property
     def weight_name(self) -> Optional[str]:
@@ -107,12 +155,7 @@ class _LayerCallMode(TorchFunctionMode):
         spec = _LAYER_OPS.get(func)
         if spec is None:
             return func(*args, **kwargs)
-        op, names = spec
-        call = self.messenger._make_call(op, names, args, kwargs)
-        if call is None:
-            return func(*args, **kwargs)
-        out = self.messenger._process_layer_call(call)
-        return call() if out is None else out
+        return self.messenger._handle_layer_call(spec, args, kwargs)
 
 
 class LayerCallMessenger(Messenger):
@@ -120,29 +163,49 @@ class LayerCallMessenger(Messenger):
     Base effect handler that pairs the model's ``F.linear`` / ``F.conv*d``
     calls with the sample sites their weights came from.
 
-    Subclasses override :meth:`_process_layer_call`. See the module docstring
-    for the mechanism. Only one such handler may be active at a time.
+    Subclasses override :meth:`_process_layer_call`, and may choose the
+    interception mechanism (:attr:`interception`) and, with
+    ``"site_values"``, override :meth:`_draw` and :meth:`_on_custom_op`. See
+    the module docstring. Only one such handler may be active at a time.
     """
+
+    #: ``"mode"`` or ``"site_values"``: see the module docstring.
+    interception = "mode"
 
     def __init__(self) -> None:
         super().__init__()
+        if self.interception not in ("mode", "site_values"):
+            raise ValueError(
+                f"{type(self).__name__}.interception must be 'mode' or 'site_values', "
+                f"not {self.interception!r}"
+            )
         self._mode: Optional[_LayerCallMode] = None
-        self._site_msgs: Dict[str, List[Tuple[int, dict]]] = {}
-        self._counter = itertools.count()
+        self._reset()
+
+    def _reset(self) -> None:
+        # "mode": id(value) -> (value, msgs holding it); name -> its latest value.
+        self._by_value: Dict[int, Tuple[torch.Tensor, List[dict]]] = {}
+        self._value_of: Dict[str, torch.Tensor] = {}
+        # "site_values": name -> the latest message that drew the site's value in this
+        # context; id(msg) -> the value this handler drew for it, until post-processing.
+        self._draws: Dict[str, dict] = {}
+        self._pending: Dict[int, SiteValue] = {}
+        self._busy = False
 
     def __enter__(self):
-        if _ACTIVE:
+        if ACTIVE:
             raise RuntimeError(
                 f"{type(self).__name__} cannot be entered while "
-                f"{type(_ACTIVE[-1]).__name__} is active: nesting two layer-call handlers "
+                f"{type(ACTIVE[-1]).__name__} is active: nesting two layer-call handlers "
                 "(e.g. local_reparam inside flipout) is ambiguous. Use one handler; "
                 "FlipoutMessenger covers the sites LocalReparamMessenger cannot."
             )
         result = super().__enter__()
-        self._site_msgs = {}
-        self._mode = _LayerCallMode(self)
-        self._mode.__enter__()
-        _ACTIVE.append(self)
+        self._reset()
+        if self.interception == "mode":
+            self._mode = _LayerCallMode(self)
+            self._mode.__enter__()
+        ACTIVE.append(self)
         return result
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -151,35 +214,117 @@ class LayerCallMessenger(Messenger):
                 self._mode.__exit__(exc_type, exc_value, traceback)
         finally:
             self._mode = None
-            self._site_msgs = {}
-            if _ACTIVE and _ACTIVE[-1] is self:
-                _ACTIVE.pop()
+            self._reset()
+            if ACTIVE and ACTIVE[-1] is self:
+                ACTIVE.pop()
             super().__exit__(exc_type, exc_value, traceback)
+
+    # ----------------------------------------------------------------- messages
+
+    def _pyro_sample(self, msg: dict) -> None:
+        if (
+            self.interception != "site_values"
+            or msg["value"] is not None
+            or msg["is_observed"]
+            or msg["done"]
+            or msg["args"]
+            or msg["kwargs"]
+            or msg["infer"].get("enumerate")
+            or not isinstance(msg["fn"], Distribution)  # e.g. a plate's _Subsample
+        ):
+            return
+        value = self._draw(msg)
+        if value is not None:
+            msg["value"] = value
+            self._pending[id(msg)] = value
+
+    def _draw(self, msg: dict) -> Optional[SiteValue]:
+        """
+        With ``interception = "site_values"``: draws the value of a sample
+        site that nothing has set, as the default would (``msg["fn"]()``),
+        and returns it as a :class:`SiteValue` whose ``dist`` is
+        ``msg["fn"]``, or None to leave the site to the default. Subclasses
+        may return a deferred value (:meth:`SiteValue.defer`).
+        """
+        value = msg["fn"]()
+        if isinstance(value, SiteValue):  # e.g. a Delta at another site's value
+            return value
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            return None
+        return SiteValue.wrap(value, msg["fn"], [])
 
     def _pyro_post_sample(self, msg: dict) -> None:
         value = msg["value"]
         if not isinstance(value, torch.Tensor):
             return
-        # Keep per name only the messages that share the current value, so memory
-        # stays bounded by the number of sites over any number of steps.
-        history = self._site_msgs.get(msg["name"])
-        if history is None or history[-1][1]["value"] is not value:
-            history = self._site_msgs[msg["name"]] = []
-        history.append((next(self._counter), msg))
+        if self.interception == "mode":
+            self._record(msg, value)
+            return
+        drawn = self._pending.pop(id(msg), None)
+        if isinstance(value, SiteValue):
+            if value is drawn:
+                self._draws[msg["name"]] = msg
+            if value.derived is not None:
+                followed = self._follow_delta(msg, value)
+                if followed is None:
+                    return
+                msg["value"] = value = followed
+            value.msgs.append(msg)
+            self._post_site_value(msg, value)
+        elif value.is_floating_point():
+            if msg["is_observed"]:
+                draw = self._draws.get(msg["name"])
+                if draw is not None and draw["value"].shape == value.shape:
+                    msg["value"] = SiteValue.wrap(value, draw["value"].dist, [draw, msg])
+            elif drawn is not None:
+                # A handler outside this one replaced the value it drew (e.g. poutine.replay
+                # of a guide trace drawn outside it): where it came from is unknown.
+                msg["value"] = SiteValue.wrap(value, None, [msg])
+
+    def _post_site_value(self, msg: dict, value: SiteValue) -> None:
+        """Hook called after ``msg`` took the site value ``value`` (its last message)."""
+
+    def _follow_delta(self, msg: dict, value: SiteValue) -> Optional[SiteValue]:
+        # Pyro's AutoNormal puts Delta(v) at the site, v the auxiliary Normal's value mapped
+        # to the support (itself for real support): the site value is then v's value.
+        fn = base_distribution(msg["fn"])
+        source = getattr(fn, "v", None) if isinstance(fn, dist.Delta) else None
+        if not (
+            isinstance(source, SiteValue)
+            and source.derived is None
+            and source.shape == value.shape
+        ):
+            return None
+        return SiteValue.wrap(value.real, source.dist, list(source.msgs))
+
+    def _record(self, msg: dict, value: torch.Tensor) -> None:
+        entry = self._by_value.get(id(value))
+        if entry is None or entry[0] is not value:
+            old = self._value_of.get(msg["name"])
+            if old is not None and self._by_value.get(id(old), (None,))[0] is old:
+                del self._by_value[id(old)]
+            fn = base_distribution(msg["fn"])
+            source = getattr(fn, "v", None) if isinstance(fn, dist.Delta) else None
+            start = list(self._msgs_for(source)) if source is not None else []
+            if start and source.shape != value.shape:
+                start = []
+            entry = self._by_value[id(value)] = (value, start)
+        entry[1].append(msg)
+        self._value_of[msg["name"]] = value
 
     def _msgs_for(self, tensor: Optional[torch.Tensor]) -> List[dict]:
         if tensor is None:
             return []
-        found = [
-            entry
-            for history in self._site_msgs.values()
-            for entry in history
-            if entry[1]["value"] is tensor
-        ]
-        return [msg for _, msg in sorted(found, key=lambda entry: entry[0])]
+        if isinstance(tensor, SiteValue):
+            return [] if tensor.derived is not None else tensor.msgs
+        entry = self._by_value.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else []
 
-    def _make_call(self, op: str, names: Tuple[str, ...], args, kwargs) -> Optional[LayerCall]:
-        args = list(args)
+    # -------------------------------------------------------------- layer calls
+
+    def _make_call(self, spec: Tuple[str, Tuple[str, ...]], args, kwargs) -> LayerCall:
+        op, names = spec
+        args, kwargs = list(args), dict(kwargs)
         input = args[0] if args else kwargs.pop("input")
         weight = args[1] if len(args) > 1 else kwargs.pop("weight")
         bias = args[2] if len(args) > 2 else kwargs.pop("bias", None)
@@ -192,6 +337,41 @@ class LayerCallMessenger(Messenger):
             op, input, weight, bias, extra, self._msgs_for(weight), self._msgs_for(bias)
         )
 
+    def _handle_layer_call(self, spec, args, kwargs) -> torch.Tensor:
+        call = self._make_call(spec, args, kwargs)
+        self._busy = True
+        try:
+            out = self._process_layer_call(call)
+            return call() if out is None else out
+        finally:
+            self._busy = False
+
+    def _site_value_op(self, func, args, kwargs) -> Any:
+        # Called by SiteValue.__torch_function__ for every operation on a site value
+        # while this handler is active; NotImplemented means "run it as usual".
+        if self._busy:
+            return NotImplemented
+        spec = _LAYER_OPS.get(func)
+        if spec is not None:
+            return self._handle_layer_call(spec, args, kwargs)
+        if func in _DERIVING_OPS:
+            source = args[0] if args else None
+            out = func(*unwrap(args), **unwrap(kwargs))
+            if isinstance(source, SiteValue) and source.msgs and isinstance(out, torch.Tensor):
+                name = getattr(func, "__name__", str(func))
+                return SiteValue.wrap(out, source.dist, list(source.msgs), source.derived or name)
+            return out
+        if func in _CUSTOM_LAYER_OPS:
+            name = getattr(func, "__name__", str(func))
+            for value in _site_values(args) + _site_values(list(kwargs.values())):
+                if value.msgs:
+                    self._on_custom_op(value, name)
+        return NotImplemented
+
+    def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
+        """Hook called when the site value ``value`` (possibly reshaped) is used
+        by a matrix product or layer op that is not intercepted."""
+
     def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
         """
         Handles one layer call. Returns the layer's output, or None to run the
@@ -200,3 +380,13 @@ class LayerCallMessenger(Messenger):
         :param LayerCall call: The intercepted call.
         """
         return None
+
+
+def _site_values(items) -> List[SiteValue]:
+    found = []
+    for item in items:
+        if isinstance(item, SiteValue):
+            found.append(item)
+        elif isinstance(item, (tuple, list)) and contains_site_value(item):
+            found.extend(_site_values(item))
+    return found

@@ -1,0 +1,333 @@
+"""
+Local reparameterization and Flipout: gradient variance (Kingma et al. 2015,
+Table 1, in spirit), SVI step time, the low-rank k-tied variance path, and
+pure-PyTorch peers, all measured in one run.
+
+1. *Gradient variance.* A Bayesian MLP 64→400→400→400→10 (N(0, 1/D_in)
+   priors) on scikit-learn digits, with a fully factorized Normal guide at
+   each site (closed-form KL, so the noise is the likelihood's), is trained
+   with LRT for 10 and for 100 epochs. Then, for minibatches of 128 and 1000
+   drawn at random from the training set, the gradient of the
+   TraceMeanField_ELBO loss with respect to the means of the bottom (64→400)
+   and top (400→10) weights is drawn many times for each estimator:
+   ordinary (one weight sample per minibatch), LRT, Flipout. The table gives
+   the variance over draws averaged over the weight's elements, and LRT's
+   ratio to the ordinary estimator (target ≤ 1/3).
+2. *Step time* of SVI on the same network, batch 128: LRT and Flipout as
+   ratios to ordinary sampling with the same guide (target LRT ≤ 1.3×), and
+   AutoKTiedNormal(k=2) + LRT with the low-rank variance path against the
+   dense one, plus the variance term f(x², S∘S) alone.
+3. *Peers* on 64→400→400→10, batch 128: a deterministic ``nn`` Adam step,
+   bayesian-torch's ``LinearReparameterization`` and ``LinearFlipout``
+   layers (closed-form KL; a benchmark-only dependency, ``pip install
+   --no-deps bayesian-torch``; its rows are skipped when it is not
+   installed), Pyro's AutoNormal, and AutoKTiedNormal with and without LRT
+   (targets: AutoKTiedNormal + LRT ≤ 1.5× bayesian-torch's Reparameterization
+   and ≤ 0.7× AutoNormal), and the cost of the TorchFunctionMode
+   interception (the base LayerCallMessenger, doing nothing).
+
+Timings are interleaved (each configuration runs a block of steps per round)
+and each is the median over rounds of the per-step time, so that machine
+noise hits all alike. Pyro's validation is off for the timings (as for any
+Pyro timing); the peers are also timed with it on, Pyro's default.
+
+Usage::
+
+    python benchmarks/bench_lrt.py            # full run (~10 minutes)
+    python benchmarks/bench_lrt.py --quick    # smoke run
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import pyro
+import pyro.distributions as dist
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_vinit import AutoKTiedNormal, FlipoutMessenger, LocalReparamMessenger
+from pyro_vinit.data import load_digits
+from pyro_vinit.guides._base import AutoSiteGuide
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.poutine import LayerCallMessenger
+
+try:
+    from bayesian_torch.layers import LinearFlipout, LinearReparameterization
+except ImportError:  # benchmark-only dependency
+    LinearFlipout = LinearReparameterization = None
+
+HANDLERS = {
+    "ordinary": None,
+    "LRT": LocalReparamMessenger,
+    "Flipout": FlipoutMessenger,
+}
+
+
+class AutoMeanFieldNormal(AutoSiteGuide):
+    """AutoNormal's fully factorized Normal, placed at the site itself (so
+    TraceMeanField_ELBO uses the closed-form KL)."""
+
+    def _setup_scales(self):
+        pass
+
+    def _unconstrained_posterior(self, name):
+        loc, scale = self._get_loc_and_scale(name)
+        return dist.Normal(loc, scale).to_event(self._event_dims[name])
+
+
+def make_svi(guide_cls, sizes, num_data, name, lr=1e-3, **kwargs):
+    model = BayesianClassifier(bayesianize(mlp(sizes)), num_data=num_data)
+    guide = guide_cls(model, **kwargs)
+    guide._pyro_name = name  # separate param-store names per guide
+    return model, guide, SVI(model, guide, pyro.optim.Adam({"lr": lr}), TraceMeanField_ELBO())
+
+
+def run(handler_cls, fn, *args, **kwargs):
+    if handler_cls is None:
+        return fn(*args, **kwargs)
+    with handler_cls(**kwargs.pop("_handler_kwargs", {})):
+        return fn(*args, **kwargs)
+
+
+# ------------------------------------------------------------ gradient variance
+
+
+def gradient_variance(args, x, y):
+    sizes = (64, 400, 400, 400, 10)
+    model, guide, svi = make_svi(AutoMeanFieldNormal, sizes, len(x), "mf")
+    svi.step(x[:128], y[:128])
+    params = dict(guide.named_parameters())
+    bottom, top = params["locs.net.0.weight_unconstrained"], params["locs.net.6.weight_unconstrained"]
+    elbo = TraceMeanField_ELBO()
+    rows, done = [], 0
+    steps_per_epoch = max(1, len(x) // 128)
+    step = LocalReparamMessenger()(svi.step)
+    for epochs in args.epochs:
+        for _ in range((epochs - done) * steps_per_epoch):
+            idx = torch.randint(0, len(x), (128,))
+            step(x[idx], y[idx])
+        done = epochs
+        for batch in (128, 1000):
+            row = {"epochs": epochs, "batch": batch}
+            for name, handler in HANDLERS.items():
+                grads_b, grads_t = [], []
+                for _ in range(args.draws):
+                    idx = torch.randperm(len(x))[:batch]
+                    loss = run(handler, elbo.differentiable_loss, model, guide, x[idx], y[idx])
+                    g_b, g_t = torch.autograd.grad(loss, [bottom, top])
+                    grads_b.append(g_b)
+                    grads_t.append(g_t)
+                row[name] = {
+                    "bottom": torch.stack(grads_b).var(0).mean().item(),
+                    "top": torch.stack(grads_t).var(0).mean().item(),
+                }
+            rows.append(row)
+            print(f"  variance: {epochs} epochs, batch {batch} done", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------- timings
+
+
+def interleaved(configs, rounds, block):
+    for fn in configs.values():  # warm-up
+        for _ in range(max(3, block // 2)):
+            fn()
+    times = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, fn in configs.items():
+            start = time.perf_counter()
+            for _ in range(block):
+                fn()
+            times[name].append((time.perf_counter() - start) / block * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def svi_step(svi, x, y, handler=None):
+    if handler is None:
+        return lambda: svi.step(x, y)
+    return handler(svi.step)
+
+
+def step_times(args, x, y):
+    sizes = (64, 400, 400, 400, 10)
+    xb, yb = x[:128], y[:128]
+    configs = {}
+    _, _, mf = make_svi(AutoMeanFieldNormal, sizes, len(x), "t_mf")
+    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), "t_kt", rank=2)
+    for svi in (mf, kt):
+        svi.step(xb, yb)
+    configs["mean-field ordinary"] = lambda: mf.step(xb, yb)
+    lrt, flip = LocalReparamMessenger()(mf.step), FlipoutMessenger()(mf.step)
+    configs["mean-field LRT"] = lambda: lrt(xb, yb)
+    configs["mean-field Flipout"] = lambda: flip(xb, yb)
+    configs["k-tied ordinary"] = lambda: kt.step(xb, yb)
+    low, dense = LocalReparamMessenger(low_rank=True)(kt.step), LocalReparamMessenger(low_rank=False)(kt.step)
+    configs["k-tied LRT low-rank"] = lambda: low(xb, yb)
+    configs["k-tied LRT dense"] = lambda: dense(xb, yb)
+    return interleaved(configs, args.rounds, args.block)
+
+
+def variance_term_times(args):
+    # f(x², S∘S) alone, forward and backward, for a 400×400 k-tied weight.
+    out = {}
+    m = n = 400
+    u = torch.rand(m, 2, requires_grad=True)
+    v = torch.rand(n, 2, requires_grad=True)
+    for batch in (128, 1000):
+        x2 = torch.rand(batch, n)
+
+        def dense():
+            F.linear(x2, (u @ v.t()).pow(2)).sum().backward()
+
+        def low_rank():
+            a, b = torch.triu_indices(2, 2)
+            coef = torch.where(a == b, 1.0, 2.0)
+            u2, v2 = u[:, a] * u[:, b] * coef, v[:, a] * v[:, b]
+            F.linear(F.linear(x2, v2.t()), u2).sum().backward()
+
+        t = interleaved({"dense": dense, "low-rank": low_rank}, args.rounds, args.block * 5)
+        out[batch] = t
+    return out
+
+
+def bayesian_torch_step(layer_cls, sizes, x, y, num_data):
+    layers = torch.nn.ModuleList(layer_cls(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+    opt = torch.optim.Adam(layers.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad()
+        h, kl = x, 0.0
+        for i, layer in enumerate(layers):
+            h, k = layer(h)
+            kl = kl + k
+            if i < len(layers) - 1:
+                h = torch.relu(h)
+        loss = F.cross_entropy(h, y, reduction="sum") * (num_data / len(x)) + kl
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def peer_times(args, x, y, validate):
+    pyro.enable_validation(validate)
+    sizes = (64, 400, 400, 10)
+    xb, yb = x[:128], y[:128]
+    configs = {}
+    net = mlp(sizes)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+
+    def deterministic():
+        opt.zero_grad()
+        F.cross_entropy(net(xb), yb).backward()
+        opt.step()
+
+    configs["nn (deterministic) Adam"] = deterministic
+    if LinearReparameterization is not None:
+        configs["bayesian-torch LinearReparameterization"] = bayesian_torch_step(
+            LinearReparameterization, sizes, xb, yb, len(x)
+        )
+        configs["bayesian-torch LinearFlipout"] = bayesian_torch_step(
+            LinearFlipout, sizes, xb, yb, len(x)
+        )
+    tag = "v" if validate else "n"
+    _, _, an = make_svi(AutoNormal, sizes, len(x), "p_an" + tag)
+    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), "p_kt" + tag, rank=2)
+    for svi in (an, kt):
+        svi.step(xb, yb)
+    configs["Pyro AutoNormal"] = lambda: an.step(xb, yb)
+    configs["AutoKTiedNormal"] = lambda: kt.step(xb, yb)
+    lrt = LocalReparamMessenger()(kt.step)
+    configs["AutoKTiedNormal + LRT"] = lambda: lrt(xb, yb)
+    base = LayerCallMessenger()(kt.step)
+    configs["AutoKTiedNormal under a no-op TorchFunctionMode handler"] = lambda: base(xb, yb)
+    try:
+        return interleaved(configs, args.rounds, args.block)
+    finally:
+        pyro.enable_validation(True)
+
+
+# --------------------------------------------------------------------- report
+
+
+def report(results):
+    lines = ["## Gradient variance (mean over elements of the variance over draws)", ""]
+    lines.append(
+        "| epochs | batch | layer | ordinary | LRT | Flipout | LRT / ordinary | Flipout / ordinary |"
+    )
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in results["variance"]:
+        for layer in ("bottom", "top"):
+            o, lr_, fl = (row[k][layer] for k in HANDLERS)
+            lines.append(
+                f"| {row['epochs']} | {row['batch']} | {layer} | {o:.3g} | {lr_:.3g} | {fl:.3g} "
+                f"| {lr_ / o:.2f} | {fl / o:.2f} |"
+            )
+    t = results["step_times"]
+    lines += ["", "## SVI step time, 64→400→400→400→10, batch 128 (ms, validation off)", ""]
+    lines += ["| configuration | ms | ratio |", "| --- | --- | --- |"]
+    for name, ms in t.items():
+        ref = t["k-tied ordinary"] if name.startswith("k-tied") else t["mean-field ordinary"]
+        lines.append(f"| {name} | {ms:.2f} | {ms / ref:.2f}× |")
+    lines += ["", "## Variance term f(x², S∘S) alone, 400×400, k = 2 (ms, forward + backward)", ""]
+    lines += ["| batch | dense | low-rank | low-rank / dense |", "| --- | --- | --- | --- |"]
+    for batch, v in results["variance_term"].items():
+        ratio = v["low-rank"] / v["dense"]
+        lines.append(f"| {batch} | {v['dense']:.3f} | {v['low-rank']:.3f} | {ratio:.2f} |")
+    for validate in ("validation off", "validation on"):
+        p = results["peers"][validate]
+        lines += ["", f"## Peers, 64→400→400→10, batch 128 (ms, Pyro {validate})", ""]
+        lines += ["| configuration | ms | / AutoNormal |", "| --- | --- | --- |"]
+        for name, ms in p.items():
+            lines.append(f"| {name} | {ms:.2f} | {ms / p['Pyro AutoNormal']:.2f} |")
+        if "bayesian-torch LinearReparameterization" in p:
+            r = p["AutoKTiedNormal + LRT"] / p["bayesian-torch LinearReparameterization"]
+            lines.append(f"\nAutoKTiedNormal + LRT / bayesian-torch Reparameterization: {r:.2f}×")
+        else:
+            lines.append("\nbayesian-torch is not installed: its rows are skipped "
+                         "(benchmark-only: pip install --no-deps bayesian-torch).")
+    return "\n".join(lines)
+
+
+def main(args):
+    torch.set_num_threads(args.threads)
+    pyro.set_rng_seed(0)
+    x, y, _, _ = load_digits()
+    results = {"config": vars(args), "bayesian_torch": LinearReparameterization is not None}
+    results["step_times"] = step_times(args, x, y)
+    print("  step times done", flush=True)
+    results["variance_term"] = variance_term_times(args)
+    results["peers"] = {
+        "validation off": peer_times(args, x, y, False),
+        "validation on": peer_times(args, x, y, True),
+    }
+    print("  peers done", flush=True)
+    pyro.enable_validation(False)
+    results["variance"] = gradient_variance(args, x, y)
+    text = report(results)
+    print(text)
+    if not args.quick:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_lrt.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        with open(os.path.join(args.out, "bench_lrt.md"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    args.epochs = [1, 2] if args.quick else [10, 100]
+    args.draws = 5 if args.quick else 100
+    args.rounds = 2 if args.quick else 15
+    args.block = 3 if args.quick else 20
+    main(args)

@@ -1,0 +1,90 @@
+"""Flipout as an effect handler."""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.distributions import Normal
+
+from pyro_vinit.distributions import RadialNormal
+from pyro_vinit.poutine._site_value import unwrap
+from pyro_vinit.poutine._weight_noise_messenger import (
+    _WeightNoiseMessenger,
+    rademacher,
+    spatial_dims,
+)
+from pyro_vinit.poutine.layer_call_messenger import LayerCall, base_distribution
+
+__all__ = ["FlipoutMessenger"]
+
+# Distributions whose perturbation W - E[W] keeps its law under sign flips of any
+# elements: factorized Normals (independent symmetric elements) and radial ones
+# (a direction uniform on the sphere times an independent radius).
+_SIGN_SYMMETRIC = (Normal, RadialNormal)
+
+
+class FlipoutMessenger(_WeightNoiseMessenger):
+    r"""
+    Effect handler for Flipout [1]: every layer whose weight is a sample site
+    gets per-example pseudo-independent weight noise from its one weight
+    sample, for any distribution whose perturbations are symmetric under
+    sign flips, the radial posterior [2] included.
+
+    Usage::
+
+        with FlipoutMessenger():
+            svi.step(x, y)
+
+    With the weight sample :math:`W = \bar W + \Delta W`
+    (:math:`\bar W` its mean), the output for example :math:`n` is
+
+    .. math::
+
+        b_n = f(x_n, \bar W) + c + \big(f(x_n \odot s_n, \Delta W)\big) \odot r_n,
+
+    with independent random signs :math:`s_n` over the input features (for a
+    convolution: input channels) and :math:`r_n` over the outputs (output
+    channels), which is :math:`f(x_n, \bar W + \Delta W \odot r_n s_n^\top)`.
+    When :math:`\Delta W \odot r s^\top` has the law of :math:`\Delta W` for
+    every sign vectors — true for factorized Normals and for
+    :class:`~pyro_vinit.distributions.RadialNormal` — each example's output has
+    exactly its ordinary distribution, and the examples are uncorrelated.
+    It costs two layer evaluations instead of one.
+
+    Interface, requirements and fallbacks are those of
+    :class:`~pyro_vinit.poutine.LocalReparamMessenger`: the handler must
+    see both the guide and the model; where Flipout does not apply (another
+    distribution, a reshaped weight, a custom op) the ordinary sample is
+    used with a warning once per site, or an error with ``strict=True``.
+    The bias is used as sampled.
+
+    :param bool strict: Raise instead of warning where Flipout does not apply.
+
+    [1] Wen, Vicol, Ba, Tran, Grosse (2018) "Flipout: Efficient
+    Pseudo-Independent Weight Perturbations on Mini-Batches"
+
+    [2] Farquhar, Osborne, Gal (2020) "Radial Bayesian Neural Networks:
+    Beyond Discrete Support in Large-Scale Bayesian Deep Learning"
+    """
+
+    def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
+        fn = self._weight_distribution(call)
+        if fn is None:
+            return None
+        base = base_distribution(fn)
+        if not isinstance(base, _SIGN_SYMMETRIC):
+            self._fallback(
+                call.weight,
+                f"its distribution is {type(base).__name__}, whose perturbations are not "
+                "known to be symmetric under sign flips",
+            )
+            return None
+        weight = call.weight.real
+        mean = base.mean.expand(weight.shape)
+        x, bias = unwrap(call.input), unwrap(call.bias)
+        op = getattr(F, call.op)
+        out = op(x, mean, bias, **call.kwargs)
+        nsp = spatial_dims(call)
+        s = rademacher(x.shape[: x.dim() - nsp] + (1,) * nsp, x)
+        r = rademacher(out.shape[: out.dim() - nsp] + (1,) * nsp, out)
+        return out + op(x * s, weight - mean, None, **call.kwargs) * r

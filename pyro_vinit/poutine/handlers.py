@@ -1,0 +1,79 @@
+"""
+Handler functions in the style of :mod:`pyro.poutine`: ``local_reparam(fn)``
+wraps a callable, ``local_reparam()`` is a context manager.
+"""
+
+from typing import Callable, Optional, TypeVar, Union, overload
+
+from pyro_vinit.poutine.flipout_messenger import FlipoutMessenger
+from pyro_vinit.poutine.local_reparam_messenger import LocalReparamMessenger
+
+__all__ = ["flipout", "local_reparam"]
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def _apply(messenger, fn):
+    if fn is None:
+        return messenger
+    if not callable(fn):
+        raise ValueError(f"{fn!r} is not callable, did you mean to pass it as a keyword arg?")
+    return messenger(fn)
+
+
+@overload
+def local_reparam(
+    fn: None = ..., *, strict: bool = False, low_rank: Optional[bool] = None
+) -> LocalReparamMessenger: ...
+
+
+@overload
+def local_reparam(
+    fn: _F, *, strict: bool = False, low_rank: Optional[bool] = None
+) -> _F: ...
+
+
+def local_reparam(
+    fn: Optional[Callable] = None, *, strict: bool = False, low_rank: Optional[bool] = None
+) -> Union[LocalReparamMessenger, Callable]:
+    """
+    Convenient wrapper of :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
+
+    Usage::
+
+        step = local_reparam(svi.step)
+        loss = step(x, y)
+
+    :param callable fn: A callable that runs both the guide and the model
+        (e.g. ``svi.step`` or a :class:`~pyro.infer.Predictive`); if None,
+        the handler itself, for use as a context manager.
+    :param bool strict: See :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
+    :param low_rank: See :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
+    """
+    return _apply(LocalReparamMessenger(strict=strict, low_rank=low_rank), fn)
+
+
+@overload
+def flipout(fn: None = ..., *, strict: bool = False) -> FlipoutMessenger: ...
+
+
+@overload
+def flipout(fn: _F, *, strict: bool = False) -> _F: ...
+
+
+def flipout(
+    fn: Optional[Callable] = None, *, strict: bool = False
+) -> Union[FlipoutMessenger, Callable]:
+    """
+    Convenient wrapper of :class:`~pyro_vinit.poutine.FlipoutMessenger`.
+
+    Usage::
+
+        step = flipout(svi.step)
+        loss = step(x, y)
+
+    :param callable fn: A callable that runs both the guide and the model; if
+        None, the handler itself, for use as a context manager.
+    :param bool strict: See :class:`~pyro_vinit.poutine.FlipoutMessenger`.
+    """
+    return _apply(FlipoutMessenger(strict=strict), fn)

@@ -1,0 +1,209 @@
+"""The local reparameterization trick as an effect handler."""
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from pyro.distributions.score_parts import ScoreParts
+from pyro.distributions.util import scale_and_mask
+from torch.distributions import Normal
+
+from pyro_vinit.distributions import KTiedNormal
+from pyro_vinit.poutine._site_value import SiteValue, unwrap
+from pyro_vinit.poutine._weight_noise_messenger import _WeightNoiseMessenger, spatial_dims
+from pyro_vinit.poutine.layer_call_messenger import LayerCall, base_distribution
+
+__all__ = ["LocalReparamMessenger"]
+
+
+def _factorized_normal(fn, shape: torch.Size) -> Optional[Normal]:
+    base = base_distribution(fn)
+    if isinstance(base, Normal) and base.batch_shape == shape:
+        return base
+    return None
+
+
+class LocalReparamMessenger(_WeightNoiseMessenger):
+    r"""
+    Effect handler for the local reparameterization trick [1]: every layer
+    whose weight is a sample site with a factorized Normal distribution
+    gets its pre-activations sampled directly, independently per example,
+    instead of through one weight sample shared by the minibatch.
+
+    Usage::
+
+        with LocalReparamMessenger():
+            svi.step(x, y)
+
+    For a layer :math:`b = f(x, W) + c` (``F.linear`` or ``F.conv1d/2d/3d``,
+    so ``nn.Linear`` and ``nn.Conv*d`` too) with
+    :math:`W_{ij} \sim \mathcal N(\mu_{ij}, \sigma_{ij}^2)` and a bias
+    :math:`c_i \sim \mathcal N(\nu_i, \tau_i^2)` (or a plain tensor, or
+    None), each output element is drawn as
+
+    .. math::
+
+        b = f(x, \mu) + \nu + \sqrt{f(x^2, \sigma^2) + \tau^2}\ \odot \zeta,
+        \qquad \zeta \sim \mathcal N(0, I),
+
+    which has exactly the distribution of :math:`f(x, W) + c` for each
+    example, with the examples independent: the ELBO's expectation and so
+    its gradient are unchanged, and the gradient variance scales as
+    :math:`1/M` in the minibatch size. Stride, padding, dilation and groups
+    are honoured.
+
+    For :class:`~pyro_vinit.distributions.KTiedNormal` weights
+    (:class:`~pyro_vinit.guides.AutoKTiedNormal`), :math:`\sigma = UV^\top`
+    and so :math:`\sigma\circ\sigma = \sum_{a\le b} c_{ab}(u_a\circ u_b)(v_a\circ v_b)^\top`
+    (:math:`c_{aa} = 1`, :math:`c_{ab} = 2`) has rank :math:`r = k(k+1)/2`:
+    :math:`f(x^2, \sigma^2)` is computed as :math:`r` thin layers, without
+    forming :math:`\sigma^2`, when that takes fewer multiplications
+    (``low_rank=None``), always (``True``) or never (``False``).
+
+    The handler must see both the guide and the model: wrap a whole SVI
+    step, a :class:`~pyro.infer.Predictive` call (its predictions then get
+    per-example noise), or a function running both; ``local_reparam(svi.step)``
+    does the same. The distribution of a weight is the one that drew its
+    value inside the handler: the guide's (for Pyro's
+    :class:`~pyro.infer.autoguide.AutoNormal`, the auxiliary
+    ``<name>_unconstrained`` Normal behind the ``Delta`` at the site), or the
+    prior's when the model runs without a guide. Under ``Predictive``, which
+    conditions the model on guide samples, it is the guide's last draw of the
+    site inside the handler.
+
+    *Work not done.* The weight sample drawn by the guide is deferred (a
+    :class:`~pyro_vinit.poutine._site_value.SiteValue`) and so are the log
+    densities of the weight sites: with
+    :class:`~pyro.infer.TraceMeanField_ELBO` and a closed-form KL nothing
+    needs them and they are never computed; with
+    :class:`~pyro.infer.Trace_ELBO` they are computed from one sample when
+    first used.
+
+    *Where it does not apply* the weight's ordinary sample is used and a
+    warning names the site, once per site, or with ``strict=True`` an error
+    is raised: a distribution other than a factorized Normal (e.g.
+    :class:`~pyro_vinit.guides.AutoRadialNormal`'s; use
+    :class:`~pyro_vinit.poutine.FlipoutMessenger` for those), a weight
+    reshaped or cast before the layer call, a weight used by an op other
+    than the four above (e.g. ``torch.matmul``), a value set by a handler
+    outside this one. A bias with another distribution is used as sampled.
+    Weights that are plain parameters or conditioned values are used as
+    they are.
+
+    :param bool strict: Raise instead of warning where the trick does not apply.
+    :param low_rank: Whether to use the low rank of a k-tied variance
+        (None: when it is cheaper).
+    :type low_rank: bool or None
+
+    [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
+    Reparameterization Trick"
+    """
+
+    def __init__(self, strict: bool = False, low_rank: Optional[bool] = None) -> None:
+        if low_rank not in (None, True, False):
+            raise TypeError(
+                f"LocalReparamMessenger: low_rank must be None or a bool, got {low_rank!r}"
+            )
+        super().__init__(strict=strict)
+        self.low_rank = low_rank
+
+    def _draw(self, msg: dict) -> Optional[SiteValue]:
+        fn = msg["fn"]
+        shape = fn.batch_shape + fn.event_shape
+        normal = _factorized_normal(fn, shape)
+        if normal is None or msg["infer"].get("is_auxiliary"):
+            return super()._draw(msg)
+        return SiteValue.defer(fn, shape, like=normal.loc, dist=fn)
+
+    def _post_site_value(self, msg: dict, value: SiteValue) -> None:
+        # Defer the site's log density with its value, in the form Trace.compute_log_prob
+        # and compute_score_parts would store it (both skip sites that have it).
+        if not value.is_deferred or msg["is_observed"]:
+            return
+        fn, scale, mask = msg["fn"], msg["scale"], msg["mask"]
+        shape = fn.batch_shape
+        if value.shape != fn.batch_shape + fn.event_shape:
+            shape = torch.broadcast_shapes(shape, value.shape[: value.dim() - fn.event_dim])
+        unscaled = scaled = SiteValue.defer(lambda: fn.log_prob(value), shape, like=value)
+        if not (isinstance(scale, (int, float)) and scale == 1.0 and mask is None):
+            scaled_shape = torch.broadcast_shapes(
+                shape, *(t.shape for t in (scale, mask) if isinstance(t, torch.Tensor))
+            )
+            scaled = SiteValue.defer(
+                lambda: scale_and_mask(unscaled, scale, mask), scaled_shape, like=value
+            )
+        msg["unscaled_log_prob"] = unscaled
+        msg["log_prob"] = scaled
+        msg["log_prob_sum"] = SiteValue.defer(lambda: scaled.sum(), torch.Size(), like=value)
+        msg["score_parts"] = ScoreParts(log_prob=scaled, score_function=0, entropy_term=scaled)
+
+    def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
+        fn = self._weight_distribution(call)
+        if fn is None:
+            return None
+        weight = _factorized_normal(fn, call.weight.shape)
+        if weight is None:
+            name = type(base_distribution(fn)).__name__
+            self._fallback(
+                call.weight,
+                f"its distribution is {name}, not a factorized Normal (FlipoutMessenger "
+                "gives per-example noise for sign-symmetric ones such as RadialNormal)",
+            )
+            return None
+        bias = call.bias
+        if isinstance(bias, SiteValue) and bias.msgs and bias.derived is None:
+            bias = _factorized_normal(bias.dist, bias.shape) or bias
+        if isinstance(bias, Normal):
+            bias_loc, bias_var = bias.loc, bias.scale.pow(2)
+        else:
+            bias_loc, bias_var = unwrap(bias), None
+        x = unwrap(call.input)
+
+        op = getattr(F, call.op)
+        mean = op(x, weight.loc, bias_loc, **call.kwargs)
+        var = self._variance(call, x.pow(2), weight)
+        if bias_var is not None:
+            var = var + bias_var.reshape(bias_var.shape + (1,) * spatial_dims(call))
+        std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
+        return torch.addcmul(mean, std, torch.randn_like(mean))
+
+    def _variance(self, call: LayerCall, x2: torch.Tensor, weight: Normal) -> torch.Tensor:
+        """:math:`f(x^2, \\sigma^2)`, through the low-rank factors where chosen."""
+        factors = self._low_rank_factors(call, weight)
+        op = getattr(F, call.op)
+        if factors is None:
+            return op(x2, weight.scale.pow(2), None, **call.kwargs)
+        u2, v2 = factors  # (m, r), (n, r)
+        if call.op == "linear":
+            return F.linear(F.linear(x2, v2.t()), u2)
+        r = u2.shape[-1]
+        thin = op(x2, v2.t().reshape((r,) + call.weight.shape[1:]), None, **call.kwargs)
+        channel = thin.dim() - spatial_dims(call) - 1
+        return torch.movedim(torch.movedim(thin, channel, -1) @ u2.t(), -1, channel)
+
+    def _low_rank_factors(
+        self, call: LayerCall, weight: Normal
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        if (
+            self.low_rank is False
+            or not isinstance(weight, KTiedNormal)
+            or weight.scale_u.dim() != 2
+            or weight.tied_dims != call.weight.dim()
+            or call.kwargs.get("groups", 1) != 1
+        ):
+            return None
+        u, v = weight.scale_u, weight.scale_v
+        (m, k), n = u.shape, v.shape[0]
+        r = k * (k + 1) // 2
+        if self.low_rank is None and r * (m + n) >= m * n:
+            return None
+        a, b, coef = _pairs(k, u.dtype, u.device)
+        return u[:, a] * u[:, b] * coef, v[:, a] * v[:, b]
+
+
+@functools.lru_cache(maxsize=64)
+def _pairs(k: int, dtype: torch.dtype, device: torch.device):
+    # The pairs a <= b of k components, and their multiplicity in (sum_a u_a v_a^T)^2.
+    a, b = torch.triu_indices(k, k, device=device)
+    return a, b, torch.where(a == b, 1.0, 2.0).to(dtype)

@@ -1,0 +1,107 @@
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
+from pyro.optim import Adam
+
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit.distributions import RadialNormal
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.poutine import flipout, local_reparam
+from tests.common import assert_close
+
+
+def _weight(kind, loc, scale):
+    if kind == "normal":
+        return dist.Normal(loc, scale).to_event(loc.dim()), scale**2
+    return RadialNormal(loc, scale, event_dim=loc.dim()), scale**2 / loc.numel()
+
+
+def _moments(outs, mean, var, z=5.0):
+    n = outs.shape[0]
+    assert_close(outs.mean(0), mean, atol=z * (var / n).sqrt().max().item(), rtol=0)
+    rel = (outs.var(0) / var - 1).abs().max().item()
+    # Flipout draws are not Gaussian for radial weights: allow a wider band than 2/n.
+    assert rel < z * (3 / n) ** 0.5, f"variance off by {rel:.3f}"
+
+
+@pytest.mark.parametrize("kind", ["normal", "radial"])
+def test_linear_means_variances_and_decorrelation(kind):
+    n = 4000
+    x = torch.randn(2, 5).repeat(2, 1)  # rows 0 and 2 are the same input
+    loc, scale = torch.randn(3, 5), torch.rand(3, 5) + 0.5
+    fn, marginal_var = _weight(kind, loc, scale)
+
+    def model():
+        return F.linear(x, pyro.sample("w", fn), torch.ones(3))
+
+    with flipout(strict=True):
+        outs = torch.stack([model() for _ in range(n)])
+    mean = F.linear(x, loc, torch.ones(3))
+    var = F.linear(x**2, marginal_var)
+    _moments(outs, mean, var)
+    a, b = outs[:, 0] - outs[:, 0].mean(0), outs[:, 2] - outs[:, 2].mean(0)
+    corr = (a * b).mean(0) / (a.std(0) * b.std(0))
+    assert corr.abs().max() < 5 / n**0.5
+
+
+@pytest.mark.parametrize("kind", ["normal", "radial"])
+def test_conv2d_means_and_variances(kind):
+    n = 2000
+    x = torch.randn(2, 3, 6, 6)
+    loc, scale = torch.randn(4, 3, 3, 3) * 0.3, torch.rand(4, 3, 3, 3) * 0.3 + 0.3
+    fn, marginal_var = _weight(kind, loc, scale)
+    kwargs = dict(stride=2, padding=1, dilation=2)
+
+    def model():
+        return F.conv2d(x, pyro.sample("w", fn), **kwargs)
+
+    with flipout(strict=True):
+        outs = torch.stack([model() for _ in range(n)])
+    _moments(outs, F.conv2d(x, loc, **kwargs), F.conv2d(x**2, marginal_var, **kwargs))
+
+
+def test_radial_guide_gets_per_example_noise():
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model = BayesianClassifier(bayesianize(mlp((4, 8, 3))))
+    guide = AutoRadialNormal(model)
+    svi = SVI(model, guide, Adam({"lr": 0.01}), TraceMeanField_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with flipout(strict=True):
+            svi.step(x, y)
+            out = Predictive(model, guide=guide, num_samples=1, return_sites=["_RETURN"])(
+                torch.randn(1, 4).expand(2, 4)
+            )["_RETURN"]
+    assert not torch.allclose(out[0, 0], out[0, 1])
+
+
+def test_k_tied_guide_and_fallback():
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model = BayesianClassifier(bayesianize(mlp((4, 8, 3))))
+    svi = SVI(model, AutoKTiedNormal(model), Adam({"lr": 0.01}), TraceMeanField_ELBO())
+    with flipout(strict=True):
+        assert torch.isfinite(torch.tensor(svi.step(x, y)))
+
+    def model_mvn():
+        w = pyro.sample("w", dist.MultivariateNormal(torch.zeros(4), torch.eye(4)))
+        return F.linear(torch.randn(2, 4), w.unsqueeze(0))
+
+    with pytest.raises(ValueError, match="'w'"):
+        with flipout(strict=True):
+            model_mvn()
+
+    def model_studentt():
+        w = pyro.sample("w", dist.StudentT(3.0, torch.zeros(2, 4), 1.0).to_event(2))
+        return F.linear(torch.randn(2, 4), w)
+
+    with pytest.warns(UserWarning, match="'w'.*StudentT"):
+        with flipout():
+            model_studentt()
+    with pytest.warns(UserWarning, match="'w'.*StudentT"):
+        with local_reparam():
+            model_studentt()

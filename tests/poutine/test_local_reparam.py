@@ -1,0 +1,337 @@
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule
+from pyro.optim import Adam
+from pyro.poutine.util import prune_subsample_sites
+
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit.distributions import KTiedNormal
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.poutine import LocalReparamMessenger, local_reparam
+from tests.common import assert_close
+
+
+def _normal(loc, scale):
+    return dist.Normal(loc, scale).to_event(loc.dim())
+
+
+def _mc_check(samples, mean, var, z=5.0):
+    """Sample mean and variance along dim 0 against ``mean`` and ``var``, each
+    within ``z`` standard errors (Gaussian samples: SE of the variance is
+    var * sqrt(2 / N))."""
+    n = samples.shape[0]
+    assert_close(samples.mean(0), mean, atol=z * (var / n).sqrt().max().item(), rtol=0)
+    rel = (samples.var(0) / var - 1).abs().max().item()
+    assert rel < z * (2 / n) ** 0.5, f"variance off by {rel:.3f}"
+
+
+# ------------------------------------------------------------------- moments
+
+
+@pytest.mark.parametrize("bias_kind", ["site", "param", "none"])
+def test_linear_moments(bias_kind):
+    n, batch, d_in, d_out = 20000, 3, 5, 4
+    x = torch.randn(batch, d_in)
+    w_loc, w_scale = torch.randn(d_out, d_in), torch.rand(d_out, d_in) + 0.2
+    b_loc, b_scale = torch.randn(d_out), torch.rand(d_out) + 0.2
+
+    def model(x):
+        w = pyro.sample("w", _normal(w_loc, w_scale))
+        b = None
+        if bias_kind == "site":
+            b = pyro.sample("b", _normal(b_loc, b_scale))
+        elif bias_kind == "param":
+            b = b_loc
+        return F.linear(x, w, b)
+
+    with local_reparam(strict=True):
+        out = model(x.repeat(n, 1)).reshape(n, batch, d_out)
+    mean = F.linear(x, w_loc, None if bias_kind == "none" else b_loc)
+    var = F.linear(x**2, w_scale**2) + (b_scale**2 if bias_kind == "site" else 0)
+    _mc_check(out, mean, var)
+
+
+def test_conv2d_moments():
+    # Tolerance: 5 standard errors of 8000 independent draws per output element.
+    n = 8000
+    x = torch.randn(2, 3, 7, 7)
+    w_loc, w_scale = torch.randn(4, 3, 3, 3) * 0.3, torch.rand(4, 3, 3, 3) * 0.3 + 0.1
+    b_loc, b_scale = torch.randn(4), torch.rand(4) + 0.1
+    conv = PyroModule[torch.nn.Conv2d](3, 4, 3, stride=2, padding=2, dilation=2)
+    conv.weight = pyro.nn.PyroSample(_normal(w_loc, w_scale))
+    conv.bias = pyro.nn.PyroSample(_normal(b_loc, b_scale))
+    with local_reparam(strict=True):
+        out = conv(x.repeat(n, 1, 1, 1)).reshape((n, 2) + (4, 4, 4))
+    kwargs = dict(stride=2, padding=2, dilation=2)
+    mean = F.conv2d(x, w_loc, b_loc, **kwargs)
+    var = F.conv2d(x**2, w_scale**2, **kwargs) + (b_scale**2)[:, None, None]
+    _mc_check(out, mean, var)
+
+
+def test_conv1d_groups_moments():
+    n = 8000
+    x = torch.randn(1, 4, 9)
+    w_loc, w_scale = torch.randn(6, 2, 3), torch.rand(6, 2, 3) + 0.1
+
+    def model(x):
+        return F.conv1d(x, pyro.sample("w", _normal(w_loc, w_scale)), None, 1, 1, 1, 2)
+
+    with local_reparam(strict=True):
+        out = model(x.repeat(n, 1, 1)).reshape(n, 6, 9)
+    mean = F.conv1d(x, w_loc, padding=1, groups=2)[0]
+    var = F.conv1d(x**2, w_scale**2, padding=1, groups=2)[0]
+    _mc_check(out, mean, var)
+
+
+def test_rows_independent():
+    # Two identical rows: with one shared weight sample their outputs are equal; with
+    # local reparameterization they are independent draws (|corr| < 5 / sqrt(n)).
+    n = 2000
+    x = torch.randn(1, 5).expand(2, 5)
+    loc, scale = torch.randn(3, 5), torch.ones(3, 5)
+
+    def model():
+        return F.linear(x, pyro.sample("w", _normal(loc, scale)))
+
+    plain = torch.stack([model() for _ in range(10)])
+    assert torch.equal(plain[:, 0], plain[:, 1])
+    with local_reparam():
+        out = torch.stack([model() for _ in range(n)])
+    a, b = out[:, 0] - out[:, 0].mean(0), out[:, 1] - out[:, 1].mean(0)
+    corr = (a * b).mean(0) / (a.std(0) * b.std(0))
+    assert corr.abs().max() < 5 / n**0.5
+
+
+@pytest.mark.parametrize("op", ["linear", "conv2d"])
+def test_k_tied_low_rank_equals_dense(op):
+    loc = torch.randn(6, 3, 3, 3) if op == "conv2d" else torch.randn(6, 5)
+    u, v = torch.rand(6, 3) + 0.1, torch.rand(loc[0].numel(), 3) + 0.1
+    x = torch.randn(4, 3, 6, 6) if op == "conv2d" else torch.randn(4, 5)
+    kwargs = {"padding": 1, "stride": 2} if op == "conv2d" else {}
+
+    def model():
+        w = pyro.sample("w", KTiedNormal(loc, u, v, tied_dims=loc.dim()).to_event(loc.dim()))
+        return getattr(F, op)(x, w, **kwargs)
+
+    outs = []
+    for low_rank in (True, False):
+        pyro.set_rng_seed(1)
+        with local_reparam(low_rank=low_rank, strict=True):
+            outs.append(model())
+    assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+    pyro.set_rng_seed(1)
+    with local_reparam(strict=True):
+        assert_close(model(), outs[0], atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- unbiasedness
+
+
+@pytest.mark.parametrize("elbo", [Trace_ELBO, TraceMeanField_ELBO])
+def test_elbo_gradient_unbiased(elbo):
+    # Linear-Gaussian model: the expected loss, and so its gradient, is known in
+    # closed form. Both estimators' Monte Carlo means must match it within 5 standard
+    # errors (over 1500 gradient samples each).
+    x = torch.randn(8, 3)
+    y = torch.randn(8, 2)
+    loc0, scale0 = torch.randn(2, 3) * 0.5, torch.rand(2, 3) * 0.5 + 0.3
+
+    def model(x, y):
+        w = pyro.sample("w", _normal(torch.zeros(2, 3), torch.ones(2, 3)))
+        with pyro.plate("data", 8):
+            pyro.sample("y", dist.Normal(F.linear(x, w), 1.0).to_event(1), obs=y)
+
+    def guide(x, y):
+        loc = pyro.param("loc", loc0.clone())
+        scale = pyro.param("scale", scale0.clone(), constraint=dist.constraints.positive)
+        pyro.sample("w", _normal(loc, scale))
+
+    def grads(loss_fn, n=1500):
+        out = []
+        for _ in range(n):
+            loss = loss_fn(model, guide, x, y)
+            params = [pyro.param("loc").unconstrained(), pyro.param("scale").unconstrained()]
+            out.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+        return torch.stack(out)
+
+    loss_fn = elbo().differentiable_loss
+    ordinary = grads(loss_fn)
+    with local_reparam(strict=True):
+        local = grads(loss_fn)
+
+    loc = loc0.clone().requires_grad_()
+    raw_scale = dist.transforms.biject_to(dist.constraints.positive).inv(scale0).requires_grad_()
+    scale = dist.transforms.biject_to(dist.constraints.positive)(raw_scale)
+    mean = x @ loc.t()
+    expected_nll = 0.5 * ((y - mean) ** 2 + (x**2) @ (scale**2).t()).sum()
+    kl = torch.distributions.kl_divergence(_normal(loc, scale), _normal(torch.zeros(2, 3), 1.0))
+    exact = torch.cat([g.reshape(-1) for g in torch.autograd.grad(expected_nll + kl, [loc, raw_scale])])
+    for g in (ordinary, local):
+        se = g.std(0) / g.shape[0] ** 0.5
+        assert ((g.mean(0) - exact).abs() < 5 * se + 1e-4).all()
+    # and the trick lowers the variance of the gradient of the means
+    assert local[:, :6].var(0).sum() < ordinary[:, :6].var(0).sum()
+
+
+# ------------------------------------------------------------ guides and SVI
+
+
+def _classifier(num_data=None):
+    return BayesianClassifier(bayesianize(mlp((4, 8, 3))), num_data=num_data)
+
+
+def _hand_written_guide(model, x, y):
+    trace = prune_subsample_sites(pyro.poutine.trace(model).get_trace(x, y))
+    sites = {name: site["fn"] for name, site in trace.iter_stochastic_nodes()}
+
+    def guide(x, y=None):
+        for name, fn in sites.items():
+            loc = pyro.param(name + "_loc", torch.zeros(fn.event_shape))
+            scale = pyro.param(
+                name + "_scale", torch.full(fn.event_shape, 0.1),
+                constraint=dist.constraints.positive,
+            )
+            pyro.sample(name, _normal(loc, scale))
+
+    return guide
+
+
+GUIDES = {
+    "AutoKTiedNormal": lambda model, x, y: AutoKTiedNormal(model, rank=2),
+    "AutoNormal": lambda model, x, y: AutoNormal(model),
+    "hand-written": _hand_written_guide,
+}
+
+
+def _duplicated_rows_differ(model, guide, handler):
+    # Within one posterior sample, identical inputs get different outputs only if each
+    # example has its own weight noise.
+    x = torch.randn(1, 4).expand(6, 4)
+    with handler:
+        out = Predictive(model, guide=guide, num_samples=2, return_sites=["_RETURN"])(x)
+    out = out["_RETURN"]
+    assert out.shape == (2, 6, 3)
+    return not torch.allclose(out[:, 0], out[:, 1])
+
+
+@pytest.mark.parametrize("elbo", [Trace_ELBO, TraceMeanField_ELBO])
+@pytest.mark.parametrize("guide_name", sorted(GUIDES))
+def test_svi_and_predictive_with_guides(guide_name, elbo):
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model = _classifier()
+    guide = GUIDES[guide_name](model, x, y)
+    svi = SVI(model, guide, Adam({"lr": 0.01}), elbo())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = local_reparam(svi.step, strict=True)
+        losses = [step(x, y) for _ in range(5)]
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert _duplicated_rows_differ(model, guide, LocalReparamMessenger(strict=True))
+    assert not _duplicated_rows_differ(model, guide, pyro.poutine.block(hide=[]))
+
+
+def test_mean_field_elbo_draws_no_weight_sample(monkeypatch):
+    # Under a closed-form KL the weight samples are never used: none is drawn.
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model = _classifier()
+    guide = AutoKTiedNormal(model)
+    guide(x, y)
+    calls = []
+    rsample = torch.distributions.Normal.rsample
+    monkeypatch.setattr(
+        torch.distributions.Normal, "rsample", lambda self, *a: calls.append(1) or rsample(self, *a)
+    )
+    elbo = TraceMeanField_ELBO()
+    with local_reparam(strict=True):
+        loss = elbo.differentiable_loss(model, guide, x, y)
+    assert calls == []
+    loss.backward()
+    # ...while Trace_ELBO draws each site once, used by both log densities
+    with local_reparam(strict=True):
+        Trace_ELBO().differentiable_loss(model, guide, x, y).backward()
+    assert len(calls) == 4
+
+
+def test_subsampled_plate():
+    data_x, data_y = torch.randn(100, 4), torch.randint(0, 3, (100,))
+
+    class Model(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.net = bayesianize(mlp((4, 8, 3)))
+
+        def forward(self, x, y):
+            data = pyro.plate("data", 100, subsample_size=10)
+            with data as idx:
+                pass
+            logits = self.net(x[idx])  # the weights are outside the plate
+            with data:
+                pyro.sample("obs", dist.Categorical(logits=logits), obs=y[idx])
+
+    model = Model()
+    guide = AutoKTiedNormal(model)
+    svi = SVI(model, guide, Adam({"lr": 0.01}), TraceMeanField_ELBO())
+    with local_reparam(strict=True):
+        losses = [svi.step(data_x, data_y) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+# ------------------------------------------------------------------ fallbacks
+
+
+def test_radial_guide_warns_once_per_site_and_strict_raises():
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model = _classifier()
+    guide = AutoRadialNormal(model)
+    svi = SVI(model, guide, Adam({"lr": 0.01}), TraceMeanField_ELBO())
+    handler = LocalReparamMessenger()
+    with pytest.warns(UserWarning) as record:
+        for _ in range(3):
+            with handler:
+                svi.step(x, y)
+    messages = [str(w.message) for w in record if "LocalReparamMessenger" in str(w.message)]
+    assert len(messages) == 2  # net.0.weight and net.2.weight, once each
+    assert "'net.0.weight'" in messages[0] and "RadialNormal" in messages[0]
+    with pytest.raises(ValueError, match="'net.0.weight'.*RadialNormal"):
+        with local_reparam(strict=True):
+            svi.step(x, y)
+
+
+def test_reshaped_weight_and_custom_op_fall_back():
+    x = torch.randn(3, 4)
+
+    def reshaped(x):
+        w = pyro.sample("flat", _normal(torch.zeros(8), torch.ones(8)))
+        return F.linear(x, w.reshape(2, 4))
+
+    def custom(x):
+        w = pyro.sample("w", _normal(torch.zeros(2, 4), torch.ones(2, 4)))
+        return x @ w.t()
+
+    with pytest.warns(UserWarning, match="'flat'.*reshape"):
+        with local_reparam():
+            out = reshaped(x)
+    assert out.shape == (3, 2)
+    with pytest.raises(ValueError, match="'w'.*matmul"):
+        with local_reparam(strict=True):
+            custom(x)
+    with pytest.warns(UserWarning, match="'w'.*matmul"):
+        with local_reparam():
+            out = custom(x)
+    assert out.shape == (3, 2)
+
+
+def test_plain_weights_untouched():
+    linear = torch.nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with local_reparam(strict=True):
+            assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
