@@ -102,7 +102,8 @@ def gradient_variance(args, x, y):
     model, guide, svi = make_svi(AutoMeanFieldNormal, sizes, len(x), "mf")
     svi.step(x[:128], y[:128])
     params = dict(guide.named_parameters())
-    bottom, top = params["locs.net.0.weight_unconstrained"], params["locs.net.6.weight_unconstrained"]
+    bottom = params["locs.net.0.weight_unconstrained"]
+    top = params["locs.net.6.weight_unconstrained"]
     elbo = TraceMeanField_ELBO()
     rows, done = [], 0
     steps_per_epoch = max(1, len(x) // 128)
@@ -167,7 +168,8 @@ def step_times(args, x, y):
     configs["mean-field LRT"] = lambda: lrt(xb, yb)
     configs["mean-field Flipout"] = lambda: flip(xb, yb)
     configs["k-tied ordinary"] = lambda: kt.step(xb, yb)
-    low, dense = LocalReparamMessenger(low_rank=True)(kt.step), LocalReparamMessenger(low_rank=False)(kt.step)
+    low = LocalReparamMessenger(low_rank=True)(kt.step)
+    dense = LocalReparamMessenger(low_rank=False)(kt.step)
     configs["k-tied LRT low-rank"] = lambda: low(xb, yb)
     configs["k-tied LRT dense"] = lambda: dense(xb, yb)
     return interleaved(configs, args.rounds, args.block)
@@ -182,10 +184,10 @@ def variance_term_times(args):
     for batch in (128, 1000):
         x2 = torch.rand(batch, n)
 
-        def dense():
+        def dense(x2=x2):
             F.linear(x2, (u @ v.t()).pow(2)).sum().backward()
 
-        def low_rank():
+        def low_rank(x2=x2):
             a, b = torch.triu_indices(2, 2)
             coef = torch.where(a == b, 1.0, 2.0)
             u2, v2 = u[:, a] * u[:, b] * coef, v[:, a] * v[:, b]
@@ -259,7 +261,8 @@ def peer_times(args, x, y, validate):
 def report(results):
     lines = ["## Gradient variance (mean over elements of the variance over draws)", ""]
     lines.append(
-        "| epochs | batch | layer | ordinary | LRT | Flipout | LRT / ordinary | Flipout / ordinary |"
+        "| epochs | batch | layer | ordinary | LRT | Flipout "
+        "| LRT / ordinary | Flipout / ordinary |"
     )
     lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in results["variance"]:
