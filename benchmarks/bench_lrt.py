@@ -303,6 +303,7 @@ def main(args):
     pyro.set_rng_seed(0)
     x, y, _, _ = load_digits()
     results = {"config": vars(args), "bayesian_torch": LinearReparameterization is not None}
+    results["load_average_before"] = os.getloadavg()
     results["step_times"] = step_times(args, x, y)
     print("  step times done", flush=True)
     results["variance_term"] = variance_term_times(args)
@@ -313,7 +314,13 @@ def main(args):
     print("  peers done", flush=True)
     pyro.enable_validation(False)
     results["variance"] = gradient_variance(args, x, y)
+    results["load_average_after"] = os.getloadavg()
     text = report(results)
+    text += "\n\nLoad average (1, 5, 15 min) before / after the run, on {} cores: {} / {}".format(
+        os.cpu_count(),
+        tuple(round(v, 2) for v in results["load_average_before"]),
+        tuple(round(v, 2) for v in results["load_average_after"]),
+    )
     print(text)
     if not args.quick:
         os.makedirs(args.out, exist_ok=True)
