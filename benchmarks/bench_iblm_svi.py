@@ -93,18 +93,21 @@ PROBLEMS = {
                      net=lambda: mlp((10,) + (100,) * 5 + (1,)), steps=400),
 }
 
+_PAPER = dict(hidden_batches="random", propagate="sample")
 ABLATION = {
     "classification": {
         "calibrated (default)": {},
-        "centered, sampled propagation": dict(propagate="sample"),
-        "mean propagation, not centered": dict(center_targets=False),
-        "paper recipe": dict(center_targets=False, propagate="sample"),
+        "random hidden batches": dict(hidden_batches="random"),
+        "sampled propagation": dict(propagate="sample"),
+        "targets not centered": dict(center_targets=False),
+        "paper recipe": dict(center_targets=False, **_PAPER),
     },
     "regression": {
         "calibrated (default)": {},
-        "alternating, sampled propagation": dict(propagate="sample"),
-        "mean propagation, one sign": dict(alternate_hidden_signs=False),
-        "paper recipe": dict(alternate_hidden_signs=False, propagate="sample"),
+        "random hidden batches": dict(hidden_batches="random"),
+        "sampled propagation": dict(propagate="sample"),
+        "one target sign": dict(alternate_hidden_signs=False),
+        "paper recipe": dict(alternate_hidden_signs=False, **_PAPER),
     },
 }
 

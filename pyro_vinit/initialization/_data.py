@@ -105,6 +105,14 @@ class DataPool:
                 for a, al in zip(self.args, self._aligned)
             )
 
+    def features(self) -> Optional[torch.Tensor]:
+        """The first floating-point tensor argument indexed by the rows (the
+        model's input, as a rule), or None."""
+        for a, al in zip(self.args, self._aligned):
+            if al and a.is_floating_point():
+                return a
+        return None
+
     def batch_indices(self, num_batches: int, batch_size: int) -> torch.Tensor:
         """
         Row indices ``(num_batches, batch_size)`` of consecutive minibatches of a

@@ -112,6 +112,22 @@ def _unit_inputs(layer: Layer, x: torch.Tensor) -> torch.Tensor:
     return patches.reshape(patches.shape[0], patches.shape[1], kw["groups"], -1)
 
 
+def _local_batches(inputs: torch.Tensor, num_units: int, batch_size: int) -> torch.Tensor:
+    """
+    Row indices ``(num_units, batch_size)``: unit :math:`j` gets ``batch_size``
+    consecutive rows of the data sorted along a random direction :math:`u_j`
+    of the space of ``inputs`` (one row per data row), from a random start:
+    a slab of that space, so that the unit's regression is a local fit.
+    """
+    flat = inputs.reshape(inputs.shape[0], -1)
+    n = flat.shape[0]
+    directions = torch.randn(flat.shape[1], num_units, dtype=flat.dtype, device=flat.device)
+    order = (flat @ directions).argsort(0)  # (n, units)
+    start = torch.randint(0, n - batch_size + 1, (num_units,), device=flat.device)
+    rows = start + torch.arange(batch_size, device=flat.device)[:, None]  # (batch, units)
+    return order.gather(0, rows).T.contiguous()
+
+
 def _check_positive(name: str, value: Any, kind=(int, float)) -> None:
     if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
         raise ValueError(f"IBLMGuideInitializer: {name} must be positive, got {value!r}")
@@ -153,9 +169,10 @@ class IBLMGuideInitializer:
        variances);
     3. output unit :math:`j` of the last layer regresses onto target column
        :math:`j`; a hidden unit onto column :math:`j \bmod d_\text{out}`
-       (or a random column); every unit gets its own minibatch, the next one
-       of a stream of random permutations of the data, which also makes the
-       units differ;
+       (or a random column); every unit gets its own minibatch, which also
+       makes the units differ: an output unit the next one of a stream of
+       random permutations of the data, a hidden unit (by default) a slab of
+       the data along a random direction of the input space (see below);
     4. solve all units' regressions at once
        (:func:`~pyro_vinit.initialization.bayesian_linear_regression`; the bias
        is one more input column of ones), with a posterior precision
@@ -183,20 +200,32 @@ class IBLMGuideInitializer:
       activations like tanh, where the next layer only flips a sign); the
       default is on for regression.
 
+    * ``hidden_batches="local"``: a hidden unit's minibatch is ``batch_size``
+      consecutive rows of the data sorted along a random direction of the
+      model's input space (its first floating-point argument; the layer's
+      input if there is none), so its regression is a *local* fit and the
+      units of a layer become different, localized features instead of near
+      copies of one global fit. On the 1-d toy problem of [1] (tanh MLP
+      1-500×3-1) this takes the test RMSE of the median right after
+      initialization from 1.05 (a linear fit) to 0.60; on digits and
+      diabetes it changes little (see the benchmark's ablation).
     * ``propagate="mean"``: the earlier layers run with the guide's mean
       rather than a sample, so that the next layer is fitted to the features
       the guide's median network computes. On digits (5×100 ReLU MLP,
       AutoNormal, two seeds) the test error of the predictive right after
-      initialization is 7.9% with it and 13.5% with sampling (test MNLL
-      0.48 and 0.57); see ``benchmarks/bench_iblm_svi.py`` for the ablation.
+      initialization is 8.1% with it and 10.7% with sampling (test MNLL
+      0.50 and 0.58); see ``benchmarks/bench_iblm_svi.py`` for the ablation.
 
     ``center_targets=False, alternate_hidden_signs=False,
-    propagate="sample"`` is the literal recipe of [1].
+    hidden_batches="random", propagate="sample"`` is the literal recipe of
+    [1].
 
     The computation is batched over the units (no Python loop over them): per
     layer, one forward of the data pool and a few batched solves. Nothing is
     written into the guide until every layer has been computed and checked,
-    so a failing call leaves the guide unchanged.
+    so a failing call leaves the guide unchanged (a guide that was not set up
+    yet is set up from the first batch, with its own initial values, before
+    anything else).
 
     :param int batch_size: Rows in each unit's minibatch (images, for conv layers).
     :param float alpha: Dirichlet regularization of the classification targets.
@@ -208,6 +237,9 @@ class IBLMGuideInitializer:
         classification.
     :param str hidden_columns: ``"cyclic"`` (unit :math:`j` → column
         :math:`j \bmod d_\text{out}`) or ``"random"``.
+    :param str hidden_batches: ``"local"`` (default): a hidden unit's batch is
+        a slab of the data along a random direction of the input space;
+        ``"random"``: a random batch, as for the output units.
     :param str propagate: ``"mean"`` (default) or ``"sample"``: the weights of
         the already initialized layers when propagating the data.
     :param float noise_scale: The regression noise standard deviation to use
@@ -235,6 +267,7 @@ class IBLMGuideInitializer:
         center_targets: Optional[bool] = None,
         alternate_hidden_signs: Optional[bool] = None,
         hidden_columns: str = "cyclic",
+        hidden_batches: str = "local",
         propagate: str = "mean",
         noise_scale: Optional[float] = None,
         solver: str = "auto",
@@ -259,6 +292,11 @@ class IBLMGuideInitializer:
                 f"IBLMGuideInitializer: hidden_columns must be 'cyclic' or 'random', "
                 f"got {hidden_columns!r}"
             )
+        if hidden_batches not in ("local", "random"):
+            raise ValueError(
+                "IBLMGuideInitializer: hidden_batches must be 'local' or 'random', "
+                f"got {hidden_batches!r}"
+            )
         if propagate not in ("mean", "sample"):
             raise ValueError(
                 f"IBLMGuideInitializer: propagate must be 'mean' or 'sample', got {propagate!r}"
@@ -273,6 +311,7 @@ class IBLMGuideInitializer:
         self.alternate_hidden_signs = alternate_hidden_signs
         self.hidden_columns = hidden_columns
         self.propagate = propagate
+        self.hidden_batches = hidden_batches
         self.noise_scale = noise_scale
         self.solver = solver
         self.jitter = jitter
@@ -439,7 +478,11 @@ class IBLMGuideInitializer:
         device, dtype = inputs.device, inputs.dtype
         has_bias = layer.bias_name is not None
         cols, signs = self._columns(h, targets.shape[1], last, device)
-        idx = pool.batch_indices(h, batch_size)
+        if last or self.hidden_batches == "random":
+            idx = pool.batch_indices(h, batch_size)
+        else:
+            space = pool.features()
+            idx = _local_batches(inputs if space is None else space, h, batch_size)
         positions, groups = _unit_inputs(layer, inputs[:1]).shape[1:3]
         group_of = torch.arange(h, device=device) // (h // groups)
         rows = batch_size * positions
