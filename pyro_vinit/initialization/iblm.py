@@ -287,24 +287,16 @@ class IBLMGuideInitializer:
         _check_positive("jitter", jitter)
         if noise_scale is not None:
             _check_positive("noise_scale", noise_scale)
-        if hidden_columns not in ("cyclic", "random"):
-            raise ValueError(
-                f"IBLMGuideInitializer: hidden_columns must be 'cyclic' or 'random', "
-                f"got {hidden_columns!r}"
-            )
-        if hidden_batches not in ("local", "random"):
-            raise ValueError(
-                "IBLMGuideInitializer: hidden_batches must be 'local' or 'random', "
-                f"got {hidden_batches!r}"
-            )
-        if propagate not in ("mean", "sample"):
-            raise ValueError(
-                f"IBLMGuideInitializer: propagate must be 'mean' or 'sample', got {propagate!r}"
-            )
-        if solver not in ("auto", "primal", "dual"):
-            raise ValueError(
-                f"IBLMGuideInitializer: solver must be 'auto', 'primal' or 'dual', got {solver!r}"
-            )
+        for name, value, choices in [
+            ("hidden_columns", hidden_columns, ("cyclic", "random")),
+            ("hidden_batches", hidden_batches, ("local", "random")),
+            ("propagate", propagate, ("mean", "sample")),
+            ("solver", solver, ("auto", "primal", "dual")),
+        ]:
+            if value not in choices:
+                raise ValueError(
+                    f"IBLMGuideInitializer: {name} must be one of {choices}, got {value!r}"
+                )
         self.batch_size = batch_size
         self.alpha = alpha
         self.center_targets = center_targets
