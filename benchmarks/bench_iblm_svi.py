@@ -39,9 +39,9 @@ outweighs a thousand data points); ``--kl-warmup`` anneals it instead
 
 Usage::
 
-    python benchmarks/bench_iblm_svi.py                       # full run (~10 minutes)
+    python benchmarks/bench_iblm_svi.py                       # full run (~5 minutes)
     python benchmarks/bench_iblm_svi.py --problems digits_mlp diabetes --kl-warmup 400 \
-        --tag kl_warmup                                       # KL annealing (~3 minutes)
+        --tag kl_warmup                                       # KL annealing (~2 minutes)
     python benchmarks/bench_iblm_svi.py --problems digits_mlp --steps 200
     python benchmarks/bench_iblm_svi.py --quick               # smoke run
 
