@@ -31,6 +31,8 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_guides.py
+	$(BIN)/python benchmarks/bench_lrt.py
+	$(BIN)/python benchmarks/bench_iblm_time.py
 
 clean:
 	rm -rf $(VENV) docs/_build build *.egg-info
