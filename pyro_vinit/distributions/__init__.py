@@ -1,6 +1,6 @@
 """Distributions behind the guides of :mod:`pyro_vinit`."""
 
-from pyro_vinit.distributions.k_tied_normal import KTiedNormal
+from pyro_vinit.distributions.k_tied_normal import KTiedIndependent, KTiedNormal
 from pyro_vinit.distributions.radial_normal import RadialNormal
 
-__all__ = ["KTiedNormal", "RadialNormal"]
+__all__ = ["KTiedIndependent", "KTiedNormal", "RadialNormal"]
