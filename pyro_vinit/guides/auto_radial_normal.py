@@ -2,7 +2,7 @@
 
 import math
 from operator import attrgetter
-from typing import Dict, List, Union
+from typing import Dict, List, Tuple, Union
 
 import pyro.distributions as dist
 import torch
@@ -32,15 +32,27 @@ class AutoRadialNormal(AutoSiteGuide):
     .. math::
 
         w = \mu + \sigma \odot \frac{\epsilon}{\lVert\epsilon\rVert} r,\qquad
-        \sigma = \mathrm{softplus}(\rho),
+        \sigma = \sqrt{D}\, s,\qquad s = \mathrm{softplus}(\rho).
 
-    with the same softplus parameterization as AutoNormal's scales
-    (:attr:`scale_constraint`). Since each element's marginal variance is
-    :math:`\sigma^2 / D`, the radial scale is initialized to
-    :math:`\sigma = \text{init\_scale}\cdot\sqrt{D}`, so that the initial
-    per-element marginal standard deviation is ``init_scale``, as in
-    AutoNormal. The event spans the site's event dims; plate dims sample
-    independently. Sites with no event dims (:math:`D = 1`) are Normal.
+    Since the direction has :math:`\mathbb{E}[u_i^2] = 1/D`, each element's
+    marginal standard deviation is :math:`\sigma_i/\sqrt{D} = s_i`. The stored
+    positive parameter ``scales.<name>`` is therefore this marginal standard
+    deviation :math:`s`, with AutoNormal's softplus constraint
+    (:attr:`scale_constraint`), and it starts at ``init_scale`` exactly as
+    AutoNormal's scales do. Keeping the :math:`\sqrt{D}` outside the softplus
+    gives the optimizer AutoNormal's parameterization whatever the site's
+    size: a step in :math:`\rho` changes :math:`s` by a roughly constant
+    factor while :math:`s \ll 1`. (With :math:`\sigma = \mathrm{softplus}(\rho)`
+    a wide layer's :math:`\sigma` would sit in the near-linear part of the
+    softplus, where an Adam step moves :math:`s` by only about
+    ``lr`` :math:`/\sqrt{D}`; see the methods page on the guides.) The event
+    spans the site's event dims; plate dims sample independently. Sites with
+    no event dims (:math:`D = 1`) are Normal.
+
+    :meth:`get_loc_and_scale` returns the distribution's parameters
+    :math:`(\mu, \sigma)`, so that ``RadialNormal(loc, scale, event_dim)`` is
+    the posterior; divide ``scale`` by :math:`\sqrt{D}` (or read
+    ``scales.<name>``) for the marginal standard deviations.
 
     :meth:`median` is exact (``loc``, mapped to the constrained space);
     :meth:`quantiles` are the exact marginal quantiles computed by numerical
@@ -61,11 +73,32 @@ class AutoRadialNormal(AutoSiteGuide):
     """
 
     def _setup_scales(self) -> None:
+        # sqrt(D) per site, applied to the softplus output (see the class docstring).
+        self._radial_factors: Dict[str, float] = {}
         for name, event_dim in self._event_dims.items():
             loc = attrgetter(name)(self.locs)
             numel = math.prod(loc.shape[loc.dim() - event_dim :])
-            scale = torch.full_like(loc, self._init_scale * math.sqrt(numel))
+            self._radial_factors[name] = math.sqrt(numel)
+            scale = torch.full_like(loc, self._init_scale)
             deep_setattr(self.scales, name, PyroParam(scale, self.scale_constraint, event_dim))
+
+    def _get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        loc = attrgetter(name)(self.locs)
+        marginal_scale = attrgetter(name)(self.scales)
+        return loc, marginal_scale * self._radial_factors[name]
+
+    def get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        r"""
+        Returns the unconstrained-space location :math:`\mu` and radial scale
+        :math:`\sigma = \sqrt{D}\, s` of the posterior at site ``name``, at full
+        (not subsampled) size outside a subsampled plate: the posterior is
+        ``RadialNormal(loc, scale, event_dim)``. Each element's marginal
+        standard deviation is ``scale / sqrt(D)``, the stored ``scales.<name>``.
+
+        :param str name: A latent sample site of the model.
+        :rtype: tuple
+        """
+        return super().get_loc_and_scale(name)
 
     def _unconstrained_posterior(self, name: str) -> dist.TorchDistribution:
         loc, scale = self._get_loc_and_scale(name)

@@ -16,10 +16,11 @@ member:
   for a positive :math:`S`, split into :math:`k` distinct components and
   refined by multiplicative nonnegative-factorization updates). Sites with
   fewer than two event dims keep a per-element scale ``s``.
-* :class:`~pyro_vinit.guides.AutoRadialNormal`: ``loc = μ``,
-  ``scale =`` :math:`\sqrt{D}\,s` for a site of :math:`D` elements, since the
-  radial marginal variance is :math:`\text{scale}^2/D`; this matches every
-  element's marginal variance to :math:`s^2`.
+* :class:`~pyro_vinit.guides.AutoRadialNormal`: ``loc = μ`` and the stored
+  marginal scale ``scales.<name> = s``, i.e. the radial scale
+  :math:`\sqrt{D}\,s` for a site of :math:`D` elements, whose marginal
+  variance is :math:`\text{scale}^2/D = s^2`: every element's marginal
+  variance is matched exactly.
 
 All values are validated and staged first; :meth:`GuideWriter.write` then
 copies them in place into the guide's existing unconstrained parameters
@@ -106,7 +107,9 @@ def fit_positive_low_rank(
 @dataclass
 class SiteValues:
     """The constrained parameter values of one site in a guide family: ``loc`` and
-    either a per-element (or radial) ``scale`` or k-tied factors ``u``, ``v``."""
+    either a per-element ``scale`` (for a radial site the marginal standard
+    deviation, which the guide stores; its radial scale is ``sqrt(D)`` times
+    that) or k-tied factors ``u``, ``v``."""
 
     loc: torch.Tensor
     scale: Optional[torch.Tensor] = None
@@ -117,7 +120,9 @@ class SiteValues:
     def sample(self) -> torch.Tensor:
         """A draw from the guide's distribution at this site after the write."""
         if self.radial_event_dim is not None:
-            return RadialNormal(self.loc, self.scale, self.radial_event_dim).sample()
+            event_shape = self.loc.shape[self.loc.dim() - self.radial_event_dim :]
+            radial_scale = self.scale * math.sqrt(math.prod(event_shape))
+            return RadialNormal(self.loc, radial_scale, self.radial_event_dim).sample()
         scale = self.scale
         if scale is None:
             scale = (self.u @ self.v.transpose(-1, -2)).reshape(self.loc.shape)
@@ -205,10 +210,9 @@ class GuideWriter:
         scale = var.sqrt()
         if self.family == "radial":
             event_dim = self._site(name)["fn"].event_dim
-            numel = math.prod(shape[len(shape) - event_dim :])
             if event_dim == 0:  # a scalar site is Normal in AutoRadialNormal
                 return SiteValues(loc, scale)
-            return SiteValues(loc, scale * math.sqrt(numel), radial_event_dim=event_dim)
+            return SiteValues(loc, scale, radial_event_dim=event_dim)
         if self.family == "ktied" and len(shape) >= 2:
             matrix = scale.reshape(shape[0], -1)
             u, v = fit_positive_low_rank(matrix, self.guide.rank)

@@ -56,8 +56,23 @@ def test_write_in_place(cls):
             guide.get_loc_and_scale("net.0.weight")[1]
         )
     if cls is AutoRadialNormal:
+        # The stored parameter is the marginal sd; the radial scale is sqrt(D) times it.
+        assert_close(attrgetter("net.0.weight")(guide.scales), std, atol=1e-5, rtol=1e-4)
         scale = scale / math.sqrt(6 * 64)
     assert_close(scale, std, atol=1e-5, rtol=1e-4)
+
+
+def test_radial_staged_sample_has_the_projected_marginal_std():
+    # I-BLM propagates SiteValues.sample() to the next layer: it must draw from the
+    # written radial posterior, whose pooled standardized second moment is r^2 per
+    # draw (standard error of the pooled sd ~ 1 / sqrt(2 * 2000) = 1.6 %: 6 %).
+    torch.manual_seed(0)
+    writer = GuideWriter(_guide(AutoRadialNormal))
+    loc = torch.randn(6, 64)
+    std = torch.rand(6, 64) + 0.1
+    values = writer.project("net.0.weight", loc, std.pow(2))
+    z = torch.stack([(values.sample() - loc) / std for _ in range(2000)])
+    assert abs(z.pow(2).mean().sqrt().item() - 1) < 0.06
 
 
 def test_invalid_values_are_rejected():
