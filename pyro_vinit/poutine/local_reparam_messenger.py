@@ -164,8 +164,11 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
         mean = op(x, weight.loc, bias_loc, **call.kwargs)
         var = self._variance(call, x.pow(2), weight)
         if bias_var is not None:
-            var = var + bias_var.reshape(bias_var.shape + (1,) * spatial_dims(call))
-        std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
+            # A positive bias variance keeps sqrt away from 0, where its gradient is infinite.
+            std = (var + bias_var.reshape(bias_var.shape + (1,) * spatial_dims(call))).sqrt()
+        else:
+            # An all-zero input patch gives var = 0.
+            std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
         return torch.addcmul(mean, std, torch.randn_like(mean))
 
     def _variance(self, call: LayerCall, x2: torch.Tensor, weight: Normal) -> torch.Tensor:
