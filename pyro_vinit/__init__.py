@@ -3,7 +3,16 @@ pyro-vinit: variational inference for Bayesian neural networks in Pyro that
 starts well and trains fast.
 """
 
-from pyro_vinit import distributions, metrics, schedules
+from pyro_vinit import (
+    data,
+    distributions,
+    guides,
+    initialization,
+    metrics,
+    nn,
+    poutine,
+    schedules,
+)
 from pyro_vinit.guides import AutoKTiedNormal, AutoRadialNormal
 from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_guide_iblm
 from pyro_vinit.poutine import FlipoutMessenger, LocalReparamMessenger, flipout, local_reparam
@@ -16,11 +25,16 @@ __all__ = [
     "FlipoutMessenger",
     "IBLMGuideInitializer",
     "LocalReparamMessenger",
+    "data",
     "distributions",
     "flipout",
+    "guides",
     "init_guide",
     "init_guide_iblm",
+    "initialization",
     "local_reparam",
     "metrics",
+    "nn",
+    "poutine",
     "schedules",
 ]

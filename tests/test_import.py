@@ -31,3 +31,7 @@ def test_top_level_api():
     for name in ["AutoKTiedNormal", "AutoRadialNormal", "distributions"]:
         assert name in pyro_vinit.__all__
     assert pyro_vinit.distributions.RadialNormal is not None
+    # Submodules are attributes after a plain ``import pyro_vinit``, as in Pyro.
+    for name in ["data", "guides", "initialization", "metrics", "nn", "poutine", "schedules"]:
+        assert name in pyro_vinit.__all__
+        assert getattr(pyro_vinit, name) is importlib.import_module(f"pyro_vinit.{name}")
