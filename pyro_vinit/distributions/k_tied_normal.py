@@ -101,6 +101,16 @@ class KTiedNormal(dist.Normal):
         return super().expand(batch_shape, _instance=new)
 
     def to_event(self, reinterpreted_batch_ndims: Optional[int] = None) -> dist.Independent:
+        """
+        Reinterprets the rightmost batch dims as event dims, as
+        :meth:`pyro.distributions.Distribution.to_event` does, but returns a
+        :class:`KTiedIndependent` so that the KL to a Normal prior can use the
+        low rank of :math:`S`.
+
+        :param int reinterpreted_batch_ndims: Number of batch dims to
+            reinterpret; all of them by default.
+        :rtype: KTiedIndependent
+        """
         result = super().to_event(reinterpreted_batch_ndims)
         if isinstance(result, dist.Independent) and result.base_dist is self:
             result = KTiedIndependent(self, result.reinterpreted_batch_ndims)
