@@ -1,108 +1,288 @@
 """
 Quick start: a Bayesian MLP on scikit-learn's digits with pyro-vinit.
 
-Converts an ``nn.Sequential`` into a Bayesian model with N(0, 1/D_in)
-priors, fits it with a k-tied (or radial) autoguide and TraceMeanField_ELBO,
-then prints test accuracy, MNLL and calibration, and saves the learning curve
-as a PNG and the results as JSON.
+The whole recipe of the library in one script:
+
+1. ``bayesianize(mlp((64, 100, 10)), prior_scale=1.0)`` turns an
+   ``nn.Sequential`` into a Bayesian network with N(0, 1) priors, and
+   :class:`~pyro_vinit.nn.BayesianClassifier` adds the Categorical
+   likelihood, scaled to the full training set;
+2. an :class:`~pyro_vinit.guides.AutoKTiedNormal` guide (rank 2; ``--guide
+   radial`` for :class:`~pyro_vinit.guides.AutoRadialNormal`);
+3. :func:`~pyro_vinit.initialization.init_guide_iblm` sets the guide from
+   Bayesian linear regressions, layer by layer, onto the Dirichlet transform
+   of the labels: the network is a good classifier before the first SVI step;
+4. SVI with :class:`~pyro.infer.TraceMeanField_ELBO` (closed-form KL) and
+   Adam, each step run inside :func:`~pyro_vinit.poutine.local_reparam`
+   (for the radial guide :func:`~pyro_vinit.poutine.flipout`: a radial
+   posterior has no Gaussian pre-activations to sample) and inside a
+   :class:`~pyro_vinit.poutine.KLAnnealingMessenger` with a
+   :class:`~pyro_vinit.schedules.LinearWarmup` schedule;
+5. test accuracy, MNLL and expected calibration error from
+   :mod:`pyro_vinit.metrics`, right after the initialization (step 0) and
+   during training.
+
+Settings, and why (measured on this script, seed 0; see the tutorial page
+``docs/tutorials/quick_start.rst`` for the numbers):
+
+- N(0, 1) priors (``--prior-scale 1``), not the N(0, 1/D_in) default of
+  ``bayesianize`` (``--prior-scale 0``): with 7,510 weights and only 1257
+  training images, the ELBO's optimum under the narrower prior is a
+  strongly shrunk network (test accuracy ~0.86, MNLL ~1.0 after training,
+  from 0.94 right after I-BLM);
+- I-BLM with 512 rows per unit's regression (``--iblm-batch-size``; the
+  default 128 is close to the 101 inputs of the output units and gives a
+  worse start);
+- Adam with learning rate 1e-2 and minibatches of 128, 3000 steps. At
+  1e-3 the posterior widens (the KL is cheap to reduce) faster than the
+  means re-fit: after 3000 steps the -ELBO is 1.74 nats per image instead
+  of 0.97 and the test MNLL 0.20 instead of 0.14;
+- KL annealing, λ rising linearly from 0 to 1 over the first 1000 steps
+  (``--kl-warmup``). Right after I-BLM the variances are tiny and the KL is
+  almost all of the -ELBO (8.8 nats per image). With the full KL from step
+  0, SVI first trades data fit for KL and the test MNLL rises from 0.23 to
+  0.25; with the warm-up the posterior widens while the data term still
+  dominates, and the MNLL stays below 0.17 throughout. From step 1000 on
+  the objective is the ELBO: the warm-up changes the path, not the end
+  point (the same final metrics either way).
+
+Writes ``results.json``, ``learning_curves.png`` (test error, test MNLL and
+the training objective against SVI step) and ``reliability.png`` (the
+reliability diagram of the final predictive) to ``--out-dir``.
 
 Usage::
 
-    python examples/quick_start.py                 # about a minute on 2 cores
-    python examples/quick_start.py --guide radial
-    python examples/quick_start.py --quick         # smoke run
+    python examples/quick_start.py                   # 15-60 s, depending on the load
+    python examples/quick_start.py --guide radial    # radial posterior, Flipout
+    python examples/quick_start.py --init sample     # without I-BLM, for comparison
+    python examples/quick_start.py --quick           # smoke run, seconds
 """
 
 import argparse
 import json
 import os
+import time
 
 import pyro
 import torch
 from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
 from pyro.infer.autoguide import init_to_sample
-from torch import nn
 from tqdm import tqdm
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_iblm
 from pyro_vinit.data import load_digits
-from pyro_vinit.nn import BayesianClassifier, bayesianize
+from pyro_vinit.metrics import calibration, classification_metrics
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam
+from pyro_vinit.schedules import LinearWarmup
 
 
-def evaluate(model, guide, x, y, num_samples):
-    logits = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])(
-        x
-    )["_RETURN"]
-    log_probs = logits.log_softmax(-1)  # (samples, batch, classes)
-    # log of the Monte Carlo predictive density, averaged over test points
-    log_pred = log_probs.logsumexp(0) - torch.log(torch.tensor(float(num_samples)))
-    probs = log_pred.exp()
-    accuracy = (probs.argmax(-1) == y).float().mean().item()
-    mnll = -log_pred[torch.arange(len(y)), y].mean().item()
-    return {"accuracy": accuracy, "mnll": mnll}
+def make_guide(args, model):
+    # Without I-BLM the weight means are drawn from the prior: with the
+    # default init_to_feasible they would all be 0 and the hidden units would
+    # stay interchangeable.
+    kwargs = dict(init_scale=args.init_scale, init_loc_fn=init_to_sample)
+    if args.guide == "ktied":
+        return AutoKTiedNormal(model, rank=args.rank, **kwargs)
+    return AutoRadialNormal(model, **kwargs)
+
+
+@torch.no_grad()
+def predict(model, guide, x, num_samples):
+    """Per-sample logits ``(num_samples, N, 10)``."""
+    predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])
+    return predictive(x)["_RETURN"]
+
+
+def test_metrics(model, guide, x_test, y_test, num_samples):
+    """The test metrics as floats, and the reliability diagram's data."""
+    logits = predict(model, guide, x_test, num_samples)
+    metrics = classification_metrics(y_test, logits=logits)
+    metrics["accuracy"] = 1.0 - metrics["error_rate"]
+    reliability = {k: v.tolist() for k, v in calibration(y_test, logits=logits)._asdict().items()}
+    return metrics, reliability
+
+
+def evaluate(model, guide, elbo, data, num_samples):
+    x_train, y_train, x_test, y_test = data
+    metrics = classification_metrics(y_test, logits=predict(model, guide, x_test, num_samples))
+    metrics["accuracy"] = 1.0 - metrics["error_rate"]
+    # The unannealed -ELBO on the whole training set, per image: the objective
+    # the annealed minibatch losses converge to once λ = 1.
+    with torch.no_grad():
+        metrics["neg_elbo"] = elbo.loss(model, guide, x_train, y_train) / len(x_train)
+    return metrics
+
+
+def train(args, model, guide, data):
+    x_train, y_train = data[:2]
+    elbo = TraceMeanField_ELBO()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": args.lr}), elbo)
+    annealing = KLAnnealingMessenger(LinearWarmup(args.kl_warmup) if args.kl_warmup else 1.0)
+    # LRT samples each example's pre-activations from their Gaussian marginal;
+    # a radial posterior's pre-activations are not Gaussian, but its weight
+    # noise is sign-symmetric, which is all Flipout needs.
+    weight_noise = flipout if args.guide == "radial" else local_reparam
+    curve, losses = [], []
+    start = time.perf_counter()
+    for step in tqdm(range(args.steps + 1), desc=f"SVI ({args.guide})"):
+        if step % args.eval_every == 0 or step == args.steps:
+            metrics = evaluate(model, guide, elbo, data, args.eval_samples)
+            loss = sum(losses) / len(losses) / len(x_train) if losses else None
+            curve.append({"step": step, "kl_weight": annealing.scale, "train_loss": loss,
+                          "seconds": time.perf_counter() - start, **metrics})
+            losses = []
+        if step == args.steps:
+            break
+        idx = torch.randint(0, len(x_train), (args.batch_size,))
+        # Both handlers must see the guide and the model: they wrap the step.
+        with annealing, weight_noise():
+            losses.append(svi.step(x_train[idx], y_train[idx]))
+        annealing.step()
+    return curve
+
+
+def plot(args, curve, reliability_init, reliability):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [c["step"] for c in curve]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [c["error_rate"] for c in curve], marker=".")
+    axes[0].set_ylabel("test error")
+    axes[1].plot(steps, [c["mnll"] for c in curve], marker=".", color="C1")
+    axes[1].set_ylabel("test MNLL")
+    loss_steps = [c["step"] for c in curve if c["train_loss"] is not None]
+    axes[2].plot(loss_steps, [c["train_loss"] for c in curve if c["train_loss"] is not None],
+                 color="C2", label="annealed minibatch loss")
+    axes[2].plot(steps, [c["neg_elbo"] for c in curve], color="C3", marker=".",
+                 label="-ELBO (λ = 1), training set")
+    axes[2].set_ylabel("loss / training image")
+    axes[2].legend(fontsize=8)
+    axes[2].set_yscale("log")
+    for ax in axes:
+        ax.set_xlabel("SVI step")
+        if args.kl_warmup:
+            ax.axvline(args.kl_warmup, color="gray", lw=0.8, ls=":")
+    fig.suptitle(f"Bayesian MLP on digits, {args.guide} guide, {args.init} init "
+                 "(dotted: end of the KL warm-up)", fontsize=10)
+    fig.tight_layout()
+    paths = [os.path.join(args.out_dir, "learning_curves.png")]
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    edges = reliability["bin_edges"]
+    width = edges[1] - edges[0]
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(5, 5.8), sharex=True,
+                                   gridspec_kw={"height_ratios": [3, 1]})
+    for data, label, style in (
+        (reliability, f"after {args.steps} steps, ECE {reliability['ece']:.3f}",
+         dict(color="C0", edgecolor="k", lw=0.5)),
+        (reliability_init, f"step 0 ({args.init}), ECE {reliability_init['ece']:.3f}",
+         dict(fill=False, edgecolor="C3", lw=1.5)),
+    ):
+        accuracy = [a if a == a else 0.0 for a in data["accuracy"]]  # nan: empty bin
+        ax0.bar(edges[:-1], accuracy, width=width, align="edge", label=label, **style)
+        ax1.bar(edges[:-1], data["count"], width=width, align="edge", **style)
+    ax0.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
+    ax0.set_ylabel("accuracy in bin")
+    ax0.set_title("reliability diagram, test set", fontsize=10)
+    ax0.legend(fontsize=8, loc="upper left")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("confidence (predicted class probability)")
+    ax1.set_ylabel("test images")
+    fig.tight_layout()
+    paths.append(os.path.join(args.out_dir, "reliability.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def report(name, metrics):
+    print(f"{name}: test accuracy {metrics['accuracy']:.4f}, MNLL {metrics['mnll']:.4f}, "
+          f"ECE {metrics['ece']:.4f}")
 
 
 def main(args):
     pyro.set_rng_seed(args.seed)
+    pyro.clear_param_store()
     torch.set_num_threads(args.threads)
-    x_train, y_train, x_test, y_test = load_digits()
+    data = load_digits()
+    x_train, y_train, x_test, y_test = data
 
-    net = nn.Sequential(nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, 10))
-    model = BayesianClassifier(bayesianize(net, prior_scale=1.0), num_data=len(x_train))
-    if args.guide == "ktied":
-        guide = AutoKTiedNormal(model, rank=args.rank, init_scale=1e-2, init_loc_fn=init_to_sample)
+    sizes = (x_train.shape[1],) + tuple(args.hidden) + (10,)
+    net = bayesianize(mlp(sizes), prior_scale=args.prior_scale or None)
+    model = BayesianClassifier(net, num_data=len(x_train))
+    guide = make_guide(args, model)
+    start = time.perf_counter()
+    if args.init == "iblm":
+        init_guide_iblm(guide, (x_train, y_train), batch_size=args.iblm_batch_size)
     else:
-        guide = AutoRadialNormal(model, init_scale=1e-2, init_loc_fn=init_to_sample)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": args.lr}), TraceMeanField_ELBO())
+        guide(x_train[:1], y_train[:1])  # set up the guide's parameters
+    init_seconds = time.perf_counter() - start
 
-    curve = []
-    for step in tqdm(range(args.steps), desc=f"SVI ({args.guide})"):
-        idx = torch.randint(0, len(x_train), (args.batch_size,))
-        loss = svi.step(x_train[idx], y_train[idx])
-        if step % max(1, args.steps // 20) == 0 or step == args.steps - 1:
-            metrics = evaluate(model, guide, x_test, y_test, num_samples=8)
-            curve.append({"step": step, "loss": loss, **metrics})
-
-    final = evaluate(model, guide, x_test, y_test, num_samples=args.num_samples)
-    print(f"test accuracy {final['accuracy']:.4f}, test MNLL {final['mnll']:.4f}")
+    after_init, reliability_init = test_metrics(model, guide, x_test, y_test, args.num_samples)
+    report(f"step 0, right after {args.init} init ({init_seconds:.2f} s)", after_init)
+    curve = train(args, model, guide, data)
+    final, reliability = test_metrics(model, guide, x_test, y_test, args.num_samples)
+    report(f"step {args.steps}", final)
 
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "quick_start.json"), "w") as f:
-        json.dump({"config": vars(args), "final": final, "curve": curve}, f, indent=2)
+    results = {
+        "config": vars(args),
+        "init_seconds": init_seconds,
+        "train_seconds": curve[-1]["seconds"],
+        "num_guide_parameters": sum(p.numel() for p in guide.parameters()),
+        "after_init": after_init,
+        "final": final,
+        "reliability": {"after_init": reliability_init, "final": reliability},
+        "curve": curve,
+    }
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        written = plot(args, curve, reliability_init, reliability)
     except ImportError:
-        print("matplotlib not installed: skipping the plot")
-        return final
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([c["step"] for c in curve], [1 - c["accuracy"] for c in curve], label="test error")
-    ax.set_xlabel("SVI step")
-    ax.set_ylabel("test error")
-    ax.set_title(f"Bayesian MLP on digits ({args.guide})")
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out_dir, "quick_start.png"), dpi=100)
-    return final
+        print("matplotlib not installed: skipping the plots")
+    else:
+        print("wrote", ", ".join(written))
+    return results
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Bayesian MLP on digits with pyro-vinit")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--guide", choices=["ktied", "radial"], default="ktied")
-    parser.add_argument("--rank", type=int, default=2)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--rank", type=int, default=2, help="k of the k-tied guide")
+    parser.add_argument("--init", choices=["iblm", "sample"], default="iblm",
+                        help="I-BLM, or weight means drawn from the prior")
+    parser.add_argument("--iblm-batch-size", type=int, default=512,
+                        help="rows of each unit's regression in I-BLM")
+    parser.add_argument("--init-scale", type=float, default=1e-2,
+                        help="the guide's initial scales (replaced by I-BLM's variances)")
+    parser.add_argument("--prior-scale", type=float, default=1.0,
+                        help="the N(0, s²) prior of every weight and bias "
+                        "(0: bayesianize's default N(0, 1/D_in))")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[100], help="hidden layer sizes")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--num-samples", type=int, default=50)
+    parser.add_argument("--kl-warmup", type=int, default=1000,
+                        help="steps of the linear KL warm-up (0: the full KL from the start)")
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-samples", type=int, default=32,
+                        help="posterior samples of the metrics during training")
+    parser.add_argument("--num-samples", type=int, default=200,
+                        help="posterior samples of the final metrics")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out-dir", default="results/quick_start")
-    parser.add_argument("--quick", action="store_true", help="smoke run (a few seconds)")
+    parser.add_argument("--quick", action="store_true", help="smoke run (seconds)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.num_samples = 30, 4
+        args.steps, args.kl_warmup, args.eval_every = 60, 20, 20
+        args.eval_samples, args.num_samples = 8, 16
     return args
 
 
