@@ -3,7 +3,9 @@ The comparison of [1] on our data: test error (or RMSE) and test MNLL versus
 SVI iteration after each of the seven initializations, plus an ablation of
 I-BLM's calibrated defaults against the literal recipe, right after init.
 
-Problems (AutoNormal guide, N(0, 1/D_in) priors):
+Problems (AutoNormal guide, N(0, 1/D_in) priors; the problems, the SVI runs and
+the figure come from ``examples/initializer_comparison.py``, this script adds
+the speed-up, the ablation and the result files):
 
 * ``digits_mlp``: scikit-learn digits, ReLU MLP 64-100×5-10;
 * ``digits_cnn``: digits as 8×8 images, conv(8, 3×3) → ReLU → conv(16, 3×3,
@@ -20,7 +22,7 @@ To fit the 2 shared cores of the development machine the run is cut down
 from the paper's: ``--repeats 2`` seeds, 400 SVI steps (300 for the large
 toy network; one step of these small networks takes ~20 ms in Pyro), test
 metrics every 40 steps from 16 posterior samples (the paper: 128), one
-thread. I-BLM uses batches of 128 (256 images for the CNN, whose
+thread. I-BLM uses batches of 128 (512 images for the CNN, whose
 last layer has 257 inputs: each unit's regression should have more rows
 than inputs). MAP runs Adam at lr 1e-2 for the same wall-clock time as
 I-BLM took on the same seed, i.e. the comparison is at equal
@@ -51,47 +53,27 @@ Bayes for Deep Models"
 
 import argparse
 import json
-import math
 import os
+import sys
 import time
 
-import pyro
-import pyro.poutine as poutine
 import torch
-from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoNormal
-from torch import nn
-
-from pyro_vinit import init_guide
-from pyro_vinit.data import load_diabetes, load_digits, toy_regression
-from pyro_vinit.metrics import classification_metrics, regression_metrics
-from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
-from pyro_vinit.poutine import KLAnnealingMessenger
-from pyro_vinit.schedules import LinearWarmup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-METHODS = ["iblm", "uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map"]
-DATA_FREE = ["uninformative", "heuristic", "xavier", "orthogonal"]
+# The problems, the SVI runs and the figure live in the user-facing example.
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
+from initializer_comparison import (  # noqa: E402
+    METHODS,
+    PROBLEMS,
+    compare,
+    evaluate,
+    iblm_batch_size,
+    make,
+    plot_curves,
+)
 
-def _cnn():
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(16 * 4 * 4, 10),
-    )
-
-
-PROBLEMS = {
-    "digits_mlp": dict(task="classification", data=lambda: load_digits(),
-                       net=lambda: mlp((64,) + (100,) * 5 + (10,)), steps=400),
-    "digits_cnn": dict(task="classification", data=lambda: load_digits(image=True),
-                       net=_cnn, steps=400, batch=512),
-    "toy": dict(task="regression", data=lambda: toy_regression(), noise=math.exp(-1),
-                net=lambda: mlp((1, 500, 500, 500, 1), nn.Tanh), steps=300),
-    "diabetes": dict(task="regression", data=lambda: load_diabetes(), noise=0.7,
-                     net=lambda: mlp((10,) + (100,) * 5 + (1,)), steps=400),
-}
+from pyro_vinit import init_guide  # noqa: E402
 
 _PAPER = dict(hidden_batches="random", propagate="sample")
 ABLATION = {
@@ -110,67 +92,6 @@ ABLATION = {
         "paper recipe": dict(alternate_hidden_signs=False, **_PAPER),
     },
 }
-
-
-def make(problem, data, seed):
-    pyro.set_rng_seed(seed)
-    pyro.clear_param_store()
-    spec = PROBLEMS[problem]
-    net = bayesianize(spec["net"]())
-    n = len(data[0])
-    if spec["task"] == "classification":
-        model = BayesianClassifier(net, num_data=n)
-    else:
-        model = BayesianRegressor(net, noise_scale=spec["noise"], num_data=n)
-    return model, AutoNormal(model)
-
-
-@torch.no_grad()
-def evaluate(problem, model, guide, x, y, num_samples):
-    outs = []
-    for _ in range(num_samples):
-        trace = poutine.trace(guide).get_trace(x)
-        outs.append(poutine.replay(model, trace=trace)(x))
-    outs = torch.stack(outs)
-    if PROBLEMS[problem]["task"] == "classification":
-        m = classification_metrics(y, logits=outs)
-        return {"error": m["error_rate"], "mnll": m["mnll"]}
-    m = regression_metrics(y, loc=outs, scale=PROBLEMS[problem]["noise"])
-    return {"error": m["rmse"], "mnll": m["mnll"]}
-
-
-def run_svi(problem, method, data, seed, args, map_seconds=None):
-    x, y, x_test, y_test = data
-    model, guide = make(problem, data, seed)
-    start = time.perf_counter()
-    init_guide(guide, (x, y), method=method, batch_size=PROBLEMS[problem].get("batch", 128),
-               map_steps=10**6, map_seconds=map_seconds)
-    init_seconds = time.perf_counter() - start
-    steps = args.steps or PROBLEMS[problem]["steps"]
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
-    annealing = KLAnnealingMessenger(LinearWarmup(args.kl_warmup) if args.kl_warmup else 1.0)
-    g = torch.Generator().manual_seed(seed)
-    curve = {"step": [], "error": [], "mnll": []}
-    for step in range(steps + 1):
-        if step % args.eval_every == 0 or step == steps:
-            m = evaluate(problem, model, guide, x_test, y_test, args.samples)
-            curve["step"].append(step)
-            curve["error"].append(m["error"])
-            curve["mnll"].append(m["mnll"])
-        if step < steps:
-            idx = torch.randint(0, len(x), (args.batch_size,), generator=g)
-            with annealing:
-                svi.step(x[idx], y[idx])
-            annealing.step()
-    return curve, init_seconds
-
-
-def mean_curves(runs):
-    keys = ["error", "mnll"]
-    out = {"step": runs[0]["step"]}
-    for k in keys:
-        out[k] = [sum(r[k][i] for r in runs) / len(runs) for i in range(len(out["step"]))]
-    return out
 
 
 def speedup(curves, baselines, eval_every):
@@ -199,8 +120,8 @@ def ablation(problem, data, args):
         metrics = []
         for r in range(args.repeats):
             model, guide = make(problem, data, 100 + r)
-            init_guide(guide, (x, y), method="iblm",
-                       batch_size=PROBLEMS[problem].get("batch", 128), **options)
+            init_guide(guide, (x, y), method="iblm", batch_size=iblm_batch_size(problem),
+                       **options)
             metrics.append(evaluate(problem, model, guide, x_test, y_test, args.samples))
         rows[name] = {k: sum(m[k] for m in metrics) / len(metrics) for k in ("error", "mnll")}
     return rows
@@ -212,23 +133,13 @@ def main(args):
     for problem in args.problems:
         start = time.perf_counter()
         data = PROBLEMS[problem]["data"]()
-        _, warm = make(problem, data, 0)  # one-time costs out of the timed initializations
-        init_guide(warm, data[:2], method="iblm")
-        init_guide(warm, data[:2], method="map", map_steps=2)
-        curves, init_times = {}, {}
-        iblm_seconds = {}
-        for method in METHODS:
-            runs, secs = [], []
-            for r in range(args.repeats):
-                # MAP gets the wall-clock budget I-BLM used on the same seed.
-                curve, s = run_svi(problem, method, data, r, args, iblm_seconds.get(r))
-                if method == "iblm":
-                    iblm_seconds[r] = s
-                runs.append(curve)
-                secs.append(s)
-            curves[method] = mean_curves(runs)
-            init_times[method] = sum(secs) / len(secs)
-            c = curves[method]
+        # MAP gets the wall-clock budget I-BLM used on the same seed (see compare).
+        curves, init_times = compare(
+            problem, data, repeats=args.repeats, steps=args.steps or PROBLEMS[problem]["steps"],
+            eval_every=args.eval_every, num_samples=args.samples, batch_size=args.batch_size,
+            kl_warmup=args.kl_warmup,
+        )
+        for method, c in curves.items():
             print(f"{problem:>10} {method:>13}: init {init_times[method]:6.2f}s  "
                   f"error {c['error'][0]:.3f} -> {c['error'][-1]:.3f}  "
                   f"mnll {c['mnll'][0]:.3f} -> {c['mnll'][-1]:.3f}", flush=True)
@@ -253,7 +164,8 @@ def main(args):
     name = "bench_iblm_svi" + (f"_{args.tag}" if args.tag else "")
     with open(os.path.join(HERE, "results", name + ".json"), "w") as f:
         json.dump(results, f, indent=2)
-    plot(results, os.path.join(HERE, "results", name + ".png"))
+    plot_curves({p: r["curves"] for p, r in results["problems"].items()},
+                os.path.join(HERE, "results", name + ".png"))
 
 
 def print_tables(results):
@@ -272,32 +184,6 @@ def print_tables(results):
             print(f"{which}: best {s['best_baseline']} reaches its final MNLL "
                   f"{s['target_mnll']:.3f} at step {s['best_baseline_step']}; I-BLM at step "
                   f"{s['iblm_step']} (speed-up {ratio})")
-
-
-def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    problems = list(results["problems"])
-    fig, axes = plt.subplots(2, len(problems), figsize=(4 * len(problems), 6.5), squeeze=False)
-    for j, problem in enumerate(problems):
-        res = results["problems"][problem]
-        for method, c in res["curves"].items():
-            style = dict(lw=2.5, color="k") if method == "iblm" else dict(lw=1.2)
-            axes[0, j].plot(c["step"], c["error"], label=method, **style)
-            axes[1, j].plot(c["step"], c["mnll"], label=method, **style)
-        axes[0, j].set_title(problem)
-        axes[0, j].set_ylabel("test error" if res["task"] == "classification" else "test RMSE")
-        axes[1, j].set_ylabel("test MNLL")
-        axes[1, j].set_xlabel("SVI step (Adam, lr 1e-3)")
-        axes[1, j].set_yscale("log")
-        if res["task"] == "regression":  # the uninformative prior's outputs are huge
-            axes[0, j].set_yscale("log")
-    axes[0, 0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
