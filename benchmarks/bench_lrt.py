@@ -5,14 +5,19 @@ pure-PyTorch peers, all measured in one run.
 
 1. *Gradient variance.* A Bayesian MLP 64→400→400→400→10 (N(0, 1/D_in)
    priors) on scikit-learn digits, with a fully factorized Normal guide at
-   each site (closed-form KL, so the noise is the likelihood's), is trained
-   with LRT for 10 and for 100 epochs. Then, for minibatches of 128 and 1000
-   drawn at random from the training set, the gradient of the
-   TraceMeanField_ELBO loss with respect to the means of the bottom (64→400)
-   and top (400→10) weights is drawn many times for each estimator:
-   ordinary (one weight sample per minibatch), LRT, Flipout. The table gives
-   the variance over draws averaged over the weight's elements, and LRT's
-   ratio to the ordinary estimator (target ≤ 1/3).
+   each site (closed-form KL, so the noise is the likelihood's; means
+   initialized by a prior draw), is trained with LRT for 10 and for 100
+   epochs, with the KL weighted by N/60 000 (the per-example KL weight of
+   [1]'s MNIST runs; with the full KL, 1437 images cannot pull 370k weights
+   off their prior and the network stays at chance). Then, for minibatches
+   of 128 and 1000 drawn at random from the training set, the gradient of the
+   same loss with respect to the means of the bottom (64→400) and top
+   (400→10) weights is drawn many times for each estimator: ordinary (one
+   weight sample per minibatch), LRT, Flipout, and the weights at their
+   posterior mean (no weight noise: the floor set by the choice of
+   minibatch). The table gives the variance over draws averaged over the
+   weight's elements, and each estimator's ratio to the ordinary one
+   (target for LRT ≤ 1/3).
 2. *Step time* of SVI on the same network, batch 128: LRT and Flipout as
    ratios to ordinary sampling with the same guide (target LRT ≤ 1.3×), and
    AutoKTiedNormal(k=2) + LRT with the low-rank variance path against the
@@ -35,6 +40,9 @@ Usage::
 
     python benchmarks/bench_lrt.py            # full run (~10 minutes)
     python benchmarks/bench_lrt.py --quick    # smoke run
+
+[1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
+Reparameterization Trick"
 """
 
 import argparse
@@ -48,13 +56,15 @@ import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro.infer import SVI, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoNormal, init_to_sample
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
 
 from pyro_vinit import AutoKTiedNormal, FlipoutMessenger, LocalReparamMessenger
 from pyro_vinit.data import load_digits
 from pyro_vinit.guides._base import AutoSiteGuide
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import LayerCallMessenger
+from pyro_vinit.poutine import KLAnnealingMessenger, LayerCallMessenger
 
 try:
     from bayesian_torch.layers import LinearFlipout, LinearReparameterization
@@ -66,6 +76,34 @@ HANDLERS = {
     "LRT": LocalReparamMessenger,
     "Flipout": FlipoutMessenger,
 }
+
+
+class PosteriorMeanMessenger(Messenger):
+    """
+    Sets every latent site the guide samples to the mean of its
+    distribution; the model then replays those values. The gradient keeps
+    the closed-form KL and loses all weight noise: what varies is the
+    minibatch only (the noise-free reference row of [1]'s Table 1).
+    """
+
+    def _pyro_sample(self, msg):
+        # ``done`` marks sites already given a value, e.g. by the ELBO's replay
+        # of the guide's trace into the model; a plate's subsample site has no
+        # mean to take.
+        if msg["is_observed"] or msg["done"] or site_is_subsample(msg):
+            return
+        msg["value"] = msg["fn"].mean
+        msg["done"] = True
+
+
+# The three estimators and the floor no weight-sampling scheme goes below.
+ESTIMATORS = {**HANDLERS, "no weight noise": PosteriorMeanMessenger}
+
+# The KL weight per training example of [1]'s MNIST runs (KL / 60 000 per
+# datum): on 1437 digits the full KL of 370k weights keeps the posterior at
+# the prior and the network at chance accuracy, which is no regime to
+# compare gradient estimators in.
+MNIST_SIZE = 60000
 
 
 class AutoMeanFieldNormal(AutoSiteGuide):
@@ -80,8 +118,9 @@ class AutoMeanFieldNormal(AutoSiteGuide):
         return dist.Normal(loc, scale).to_event(self._event_dims[name])
 
 
-def make_svi(guide_cls, sizes, num_data, name, lr=1e-3, **kwargs):
-    model = BayesianClassifier(bayesianize(mlp(sizes)), num_data=num_data)
+def make_svi(guide_cls, sizes, num_data, name, lr=1e-3, prior_scale=None, **kwargs):
+    net = bayesianize(mlp(sizes), prior_scale=prior_scale)
+    model = BayesianClassifier(net, num_data=num_data)
     guide = guide_cls(model, **kwargs)
     guide._pyro_name = name  # separate param-store names per guide
     return model, guide, SVI(model, guide, pyro.optim.Adam({"lr": lr}), TraceMeanField_ELBO())
@@ -97,39 +136,99 @@ def run(handler_cls, fn, *args, **kwargs):
 # ------------------------------------------------------------ gradient variance
 
 
-def gradient_variance(args, x, y):
-    sizes = (64, 400, 400, 400, 10)
-    model, guide, svi = make_svi(AutoMeanFieldNormal, sizes, len(x), "mf")
-    svi.step(x[:128], y[:128])
+SIZES = (64, 400, 400, 400, 10)
+
+
+def gradient_variance(
+    x, y, *, sizes=SIZES, epochs=(10, 100), batch_sizes=(128, 1000), draws=100,
+    train_batch_size=128, lr=1e-3, prior_scale=None, kl_weight=1.0, guide_kwargs=None,
+    handlers=None, evaluate=None, log=print,
+):
+    """
+    The gradient-variance measurement of part 1, shared with
+    ``examples/gradient_variance.py``.
+
+    Fits a mean-field Normal guide of ``mlp(sizes)`` (N(0, 1/D_in) priors by
+    default) with LRT and Adam on minibatches of ``train_batch_size``; at each
+    checkpoint in ``epochs`` (cumulative), draws ``draws`` gradients of the
+    TraceMeanField_ELBO loss with respect to the means of the bottom and top
+    weights for every estimator in ``handlers`` and batch size in
+    ``batch_sizes`` (each draw a new minibatch without replacement and new
+    weight noise), at the fixed parameters.
+
+    :param float prior_scale: A N(0, prior_scale²) prior for every weight
+        instead of N(0, 1/D_in).
+    :param float kl_weight: A factor on the KL term, in training and in the
+        gradient draws (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`
+        with a constant scale).
+    :param dict guide_kwargs: Keyword arguments of the guide (e.g.
+        ``init_loc_fn``, ``init_scale``).
+    :param dict handlers: The estimators, by name: a messenger class, or None
+        for ordinary sampling (default: :data:`HANDLERS`).
+    :param callable evaluate: Optional ``evaluate(model, guide) -> dict``,
+        called at each checkpoint; its result is stored as ``"metrics"``.
+    :param callable log: Progress messages (None: silent).
+    :return: A list of rows ``{"epochs", "batch", "ordinary": {"bottom",
+        "top", "ms_per_draw"}, "LRT": {...}, ...}``, one entry per estimator:
+        the variance over draws averaged over the weight's elements, and the
+        mean wall time of one draw.
+    """
+    handlers = HANDLERS if handlers is None else handlers
+    model, guide, svi = make_svi(AutoMeanFieldNormal, sizes, len(x), "mf", lr=lr,
+                                 prior_scale=prior_scale, **(guide_kwargs or {}))
+    svi.step(x[:train_batch_size], y[:train_batch_size])
     params = dict(guide.named_parameters())
     bottom = params["locs.net.0.weight_unconstrained"]
-    top = params["locs.net.6.weight_unconstrained"]
+    top = params[f"locs.net.{2 * (len(sizes) - 2)}.weight_unconstrained"]
     elbo = TraceMeanField_ELBO()
     rows, done = [], 0
-    steps_per_epoch = max(1, len(x) // 128)
-    step = LocalReparamMessenger()(svi.step)
-    for epochs in args.epochs:
-        for _ in range((epochs - done) * steps_per_epoch):
-            idx = torch.randint(0, len(x), (128,))
+    steps_per_epoch = max(1, len(x) // train_batch_size)
+    kl = KLAnnealingMessenger(kl_weight)
+    step = kl(LocalReparamMessenger()(svi.step))
+    for epoch in epochs:
+        for _ in range((epoch - done) * steps_per_epoch):
+            idx = torch.randint(0, len(x), (train_batch_size,))
             step(x[idx], y[idx])
-        done = epochs
-        for batch in (128, 1000):
-            row = {"epochs": epochs, "batch": batch}
-            for name, handler in HANDLERS.items():
+        done = epoch
+        metrics = None if evaluate is None else evaluate(model, guide)
+        for batch in batch_sizes:
+            row = {"epochs": epoch, "batch": batch}
+            if metrics is not None:
+                row["metrics"] = metrics
+            for name, handler in handlers.items():
                 grads_b, grads_t = [], []
-                for _ in range(args.draws):
+                start = time.perf_counter()
+                for _ in range(draws):
                     idx = torch.randperm(len(x))[:batch]
-                    loss = run(handler, elbo.differentiable_loss, model, guide, x[idx], y[idx])
+                    with kl:
+                        loss = run(handler, elbo.differentiable_loss, model, guide,
+                                   x[idx], y[idx])
                     g_b, g_t = torch.autograd.grad(loss, [bottom, top])
                     grads_b.append(g_b)
                     grads_t.append(g_t)
                 row[name] = {
                     "bottom": torch.stack(grads_b).var(0).mean().item(),
                     "top": torch.stack(grads_t).var(0).mean().item(),
+                    "ms_per_draw": (time.perf_counter() - start) / draws * 1e3,
                 }
             rows.append(row)
-            print(f"  variance: {epochs} epochs, batch {batch} done", flush=True)
+            if log is not None:
+                log(f"  variance: {epoch} epochs, batch {batch} done")
     return rows
+
+
+def train_accuracy(x, y, num_samples=16):
+    """The ``evaluate`` of :func:`gradient_variance`: accuracy of the posterior
+    predictive on the training set, to show that the network is not at its
+    prior."""
+
+    @torch.no_grad()
+    def evaluate(model, guide):
+        logits = pyro.infer.Predictive(model, guide=guide, num_samples=num_samples,
+                                       return_sites=["_RETURN"])(x)["_RETURN"]
+        return {"accuracy": (logits.softmax(-1).mean(0).argmax(-1) == y).float().mean().item()}
+
+    return evaluate
 
 
 # ------------------------------------------------------------------- timings
@@ -156,7 +255,7 @@ def svi_step(svi, x, y, handler=None):
 
 
 def step_times(args, x, y):
-    sizes = (64, 400, 400, 400, 10)
+    sizes = SIZES
     xb, yb = x[:128], y[:128]
     configs = {}
     _, _, mf = make_svi(AutoMeanFieldNormal, sizes, len(x), "t_mf")
@@ -261,16 +360,17 @@ def peer_times(args, x, y, validate):
 def report(results):
     lines = ["## Gradient variance (mean over elements of the variance over draws)", ""]
     lines.append(
-        "| epochs | batch | layer | ordinary | LRT | Flipout "
-        "| LRT / ordinary | Flipout / ordinary |"
+        "| epochs | train acc. | batch | layer | ordinary | LRT | Flipout | no weight noise "
+        "| LRT / ordinary | Flipout / ordinary | no noise / ordinary |"
     )
-    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in results["variance"]:
+        acc = row["metrics"]["accuracy"]
         for layer in ("bottom", "top"):
-            o, lr_, fl = (row[k][layer] for k in HANDLERS)
+            o, lr_, fl, nn_ = (row[k][layer] for k in ESTIMATORS)
             lines.append(
-                f"| {row['epochs']} | {row['batch']} | {layer} | {o:.3g} | {lr_:.3g} | {fl:.3g} "
-                f"| {lr_ / o:.2f} | {fl / o:.2f} |"
+                f"| {row['epochs']} | {acc:.3f} | {row['batch']} | {layer} | {o:.3g} | {lr_:.3g} "
+                f"| {fl:.3g} | {nn_:.3g} | {lr_ / o:.2f} | {fl / o:.2f} | {nn_ / o:.2f} |"
             )
     t = results["step_times"]
     lines += ["", "## SVI step time, 64→400→400→400→10, batch 128 (ms, validation off)", ""]
@@ -313,7 +413,12 @@ def main(args):
     }
     print("  peers done", flush=True)
     pyro.enable_validation(False)
-    results["variance"] = gradient_variance(args, x, y)
+    results["kl_weight"] = len(x) / MNIST_SIZE
+    results["variance"] = gradient_variance(
+        x, y, epochs=args.epochs, draws=args.draws, kl_weight=results["kl_weight"],
+        guide_kwargs=dict(init_loc_fn=init_to_sample), handlers=ESTIMATORS,
+        evaluate=train_accuracy(x, y), log=lambda m: print(m, flush=True),
+    )
     results["load_average_after"] = os.getloadavg()
     text = report(results)
     text += "\n\nLoad average (1, 5, 15 min) before / after the run, on {} cores: {} / {}".format(
