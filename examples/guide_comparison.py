@@ -11,8 +11,9 @@ with each guide and reports
 - the gradient signal-to-noise ratio (SNR) of the scale parameters: for each
   scale parameter the ratio |mean| / std of its minibatch gradient over many
   draws (minibatch and weight sample) at a fixed parameter point, summarized by
-  the median over the weight sites' scale parameters (AutoNormal's and the
-  radial guide's per-weight scales, the k-tied guide's factors U and V);
+  the median over the weight sites' scale parameters (AutoNormal's per-weight
+  scales, the radial guide's per-weight marginal scales, the k-tied guide's
+  factors U and V);
 - robustness: the final test accuracy over a small grid of ``init_scale`` and
   learning rates.
 
