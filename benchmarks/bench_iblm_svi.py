@@ -63,6 +63,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The problems, the SVI runs and the figure live in the user-facing example.
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
+from pyro_vinit import init_guide  # noqa: E402
+
 from initializer_comparison import (  # noqa: E402
     METHODS,
     PROBLEMS,
@@ -72,8 +74,6 @@ from initializer_comparison import (  # noqa: E402
     make,
     plot_curves,
 )
-
-from pyro_vinit import init_guide  # noqa: E402
 
 _PAPER = dict(hidden_batches="random", propagate="sample")
 ABLATION = {

@@ -58,7 +58,6 @@ Pseudo-Independent Weight Perturbations on Mini-Batches"
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -73,6 +72,7 @@ from pyro_vinit.data import load_digits
 from pyro_vinit.metrics import classification_metrics
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from _outputs import save_results  # noqa: E402
 from bench_lrt import ESTIMATORS, MNIST_SIZE, SIZES, gradient_variance  # noqa: E402
 
 LAYERS = ("bottom", "top")
@@ -197,16 +197,8 @@ def main(args):
     print(markdown_table(rows))
     print(f"\ntotal time {elapsed:.0f} s")
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"config": vars(args), "seconds": elapsed, "variance": rows,
-                   "ratios": ratios(rows)}, f, indent=1)
-    try:
-        written = plot(args, rows)
-    except ImportError:
-        print("matplotlib not installed: skipping the plot")
-    else:
-        print("wrote", ", ".join(written))
+    save_results(args.out_dir, {"config": vars(args), "seconds": elapsed, "variance": rows,
+                                "ratios": ratios(rows)}, lambda: plot(args, rows))
     return rows
 
 

@@ -30,7 +30,6 @@ Discrete Support in Large-Scale Bayesian Deep Learning"
 """
 
 import argparse
-import json
 import math
 import os
 import time
@@ -45,6 +44,8 @@ from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
 from pyro_vinit.data import load_digits
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+
+from _outputs import save_results
 
 GUIDES = ["AutoNormal", "k-tied k=1", "k-tied k=2", "k-tied k=3", "radial"]
 ELBOS = {"TraceMeanField_ELBO": TraceMeanField_ELBO, "Trace_ELBO": Trace_ELBO}
@@ -422,19 +423,9 @@ def main(args):
     print(markdown_tables(args, summary, grid))
     print(f"\ntotal time {elapsed:.0f} s")
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump(
-            {"config": vars(args), "seconds": elapsed, "summary": summary,
-             "comparison": _without_snr_values(comparison), "robustness": grid},
-            f, indent=1,
-        )
-    try:
-        written = plot(args, comparison, grid, summary)
-    except ImportError:
-        print("matplotlib not installed: skipping the plots")
-    else:
-        print("wrote", ", ".join(written))
+    results = {"config": vars(args), "seconds": elapsed, "summary": summary,
+               "comparison": _without_snr_values(comparison), "robustness": grid}
+    save_results(args.out_dir, results, lambda: plot(args, comparison, grid, summary))
     return summary
 
 

@@ -37,7 +37,6 @@ Bayes for Deep Models"
 """
 
 import argparse
-import json
 import math
 import os
 import time
@@ -56,6 +55,8 @@ from pyro_vinit.metrics import classification_metrics, regression_metrics
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.schedules import LinearWarmup
+
+from _outputs import save_results
 
 METHODS = ["iblm", "uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map"]
 WARMUP = "iblm + KL warm-up"
@@ -290,22 +291,17 @@ def main(args):
         print("\n" + markdown_table(problem, res["curves"], res["init_seconds"]))
     print(f"\ntotal time {results['seconds']:.0f} s")
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    written = []
-    try:
+    def plot():
         curves = {p: r["curves"] for p, r in results["problems"].items()}
         title = (f"mean of {args.repeats} seeds; AutoNormal, Trace_ELBO, minibatches of "
                  f"{args.batch_size}; dashed: I-BLM with the KL weight warmed up from 0 to 1")
-        written.append(plot_curves(curves, os.path.join(args.out_dir, "initializer_comparison.png"),
-                                   title=title))
+        written = [plot_curves(curves, os.path.join(args.out_dir, "initializer_comparison.png"),
+                               title=title)]
         for problem, c in curves.items():
             written.append(plot_curves({problem: c}, os.path.join(args.out_dir, f"{problem}.png")))
-    except ImportError:
-        print("matplotlib not installed: skipping the plots")
-    else:
-        print("wrote", ", ".join(written))
+        return written
+
+    save_results(args.out_dir, results, plot)
     return results
 
 

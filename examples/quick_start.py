@@ -59,7 +59,6 @@ Usage::
 """
 
 import argparse
-import json
 import os
 import time
 
@@ -75,6 +74,8 @@ from pyro_vinit.metrics import calibration, classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam
 from pyro_vinit.schedules import LinearWarmup
+
+from _outputs import save_results
 
 
 def make_guide(args, model):
@@ -229,7 +230,6 @@ def main(args):
     final, reliability = test_metrics(model, guide, x_test, y_test, args.num_samples)
     report(f"step {args.steps}", final)
 
-    os.makedirs(args.out_dir, exist_ok=True)
     results = {
         "config": vars(args),
         "init_seconds": init_seconds,
@@ -240,14 +240,7 @@ def main(args):
         "reliability": {"after_init": reliability_init, "final": reliability},
         "curve": curve,
     }
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    try:
-        written = plot(args, curve, reliability_init, reliability)
-    except ImportError:
-        print("matplotlib not installed: skipping the plots")
-    else:
-        print("wrote", ", ".join(written))
+    save_results(args.out_dir, results, lambda: plot(args, curve, reliability_init, reliability))
     return results
 
 

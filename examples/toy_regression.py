@@ -32,7 +32,6 @@ Bayes for Deep Models"
 """
 
 import argparse
-import json
 import math
 import os
 import time
@@ -50,6 +49,8 @@ from pyro_vinit.metrics import regression_metrics
 from pyro_vinit.nn import BayesianRegressor, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.schedules import LinearWarmup
+
+from _outputs import save_results
 
 INITS = ["random", "iblm"]
 NOISE = math.exp(-1)  # the data's noise scale, used as the likelihood's
@@ -190,21 +191,14 @@ def main(args):
               f"| {r['init_seconds']:.2f} | {r['svi_seconds']:.0f} |")
     print(f"\ntotal time {elapsed:.0f} s")
 
-    os.makedirs(args.out_dir, exist_ok=True)
     summary = {
         init: {stage: {k: r[stage][k] for k in ("rmse", "mnll")}
                for stage in ("step_0", final)}
         for init, r in results.items()
     }
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"config": vars(args), "seconds": elapsed, "summary": summary,
-                   "grid": grid[:, 0].tolist(), "results": results}, f, indent=1)
-    try:
-        written = plot(args, data, grid, results)
-    except ImportError:
-        print("matplotlib not installed: skipping the plots")
-    else:
-        print("wrote", ", ".join(written))
+    save_results(args.out_dir, {"config": vars(args), "seconds": elapsed, "summary": summary,
+                                "grid": grid[:, 0].tolist(), "results": results},
+                 lambda: plot(args, data, grid, results))
     return summary
 
 
