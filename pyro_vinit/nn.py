@@ -32,12 +32,23 @@ class _NormalPrior:
 
     def __init__(self, shape: torch.Size) -> None:
         self.shape = torch.Size(shape)
+        self._cached: Optional[Tuple[torch.Tensor, int, dist.Independent]] = None
 
     def __call__(self, module: nn.Module) -> dist.Independent:
         scale = module.prior_scale
-        return (
+        # The prior is rebuilt only when the buffer is replaced (.to(), .double(), a new
+        # tensor) or changed in place (its version counter moves): not at every step.
+        cached = self._cached
+        if cached is not None and cached[0] is scale and cached[1] == scale._version:
+            return cached[2]
+        prior = (
             dist.Normal(torch.zeros_like(scale), scale).expand(self.shape).to_event(len(self.shape))
         )
+        self._cached = (scale, scale._version, prior)
+        return prior
+
+    def __getstate__(self) -> dict:
+        return {"shape": self.shape, "_cached": None}
 
 
 def _check_exclude(

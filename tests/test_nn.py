@@ -125,6 +125,19 @@ def test_fixed_prior_scale_and_no_bias():
         assert_close(scale, torch.full_like(scale, 0.5))
 
 
+def test_prior_is_reused_until_its_scale_changes():
+    net = bayesianize(mlp((3, 2)), prior_scale=0.5)
+    x = torch.randn(2, 3)
+    first = _sites(net, x)["0.weight"]["fn"]
+    assert _sites(net, x)["0.weight"]["fn"] is first  # not rebuilt at every step
+    net[0].prior_scale.fill_(2.0)  # in place: the prior must follow
+    _, scale = _prior_loc_scale(_sites(net, x)["0.weight"])
+    assert_close(scale, torch.full_like(scale, 2.0))
+    net.double()  # a new buffer
+    site = _sites(net, x.double())["0.weight"]
+    assert site["fn"].mean.dtype == torch.float64 and site["value"].dtype == torch.float64
+
+
 @pytest.mark.parametrize(
     "exclude, random_layers",
     [

@@ -166,7 +166,9 @@ def _kl_k_tied_independent(p: KTiedIndependent, q: torch.distributions.Independe
         (-2, -1)
     )
     sum_log_s = base.scale.log().sum(matrix)
-    sum_d2 = (base.loc - prior.loc).pow(2).sum(matrix)
+    # A dot product: one fused pass forward and backward, where pow(2).sum() takes three.
+    d = (base.loc - prior.loc).flatten(-tied)
+    sum_d2 = torch.linalg.vecdot(d, d)
     kl = (
         numel * (prior_scale.log() - 0.5)
         - sum_log_s

@@ -162,7 +162,7 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
 
         op = getattr(F, call.op)
         mean = op(x, weight.loc, bias_loc, **call.kwargs)
-        var = self._variance(call, x.pow(2), weight)
+        var = self._variance(call, x * x, weight)
         if bias_var is not None:
             # A positive bias variance keeps sqrt away from 0, where its gradient is infinite.
             std = (var + bias_var.reshape(bias_var.shape + (1,) * spatial_dims(call))).sqrt()
