@@ -17,10 +17,10 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check pyro_vinit tests examples benchmarks
+	$(BIN)/ruff check pyro_vinit tests examples benchmarks docs
 
 test: $(STAMP)
-	$(BIN)/ruff check pyro_vinit tests examples benchmarks
+	$(BIN)/ruff check pyro_vinit tests examples benchmarks docs
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)

@@ -125,7 +125,7 @@ def bayesianize(
         ``module.named_modules()``, e.g. ``"0"`` or ``"features.conv1"``; a
         container's name excludes all layers inside it) or by type (e.g.
         ``nn.Conv2d``).
-    :type exclude: str, type or an iterable of them
+    :type exclude: str, type, list or tuple
     :return: The converted module, now a :class:`~pyro.nn.PyroModule`.
 
     [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational

@@ -22,6 +22,12 @@ def test_docs_build(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "index.html").exists()
 
+    # The API reference links into the Pyro and PyTorch docs (intersphinx, from the
+    # inventories shipped in docs/_inventories, so this holds without a network too).
+    html = "".join(p.read_text() for p in (tmp_path / "api").glob("*.html"))
+    for base in ("https://docs.pyro.ai/en/stable/", "https://pytorch.org/docs/stable/"):
+        assert f'<a class="reference external" href="{base}' in html, f"no links to {base}"
+
 
 def _python_blocks(text):
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)

@@ -103,7 +103,8 @@ class KTiedNormal(dist.Normal):
     def to_event(self, reinterpreted_batch_ndims: Optional[int] = None) -> dist.Independent:
         """
         Reinterprets the rightmost batch dims as event dims, as
-        :meth:`pyro.distributions.Distribution.to_event` does, but returns a
+        :meth:`~pyro.distributions.torch_distribution.TorchDistributionMixin.to_event`
+        does, but returns a
         :class:`KTiedIndependent` so that the KL to a Normal prior can use the
         low rank of :math:`S`.
 
