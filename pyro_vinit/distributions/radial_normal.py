@@ -199,12 +199,13 @@ def radial_standard_icdf(q: torch.Tensor, event_numel: int, num_nodes: int = 512
 
     upper = min(math.pi / 2, 12.0 / math.sqrt(event_numel - 2)) if event_numel > 2 else math.pi / 2
     nodes, weights = np.polynomial.legendre.leggauss(num_nodes)
-    phi = torch.as_tensor((nodes + 1) * upper / 2, dtype=torch.float64)
-    log_w = torch.as_tensor(weights, dtype=torch.float64).log()
+    like = {"dtype": torch.float64, "device": q.device}
+    phi = torch.as_tensor((nodes + 1) * upper / 2, **like)
+    log_w = torch.as_tensor(weights, **like).log()
     log_w = log_w + (event_numel - 2) * phi.cos().log()
     w = (log_w - log_w.logsumexp(0)).exp()
     sin_phi = phi.sin()
-    std_normal = Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
+    std_normal = Normal(torch.tensor(0.0, **like), 1.0)
 
     def cdf(t):
         return (std_normal.cdf(t.unsqueeze(-1) / sin_phi) * w).sum(-1)
