@@ -15,6 +15,7 @@ from torch import nn
 
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
+from pyro_vinit.poutine import flipout, local_reparam
 from tests.common import assert_close
 
 
@@ -288,15 +289,27 @@ def test_svi_with_guides(guide_cls, elbo):
     assert accuracy > 0.9
 
 
-@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoKTiedNormal, AutoRadialNormal])
-def test_svi_cnn_with_guides(guide_cls):
+@pytest.mark.parametrize(
+    "guide_cls, handler",
+    [
+        (AutoNormal, None),
+        (AutoKTiedNormal, None),
+        (AutoRadialNormal, None),
+        (AutoNormal, local_reparam),
+        (AutoKTiedNormal, local_reparam),
+        (AutoKTiedNormal, flipout),
+        (AutoRadialNormal, flipout),
+    ],
+)
+def test_svi_cnn_with_guides(guide_cls, handler):
     x, y = torch.randn(6, 2, 8, 8), torch.randint(0, 3, (6,))
     model = BayesianClassifier(bayesianize(SmallCNN()))
     guide = guide_cls(model)
     svi = SVI(model, guide, Adam({"lr": 0.01}), Trace_ELBO())
+    step = svi.step if handler is None else handler(svi.step, strict=True)
     params_before = None
     for _ in range(3):
-        assert math.isfinite(svi.step(x, y))
+        assert math.isfinite(step(x, y))
         if params_before is None:
             params_before = {k: v.detach().clone() for k, v in guide.named_parameters()}
     # every conv and linear site is in the guide and got updated
@@ -306,3 +319,10 @@ def test_svi_cnn_with_guides(guide_cls):
     }
     after = dict(guide.named_parameters())
     assert all(not torch.equal(params_before[k], after[k].detach()) for k in loc_names)
+    # Under a handler, identical images get their own weight noise in one posterior sample.
+    same = x[:1].expand(4, 2, 8, 8)
+    predictive = Predictive(model, guide=guide, num_samples=1, return_sites=["_RETURN"])
+    if handler is not None:
+        predictive = handler(predictive, strict=True)
+    logits = predictive(same)["_RETURN"][0]
+    assert torch.allclose(logits[0], logits[1]) == (handler is None)

@@ -84,19 +84,25 @@ class SiteValue(torch.Tensor):
         that drew it first.
     :ivar str derived: For a reshaped or cast site value, the name of the
         operation (the value is then not the site's own).
+    :ivar list uses: A one-element list counting the layer calls and other
+        matrix products that used the value so far; shared by every stand-in
+        for the same draw (reshaped or cast ones, the model's value behind a
+        ``Delta``), so that a second use of one weight sample is seen.
     """
 
     dist: Optional[Distribution]
     msgs: List[dict]
     derived: Optional[str]
+    uses: List[int]
     _real: Optional[torch.Tensor]
     _thunk: Optional[Callable[[], torch.Tensor]]
     _grad_enabled: bool
 
     @classmethod
-    def _new(cls, placeholder: torch.Tensor, dist, msgs, derived=None) -> "SiteValue":
+    def _new(cls, placeholder: torch.Tensor, dist, msgs, derived=None, uses=None) -> "SiteValue":
         self = torch.Tensor._make_subclass(cls, placeholder, False)
         self.dist, self.msgs, self.derived = dist, msgs, derived
+        self.uses = [0] if uses is None else uses
         self._real, self._thunk = None, None
         return self
 
@@ -107,9 +113,11 @@ class SiteValue(torch.Tensor):
         dist: Optional[Distribution],
         msgs: List[dict],
         derived: Optional[str] = None,
+        uses: Optional[List[int]] = None,
     ) -> "SiteValue":
-        """A stand-in for the existing tensor ``value`` (sharing its storage)."""
-        self = cls._new(value.detach(), dist, msgs, derived)
+        """A stand-in for the existing tensor ``value`` (sharing its storage);
+        ``uses`` is the use counter of the stand-in it derives from, if any."""
+        self = cls._new(value.detach(), dist, msgs, derived, uses)
         self._real = value
         return self
 

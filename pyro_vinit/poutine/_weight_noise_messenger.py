@@ -32,6 +32,9 @@ class _WeightNoiseMessenger(LayerCallMessenger):
     """
 
     interception = "site_values"
+    #: Whether the handler gives a sampled bias per-example noise too (then a
+    #: bias used by two layer calls is a shared sample like a weight).
+    bias_noise = False
 
     def __init__(self, strict: bool = False) -> None:
         if not isinstance(strict, bool):
@@ -45,6 +48,23 @@ class _WeightNoiseMessenger(LayerCallMessenger):
         is to run unchanged (a plain weight, or a fallback already reported)."""
         weight = call.weight
         if not isinstance(weight, SiteValue) or not weight.msgs:
+            return None
+        noisy = [weight]
+        if self.bias_noise and isinstance(call.bias, SiteValue) and call.bias.msgs:
+            noisy.append(call.bias)
+        reused = [value for value in noisy if value.uses[0]]
+        for value in noisy:
+            value.uses[0] += 1
+        if reused:
+            # Per-example noise drawn independently at each use would lose the correlation
+            # between the uses of one sample (tied weights, a layer called twice).
+            self._fallback(
+                reused[0],
+                "this sample was already used by an earlier layer call or matrix product "
+                "in this run (a shared or tied weight); the uses are then not jointly "
+                "exact. Give each layer its own sample site, or run such models without "
+                "the handler",
+            )
             return None
         if weight.derived is not None:
             self._fallback(
@@ -64,6 +84,8 @@ class _WeightNoiseMessenger(LayerCallMessenger):
         return weight.dist
 
     def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
+        # A later layer call on the same sample must use it as drawn, too.
+        value.uses[0] += 1
         self._fallback(
             value,
             f"it is used by {op_name}, which the handler does not intercept (it intercepts "

@@ -296,7 +296,7 @@ class LayerCallMessenger(Messenger):
             and source.shape == value.shape
         ):
             return None
-        return SiteValue.wrap(value.real, source.dist, list(source.msgs))
+        return SiteValue.wrap(value.real, source.dist, list(source.msgs), uses=source.uses)
 
     def _record(self, msg: dict, value: torch.Tensor) -> None:
         entry = self._by_value.get(id(value))
@@ -360,7 +360,9 @@ class LayerCallMessenger(Messenger):
             out = func(*unwrap(args), **unwrap(kwargs))
             if isinstance(source, SiteValue) and source.msgs and isinstance(out, torch.Tensor):
                 name = getattr(func, "__name__", str(func))
-                return SiteValue.wrap(out, source.dist, list(source.msgs), source.derived or name)
+                return SiteValue.wrap(
+                    out, source.dist, list(source.msgs), source.derived or name, source.uses
+                )
             return out
         if func in _CUSTOM_LAYER_OPS:
             name = getattr(func, "__name__", str(func))

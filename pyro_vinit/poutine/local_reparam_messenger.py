@@ -100,6 +100,8 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
     Reparameterization Trick"
     """
 
+    bias_noise = True
+
     def __init__(self, strict: bool = False, low_rank: Optional[bool] = None) -> None:
         if low_rank not in (None, True, False):
             raise TypeError(

@@ -30,18 +30,21 @@ def _moments(outs, mean, var, z=5.0):
 
 
 @pytest.mark.parametrize("kind", ["normal", "radial"])
-def test_linear_means_variances_and_decorrelation(kind):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_means_variances_and_decorrelation(kind, dtype):
     n = 4000
-    x = torch.randn(2, 5).repeat(2, 1)  # rows 0 and 2 are the same input
-    loc, scale = torch.randn(3, 5), torch.rand(3, 5) + 0.5
+    x = torch.randn(2, 5, dtype=dtype).repeat(2, 1)  # rows 0 and 2 are the same input
+    loc, scale = torch.randn(3, 5, dtype=dtype), torch.rand(3, 5, dtype=dtype) + 0.5
     fn, marginal_var = _weight(kind, loc, scale)
+    bias = torch.ones(3, dtype=dtype)
 
     def model():
-        return F.linear(x, pyro.sample("w", fn), torch.ones(3))
+        return F.linear(x, pyro.sample("w", fn), bias)
 
     with flipout(strict=True):
         outs = torch.stack([model() for _ in range(n)])
-    mean = F.linear(x, loc, torch.ones(3))
+    assert outs.dtype == dtype
+    mean = F.linear(x, loc, bias)
     var = F.linear(x**2, marginal_var)
     _moments(outs, mean, var)
     a, b = outs[:, 0] - outs[:, 0].mean(0), outs[:, 2] - outs[:, 2].mean(0)

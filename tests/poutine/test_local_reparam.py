@@ -14,7 +14,7 @@ from pyro.poutine.util import prune_subsample_sites
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
 from pyro_vinit.distributions import KTiedNormal
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import LocalReparamMessenger, local_reparam
+from pyro_vinit.poutine import LocalReparamMessenger, flipout, local_reparam
 from tests.common import assert_close
 
 
@@ -35,12 +35,14 @@ def _mc_check(samples, mean, var, z=5.0):
 # ------------------------------------------------------------------- moments
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("bias_kind", ["site", "param", "none"])
-def test_linear_moments(bias_kind):
+def test_linear_moments(bias_kind, dtype):
     n, batch, d_in, d_out = 20000, 3, 5, 4
-    x = torch.randn(batch, d_in)
-    w_loc, w_scale = torch.randn(d_out, d_in), torch.rand(d_out, d_in) + 0.2
-    b_loc, b_scale = torch.randn(d_out), torch.rand(d_out) + 0.2
+    like = {"dtype": dtype}
+    x = torch.randn(batch, d_in, **like)
+    w_loc, w_scale = torch.randn(d_out, d_in, **like), torch.rand(d_out, d_in, **like) + 0.2
+    b_loc, b_scale = torch.randn(d_out, **like), torch.rand(d_out, **like) + 0.2
 
     def model(x):
         w = pyro.sample("w", _normal(w_loc, w_scale))
@@ -53,6 +55,7 @@ def test_linear_moments(bias_kind):
 
     with local_reparam(strict=True):
         out = model(x.repeat(n, 1)).reshape(n, batch, d_out)
+    assert out.dtype == dtype
     mean = F.linear(x, w_loc, None if bias_kind == "none" else b_loc)
     var = F.linear(x**2, w_scale**2) + (b_scale**2 if bias_kind == "site" else 0)
     _mc_check(out, mean, var)
@@ -275,6 +278,7 @@ def test_subsampled_plate():
             logits = self.net(x[idx])  # the weights are outside the plate
             with data:
                 pyro.sample("obs", dist.Categorical(logits=logits), obs=y[idx])
+            return logits
 
     model = Model()
     guide = AutoKTiedNormal(model)
@@ -282,6 +286,17 @@ def test_subsampled_plate():
     with local_reparam(strict=True):
         losses = [svi.step(data_x, data_y) for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
+
+    # The subsampled examples get their own weight noise: identical inputs, different
+    # outputs within one posterior sample (and equal outputs without the handler).
+    same_x = torch.randn(1, 4).expand(100, 4)
+    predictive = Predictive(model, guide=guide, num_samples=2, return_sites=["_RETURN"])
+    with local_reparam(strict=True):
+        out = predictive(same_x, data_y)["_RETURN"]
+    assert out.shape == (2, 10, 3)
+    assert not torch.allclose(out[:, 0], out[:, 1])
+    out = predictive(same_x, data_y)["_RETURN"]
+    assert torch.allclose(out[:, 0], out[:, 1])
 
 
 # ------------------------------------------------------------------ fallbacks
@@ -327,6 +342,53 @@ def test_reshaped_weight_and_custom_op_fall_back():
         with local_reparam():
             out = custom(x)
     assert out.shape == (3, 2)
+
+
+@pytest.mark.parametrize("handler", [local_reparam, flipout])
+def test_shared_weight_falls_back(handler):
+    # One sample used by two layer calls (tied weights): independent noise at each use
+    # would lose the correlation between them, so the second use is reported.
+    x = torch.randn(5, 4)
+
+    def tied():
+        w = pyro.sample("w", _normal(torch.zeros(4, 4), torch.ones(4, 4)))
+        return F.linear(F.linear(x, w), w)
+
+    with pytest.raises(ValueError, match="'w'.*shared or tied"):
+        with handler(strict=True):
+            tied()
+    with pytest.warns(UserWarning, match="'w'.*shared or tied"):
+        with handler():
+            tied()
+
+    # A matrix product before the layer call: both use the ordinary sample.
+    def matmul_then_layer():
+        w = pyro.sample("w", _normal(torch.zeros(2, 4), torch.ones(2, 4)))
+        return x @ w.t() - F.linear(x, w)
+
+    with pytest.warns(UserWarning, match="'w'.*matmul"):
+        with handler():
+            out = matmul_then_layer()
+    assert_close(out, torch.zeros(5, 2), atol=1e-6)
+
+
+def test_shared_bias_falls_back():
+    # LRT gives a sampled bias per-example noise too, so a shared bias is a shared sample.
+    x = torch.randn(5, 4)
+    w_dist = _normal(torch.zeros(4, 4), torch.ones(4, 4))
+
+    def model():
+        b = pyro.sample("b", _normal(torch.zeros(4), torch.ones(4)))
+        h = F.linear(x, pyro.sample("w1", w_dist), b)
+        return F.linear(h, pyro.sample("w2", w_dist), b)
+
+    with pytest.raises(ValueError, match="'b'.*shared or tied"):
+        with local_reparam(strict=True):
+            model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with flipout(strict=True):  # Flipout uses the bias as sampled
+            model()
 
 
 def test_plain_weights_untouched():
