@@ -113,10 +113,11 @@ class KLAnnealingMessenger(Messenger):
     def iteration(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"KLAnnealingMessenger: iteration must be an int >= 0, got {value!r}")
-        self._iteration = value
         if self.schedule is not None:
+            # Checked before anything changes, so a bad schedule value leaves the state as it was.
             where = f"the schedule's value at iteration {value} ({self.schedule!r})"
             self._scale = _check_scale(self.schedule(value), where)
+        self._iteration = value
 
     def step(self) -> float:
         """

@@ -266,3 +266,10 @@ def test_linear_warmup_values():
 def test_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_failed_step_leaves_state_unchanged():
+    annealing = KLAnnealingMessenger(scale=lambda t: 1.0 - 2 * t)
+    with pytest.raises(ValueError, match="iteration 1"):
+        annealing.step()
+    assert annealing.iteration == 0 and annealing.scale == 1.0
