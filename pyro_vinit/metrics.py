@@ -12,6 +12,10 @@ likelihood, with the posterior samples along the leftmost dimension (as
   needed, the likelihood's standard deviation ``scale`` (a number or a tensor
   broadcastable to ``loc``).
 
+Sampled labels, as :class:`~pyro.infer.Predictive` returns them for the
+observed site of a classifier, carry less information than the per-sample
+probabilities and are refused with a pointer to the logits.
+
 The Monte Carlo predictive distribution is the mixture of the ``S``
 likelihoods, :math:`p(y \\mid x) \\approx \\frac{1}{S} \\sum_s p(y \\mid x, w_s)`.
 
@@ -70,6 +74,14 @@ def _class_log_probs(
         raise ValueError("pass exactly one of logits= or probs= (shape (S, N, C))")
     samples = logits if logits is not None else probs
     name = "logits" if logits is not None else "probs"
+    if isinstance(samples, torch.Tensor) and not samples.is_floating_point():
+        raise ValueError(
+            f"{name} must be floating point of shape (S, N, C), got dtype {samples.dtype} and "
+            f"shape {tuple(samples.shape)}; sampled labels (Predictive's observed site) are "
+            "not class probabilities: return the logits (return_sites=['_RETURN'] for "
+            "BayesianClassifier), or pass probs=F.one_hot(labels, C).float() for the cruder "
+            "estimate from labels"
+        )
     _check_samples(name, samples, y, extra_dims=1)
     if samples.dim() != 3:
         raise ValueError(f"{name} must have shape (S, N, C), got {tuple(samples.shape)}")

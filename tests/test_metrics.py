@@ -166,6 +166,7 @@ def test_classification_metrics_dict():
         (lambda: metrics.mnll(torch.zeros(3), loc=torch.zeros(2, 3), scale=-1.0), "positive"),
         (lambda: metrics.rmse(torch.zeros(3), loc=torch.zeros(2, 3, 1)), r"squeeze\(-1\)"),
         (lambda: metrics.mnll(Y, logits=PROBS, loc=PROBS, scale=1.0), "either"),
+        (lambda: metrics.error_rate(Y, logits=Y.expand(4, 3)), "sampled labels"),
     ],
 )
 def test_errors(call, match):
