@@ -54,7 +54,8 @@ class FlipoutMessenger(_WeightNoiseMessenger):
     Interface, requirements and fallbacks are those of
     :class:`~pyro_vinit.poutine.LocalReparamMessenger`: the handler must
     see both the guide and the model; where Flipout does not apply (another
-    distribution, a reshaped weight, a custom op) the ordinary sample is
+    distribution, a reshaped weight, a custom op, a weight shared by several
+    layer calls after its first use) the ordinary sample is
     used with a warning once per site, or an error with ``strict=True``.
     The bias is used as sampled.
 

@@ -87,7 +87,10 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
     :class:`~pyro_vinit.poutine.FlipoutMessenger` for those), a weight
     reshaped or cast before the layer call, a weight used by an op other
     than the four above (e.g. ``torch.matmul``), a value set by a handler
-    outside this one. A bias with another distribution is used as sampled.
+    outside this one, and every use after the first of a weight or sampled
+    bias that several layer calls share (tied weights: independent noise at
+    each use would lose the correlation between the uses). A bias with
+    another distribution is used as sampled.
     Weights that are plain parameters or conditioned values are used as
     they are.
 
