@@ -16,6 +16,13 @@ Sampled labels, as :class:`~pyro.infer.Predictive` returns them for the
 observed site of a classifier, carry less information than the per-sample
 probabilities and are refused with a pointer to the logits.
 
+Inputs that would give a plausible but wrong number are refused with an error
+that says what to pass instead: ``logits`` whose every row is non-negative and
+sums to 1 (probabilities: pass ``probs=``), NaN in any input (a diverged model
+would otherwise get a finite error rate or entropy), ``+inf`` logits, and
+one-hot labels (pass class indices, ``y.argmax(-1)``). Labels may have any
+integer dtype, or be floats holding whole numbers.
+
 The Monte Carlo predictive distribution is the mixture of the ``S``
 likelihoods, :math:`p(y \\mid x) \\approx \\frac{1}{S} \\sum_s p(y \\mid x, w_s)`.
 
