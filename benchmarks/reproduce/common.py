@@ -43,16 +43,14 @@ DEFAULT_OUT = os.path.join(ROOT, "docs", "_static", "reproduce")
 # ----------------------------------------------------------------------------- options
 
 
-def make_parser(doc: str, name: str) -> argparse.ArgumentParser:
+def make_parser(doc: str, name: str, seeds: int = 2) -> argparse.ArgumentParser:
     """The options every script has: ``--quick``, ``--out-dir``, ``--seeds``,
     ``--threads``."""
-    parser = argparse.ArgumentParser(
-        description=doc.strip().split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run of a few seconds")
     parser.add_argument("--out-dir", default=os.path.join(DEFAULT_OUT, name),
                         help="where the JSON, the PNGs and the reST tables go")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration")
+    parser.add_argument("--seeds", type=int, default=seeds, help="seeds per configuration")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     return parser
 

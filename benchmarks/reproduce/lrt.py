@@ -194,7 +194,7 @@ def plot(args, seeds):
     colors = dict(zip(ESTIMATORS, ("C0", "C1", "C2", "C7")))
     width = 0.8 / len(ESTIMATORS)
     for ax, layer in zip(axes, LAYERS):
-        for i, epoch in enumerate(args.epochs):
+        for i in range(len(args.epochs)):
             for k, name in enumerate(ESTIMATORS):
                 value = statistics_mean(s[i][name][layer] for s in seeds)
                 ax.bar(i + (k - 1.5) * width, value, width, color=colors[name],

@@ -189,19 +189,17 @@ def plot(args, runs):
     # reliability diagrams, one panel per guide family, first seed
     panels = [DETERMINISTIC] + list(FAMILIES)
     fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4), sharey=True)
-    edges = torch.linspace(0, 1, args.num_bins + 1)
-    centers = (edges[:-1] + edges[1:]) / 2
     for ax, family in zip(axes, panels):
         ax.plot([0, 1], [0, 1], color="gray", lw=0.8, ls=":")
         keys = [family] if family == DETERMINISTIC else [f"{family}, {i}" for i in INITS]
         for k, key in enumerate(keys):
             rel = runs[key][0]["reliability"]
-            acc = torch.tensor(rel["accuracy"])
+            acc, conf = torch.tensor(rel["accuracy"]), torch.tensor(rel["confidence"])
             ok = ~torch.isnan(acc)
             ece = sum(r["ece"] for r in runs[key]) / len(runs[key])
-            ax.plot(centers[ok], acc[ok], "o-", color=f"C{k}",
+            ax.plot(conf[ok], acc[ok], "o-", color=f"C{k}",
                     label=f"{key.split(', ')[-1]} (ECE {ece:.3f})")
-        ax.set(title=family, xlabel="confidence", xlim=(0, 1), ylim=(0, 1))
+        ax.set(title=family, xlabel="mean confidence in the bin", xlim=(0, 1), ylim=(0, 1))
         ax.legend(fontsize=7, loc="upper left")
     axes[0].set_ylabel("accuracy")
     written.append(common.savefig(fig, args, "ood_reliability.png"))
