@@ -35,7 +35,7 @@ def test_script_quick(name, tmp_path):
         results = json.load(f)
     assert set(SCRIPTS[name]) <= set(results), sorted(results)
     assert results["config"]["quick"] is True
-    with open(tmp_path / f"{name}_tables.rst") as f:
+    with open(tmp_path / f"{name}_tables.inc") as f:
         tables = f.read()
     assert "====" in tables and "--quick" in tables
     pytest.importorskip("matplotlib")

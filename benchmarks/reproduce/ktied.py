@@ -351,7 +351,7 @@ def main(args):
     checkpoints = sorted(runs[FAMILIES[0]][0]["snr"])
     for family in FAMILIES:
         for stat in ("mean", "median"):
-            cells = [family if stat == "mean" else "", stat]
+            cells = [family, stat]  # a blank first cell would continue the row above in reST
             for i, t in enumerate(checkpoints):
                 cells.append(common.fmt([r["snr"][t][stat] for r in runs[family]], 2))
                 cells.append(f"{PAPER_SNR[family][i]:g}" if stat == "mean" else "")
