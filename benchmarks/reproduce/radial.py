@@ -19,10 +19,11 @@ grid therefore has three guides: *mean-field* (σ = σ₀), *radial* (σ = σ₀
 per element of every layer, as in [1]; set through the guide's ``scales``
 to σ₀/√D) and *radial, marginal σ₀* (``init_scale=σ₀``: the same
 per-element noise as mean-field). Each run's test accuracy (100 posterior
-samples) is counted as *near chance* (< 0.2; chance is 0.1) or *good*
-(≥ 0.85). [1] sampled 86 configurations of a VGG-like network on
-retinopathy images (optimizer, learning rate and its decay, batch size,
-samples, initial variance): 82 % of the mean-field runs and 39 % of the
+samples) is counted as *near chance* (< 0.2; chance is 0.1), *failed*
+(< 0.5) or *good* (≥ 0.8, about the best any guide reaches in 300 steps).
+[1] sampled 86 configurations of a VGG-like network on retinopathy images
+(optimizer, learning rate and its decay, batch size, samples, initial
+variance): 82 % of the mean-field runs and 39 % of the
 radial ones ended near chance, 11 % and 44 % reached a good AUC.
 
 *Continual learning.* Split MNIST: five tasks (digits 0/1, 2/3, 4/5, 6/7,
@@ -236,16 +237,18 @@ def main(args):
     for family in GRID_GUIDES:
         accs = [r["accuracy"] for r in grid[family]]
         near = sum(a < args.chance for a in accs) / len(accs)
+        failed = sum(a < args.failed for a in accs) / len(accs)
         good = sum(a >= args.good for a in accs) / len(accs)
-        summary[family] = {"near_chance": near, "good": good, "runs": len(accs)}
+        summary[family] = {"near_chance": near, "failed": failed, "good": good,
+                           "runs": len(accs)}
         p = {k: "–" if v is None else f"{v:.0%}" for k, v in PAPER_ROBUSTNESS[family].items()}
-        rows.append([family, str(len(accs)), f"{near:.0%}", p["near_chance"],
+        rows.append([family, str(len(accs)), f"{near:.0%}", p["near_chance"], f"{failed:.0%}",
                      f"{good:.0%}", p["good"],
                      f"{sum(accs) / len(accs):.3f}", f"{sorted(accs)[len(accs) // 2]:.3f}"])
     report.table(
-        "Robustness: fraction of runs near chance and good",
-        ["guide", "runs", f"acc. < {args.chance:g}", "paper", f"acc. ≥ {args.good:g}", "paper",
-         "mean acc.", "median acc."],
+        "Robustness: fraction of runs near chance, failed and good",
+        ["guide", "runs", f"acc. < {args.chance:g}", "paper", f"acc. < {args.failed:g}",
+         f"acc. ≥ {args.good:g}", "paper (good AUC)", "mean acc.", "median acc."],
         rows, note=f"(MLP {'-'.join(map(str, args.sizes))}, prior N(0, {args.prior_scale:g}²), "
         f"{args.steps} steps; grid σ₀ {args.init_scales} × lr {args.lrs} × {args.seeds} seeds)",
     )
@@ -330,7 +333,8 @@ def parse_args(argv=None):
                         help="initial σ₀ of the grid")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1e-2])
     parser.add_argument("--chance", type=float, default=0.2, help="accuracy counted near chance")
-    parser.add_argument("--good", type=float, default=0.85, help="accuracy counted good")
+    parser.add_argument("--failed", type=float, default=0.5, help="accuracy counted failed")
+    parser.add_argument("--good", type=float, default=0.8, help="accuracy counted good")
     parser.add_argument("--num-samples", type=int, default=100)
     parser.add_argument("--cl-sizes", type=int, nargs="+", default=[784, 100, 100])
     parser.add_argument("--cl-steps", type=int, default=200)
