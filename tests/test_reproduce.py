@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from benchmarks.reproduce import common, ktied, ood
+from benchmarks.reproduce import common, ktied, ood, radial
+from pyro_vinit.nn import BayesianClassifier
 from tests.common import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,3 +138,23 @@ def test_rst_table():
     assert lines[0] == lines[2] == lines[-1] == "===  ==========="
     assert lines[1] == "a    long header"
     assert lines[3] == "1    2"
+
+
+def test_continual_priors_reach_the_model(local_params):
+    # the body's sites are found (bayesianize turns its parameters into sample sites),
+    # and the prior made from a posterior is the distribution the model samples them from
+    net, body_sites = radial.bayesian_multi_head([6, 4], num_tasks=2)
+    assert body_sites == ["net.body.0.weight", "net.body.0.bias"]
+    model = BayesianClassifier(net)
+    x, y = torch.randn(3, 6), torch.tensor([0, 1, 1])
+    guide = common.MeanFieldNormal(model, init_scale=0.05)
+    guide(x, y)
+    priors, _ = radial.priors_from(guide, body_sites)
+    radial.set_priors(net, priors)
+    trace = pyro.poutine.trace(model).get_trace(x, y)
+    for name in body_sites:
+        loc, scale = guide.get_loc_and_scale(name)
+        fn = trace.nodes[name]["fn"]
+        assert_close(fn.mean, loc.detach())
+        assert_close(fn.stddev, scale.detach())
+    assert_close(trace.nodes["net.heads.0.weight"]["fn"].stddev, torch.full((2, 4), 0.5))
