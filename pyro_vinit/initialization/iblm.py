@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributions import biject_to, transform_to
 
 from pyro_vinit.initialization._data import Data
-from pyro_vinit.initialization._rollback import guide_rollback, write_param, write_unconstrained
+from pyro_vinit.initialization._rollback import GuideRollback, write_param, write_unconstrained
 from pyro_vinit.initialization._tracing import (
     Layer,
     Prepared,
@@ -26,7 +26,7 @@ from pyro_vinit.initialization._tracing import (
     unwrap_likelihood,
 )
 from pyro_vinit.initialization.bayesian_linear_regression import bayesian_linear_regression
-from pyro_vinit.initialization.projection import GuideWriter, SiteValues
+from pyro_vinit.initialization.projection import GuideWriter
 
 __all__ = [
     "IBLMGuideInitializer",
@@ -201,7 +201,7 @@ class IBLMOptions:
     jitter: float = 1e-6
     max_pool_size: int = 10_000
     chunk_rows: int = 4096
-    max_chunk_elements: int = 2**24
+    max_chunk_elements: int = 2**22
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_pool_size", "chunk_rows", "max_chunk_elements"):
@@ -420,7 +420,7 @@ class IBLMGuideInitializer:
         """
         opts = self.options
         GuideWriter.family_of(guide)
-        with guide_rollback(guide):
+        with GuideRollback(guide) as rollback:
             # 1. trace: the layers, the likelihood and what feeds it
             prep = prepare(guide, data, opts.max_pool_size, opts.chunk_rows)
             report_uncovered(prep.structure, opts.strict, "init_guide_iblm")
@@ -435,6 +435,7 @@ class IBLMGuideInitializer:
                     self._stage(prep, values, fits, self._solve(prep, layer, inputs, targets))
             noise = self._fit_noise(prep, values, targets, fits)
             # 4. project onto the guide's family, then bring normalization statistics in line
+            rollback.checkpoint()
             self._write(prep, fits, noise)
             refresh_norm_statistics(prep, values, opts.chunk_rows)
         return guide
@@ -587,7 +588,10 @@ class IBLMGuideInitializer:
         width = d + has_bias
         per_unit = 4 * rows * width + min(rows, width) ** 2
         chunk = max(1, opts.max_chunk_elements // per_unit)
-        means, variances = [], []
+        # Filled in place chunk by chunk: many small chunks, concatenated, would leave the
+        # allocator's heap fragmented (resident memory that is never given back).
+        means = torch.empty(h, width, dtype=dtype, device=device)
+        variances = torch.empty(h, width, dtype=dtype, device=device)
         for start in range(0, h, chunk):
             units = torch.arange(start, min(h, start + chunk), device=device)
             c = len(units)
@@ -615,9 +619,9 @@ class IBLMGuideInitializer:
                 x, t.to(dtype), noise.to(dtype), prior_loc.to(dtype), prior_scale.to(dtype),
                 solver=opts.solver, jitter=opts.jitter,
             )
-            means.append(post.mean)
-            variances.append(post.precision_diag.reciprocal())
-        return Fit(layer, torch.cat(means), torch.cat(variances))
+            means[start : start + c] = post.mean
+            torch.reciprocal(post.precision_diag, out=variances[start : start + c])
+        return Fit(layer, means, variances)
 
     def _hidden_targets(self, t, noise, signs, center: bool, alternate: bool):
         if center:
@@ -762,11 +766,13 @@ class IBLMGuideInitializer:
 
     def _write(self, prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit]) -> None:
         writer = prep.writer
-        staged: Dict[str, SiteValues] = {}
-        for fit in fits.values():
+        # One site at a time, so that only one site's projection is held in memory: a
+        # failure half-way is undone by GuideRollback.
+        for key in list(fits):
+            fit = fits.pop(key)
             for name, (mean, var) in fit.site_values(writer.shape).items():
-                staged[name] = writer.project(name, mean, var)
-        writer.write(staged)
+                writer.write({name: writer.project(name, mean, var)})
+            del fit
         if noise is not None and noise.name is not None:
             if prep.structure.likelihood.noise == "site":
                 # the posterior std of log sigma from n residuals is about 1 / sqrt(2 n)
