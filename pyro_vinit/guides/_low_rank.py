@@ -5,7 +5,7 @@ family :math:`S = UV^\top`, :math:`U, V > 0`.
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 

@@ -234,7 +234,9 @@ def _check_values(name: str, shape: torch.Size, loc, scale, like: torch.Tensor):
 def _check_name(guide, name: str) -> None:
     sites = latent_sites(guide)
     if name not in sites:
-        raise KeyError(f"{name!r} is not a latent site of this guide; its sites are {sorted(sites)}")
+        raise KeyError(
+            f"{name!r} is not a latent site of this guide; its sites are {sorted(sites)}"
+        )
 
 
 def _unconstrained(value: torch.Tensor, constraint, param: torch.Tensor, what: str):

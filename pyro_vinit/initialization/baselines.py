@@ -7,6 +7,8 @@ from typing import Dict, List, Optional, Tuple
 import pyro.poutine as poutine
 import torch
 
+from pyro_vinit.guides import site_params
+from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.initialization._data import Data
 from pyro_vinit.initialization._tracing import (
     Layer,
@@ -15,8 +17,6 @@ from pyro_vinit.initialization._tracing import (
     observed_site,
     prepare,
 )
-from pyro_vinit.guides import site_params
-from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.initialization.iblm import init_guide_iblm
 
 __all__ = ["METHODS", "init_guide"]

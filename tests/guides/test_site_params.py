@@ -130,7 +130,9 @@ def test_written_marginals_by_monte_carlo(Guide):
     model, guide = set_up(Guide, torch.float64)
     loc, scale = random_values((6, 5), torch.float64, scale_rank=1)
     site_params.set_loc_and_scale(guide, "w", loc, scale)
-    draws = Predictive(model, guide=guide, num_samples=4000, return_sites=["w"], parallel=True)()["w"]
+    predictive = Predictive(model, guide=guide, num_samples=4000, return_sites=["w"],
+                            parallel=True)
+    draws = predictive()["w"]
     z = (draws.reshape(4000, 6, 5) - loc) / scale
     # Pooled over 30 elements: the rms has a standard error below 1 / sqrt(2 * 4000) = 1.1 %.
     assert abs(z.pow(2).mean().sqrt().item() - 1) < 0.04
@@ -289,3 +291,14 @@ def test_third_party_guide_trains_and_initializes():
         log_scale = getattr_dotted(guide.log_scales, f"{name}.weight")
         assert_close(log_scale.exp(), scale)
     assert math.isfinite(svi.step(x, y))
+
+
+def test_write_params_checks_everything_before_writing():
+    # The helper subclasses write with: a bad second value leaves the first unwritten.
+    _, guide = set_up(AutoRadialNormal)
+    before = state(guide)
+    writes = [("locs.w", constraints.real, torch.ones(6, 5)),
+              ("scales.w", AutoRadialNormal.scale_constraint, -torch.ones(6, 5))]
+    with pytest.raises(ValueError, match="nothing was written"):
+        guide._write_params(writes)
+    assert_same_state(guide, before)

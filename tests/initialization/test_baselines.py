@@ -7,8 +7,8 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNorm
 from torch import nn
 
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide
-from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.data import load_digits
+from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.initialization._tracing import capture, guide_values, prepare
 from pyro_vinit.initialization.baselines import METHODS
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
