@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import biject_to, transform_to
 
+from pyro_vinit.guides.site_params import check_supported, set_loc_and_scale
 from pyro_vinit.initialization._data import Data
-from pyro_vinit.initialization._rollback import GuideRollback, write_param, write_unconstrained
+from pyro_vinit.initialization._rollback import GuideRollback, write_param
 from pyro_vinit.initialization._tracing import (
     Layer,
     Prepared,
@@ -26,7 +27,6 @@ from pyro_vinit.initialization._tracing import (
     unwrap_likelihood,
 )
 from pyro_vinit.initialization.bayesian_linear_regression import bayesian_linear_regression
-from pyro_vinit.initialization.projection import GuideWriter
 
 __all__ = [
     "IBLMGuideInitializer",
@@ -347,8 +347,10 @@ class IBLMGuideInitializer:
     whatever the model does with it is found by bisection. A fixed scale is
     used as it is, unless ``estimate_noise=True``.
 
-    **4. Project** every site onto the guide's family
-    (:mod:`~pyro_vinit.initialization.projection`), one site at a time, and
+    **4. Project** every site onto the guide's family, one site at a time,
+    through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale` (the
+    guide's own projection: exact for a factorized Normal, a rank-:math:`k`
+    fit of the std matrix for AutoKTiedNormal, see that module), and
     set the running statistics of every ``nn.BatchNorm*d`` to their input's
     statistics over the data, so that the model in eval mode computes what
     was fitted.
@@ -444,7 +446,7 @@ class IBLMGuideInitializer:
             iterable of such tuples (e.g. a DataLoader).
         """
         opts = self.options
-        GuideWriter.family_of(guide)
+        check_supported(guide)
         with GuideRollback(guide) as rollback:
             # 1. trace: the layers, the likelihood and what feeds it
             prep = prepare(guide, data, opts.max_pool_size, opts.chunk_rows)
@@ -790,23 +792,21 @@ class IBLMGuideInitializer:
     # ---- step 4: writing -----------------------------------------------------------------------
 
     def _write(self, prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit]) -> None:
-        writer = prep.writer
-        # One site at a time, so that only one site's projection is held in memory: a
-        # failure half-way is undone by GuideRollback.
+        guide = prep.writer.guide
+        # One site at a time through the guide's own projection, so that only one site's
+        # values are held twice in memory: a failure half-way is undone by GuideRollback.
         for key in list(fits):
             fit = fits.pop(key)
-            for name, (mean, var) in fit.site_values(writer.shape).items():
-                writer.write({name: writer.project(name, mean, var)})
-            del fit
+            for name, (mean, var) in fit.site_values(prep.writer.shape).items():
+                set_loc_and_scale(guide, name, mean, var.sqrt_())
         if noise is not None and noise.name is not None:
             if prep.structure.likelihood.noise == "site":
                 # the posterior std of log sigma from n residuals is about 1 / sqrt(2 n)
                 spread = min(0.1, (2.0 * prep.pool.num_rows) ** -0.5)
-                write_unconstrained(writer.guide, noise.name, noise.level,
-                                    torch.full_like(noise.level, spread))
+                set_loc_and_scale(guide, noise.name, noise.level,
+                                  torch.full_like(noise.level, spread))
             else:
                 write_param(noise.name, noise.level)
-
 
 def init_guide_iblm(guide, data: Data, **options: Any):
     """
