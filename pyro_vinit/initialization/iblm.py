@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import pyro
@@ -474,17 +475,12 @@ class IBLMGuideInitializer:
         fixed = likelihood.noise == "fixed" and not self.options.estimate_noise
         fixed = fixed and self.options.noise_scale is None
         parts = []
-        for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
-                                             prep.structure.block_size):
-            recorder = run_model(prep.writer.guide.model, values, args, prep.latent,
-                                 plate_rows=rows)
-            site = observed_site(recorder)
-            n = prep.pool.rows_of(args)
-            obs = align_rows(site["value"], n, rows, keep, "the observed site")
+        for site, rows_of in self._observed(prep, values):
+            obs = rows_of(site["value"], "the observed site")
             scale = None
             if fixed:
                 scale = unwrap_likelihood(site).scale.expand(site["value"].shape)
-                scale = align_rows(scale, n, rows, keep, "the likelihood's scale")
+                scale = rows_of(scale, "the likelihood's scale")
             parts.append(self._site_targets(site, likelihood.family, obs, scale))
         y = torch.cat([p[0] for p in parts])
         noise_var = torch.cat([p[1] for p in parts])
@@ -500,6 +496,16 @@ class IBLMGuideInitializer:
                 f"the likelihood has {y.shape[1]} target columns; I-BLM needs them to match"
             )
         return Targets(task, y, noise_var, softmax, fixed)
+
+    def _observed(self, prep: Prepared, values):
+        """The observed site of a run of the model over each chunk (or block) of the
+        data, with a function picking a tensor's rows of that chunk, in order."""
+        for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
+                                             prep.structure.block_size):
+            recorder = run_model(prep.writer.guide.model, values, args, prep.latent,
+                                 plate_rows=rows)
+            n = prep.pool.rows_of(args)
+            yield observed_site(recorder), partial(align_rows, n=n, rows=rows, keep=keep)
 
     def _site_targets(self, site: dict, family: str, obs: torch.Tensor, scale):
         """(targets (rows, k), noise variances (rows, k)) of an observed site's rows."""
@@ -545,8 +551,8 @@ class IBLMGuideInitializer:
         for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
                                              prep.structure.block_size):
             x, _ = capture(model, values, args, prep.latent, layer, plate_rows=rows)
-            inputs.append(align_rows(x, prep.pool.rows_of(args), rows, keep,
-                                     f"the input of layer {layer.weight_name!r}"))
+            inputs.append(align_rows(x, f"the input of layer {layer.weight_name!r}",
+                                     n=prep.pool.rows_of(args), rows=rows, keep=keep))
         inputs = torch.cat(inputs)
         if not bool(torch.isfinite(inputs).all()):
             raise ValueError(f"the input of layer {layer.weight_name!r} is not finite")
@@ -709,15 +715,10 @@ class IBLMGuideInitializer:
     def _residual_std(self, prep: Prepared, values, targets: Targets) -> torch.Tensor:
         """Root mean square residual of the network at ``values``, per target column."""
         squares, n = 0.0, 0
-        for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
-                                             prep.structure.block_size):
-            recorder = run_model(prep.writer.guide.model, values, args, prep.latent,
-                                 plate_rows=rows)
-            site = observed_site(recorder)
-            rows_n = prep.pool.rows_of(args)
+        for site, rows_of in self._observed(prep, values):
             loc = unwrap_likelihood(site).loc.expand(site["value"].shape)
-            loc = align_rows(loc, rows_n, rows, keep, "the likelihood's mean")
-            obs = align_rows(site["value"], rows_n, rows, keep, "the observed site")
+            loc = rows_of(loc, "the likelihood's mean")
+            obs = rows_of(site["value"], "the observed site")
             resid = (obs - loc).reshape(obs.shape[0], -1)
             squares = squares + resid.pow(2).sum(0)
             n += resid.shape[0]
