@@ -3,7 +3,6 @@
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.distributions import Normal
 
 from pyro_vinit.distributions import RadialNormal
@@ -12,6 +11,7 @@ from pyro_vinit.poutine._weight_noise_messenger import (
     _WeightNoiseMessenger,
     rademacher,
     spatial_dims,
+    view_of,
 )
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, base_distribution
 
@@ -81,11 +81,10 @@ class FlipoutMessenger(_WeightNoiseMessenger):
             )
             return None
         weight = call.weight.real
-        mean = base.mean.expand(weight.shape)
+        mean = view_of(call.weight, base.mean)
         x, bias = unwrap(call.input), unwrap(call.bias)
-        op = getattr(F, call.op)
-        out = op(x, mean, bias, **call.kwargs)
+        out = call.fn(x, mean, bias, **call.kwargs)
         nsp = spatial_dims(call)
         s = rademacher(x.shape[: x.dim() - nsp] + (1,) * nsp, x)
         r = rademacher(out.shape[: out.dim() - nsp] + (1,) * nsp, out)
-        return out + op(x * s, weight - mean, None, **call.kwargs) * r
+        return out + call.fn(x * s, weight - mean, None, **call.kwargs) * r

@@ -51,7 +51,14 @@ from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, Independent
 from torch.overrides import TorchFunctionMode
 
-from pyro_vinit.poutine._site_value import ACTIVE, SiteValue, contains_site_value, unwrap
+from pyro_vinit.poutine._site_value import (
+    ACTIVE,
+    DERIVING_OPS,
+    SiteValue,
+    Uses,
+    contains_site_value,
+    unwrap,
+)
 
 __all__ = ["LayerCall", "LayerCallMessenger"]
 
@@ -65,21 +72,18 @@ _LAYER_OPS: Dict[Callable, Tuple[str, Tuple[str, ...]]] = {
 _CONV_DEFAULTS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
 _T = torch.Tensor
-# Operations after which a site value is still "the weight", reshaped or cast.
-_DERIVING_OPS = {
-    _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
-    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.to, _T.float,
-    _T.double, _T.half, _T.bfloat16, _T.type, _T.clone, _T.detach, _T.expand, _T.expand_as,
-    _T.__getitem__, _T.narrow, _T.T.__get__, _T.mT.__get__, torch.reshape, torch.transpose,
-    torch.t, torch.permute, torch.flatten, torch.squeeze, torch.unsqueeze, torch.clone,
-    torch.narrow,
+# Matrix products that are a linear layer when one operand is a weight (see as_linear_call).
+_MATMULS = {
+    torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm,
+    torch.mv, _T.mv,
 }
-# Operations that use a site value as a layer's weight in a way the handlers cannot see.
-_CUSTOM_LAYER_OPS = {
-    torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm,
-    _T.bmm, torch.einsum, torch.tensordot, torch.addmm, _T.addmm, torch.mv, _T.mv,
-    torch.addmv, torch.baddbmm, torch.inner, F.bilinear, F.embedding, F.conv_transpose1d,
-    F.conv_transpose2d, F.conv_transpose3d,
+_ADDMMS = {torch.addmm, _T.addmm}
+_OP_DIMS = {torch.mm: (2, 2), _T.mm: (2, 2), torch.bmm: (3, 3), _T.bmm: (3, 3)}
+# Operations that use a site value as a layer's weight in a way the handlers cannot see
+# (the products above too, in the forms as_linear_call does not recognize).
+_CUSTOM_LAYER_OPS = _MATMULS | _ADDMMS | {
+    torch.einsum, torch.tensordot, torch.addmv, torch.baddbmm, torch.inner, F.bilinear,
+    F.embedding, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
 }
 
 
@@ -91,26 +95,48 @@ def base_distribution(fn: Any) -> Any:
     return fn
 
 
+def linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """:func:`torch.nn.functional.linear`, also for a weight with batch dims
+    (``(..., out, in)``, e.g. vectorized particles), which broadcast as in
+    :func:`torch.matmul`."""
+    if weight.dim() <= 2:
+        return F.linear(input, weight, bias)
+    out = torch.matmul(input, weight.mT)
+    return out if bias is None else out + bias
+
+
 @dataclass
 class LayerCall:
     """
-    One ``F.linear`` or ``F.conv*d`` call seen by a :class:`LayerCallMessenger`.
+    One layer call seen by a :class:`LayerCallMessenger`: an ``F.linear`` or
+    ``F.conv*d`` call, or a matrix product that is a linear layer (see
+    :func:`as_linear_call`), in the form of the equivalent ``F.linear`` call.
 
     :ivar str op: ``"linear"``, ``"conv1d"``, ``"conv2d"`` or ``"conv3d"``.
     :ivar torch.Tensor input: The layer's input.
-    :ivar torch.Tensor weight: The weight tensor as passed to the op.
+    :ivar torch.Tensor weight: The weight tensor as passed to the op (for a
+        matrix product, the weight as ``F.linear`` takes it, ``(out, in)``:
+        e.g. the transpose of ``w`` in ``x @ w``). With ``op = "linear"`` it may
+        have batch dims, which broadcast as in :func:`torch.matmul`.
     :ivar bias: The bias tensor, or None.
     :ivar dict kwargs: The op's remaining arguments (``stride``, ``padding``,
         ``dilation``, ``groups`` for convolutions, with defaults filled in).
-    :ivar list weight_msgs: The sample-site messages whose value *is* ``weight``,
-        in the order they were seen: the message whose distribution drew the
-        value first (under SVI the guide's; for Pyro's AutoNormal the
-        auxiliary ``<name>_unconstrained`` Normal, followed through the
-        ``Delta`` at the site; under :class:`~pyro.infer.Predictive`, which
-        conditions the model on guide samples, the guide's last draw of the
-        site), then the model's. Empty if the weight is not a sample site's
-        value (a plain parameter, or a reshaped or cast sample).
+    :ivar list weight_msgs: The sample-site messages whose value ``weight`` is
+        (or a view of: transposed, reshaped, sliced), in the order they were
+        seen: the message whose distribution drew the value first (under SVI
+        the guide's; for Pyro's AutoNormal the auxiliary
+        ``<name>_unconstrained`` Normal, followed through the ``Delta`` at the
+        site; under :class:`~pyro.infer.Predictive`, which conditions the
+        model on guide samples, the guide's last draw of the site), then the
+        model's. Empty if the weight is not a sample site's value.
     :ivar list bias_msgs: The same for ``bias``.
+    :ivar str source: The name of the function the program called
+        (``"linear"``, ``"conv2d"``, ``"matmul"``, ``"addmm"``, ``"einsum"``, ...).
+    :ivar output_fn: For a matrix product, the map from the layer's output to
+        the product's (a transpose, a squeeze, a permutation of dims, ...);
+        None if they are the same.
     """
 
     op: str
@@ -120,6 +146,16 @@ class LayerCall:
     kwargs: Dict[str, Any] = field(default_factory=dict)
     weight_msgs: List[dict] = field(default_factory=list)
     bias_msgs: List[dict] = field(default_factory=list)
+    source: str = ""
+    output_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def __post_init__(self) -> None:
+        self.source = self.source or self.op
+
+    @property
+    def fn(self) -> Callable:
+        """The layer function: :func:`linear` or ``F.conv*d``."""
+        return linear if self.op == "linear" else getattr(F, self.op)
 
     def __call__(
         self,
@@ -127,13 +163,13 @@ class LayerCall:
         weight: Optional[torch.Tensor] = None,
         bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Runs the op with the call's arguments, optionally replacing
-        ``input``, ``weight`` and ``bias`` (pass ``bias=False`` for none)."""
+        """Runs the layer (without :attr:`output_fn`) with the call's arguments,
+        optionally replacing ``input``, ``weight`` and ``bias`` (pass
+        ``bias=False`` for none)."""
         input = self.input if input is None else input
         weight = self.weight if weight is None else weight
         bias = self.bias if bias is None else (None if bias is False else bias)
-        fn = getattr(F, self.op)
-        return fn(*unwrap((input, weight, bias)), **self.kwargs)
+        return self.fn(*unwrap((input, weight, bias)), **self.kwargs)
 
     @property
     def weight_name(self) -> Optional[str]:
@@ -146,6 +182,165 @@ class LayerCall:
         return self.bias_msgs[-1]["name"] if self.bias_msgs else None
 
 
+# ------------------------------------------------------ matrix products as layers
+
+
+def _is_latent(value: Any) -> bool:
+    return isinstance(value, SiteValue) and bool(value.msgs)
+
+
+def _msgs_of(value: Any) -> List[dict]:
+    return value.msgs if _is_latent(value) and value.is_view else []
+
+
+def _weight_position(operands) -> Optional[int]:
+    # The position of the one operand that is a site value, if exactly one is.
+    latent = [i for i, v in enumerate(operands) if _is_latent(v)]
+    return latent[0] if len(latent) == 1 else None
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    return w.derive(_T.mT.__get__) if isinstance(w, SiteValue) else unwrap(w).mT
+
+
+def _row(w: torch.Tensor) -> torch.Tensor:
+    return w.derive(_T.unsqueeze, (0,)) if isinstance(w, SiteValue) else unwrap(w).unsqueeze(0)
+
+
+def _squeeze_last(t: torch.Tensor) -> torch.Tensor:
+    return t.squeeze(-1)
+
+
+def _mT(t: torch.Tensor) -> torch.Tensor:
+    return t.mT
+
+
+def _linear_call(source, input, weight, bias=None, output_fn=None) -> LayerCall:
+    input = unwrap(input)
+    return LayerCall(
+        "linear", input, weight, bias, {}, _msgs_of(weight), _msgs_of(bias), source, output_fn
+    )
+
+
+def _matmul_call(func, args, kwargs) -> Optional[LayerCall]:
+    if kwargs or len(args) != 2:
+        return None
+    a, b = args if func is not _T.__rmatmul__ else args[::-1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or 0 in (a.dim(), b.dim()):
+        return None
+    dims = _OP_DIMS.get(func)
+    if dims is not None and (a.dim(), b.dim()) != dims:
+        return None
+    if func in (torch.mv, _T.mv) and (a.dim(), b.dim()) != (2, 1):
+        return None
+    position = _weight_position((a, b))
+    if position is None:
+        return None
+    name = func.__name__.strip("_").replace("rmatmul", "matmul")
+    if position == 1:  # x @ w: w is (..., in, out), or (in,)
+        x, w = unwrap(a), b
+        if x.shape[-1] != w.shape[-2 if w.dim() > 1 else -1]:
+            return None
+        if w.dim() == 1:
+            return _linear_call(name, x, _row(w), output_fn=_squeeze_last)
+        return _linear_call(name, x, _transposed(w))
+    w, x = a, unwrap(b)  # w @ x: w is (..., out, in), or (in,)
+    if w.shape[-1] != x.shape[-2 if x.dim() > 1 else -1]:
+        return None
+    if w.dim() == 1:
+        return _linear_call(name, x if x.dim() == 1 else x.mT, _row(w), output_fn=_squeeze_last)
+    if x.dim() == 1:
+        return _linear_call(name, x, w)
+    return _linear_call(name, x.mT, w, output_fn=_mT)
+
+
+def _addmm_call(args, kwargs) -> Optional[LayerCall]:
+    if len(args) != 3 or set(kwargs) - {"beta", "alpha"}:
+        return None
+    b, x, w = args
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if _is_latent(x) or x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        return None
+    if alpha == 1 and beta == 1 and b.dim() == 1 and b.shape[0] == w.shape[1]:
+        return _linear_call("addmm", x, _transposed(w), b)
+
+    def output_fn(t: torch.Tensor) -> torch.Tensor:
+        return alpha * t + beta * unwrap(b) if beta != 0 else alpha * t
+
+    return _linear_call("addmm", x, _transposed(w), output_fn=output_fn)
+
+
+def _einsum_call(args, kwargs) -> Optional[LayerCall]:
+    if kwargs or not args or not isinstance(args[0], str):
+        return None
+    operands = args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
+        operands = tuple(operands[0])
+    position = _weight_position(operands) if len(operands) == 2 else None
+    if position is None:
+        return None
+    lhs, arrow, out = args[0].replace(" ", "").partition("->")
+    subscripts = lhs.split(",")
+    if len(subscripts) != 2:
+        return None
+    ws, xs = subscripts[position], subscripts[1 - position]
+    w, x = operands[position], unwrap(operands[1 - position])
+    letters = xs.replace("...", "", 1)
+    ellipsis = len(letters) < len(xs)
+    if not (
+        ws.isalpha() and len(set(ws)) == len(ws) == w.dim() <= 2
+        and (letters.isalpha() or not letters) and len(set(letters)) == len(letters)
+        and (len(letters) == x.dim() or (ellipsis and len(letters) <= x.dim()))
+    ):
+        return None
+    if not arrow:  # implicit output: the letters seen once, in alphabetical order
+        both = ws + letters
+        out = "..." * ellipsis + "".join(sorted(c for c in set(both) if both.count(c) == 1))
+    out_letters = out.replace("...", "", 1)
+    contracted = [c for c in ws if c in letters and c not in out_letters]
+    if len(contracted) != 1 or ("..." in out) != ellipsis:
+        return None
+    c = contracted[0]
+    w_out = ws.replace(c, "")
+    kept = letters.replace(c, "")
+    if any(o in letters for o in w_out) or sorted(out_letters) != sorted(kept + w_out):
+        return None
+    before, _, after = xs.partition("...")
+    dim = before.index(c) if c in before else after.index(c) - len(after)
+    layer_subscripts = xs.replace(c, "") + w_out
+
+    def output_fn(t: torch.Tensor) -> torch.Tensor:
+        if not w_out:
+            t = t.squeeze(-1)
+        return t if layer_subscripts == out else torch.einsum(f"{layer_subscripts}->{out}", t)
+
+    weight = _row(w) if not w_out else (w if ws[1] == c else _transposed(w))
+    return _linear_call("einsum", x.movedim(dim, -1), weight, output_fn=output_fn)
+
+
+def as_linear_call(func: Callable, args: tuple, kwargs: dict) -> Optional[LayerCall]:
+    """
+    The matrix product ``func(*args, **kwargs)`` as a linear layer, if one
+    operand is a sample site's value (the weight) and the product is one:
+    ``torch.matmul`` / ``@`` / ``mm`` / ``bmm`` / ``mv`` with the weight on
+    either side (``x @ w`` with ``w`` of shape ``(..., in, out)`` or
+    ``(in,)``, ``w @ x`` with ``w`` of shape ``(..., out, in)``; batch dims
+    of the weight broadcast), ``torch.addmm(b, x, w)`` and ``torch.einsum``
+    of two operands with one contracted index and at most one other index of
+    the weight (e.g. ``"bi,io->bo"``, ``"...i,oi->...o"``). Otherwise None.
+
+    The returned call's :attr:`~LayerCall.output_fn` maps the layer's output
+    to the product's.
+    """
+    if func in _MATMULS:
+        return _matmul_call(func, args, kwargs)
+    if func in _ADDMMS:
+        return _addmm_call(args, kwargs)
+    if func is torch.einsum:
+        return _einsum_call(args, kwargs)
+    return None
+
+
 class _LayerCallMode(TorchFunctionMode):
     def __init__(self, messenger: "LayerCallMessenger"):
         super().__init__()
@@ -156,7 +351,7 @@ class _LayerCallMode(TorchFunctionMode):
         spec = _LAYER_OPS.get(func)
         if spec is None:
             return func(*args, **kwargs)
-        return self.messenger._handle_layer_call(spec, args, kwargs)
+        return self.messenger._handle_layer_call(self.messenger._make_call(spec, args, kwargs))
 
 
 class LayerCallMessenger(Messenger):
@@ -181,9 +376,9 @@ class LayerCallMessenger(Messenger):
                 f"not {self.interception!r}"
             )
         self._mode: Optional[_LayerCallMode] = None
-        self._reset()
+        self._start_run()
 
-    def _reset(self) -> None:
+    def _start_run(self) -> None:
         # "mode": id(value) -> (value, msgs holding it); name -> its latest value.
         self._by_value: Dict[int, Tuple[torch.Tensor, List[dict]]] = {}
         self._value_of: Dict[str, torch.Tensor] = {}
@@ -191,6 +386,9 @@ class LayerCallMessenger(Messenger):
         # context; id(msg) -> the value this handler drew for it, until post-processing.
         self._draws: Dict[str, dict] = {}
         self._pending: Dict[int, SiteValue] = {}
+        # name -> the latest message holding a site value drawn by a distribution (not an
+        # auxiliary site of a guide): the latent sites of the run, for reports.
+        self._latent: Dict[str, dict] = {}
         self._busy = False
 
     def __enter__(self):
@@ -202,7 +400,7 @@ class LayerCallMessenger(Messenger):
                 "FlipoutMessenger covers the sites LocalReparamMessenger cannot."
             )
         result = super().__enter__()
-        self._reset()
+        self._start_run()
         if self.interception == "mode":
             self._mode = _LayerCallMode(self)
             self._mode.__enter__()
@@ -215,7 +413,7 @@ class LayerCallMessenger(Messenger):
                 self._mode.__exit__(exc_type, exc_value, traceback)
         finally:
             self._mode = None
-            self._reset()
+            self._start_run()
             if ACTIVE and ACTIVE[-1] is self:
                 ACTIVE.pop()
             super().__exit__(exc_type, exc_value, traceback)
@@ -265,18 +463,25 @@ class LayerCallMessenger(Messenger):
         if isinstance(value, SiteValue):
             if value is drawn:
                 self._draws[msg["name"]] = msg
-            if value.derived is not None:
+            if value.view_ops or value.derived is not None:
                 followed = self._follow_delta(msg, value)
-                if followed is None:
-                    return
-                msg["value"] = value = followed
+                if followed is not None:
+                    msg["value"] = value = followed
             value.msgs.append(msg)
+            if value.dist is not None and not msg["infer"].get("is_auxiliary"):
+                self._latent[msg["name"]] = msg
             self._post_site_value(msg, value)
         elif value.is_floating_point():
             if msg["is_observed"]:
                 draw = self._draws.get(msg["name"])
                 if draw is not None and draw["value"].shape == value.shape:
-                    msg["value"] = SiteValue.wrap(value, draw["value"].dist, [draw, msg])
+                    # Conditioned on a draw of the guide (Predictive): the value is new, its
+                    # distribution that of the draw (seen as the draw was: view_ops).
+                    d = draw["value"]
+                    msg["value"] = SiteValue.wrap(
+                        value, d.dist, [draw, msg], d.view_ops, d.derived, Uses(d.uses.shape)
+                    )
+                    self._latent[msg["name"]] = msg
             elif drawn is not None:
                 # A handler outside this one replaced the value it drew (e.g. poutine.replay
                 # of a guide trace drawn outside it): where it came from is unknown.
@@ -290,13 +495,11 @@ class LayerCallMessenger(Messenger):
         # to the support (itself for real support): the site value is then v's value.
         fn = base_distribution(msg["fn"])
         source = getattr(fn, "v", None) if isinstance(fn, dist.Delta) else None
-        if not (
-            isinstance(source, SiteValue)
-            and source.derived is None
-            and source.shape == value.shape
-        ):
+        if not (isinstance(source, SiteValue) and source.is_view and source.shape == value.shape):
             return None
-        return SiteValue.wrap(value.real, source.dist, list(source.msgs), uses=source.uses)
+        return SiteValue.wrap(
+            value.real, source.dist, list(source.msgs), source.view_ops, None, source.uses
+        )
 
     def _record(self, msg: dict, value: torch.Tensor) -> None:
         entry = self._by_value.get(id(value))
@@ -317,7 +520,7 @@ class LayerCallMessenger(Messenger):
         if tensor is None:
             return []
         if isinstance(tensor, SiteValue):
-            return [] if tensor.derived is not None else tensor.msgs
+            return _msgs_of(tensor)
         entry = self._by_value.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else []
 
@@ -338,12 +541,15 @@ class LayerCallMessenger(Messenger):
             op, input, weight, bias, extra, self._msgs_for(weight), self._msgs_for(bias)
         )
 
-    def _handle_layer_call(self, spec, args, kwargs) -> torch.Tensor:
-        call = self._make_call(spec, args, kwargs)
+    def _handle_layer_call(
+        self, call: LayerCall, original: Optional[Callable[[], torch.Tensor]] = None
+    ) -> torch.Tensor:
         self._busy = True
         try:
             out = self._process_layer_call(call)
-            return call() if out is None else out
+            if out is None:
+                return original() if original is not None else call()
+            return out if call.output_fn is None else call.output_fn(out)
         finally:
             self._busy = False
 
@@ -354,18 +560,19 @@ class LayerCallMessenger(Messenger):
             return NotImplemented
         spec = _LAYER_OPS.get(func)
         if spec is not None:
-            return self._handle_layer_call(spec, args, kwargs)
-        if func in _DERIVING_OPS:
+            return self._handle_layer_call(self._make_call(spec, args, kwargs))
+        if func in DERIVING_OPS:
             source = args[0] if args else None
-            out = func(*unwrap(args), **unwrap(kwargs))
-            if isinstance(source, SiteValue) and source.msgs and isinstance(out, torch.Tensor):
-                name = getattr(func, "__name__", str(func))
-                return SiteValue.wrap(
-                    out, source.dist, list(source.msgs), source.derived or name, source.uses
-                )
-            return out
+            if _is_latent(source):
+                return source.derive(func, args[1:], kwargs)
+            return NotImplemented
         if func in _CUSTOM_LAYER_OPS:
-            name = getattr(func, "__name__", str(func))
+            call = as_linear_call(func, args, kwargs)
+            if call is not None:
+                return self._handle_layer_call(
+                    call, lambda: func(*unwrap(args), **unwrap(kwargs))
+                )
+            name = getattr(func, "__name__", str(func)).strip("_")
             for value in _site_values(args) + _site_values(list(kwargs.values())):
                 if value.msgs:
                     self._on_custom_op(value, name)
@@ -377,8 +584,9 @@ class LayerCallMessenger(Messenger):
 
     def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
         """
-        Handles one layer call. Returns the layer's output, or None to run the
-        op unchanged. The base implementation returns None.
+        Handles one layer call. Returns the layer's output (that of
+        ``call.fn``: the base applies :attr:`LayerCall.output_fn` to it), or
+        None to run the op unchanged. The base implementation returns None.
 
         :param LayerCall call: The intercepted call.
         """

@@ -5,13 +5,16 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from pyro.distributions.score_parts import ScoreParts
-from pyro.distributions.util import scale_and_mask
 from torch.distributions import Normal
 
+from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
 from pyro_vinit.distributions import KTiedNormal
-from pyro_vinit.poutine._site_value import SiteValue, unwrap
-from pyro_vinit.poutine._weight_noise_messenger import _WeightNoiseMessenger, spatial_dims
+from pyro_vinit.poutine._site_value import SiteValue, is_transpose, unwrap
+from pyro_vinit.poutine._weight_noise_messenger import (
+    _WeightNoiseMessenger,
+    spatial_dims,
+    view_of,
+)
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, base_distribution
 
 __all__ = ["LocalReparamMessenger"]
@@ -138,17 +141,15 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             scaled = SiteValue.defer(
                 lambda: scale_and_mask(unscaled, scale, mask), scaled_shape, like=value
             )
-        msg["unscaled_log_prob"] = unscaled
-        msg["log_prob"] = scaled
-        msg["log_prob_sum"] = SiteValue.defer(lambda: scaled.sum(), torch.Size(), like=value)
-        msg["score_parts"] = ScoreParts(log_prob=scaled, score_function=0, entropy_term=scaled)
+        total = SiteValue.defer(lambda: scaled.sum(), torch.Size(), like=value)
+        prefill_log_prob(msg, unscaled, scaled, total)
 
     def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
         fn = self._weight_distribution(call)
         if fn is None:
             return None
-        weight = _factorized_normal(fn, call.weight.shape)
-        if weight is None:
+        normal = _factorized_normal(fn, call.weight.uses.shape)
+        if normal is None:
             name = type(base_distribution(fn)).__name__
             self._fallback(
                 call.weight,
@@ -156,18 +157,18 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
                 "gives per-example noise for sign-symmetric ones such as RadialNormal)",
             )
             return None
-        bias = call.bias
-        if isinstance(bias, SiteValue) and bias.msgs and bias.derived is None:
-            bias = _factorized_normal(bias.dist, bias.shape) or bias
-        if isinstance(bias, Normal):
-            bias_loc, bias_var = bias.loc, bias.scale.pow(2)
-        else:
-            bias_loc, bias_var = unwrap(bias), None
+        weight_loc = view_of(call.weight, normal.loc)
+        bias, bias_var = call.bias, None
+        if isinstance(bias, SiteValue) and bias.msgs and bias.is_view:
+            bias_normal = _factorized_normal(bias.dist, bias.uses.shape)
+            if bias_normal is not None:
+                bias_var = view_of(bias, bias_normal.scale).pow(2)
+                bias = view_of(bias, bias_normal.loc)
+        bias = unwrap(bias)
         x = unwrap(call.input)
 
-        op = getattr(F, call.op)
-        mean = op(x, weight.loc, bias_loc, **call.kwargs)
-        var = self._variance(call, x * x, weight)
+        mean = call.fn(x, weight_loc, bias, **call.kwargs)
+        var = self._variance(call, x * x, normal)
         if bias_var is not None:
             # A positive bias variance keeps sqrt away from 0, where its gradient is infinite.
             std = (var + bias_var.reshape(bias_var.shape + (1,) * spatial_dims(call))).sqrt()
@@ -176,32 +177,34 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
         return torch.addcmul(mean, std, torch.randn_like(mean))
 
-    def _variance(self, call: LayerCall, x2: torch.Tensor, weight: Normal) -> torch.Tensor:
+    def _variance(self, call: LayerCall, x2: torch.Tensor, normal: Normal) -> torch.Tensor:
         """:math:`f(x^2, \\sigma^2)`, through the low-rank factors where chosen."""
-        factors = self._low_rank_factors(call, weight)
-        op = getattr(F, call.op)
+        factors = self._low_rank_factors(call, normal)
         if factors is None:
-            return op(x2, weight.scale.pow(2), None, **call.kwargs)
+            return call.fn(x2, view_of(call.weight, normal.scale).pow(2), None, **call.kwargs)
         u2, v2 = factors  # (m, r), (n, r)
         if call.op == "linear":
             return F.linear(F.linear(x2, v2.t()), u2)
         r = u2.shape[-1]
-        thin = op(x2, v2.t().reshape((r,) + call.weight.shape[1:]), None, **call.kwargs)
+        thin = call.fn(x2, v2.t().reshape((r,) + call.weight.shape[1:]), None, **call.kwargs)
         channel = thin.dim() - spatial_dims(call) - 1
         return torch.movedim(torch.movedim(thin, channel, -1) @ u2.t(), -1, channel)
 
     def _low_rank_factors(
-        self, call: LayerCall, weight: Normal
+        self, call: LayerCall, normal: Normal
     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        weight = call.weight
+        transposed = is_transpose(weight.view_ops, weight.uses.shape)
         if (
             self.low_rank is False
-            or not isinstance(weight, KTiedNormal)
-            or weight.scale_u.dim() != 2
-            or weight.tied_dims != call.weight.dim()
+            or not isinstance(normal, KTiedNormal)
+            or normal.scale_u.dim() != 2
+            or normal.tied_dims != weight.dim()
             or call.kwargs.get("groups", 1) != 1
+            or (weight.view_ops and not transposed)
         ):
             return None
-        u, v = weight.scale_u, weight.scale_v
+        u, v = (normal.scale_v, normal.scale_u) if transposed else (normal.scale_u, normal.scale_v)
         (m, k), n = u.shape, v.shape[0]
         r = k * (k + 1) // 2
         if self.low_rank is None and r * (m + n) >= m * n:

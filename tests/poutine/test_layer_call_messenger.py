@@ -64,7 +64,8 @@ def test_handler_functions():
 
 
 def test_site_values_behave_like_tensors():
-    with LocalReparamMessenger():
+    with pytest.warns(UserWarning, match="'w': it never reached a layer call"), \
+            LocalReparamMessenger():
         w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
         assert isinstance(w, SiteValue) and w.is_deferred
         assert w.shape == (3, 4) and w.dtype == torch.float32 and w.dim() == 2

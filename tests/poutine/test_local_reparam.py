@@ -302,7 +302,7 @@ def test_subsampled_plate():
 # ------------------------------------------------------------------ fallbacks
 
 
-def test_radial_guide_warns_once_per_site_and_strict_raises():
+def test_radial_guide_warns_once_per_run_and_strict_raises():
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     model = _classifier()
     guide = AutoRadialNormal(model)
@@ -313,32 +313,33 @@ def test_radial_guide_warns_once_per_site_and_strict_raises():
             with handler:
                 svi.step(x, y)
     messages = [str(w.message) for w in record if "LocalReparamMessenger" in str(w.message)]
-    assert len(messages) == 2  # net.0.weight and net.2.weight, once each
-    assert "'net.0.weight'" in messages[0] and "RadialNormal" in messages[0]
+    assert len(messages) == 1  # one warning naming both sites, once per handler
+    assert "'net.0.weight': its distribution is RadialNormal" in messages[0]
+    assert "'net.2.weight': its distribution is RadialNormal" in messages[0]
     with pytest.raises(ValueError, match="'net.0.weight'.*RadialNormal"):
         with local_reparam(strict=True):
             svi.step(x, y)
 
 
-def test_reshaped_weight_and_custom_op_fall_back():
+def test_repeating_view_and_custom_op_fall_back():
     x = torch.randn(3, 4)
 
-    def reshaped(x):
-        w = pyro.sample("flat", _normal(torch.zeros(8), torch.ones(8)))
-        return F.linear(x, w.reshape(2, 4))
+    def repeated(x):
+        w = pyro.sample("row", _normal(torch.zeros(1, 4), torch.ones(1, 4)))
+        return F.linear(x, w.expand(2, 4))  # both outputs share one weight row
 
     def custom(x):
         w = pyro.sample("w", _normal(torch.zeros(2, 4), torch.ones(2, 4)))
-        return x @ w.t()
+        return F.bilinear(x, x, w.unsqueeze(-1).expand(2, 4, 4))
 
-    with pytest.warns(UserWarning, match="'flat'.*reshape"):
+    with pytest.warns(UserWarning, match="'row'.*by expand"):
         with local_reparam():
-            out = reshaped(x)
-    assert out.shape == (3, 2)
-    with pytest.raises(ValueError, match="'w'.*matmul"):
+            out = repeated(x)
+    assert torch.equal(out[:, 0], out[:, 1])  # the ordinary sample
+    with pytest.raises(ValueError, match="'w'.*bilinear"):
         with local_reparam(strict=True):
             custom(x)
-    with pytest.warns(UserWarning, match="'w'.*matmul"):
+    with pytest.warns(UserWarning, match="'w'.*bilinear"):
         with local_reparam():
             out = custom(x)
     assert out.shape == (3, 2)
@@ -361,15 +362,24 @@ def test_shared_weight_falls_back(handler):
         with handler():
             tied()
 
-    # A matrix product before the layer call: both use the ordinary sample.
+    # An op the handler does not treat, before the layer call: both use the ordinary sample.
+    def custom_then_layer():
+        w = pyro.sample("w", _normal(torch.zeros(2, 4), torch.ones(2, 4)))
+        return torch.tensordot(x, w, dims=([1], [1])) - F.linear(x, w)
+
+    with pytest.warns(UserWarning, match="'w'.*tensordot"):
+        with handler():
+            out = custom_then_layer()
+    assert_close(out, torch.zeros(5, 2), atol=1e-6)
+
+    # A matrix product is a layer: the layer call after it is a second use.
     def matmul_then_layer():
         w = pyro.sample("w", _normal(torch.zeros(2, 4), torch.ones(2, 4)))
         return x @ w.t() - F.linear(x, w)
 
-    with pytest.warns(UserWarning, match="'w'.*matmul"):
-        with handler():
-            out = matmul_then_layer()
-    assert_close(out, torch.zeros(5, 2), atol=1e-6)
+    with pytest.raises(ValueError, match="'w'.*shared or tied"):
+        with handler(strict=True):
+            matmul_then_layer()
 
 
 def test_shared_bias_falls_back():
