@@ -78,6 +78,20 @@ class _WeightNoiseMessenger(LayerCallMessenger):
         self._untreated: Dict[str, str] = {}
         self._reached: Set[str] = set()
 
+    def _pyro_sample(self, msg: dict) -> None:
+        if any(is_vectorized_particles(frame) for frame in msg["cond_indep_stack"]):
+            # Every weight would get a particle dim, which F.linear / F.conv*d do not take
+            # and the handlers do not treat: refuse before the model runs.
+            raise ValueError(
+                f"{type(self).__name__} does not support vectorized particles "
+                "(an ELBO with vectorize_particles=True): they give every latent site, such "
+                f"as {msg['name']!r}, a particle dim, which nn.Linear / nn.Conv*d (F.linear, "
+                "F.conv*d) do not accept and the handler does not treat. Use "
+                "vectorize_particles=False: num_particles then still averages that many "
+                "particles, one after another."
+            )
+        super()._pyro_sample(msg)
+
     def __exit__(self, exc_type, exc_value, traceback):
         report = self._report() if exc_type is None else None
         super().__exit__(exc_type, exc_value, traceback)
@@ -119,9 +133,6 @@ class _WeightNoiseMessenger(LayerCallMessenger):
                 self._reached.update(msg["name"] for msg in value.msgs)
         if not isinstance(weight, SiteValue) or not weight.msgs:
             return None
-        if call.source == call.op and weight.dim() > 2 + spatial_dims(call):
-            self._check_particles(call)
-            return None  # the op raises its own error
         noisy = [weight]
         if self.bias_noise and isinstance(call.bias, SiteValue) and call.bias.msgs:
             noisy.append(call.bias)
@@ -155,20 +166,6 @@ class _WeightNoiseMessenger(LayerCallMessenger):
             )
             return None
         return weight.dist
-
-    def _check_particles(self, call: LayerCall) -> None:
-        weight = call.weight
-        stack = weight.msgs[-1]["cond_indep_stack"]
-        if any(is_vectorized_particles(frame) for frame in stack):
-            raise ValueError(
-                f"{type(self).__name__}: the weight at sample site {weight.site!r} reaches "
-                f"{call.source} with shape {tuple(weight.shape)}: vectorized particles "
-                "(an ELBO with vectorize_particles=True) give every latent site a particle "
-                f"dim, and {call.source} takes a {2 + spatial_dims(call)}-dim weight, with or "
-                "without the handler. Use vectorize_particles=False (num_particles still "
-                "averages that many particles), or write the layer as a matrix product "
-                "(x @ w, torch.matmul), whose batch dims broadcast."
-            )
 
     def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
         # A later layer call on the same sample must use it as drawn, too.

@@ -3,6 +3,7 @@
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch.distributions import Normal
 
 from pyro_vinit.distributions import RadialNormal
@@ -83,8 +84,9 @@ class FlipoutMessenger(_WeightNoiseMessenger):
         weight = call.weight.real
         mean = view_of(call.weight, base.mean)
         x, bias = unwrap(call.input), unwrap(call.bias)
-        out = call.fn(x, mean, bias, **call.kwargs)
+        op = getattr(F, call.op)
+        out = op(x, mean, bias, **call.kwargs)
         nsp = spatial_dims(call)
         s = rademacher(x.shape[: x.dim() - nsp] + (1,) * nsp, x)
         r = rademacher(out.shape[: out.dim() - nsp] + (1,) * nsp, out)
-        return out + call.fn(x * s, weight - mean, None, **call.kwargs) * r
+        return out + op(x * s, weight - mean, None, **call.kwargs) * r

@@ -167,7 +167,8 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
         bias = unwrap(bias)
         x = unwrap(call.input)
 
-        mean = call.fn(x, weight_loc, bias, **call.kwargs)
+        op = getattr(F, call.op)
+        mean = op(x, weight_loc, bias, **call.kwargs)
         var = self._variance(call, x * x, normal)
         if bias_var is not None:
             # A positive bias variance keeps sqrt away from 0, where its gradient is infinite.
@@ -180,13 +181,14 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
     def _variance(self, call: LayerCall, x2: torch.Tensor, normal: Normal) -> torch.Tensor:
         """:math:`f(x^2, \\sigma^2)`, through the low-rank factors where chosen."""
         factors = self._low_rank_factors(call, normal)
+        op = getattr(F, call.op)
         if factors is None:
-            return call.fn(x2, view_of(call.weight, normal.scale).pow(2), None, **call.kwargs)
+            return op(x2, view_of(call.weight, normal.scale).pow(2), None, **call.kwargs)
         u2, v2 = factors  # (m, r), (n, r)
         if call.op == "linear":
             return F.linear(F.linear(x2, v2.t()), u2)
         r = u2.shape[-1]
-        thin = call.fn(x2, v2.t().reshape((r,) + call.weight.shape[1:]), None, **call.kwargs)
+        thin = op(x2, v2.t().reshape((r,) + call.weight.shape[1:]), None, **call.kwargs)
         channel = thin.dim() - spatial_dims(call) - 1
         return torch.movedim(torch.movedim(thin, channel, -1) @ u2.t(), -1, channel)
 
