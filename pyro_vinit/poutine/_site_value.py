@@ -26,6 +26,10 @@ _METADATA = {
     _T.ndim.__get__,
     _T.layout.__get__,
     _T.is_cuda.__get__,
+    _T.is_nested.__get__,  # read by torch.compile on every tensor it meets
+    _T.is_sparse.__get__,
+    _T.is_quantized.__get__,
+    _T.is_meta.__get__,
     _T.dim,
     _T.size,
     _T.numel,
@@ -48,24 +52,16 @@ ViewOp = Tuple[Callable, tuple, dict]
 
 
 @functools.lru_cache(maxsize=256)
-def _zero_expanded(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros((), dtype=dtype, device=device).expand(shape)
-
-
 def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Stand-in data for deferred values. Eagerly, one zero expanded (no storage, cached).
-    # Under torch.compile a dense tensor: Dynamo guards on the strides of the stand-ins it
-    # meets, and a stride-0 one fails its own guard (issue 13).
-    if torch.compiler.is_compiling():
-        return torch.empty(shape, dtype=dtype, device=device)
-    return _zero_expanded(shape, dtype, device)
+    # Storage-free stand-in data for deferred values: one zero, expanded.
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def unwrap(obj: Any) -> Any:
     """Replaces every :class:`SiteValue` in ``obj`` (nested in tuples, lists and
-    dicts) by its real tensor, drawing deferred values."""
+    dicts) by its concrete tensor, drawing deferred values."""
     if isinstance(obj, SiteValue):
-        return obj.real
+        return obj.concrete
     if isinstance(obj, (tuple, list)):
         return type(obj)(unwrap(x) for x in obj)
     if isinstance(obj, dict):
@@ -136,9 +132,9 @@ class SiteValue(torch.Tensor):
     A sample site's value as seen by the model while a layer-call handler is
     active.
 
-    It has the shape, dtype and device of the real value and behaves like
-    it in every torch operation: each operation runs on :attr:`real`. The
-    real value is either given (:meth:`wrap`) or *deferred* (:meth:`defer`):
+    It has the shape, dtype and device of the value and behaves like it in
+    every torch operation: each operation runs on :attr:`concrete`. The
+    value is either given (:meth:`wrap`) or *deferred* (:meth:`defer`):
     drawn the first time an operation other than a shape query needs it,
     which under local reparameterization and a closed-form KL may be never.
 
@@ -205,7 +201,7 @@ class SiteValue(torch.Tensor):
         dtype: Optional[torch.dtype] = None,
     ) -> "SiteValue":
         """A stand-in of ``shape`` (with the dtype and device of ``like``, or
-        ``dtype``) whose real value ``thunk()`` is computed on first use, in
+        ``dtype``) whose value ``thunk()`` is computed on first use, in
         the grad mode of now."""
         placeholder = _placeholder(shape, dtype or like.dtype, like.device)
         self = cls._new(placeholder, dist, msgs or [])
@@ -215,12 +211,14 @@ class SiteValue(torch.Tensor):
 
     @property
     def is_deferred(self) -> bool:
-        """Whether the real value has not been computed yet."""
+        """Whether the value has not been computed yet."""
         return self._real is None
 
     @property
-    def real(self) -> torch.Tensor:
-        """The real value, computed now if it was deferred."""
+    @torch.compiler.disable
+    def concrete(self) -> torch.Tensor:
+        """The value as a plain tensor, computed now if it was deferred (not
+        ``real``: that is :attr:`torch.Tensor.real`, which torch itself reads)."""
         if self._real is None:
             with torch.set_grad_enabled(self._grad_enabled):
                 self._real = unwrap(self._thunk())
@@ -253,13 +251,13 @@ class SiteValue(torch.Tensor):
             if meta is not None and (func not in _EXPANDS or meta.numel() == self.numel()):
                 source = self
                 out = SiteValue.defer(
-                    lambda: func(source.real, *args, **kwargs),
+                    lambda: func(source.concrete, *args, **kwargs),
                     meta.shape, like=self, dtype=meta.dtype,
                 )
                 out.dist, out.msgs, out.uses = self.dist, list(self.msgs), self.uses
                 out.view_ops = self.view_ops + (view_op,)
                 return out
-        out = func(self.real, *args, **kwargs)
+        out = func(self.concrete, *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
         if func in _EXPANDS and out.numel() != self.numel():
@@ -274,11 +272,14 @@ class SiteValue(torch.Tensor):
         )
 
     @classmethod
+    @torch.compiler.disable
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func == _T.grad.__get__ and args[0].is_deferred:
+            return None  # e.g. torch.compile's hasattr(t, "grad")
         handler = ACTIVE[-1] if ACTIVE else None
         if handler is not None:
             out = handler._site_value_op(func, args, kwargs)

@@ -78,6 +78,7 @@ class _WeightNoiseMessenger(LayerCallMessenger):
         self._untreated: Dict[str, str] = {}
         self._reached: Set[str] = set()
 
+    @torch.compiler.disable
     def _pyro_sample(self, msg: dict) -> None:
         if any(is_vectorized_particles(frame) for frame in msg["cond_indep_stack"]):
             # Every weight would get a particle dim, which F.linear / F.conv*d do not take
@@ -92,6 +93,7 @@ class _WeightNoiseMessenger(LayerCallMessenger):
             )
         super()._pyro_sample(msg)
 
+    @torch.compiler.disable
     def __exit__(self, exc_type, exc_value, traceback):
         report = self._report() if exc_type is None else None
         super().__exit__(exc_type, exc_value, traceback)

@@ -81,7 +81,7 @@ class FlipoutMessenger(_WeightNoiseMessenger):
                 "known to be symmetric under sign flips",
             )
             return None
-        weight = call.weight.real
+        weight = call.weight.concrete
         mean = view_of(call.weight, base.mean)
         x, bias = unwrap(call.input), unwrap(call.bias)
         op = getattr(F, call.op)

@@ -158,6 +158,7 @@ class LayerCallMessenger(Messenger):
         self._latent: Dict[str, dict] = {}
         self._busy = False
 
+    @torch.compiler.disable
     def __enter__(self):
         if ACTIVE:
             raise RuntimeError(
@@ -174,6 +175,7 @@ class LayerCallMessenger(Messenger):
         ACTIVE.append(self)
         return result
 
+    @torch.compiler.disable
     def __exit__(self, exc_type, exc_value, traceback):
         try:
             if self._mode is not None:
@@ -187,6 +189,7 @@ class LayerCallMessenger(Messenger):
 
     # ----------------------------------------------------------------- messages
 
+    @torch.compiler.disable
     def _pyro_sample(self, msg: dict) -> None:
         if (
             self.interception != "site_values"
@@ -219,6 +222,7 @@ class LayerCallMessenger(Messenger):
             return None
         return SiteValue.wrap(value, msg["fn"], [])
 
+    @torch.compiler.disable
     def _pyro_post_sample(self, msg: dict) -> None:
         value = msg["value"]
         if not isinstance(value, torch.Tensor):
@@ -265,7 +269,7 @@ class LayerCallMessenger(Messenger):
         if not (isinstance(source, SiteValue) and source.is_view and source.shape == value.shape):
             return None
         return SiteValue.wrap(
-            value.real, source.dist, list(source.msgs), source.view_ops, None, source.uses
+            value.concrete, source.dist, list(source.msgs), source.view_ops, None, source.uses
         )
 
     def _record(self, msg: dict, value: torch.Tensor) -> None:

@@ -72,8 +72,8 @@ def test_site_values_behave_like_tensors():
         assert w.is_deferred  # shape queries do not draw
         total = w.sum()
         assert not w.is_deferred and type(total) is torch.Tensor
-    torch.testing.assert_close(total, w.real.sum())
-    assert torch.equal(w + 1, w.real + 1)  # still usable after the context
+    torch.testing.assert_close(total, w.concrete.sum())
+    assert torch.equal(w + 1, w.concrete + 1)  # still usable after the context
 
 
 class _Recorder(LayerCallMessenger):
