@@ -1,10 +1,15 @@
 """
-Every use of Pyro's private helpers and undocumented behaviour, in one place,
-so that a Pyro upgrade that moves or changes one touches this file alone.
-``tests/test_pyro_compat.py`` checks each against the installed Pyro.
+Every use of Pyro's private helpers, private attributes and undocumented
+behaviour, in one place, so that a Pyro upgrade that moves or changes one
+touches this file alone. ``tests/test_pyro_compat.py`` checks each against
+the installed Pyro.
 
 * :func:`deep_setattr`, :func:`helpful_support_errors`: helpers of
   ``pyro.infer.autoguide.utils``, not part of Pyro's documented API.
+* :func:`unconstrained_param`: where :class:`~pyro.nn.PyroModule` keeps the
+  parameter behind a :class:`~pyro.nn.PyroParam`.
+* :func:`unwrap_init_messenger`: an autoguide's model without the
+  ``InitMessenger`` Pyro wraps around it.
 * :func:`scale_and_mask`, :class:`ScoreParts`: the helpers
   ``pyro.poutine.Trace`` uses to store a site's log density.
 * :func:`prefill_log_prob`: stores a site's log density in its message ahead
@@ -13,6 +18,8 @@ so that a Pyro upgrade that moves or changes one touches this file alone.
 * :func:`is_vectorized_particles`: recognizes the plate in which an ELBO with
   ``vectorize_particles=True`` runs the model and guide (by its name).
 """
+
+from operator import attrgetter
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
@@ -26,10 +33,50 @@ __all__ = [
     "is_vectorized_particles",
     "prefill_log_prob",
     "scale_and_mask",
+    "unconstrained_param",
+    "unwrap_init_messenger",
 ]
 
 # The name of the plate of pyro.infer.ELBO._vectorized_num_particles.
 _PARTICLE_PLATE = "num_particles_vectorized"
+
+
+def unconstrained_param(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    """The unconstrained :class:`~torch.nn.Parameter` behind the
+    :class:`~pyro.nn.PyroParam` at the dotted attribute ``name`` of a
+    :class:`~pyro.nn.PyroModule` (PyroModule keeps it at ``<name>_unconstrained``)."""
+    param = attrgetter(name + "_unconstrained")(module)
+    if not isinstance(param, torch.nn.Parameter):
+        raise RuntimeError(
+            f"expected the PyroParam {name!r} to be stored as the torch Parameter "
+            f"{name + '_unconstrained'!r}, found {type(param).__name__}; this Pyro version "
+            "stores PyroParams differently: update pyro_vinit/_pyro_compat.py"
+        )
+    return param
+
+
+def unwrap_init_messenger(model):
+    """The model an autoguide was built from, without the
+    :class:`~pyro.infer.autoguide.initialization.InitMessenger` the guide
+    wraps around it (Pyro keeps only the wrapped callable, ``guide.model``,
+    a partial of its private ``_context_wrap``)."""
+    from functools import partial
+
+    from pyro.infer.autoguide.initialization import InitMessenger
+    from pyro.poutine.messenger import _context_wrap
+
+    while True:
+        fn = model
+        while isinstance(fn, partial) and isinstance(fn.func, partial):
+            fn = fn.func
+        if not (
+            isinstance(fn, partial)
+            and fn.func is _context_wrap
+            and len(fn.args) == 2
+            and isinstance(fn.args[0], InitMessenger)
+        ):
+            return model
+        model = fn.args[1]
 
 
 def is_vectorized_particles(frame) -> bool:

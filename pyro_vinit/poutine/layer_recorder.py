@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from pyro_vinit.poutine._layer_ops import LayerCall, parse_layer_call, parse_matmul
 
-__all__ = ["LayerRecorderMessenger", "RecordedLayer", "StopModel"]
+__all__ = ["LayerRecorderMessenger", "RecordedLayer", "StopModel", "norm_statistics"]
 
 _T = torch.Tensor
 
@@ -134,7 +134,7 @@ class LayerRecorderMessenger(Messenger):
       deterministic;
     * ``F.batch_norm`` normalizes with the statistics of the batch at hand
       and leaves the running statistics alone (see
-      :meth:`norm_statistics` to collect them);
+      :func:`norm_statistics` to collect them);
     * :attr:`subsampled_plates` records every subsampled
       :class:`~pyro.plate` (name -> ``(size, subsample_size)``), and with
       ``plate_subsample=rows`` such a plate whose ``subsample_size`` is
@@ -152,8 +152,9 @@ class LayerRecorderMessenger(Messenger):
     :param latent: Names of the latent sample sites whose values are weights.
     :param bool track_flow: Follow the data flow (costs a set union per op).
     :param torch.Tensor plate_subsample: See above; None leaves plates alone.
-    :param bool collect_norm_statistics: Accumulate the input statistics of
-        every ``F.batch_norm`` call (see :meth:`norm_statistics`).
+    :param dict norm_statistics: If given, the input statistics of every
+        ``F.batch_norm`` call are accumulated in it, across runs (see
+        :func:`norm_statistics`).
     """
 
     def __init__(
@@ -162,7 +163,7 @@ class LayerRecorderMessenger(Messenger):
         *,
         track_flow: bool = False,
         plate_subsample: Optional[torch.Tensor] = None,
-        collect_norm_statistics: bool = False,
+        norm_statistics: Optional[Dict[int, list]] = None,
         on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
     ):
         super().__init__()
@@ -170,7 +171,7 @@ class LayerRecorderMessenger(Messenger):
         self.track_flow = track_flow
         self.plate_subsample = plate_subsample
         self.subsampled_plates: Dict[str, Tuple[int, int]] = {}
-        self.collect_norm_statistics = collect_norm_statistics
+        self.num_batch_norms = 0
         self.on_layer = on_layer
         self.layers: List[RecordedLayer] = []
         #: distribution parameter name -> tokens ("layer", i) / ("site", name) / ("param", name)
@@ -179,7 +180,7 @@ class LayerRecorderMessenger(Messenger):
         self._sites: Dict[int, Tuple[torch.Tensor, _Derived]] = {}
         self._flow: Dict[int, Tuple[torch.Tensor, FrozenSet[tuple]]] = {}
         self._open_matmuls: Dict[int, Tuple[torch.Tensor, RecordedLayer]] = {}
-        self._norm_stats: Dict[int, list] = {}
+        self._norm_stats = norm_statistics
         self._mode: Optional[_Mode] = None
 
     # ------------------------------------------------------------ context
@@ -399,7 +400,8 @@ class LayerRecorderMessenger(Messenger):
         params.update(kwargs)
         x = params["input"]
         running_mean = params.get("running_mean")
-        if self.collect_norm_statistics and running_mean is not None:
+        self.num_batch_norms += 1
+        if self._norm_stats is not None and running_mean is not None:
             dims = [0] + list(range(2, x.dim()))
             stats = self._norm_stats.setdefault(
                 id(running_mean), [running_mean, params.get("running_var"), 0, 0.0, 0.0]
@@ -413,14 +415,14 @@ class LayerRecorderMessenger(Messenger):
             params.get("eps", 1e-5),
         )
 
-    def norm_statistics(self) -> List[Tuple[torch.Tensor, ...]]:
-        """``(running_mean, running_var, mean, var)`` for each ``F.batch_norm``
-        call seen with ``collect_norm_statistics``: the module's buffers and
-        the mean and unbiased variance of their inputs over every run."""
-        found = []
-        for running_mean, running_var, n, total, squares in self._norm_stats.values():
-            mean = total / n
-            var = (squares / n - mean * mean).clamp_min(0) * (n / max(n - 1, 1))
-            found.append((running_mean, running_var, mean, var))
-        return found
 
+def norm_statistics(accumulated: Dict[int, list]) -> List[Tuple[torch.Tensor, ...]]:
+    """``(running_mean, running_var, mean, var)`` for each ``F.batch_norm`` call
+    whose statistics a :class:`LayerRecorderMessenger` accumulated: the
+    module's buffers and the mean and unbiased variance of their inputs."""
+    found = []
+    for running_mean, running_var, n, total, squares in accumulated.values():
+        mean = total / n
+        var = (squares / n - mean * mean).clamp_min(0) * (n / max(n - 1, 1))
+        found.append((running_mean, running_var, mean, var))
+    return found
