@@ -61,7 +61,6 @@ class _WeightNoiseMessenger(LayerCallMessenger):
     ``strict`` each site is named once per handler instance.
     """
 
-    interception = "site_values"
     #: Whether the handler gives a sampled bias per-example noise too (then a
     #: bias used by two layer calls is a shared sample like a weight).
     bias_noise = False

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
-from pyro.nn import PyroModule
+from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 from torch import nn
 
@@ -26,15 +26,24 @@ def _named_sites(message: str) -> set:
     return set(re.findall(r"^  '([^']+)':", message, flags=re.M))
 
 
+_ATTENTION = {"net.self_attn.in_proj_weight", "net.self_attn.out_proj.weight"}
+
+
 class _Encoder(PyroModule):
     # A bayesianized nn.TransformerEncoderLayer: its feed-forward layers and the
-    # attention's output projection are nn.Linear, so latent; the projection is used
-    # inside F.multi_head_attention_forward, never by a layer call the handlers see.
+    # attention's output projection are nn.Linear, so latent, and the attention's input
+    # projection is made latent by hand; both projections are used inside
+    # F.multi_head_attention_forward, never by a layer call the handlers see.
     def __init__(self):
         super().__init__()
         layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
                                            batch_first=True)
-        self.net = bayesianize(layer)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "bayesianize: the parameters")
+            self.net = bayesianize(layer)
+        self.net.self_attn.in_proj_weight = PyroSample(
+            dist.Normal(0.0, 0.3).expand([24, 8]).to_event(2)
+        )
 
     def forward(self, x, y=None):
         h = self.net(x).mean((-2, -1))
@@ -55,7 +64,7 @@ def test_transformer_names_unreached_weight(handler, guide_class):
             svi.step(x, y)
     message = str(error.value)
     # the model's name, never the guide's internal sites (*_unconstrained, *_latent)
-    assert _named_sites(message) == {"net.self_attn.out_proj.weight"}
+    assert _named_sites(message) == _ATTENTION
     assert "never reached a layer call" in message
     assert "unconstrained" not in message and "_latent" not in message
 
@@ -64,7 +73,7 @@ def test_transformer_names_unreached_weight(handler, guide_class):
     with pytest.warns(UserWarning) as record:
         step(x, y)
     ours = [str(w.message) for w in record if "latent site(s)" in str(w.message)]
-    assert len(ours) == 1 and _named_sites(ours[0]) == {"net.self_attn.out_proj.weight"}
+    assert len(ours) == 1 and _named_sites(ours[0]) == _ATTENTION
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(x, y)
