@@ -40,7 +40,10 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             svi.step(x, y)
 
     For a layer :math:`b = f(x, W) + c` (``F.linear`` or ``F.conv1d/2d/3d``,
-    so ``nn.Linear`` and ``nn.Conv*d`` too) with
+    so ``nn.Linear`` and ``nn.Conv*d`` too, or a matrix product with one
+    weight operand: ``x @ w``, ``torch.matmul``, ``torch.mm``,
+    ``torch.addmm(c, x, w)``, a two-operand ``torch.einsum`` with one
+    contracted index) with
     :math:`W_{ij} \sim \mathcal N(\mu_{ij}, \sigma_{ij}^2)` and a bias
     :math:`c_i \sim \mathcal N(\nu_i, \tau_i^2)` (or a plain tensor, or
     None), each output element is drawn as
@@ -54,7 +57,10 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
     example, with the examples independent: the ELBO's expectation and so
     its gradient are unchanged, and the gradient variance scales as
     :math:`1/M` in the minibatch size. Stride, padding, dilation and groups
-    are honoured.
+    are honoured. The weight may be the sample as drawn or a view of it
+    (transposed, reshaped, sliced or cast, e.g. ``x @ w.t()`` or the slices
+    of :class:`~pyro.infer.autoguide.AutoDiagonalNormal`'s flat latent):
+    :math:`\mu` and :math:`\sigma` are then viewed the same way.
 
     For :class:`~pyro_vinit.distributions.KTiedNormal` weights
     (:class:`~pyro_vinit.guides.AutoKTiedNormal`), :math:`\sigma = UV^\top`
@@ -83,21 +89,35 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
     :class:`~pyro.infer.Trace_ELBO` they are computed from one sample when
     first used.
 
-    *Where it does not apply* the weight's ordinary sample is used and a
-    warning names the site, once per site, or with ``strict=True`` an error
-    is raised: a distribution other than a factorized Normal (e.g.
+    *Where it does not apply* the weight's ordinary sample is used: a
+    distribution other than a factorized Normal (e.g.
     :class:`~pyro_vinit.guides.AutoRadialNormal`'s; use
     :class:`~pyro_vinit.poutine.FlipoutMessenger` for those), a weight
-    reshaped or cast before the layer call, a weight used by an op other
-    than the four above (e.g. ``torch.matmul``), a value set by a handler
-    outside this one, and every use after the first of a weight or sampled
-    bias that several layer calls share (tied weights: independent noise at
-    each use would lose the correlation between the uses). A bias with
-    another distribution is used as sampled.
+    transformed before the layer call in a way that repeats or detaches
+    elements (e.g. ``expand``), a weight used by another op (e.g.
+    ``F.bilinear``, ``F.embedding``, ``F.conv_transpose2d``, ``torch.bmm``),
+    a value set by a handler outside this one, and every use after the
+    first of weight elements or a sampled bias that several layer calls share
+    (tied weights: independent noise at each use would lose the correlation
+    between the uses). A bias with another distribution is used as sampled.
     Weights that are plain parameters or conditioned values are used as
-    they are.
+    they are. When the handler exits, one warning names the latent sites of
+    the run that kept their ordinary sample, with the reasons, together with
+    the weight-like sites (real-valued, two dims or more) that never reached
+    a layer call it sees (e.g. :class:`~torch.nn.MultiheadAttention`'s
+    projections, used inside ``F.multi_head_attention_forward``); each site
+    is named once per handler instance. With ``strict=True`` this is one
+    error instead, raised on exit (after the run: an SVI step has then been
+    taken), which makes ``strict`` a check of a model, e.g. on its first step.
 
-    :param bool strict: Raise instead of warning where the trick does not apply.
+    Vectorized particles (``vectorize_particles=True``) are refused before
+    the model runs: they give every weight a particle dim, which
+    ``nn.Linear`` and ``nn.Conv*d`` do not take. Under
+    :func:`torch.compile` the handler runs eagerly (a graph break at each of
+    its operations), and the compiled step equals the eager one.
+
+    :param bool strict: Raise one error instead of one warning, on exit,
+        naming the latent sites the trick did not apply to.
     :param low_rank: Whether to use the low rank of a k-tied variance
         (None: when it is cheaper).
     :type low_rank: bool or None
