@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_guides.py
 	$(BIN)/python benchmarks/bench_lrt.py
 	$(BIN)/python benchmarks/bench_iblm_time.py
+	$(BIN)/python benchmarks/bench_iblm_memory.py
 
 clean:
 	rm -rf $(VENV) docs/_build build *.egg-info
