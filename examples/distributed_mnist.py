@@ -116,6 +116,8 @@ def load_data(args, dtype, device, rank=0):
                 data = load_mnist(**kwargs)
             except ImportError as e:
                 reason = f"load_mnist needs an extra that is not installed ({e})"
+            except OSError as e:  # e.g. the MNIST files are not on this machine
+                reason = f"load_mnist could not read the data ({e})"
         if data is None:
             if args.data == "mnist":
                 raise RuntimeError(f"--data mnist: {reason}; use --data digits or auto")
