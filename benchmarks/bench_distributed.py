@@ -123,6 +123,8 @@ def loopback_interface():
 def worker(rank, world_size, threads, port, out_path, problems, steps, warmup):
     torch.set_num_threads(threads)
     pyro.enable_validation(False)  # as in production training
+    # Each guide keeps its own parameters (in the global store, guides of one class share them).
+    pyro.settings.set(module_local_params=True)
     if world_size > 1:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()  # loopback only
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -154,6 +156,7 @@ def communication_volume():
     elements per step. A ring all-reduce over R ranks has each rank send and
     receive 2 (R - 1) / R * P elements: P elements each way for R = 2."""
     rows = []
+    pyro.settings.set(module_local_params=True)
     for name, sizes, _, _ in {p[0]: p for p in PROBLEMS}.values():
         x, y = torch.zeros(1, sizes[0]), torch.zeros(1, dtype=torch.long)
         for guide_name, (make_guide, _) in GUIDES.items():
