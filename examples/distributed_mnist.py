@@ -259,6 +259,7 @@ def main(args):
     begin = time.perf_counter()
     init = initialize(guide, x_train, y_train, rank, world_size, args)
     init_seconds = time.perf_counter() - begin
+    init_difference = replica_difference(guide, world_size)  # 0.0: every rank starts alike
     if rank == 0:
         after_init = test_metrics(model, guide, x_test, y_test, args.num_samples)
         print(f"{data_name}, {world_size} process(es), {init} ({init_seconds:.2f} s): "
@@ -273,10 +274,12 @@ def main(args):
         final = test_metrics(model, guide, x_test, y_test, args.num_samples)
         print(f"after {args.steps} steps ({curve[-1]['seconds']:.1f} s): test accuracy "
               f"{final['accuracy']:.4f}, MNLL {final['mnll']:.4f}, ECE {final['ece']:.4f}")
-        print(f"largest parameter difference between the ranks: {difference}")
+        print(f"largest parameter difference between the ranks: {init_difference} after "
+              f"initialization, {difference} after training")
         results = {"config": vars(args), "data": data_name, "world_size": world_size,
                    "init": init, "init_seconds": init_seconds, "after_init": after_init,
-                   "final": final, "replica_max_difference": difference, "curve": curve}
+                   "final": final, "curve": curve,
+                   "replica_max_difference": {"init": init_difference, "final": difference}}
         save_results(args.out_dir, results, lambda: plot(args, curve))
     if world_size > 1:
         dist.destroy_process_group()

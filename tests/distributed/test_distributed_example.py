@@ -71,7 +71,8 @@ def test_torchrun_two_processes(tmp_path):
     with open(tmp_path / "results.json") as f:
         results = json.load(f)
     assert results["world_size"] == 2
-    assert results["replica_max_difference"] == 0.0
+    # I-BLM's result reached every rank before DDP existed, and DDP kept them equal
+    assert results["replica_max_difference"] == {"init": 0.0, "final": 0.0}
     assert results["final"]["accuracy"] > 0.5
     assert results["curve"][-1]["step"] == results["config"]["steps"]
     # rank 0 alone reports
