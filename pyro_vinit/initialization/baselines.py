@@ -12,8 +12,8 @@ from pyro_vinit.initialization._tracing import (
     Layer,
     capture,
     guide_values,
-    observed_site,
     prepare,
+    trace_observed_site,
 )
 from pyro_vinit.initialization.iblm import init_guide_iblm
 from pyro_vinit.initialization.projection import GuideWriter
@@ -71,7 +71,7 @@ def _lsuv(prep, means: Dict[str, torch.Tensor], batch_size: int, tol: float, max
     values = guide_values(prep.writer.guide, args, prep.latent)
     for layer in prep.layers:
         for _ in range(max_iters):
-            _, out = capture(model, {**values, **means}, args, layer, output=True)
+            _, out = capture(model, {**values, **means}, args, prep.latent, layer, output=True)
             var = out.var().item()
             if not math.isfinite(var) or var <= 0:
                 raise ValueError(
@@ -99,7 +99,7 @@ def _map(prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max_second
             break
         args = pool.select(pool.batch_indices(1, batch_size)[0])
         trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args)
-        site = observed_site(trace, prep.latent)
+        site = trace_observed_site(trace, prep.latent)
         loss = -site["fn"].log_prob(site["value"]).sum() / batch_size
         if not torch.isfinite(loss):
             raise ValueError(f"MAP: the negative log-likelihood is {loss.item()} at step {step}")
