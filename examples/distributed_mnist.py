@@ -274,8 +274,9 @@ def main(args):
         final = test_metrics(model, guide, x_test, y_test, args.num_samples)
         print(f"after {args.steps} steps ({curve[-1]['seconds']:.1f} s): test accuracy "
               f"{final['accuracy']:.4f}, MNLL {final['mnll']:.4f}, ECE {final['ece']:.4f}")
-        print(f"largest parameter difference between the ranks: {init_difference} after "
-              f"initialization, {difference} after training")
+        if world_size > 1:
+            print(f"largest parameter difference between the ranks: {init_difference} after "
+                  f"initialization, {difference} after training")
         results = {"config": vars(args), "data": data_name, "world_size": world_size,
                    "init": init, "init_seconds": init_seconds, "after_init": after_init,
                    "final": final, "curve": curve,
