@@ -20,7 +20,7 @@ share is measured, not guessed.
 
 Usage::
 
-    python benchmarks/bench_distributed.py            # full run (~5 minutes)
+    python benchmarks/bench_distributed.py            # full run (15 minutes on a loaded 2-core box)
     python benchmarks/bench_distributed.py --quick    # smoke run
 """
 
@@ -226,8 +226,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per measurement")
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if args.quick:

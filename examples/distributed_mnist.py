@@ -1,6 +1,7 @@
 """
-Data-parallel SVI with ``torch.distributed``: a Bayesian MLP on MNIST (or,
-without it, scikit-learn's digits), one process per device.
+Data-parallel SVI with ``torch.distributed``: a Bayesian MLP on MNIST digits
+(:func:`pyro_vinit.data.load_mnist`, the ``[mnist]`` extra; without it,
+scikit-learn's digits), one process per device.
 
 The pattern of Pyro's ``examples/svi_lightning.py`` and ``svi_horovod.py``,
 with this library's guide, initializer and handlers:
