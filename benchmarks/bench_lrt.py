@@ -112,7 +112,7 @@ class AutoMeanFieldNormal(AutoSiteGuide):
     TraceMeanField_ELBO uses the closed-form KL)."""
 
     def _setup_scales(self):
-        pass
+        self._setup_normal_scales(self._event_dims)
 
     def _unconstrained_posterior(self, name):
         loc, scale = self._get_loc_and_scale(name)

@@ -6,12 +6,14 @@ from typing import Callable, Dict, Optional, Tuple
 
 import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 
 from pyro_vinit._pyro_compat import deep_setattr
 from pyro_vinit.distributions import KTiedNormal
-from pyro_vinit.guides._base import AutoSiteGuide, deep_delattr
+from pyro_vinit.guides._base import AutoSiteGuide
+from pyro_vinit.guides._low_rank import fit_positive_low_rank
 
 __all__ = ["AutoKTiedNormal"]
 
@@ -41,6 +43,17 @@ class AutoKTiedNormal(AutoSiteGuide):
     AutoNormal's scales (:attr:`scale_constraint`). Sites with fewer than two
     event dims (biases, scalars) get AutoNormal's per-element scale. Tying is
     over event dims only: each element of a plate gets its own factors.
+
+    :meth:`get_loc_and_scale` returns each site's location and per-element
+    standard deviation :math:`S` (reshaped to the site's shape);
+    :meth:`set_loc_and_scale` projects a given standard deviation matrix onto
+    the rank-:math:`k` family in Frobenius norm: exactly for a positive
+    :math:`S` of rank 1 or 2 (or factors that already give :math:`S`), by the
+    best rank-1 fit (the leading singular pair, positive for a positive
+    :math:`S`) for :math:`k = 1`, else by the rank-1 fit refined with
+    alternating nonnegative least squares. (A positive matrix of rank
+    :math:`\ge 3` need not have exact positive rank-:math:`k` factors even
+    for :math:`k \ge` its rank.)
 
     A ``rank`` of at least :math:`\min(m, n)` is allowed: it can represent any
     positive std matrix but has more parameters than AutoNormal.
@@ -95,8 +108,10 @@ class AutoKTiedNormal(AutoSiteGuide):
         self._tied_shapes: Dict[str, Tuple[int, int]] = {}
         self.scale_u = PyroModule()
         self.scale_v = PyroModule()
+        untied = []
         for name, event_dim in self._event_dims.items():
             if event_dim < 2:
+                untied.append(name)
                 continue
             loc = attrgetter(name)(self.locs)
             batch_shape = loc.shape[: loc.dim() - event_dim]
@@ -112,10 +127,9 @@ class AutoKTiedNormal(AutoSiteGuide):
             u = math.sqrt(c / k) * weights
             v = torch.full(batch_shape + (n, k), math.sqrt(c / k), dtype=loc.dtype,
                            device=loc.device)
-
-            deep_delattr(self.scales, name)
             deep_setattr(self.scale_u, name, PyroParam(u, self.scale_constraint, 2))
             deep_setattr(self.scale_v, name, PyroParam(v, self.scale_constraint, 2))
+        self._setup_normal_scales(untied)
 
     def _get_factors(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         return attrgetter(name)(self.scale_u), attrgetter(name)(self.scale_v)
@@ -127,6 +141,25 @@ class AutoKTiedNormal(AutoSiteGuide):
         u, v = self._get_factors(name)
         scale = torch.matmul(u, v.transpose(-1, -2))
         return loc, scale.reshape(loc.shape)
+
+    def _set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        writes = [(f"locs.{name}", constraints.real, loc)]
+        if name not in self._tied_shapes:
+            writes.append((f"scales.{name}", self.scale_constraint, scale))
+            return self._write_params(writes)
+        m, n = self._tied_shapes[name]
+        matrix = scale.reshape(scale.shape[: scale.dim() - self._event_dims[name]] + (m, n))
+        with torch.no_grad():
+            u, v = self._get_factors(name)
+            current = torch.matmul(u, v.transpose(-1, -2))
+        # Factors that already give this scale stay as they are (get then set is a no-op).
+        if not torch.allclose(current, matrix, rtol=1e-6, atol=0):
+            u, v = fit_positive_low_rank(matrix, self.rank)
+            writes += [
+                (f"scale_u.{name}", self.scale_constraint, u),
+                (f"scale_v.{name}", self.scale_constraint, v),
+            ]
+        self._write_params(writes)
 
     def _unconstrained_posterior(self, name: str) -> dist.TorchDistribution:
         event_dim = self._event_dims[name]

@@ -292,13 +292,24 @@ def test_bad_init_scale(Guide, init_scale):
         Guide(assorted_model, init_scale=init_scale)
 
 
-@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
+@pytest.mark.parametrize("Guide", GUIDES)
 def test_no_latent_sites(Guide):
-    def model():
-        pyro.sample("obs", dist.Normal(0.0, 1.0), obs=torch.tensor(0.0))
+    # As AutoNormal: an empty guide, usable with SVI (e.g. a model whose only
+    # sample site is observed, under subsampling plates the guide creates).
+    def model(data):
+        with pyro.plate("data", len(data), subsample_size=5) as ind:
+            pyro.sample("obs", dist.Normal(0.0, 1.0), obs=data[ind])
 
-    with pytest.raises(RuntimeError, match="found no latent sample sites"):
-        Guide(model)()
+    def create_plates(data):
+        return pyro.plate("data", len(data), subsample_size=5)
+
+    data = torch.randn(20)
+    guide = Guide(model, create_plates=create_plates)
+    assert guide(data) == {}
+    svi = SVI(model, guide, Adam({"lr": 0.01}), Trace_ELBO())
+    for _ in range(2):
+        assert math.isfinite(svi.step(data))
+    assert guide.median() == {} and guide.quantiles([0.5]) == {}
 
 
 @pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])

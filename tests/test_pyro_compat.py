@@ -1,0 +1,41 @@
+"""Fails loudly if Pyro changes what pyro_vinit._pyro_compat and the flat-latent
+layout of pyro_vinit.guides.site_params rely on."""
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
+
+from pyro_vinit._pyro_compat import unconstrained_param
+from pyro_vinit.guides import site_params
+
+
+def model():
+    pyro.sample("a", dist.Normal(torch.zeros(2, 3), 1.0).to_event(2))
+    pyro.sample("simplex", dist.Dirichlet(torch.ones(4)))  # 3 unconstrained elements
+    pyro.sample("b", dist.LogNormal(torch.zeros(5), 1.0).to_event(1))
+
+
+def test_unconstrained_param_is_the_trained_parameter():
+    guide = AutoNormal(model)
+    guide()
+    param = unconstrained_param(guide.scales, "a")
+    assert param is dict(guide.named_parameters())["scales.a_unconstrained"]
+    # ... and the tensor the param store (hence SVI's optimizer) holds.
+    assert param is pyro.get_param_store().get_param("AutoNormal.scales.a").unconstrained()
+    assert torch.allclose(torch.nn.functional.softplus(param), guide.scales.a)
+
+
+def test_flat_latent_layout():
+    # site_params slices AutoContinuous's flat latent in trace order; Pyro's own
+    # median() unpacks it: the two must agree site by site.
+    for Guide in (AutoDiagonalNormal, AutoLowRankMultivariateNormal):
+        guide = Guide(model)
+        guide()
+        with torch.no_grad():
+            guide.loc.copy_(torch.arange(guide.latent_dim, dtype=guide.loc.dtype) / 10)
+        median = guide.median()
+        for name, site in site_params.latent_sites(guide).items():
+            loc, _ = site_params.get_loc_and_scale(guide, name)
+            expected = torch.distributions.biject_to(site["fn"].support)(loc)
+            assert torch.allclose(median[name], expected), name
