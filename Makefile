@@ -11,7 +11,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch: a bare "torch" requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,examples,docs]"
+	$(BIN)/pip install -q -e ".[test,examples,docs,mnist]"
 	touch $(STAMP)
 
 install: $(STAMP)

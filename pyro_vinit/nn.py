@@ -120,7 +120,13 @@ def bayesianize(
 
     Every other parameter (of excluded layers, normalization layers, ...)
     stays deterministic: Pyro registers it in the param store when the model
-    runs, and SVI learns it as a point estimate.
+    runs, and SVI learns it as a point estimate. Matrices that are not an
+    ``nn.Linear`` / ``nn.Conv*d`` weight (attention projections, embeddings,
+    a module's own weights used in ``x @ w``) stay deterministic with one
+    warning naming them: their fan-in depends on how they are used, so make
+    them Bayesian by hand with :class:`~pyro.nn.PyroSample` (matrix products
+    with a latent weight are layers for :func:`~pyro_vinit.init_guide_iblm`
+    and :class:`~pyro_vinit.poutine.LocalReparamMessenger`).
 
     :param torch.nn.Module module: The network; converted in place and returned.
     :param float prior_scale: If given, a fixed prior N(0, prior_scale²) for
@@ -157,7 +163,11 @@ def bayesianize(
     if not layers:
         raise ValueError(
             "bayesianize: the network has no nn.Linear or nn.Conv1d/2d/3d layer left to convert "
-            "(check `exclude`)"
+            "(check `exclude`). bayesianize converts only these layer types, whose fan-in it "
+            "knows. A parameter used in a matrix product (e.g. `x @ self.w + self.b`) is made "
+            "Bayesian by hand with PyroSample, e.g. `module.w = PyroSample(dist.Normal(0., "
+            "d_in ** -0.5).expand([d_in, d_out]).to_event(2))` on a PyroModule; "
+            "init_guide_iblm and local_reparam treat such matrix products as layers"
         )
     converted = [name or "<root>" for name, sub in layers if "weight" not in sub._parameters]
     if converted:
@@ -166,6 +176,23 @@ def bayesianize(
             "already? Convert a fresh network, or exclude them by name"
         )
 
+    # Matrices outside the layer types (attention projections, embeddings, a user's own
+    # matmul weights) are not converted: say so rather than leave them silently.
+    left = [
+        f"{name}.{p}" if name else p
+        for name, sub in module.named_modules()
+        if not isinstance(sub, _LAYER_TYPES)
+        for p, param in sub.named_parameters(recurse=False)
+        if param.dim() >= 2
+    ]
+    if left:
+        warnings.warn(
+            f"bayesianize: the parameters {left} are not in an nn.Linear or nn.Conv1d/2d/3d "
+            "layer and stay deterministic (point estimates learned by SVI). To make one "
+            "Bayesian, set it to a PyroSample with its prior by hand",
+            UserWarning,
+            stacklevel=2,
+        )
     no_inputs = [name or "<root>" for name, sub in layers if _fan_in(sub) == 0]
     if no_inputs and prior_scale is None:
         warnings.warn(

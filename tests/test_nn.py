@@ -328,6 +328,32 @@ def test_svi_cnn_with_guides(guide_cls, handler):
     assert torch.allclose(logits[0], logits[1]) == (handler is None)
 
 
+def test_matmul_module_error_says_what_is_supported():
+    class MatmulLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 2))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with pytest.raises(ValueError, match=r"nn.Linear or nn.Conv1d/2d/3d.*x @ self.w.*PyroSample"):
+        bayesianize(MatmulLayer())
+
+
+def test_matrices_left_deterministic_are_named():
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+            self.embed = torch.nn.Embedding(5, 3)
+            self.norm = torch.nn.LayerNorm(3)
+
+    with pytest.warns(UserWarning, match=r"\['embed.weight'\]") as record:
+        bayesianize(Mixed())
+    assert len(record) == 1  # the LayerNorm's vectors and the converted layer are not named
+
+
 @pytest.mark.parametrize("guide_cls", [AutoNormal, AutoKTiedNormal, AutoRadialNormal])
 def test_zero_width_layer(guide_cls):
     # A hidden layer of width 0: its weight (0, 3) and bias (0,) are zero-size sites,

@@ -11,7 +11,7 @@ from pyro.distributions import constraints
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 
-from pyro_vinit._pyro_compat import deep_setattr, share_prototype
+from pyro_vinit._pyro_compat import deep_setattr, share_prototype, unwrap_init_messenger
 from pyro_vinit.distributions import KTiedNormal
 from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import AutoSiteGuide
@@ -227,7 +227,7 @@ class AutoKTiedNormal(AutoSiteGuide):
                 values[name] = loc.detach().clone(), scale.detach().clone()
         if create_plates is None:
             create_plates = guide.create_plates
-        new = cls(guide.model, rank=rank, create_plates=create_plates)
+        new = cls(unwrap_init_messenger(guide.model), rank=rank, create_plates=create_plates)
         prefix = new._pyro_name + "."
         taken = sorted(key for key in pyro.get_param_store().keys() if key.startswith(prefix))
         if taken:

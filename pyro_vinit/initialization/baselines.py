@@ -14,8 +14,8 @@ from pyro_vinit.initialization._tracing import (
     Layer,
     capture,
     guide_values,
-    observed_site,
     prepare,
+    trace_observed_site,
 )
 from pyro_vinit.initialization.iblm import init_guide_iblm
 
@@ -78,7 +78,7 @@ def _lsuv(guide, prep, means: Dict[str, torch.Tensor], batch_size: int, tol: flo
     values = guide_values(guide, args, prep.latent)
     for layer in prep.layers:
         for _ in range(max_iters):
-            _, out = capture(model, {**values, **means}, args, layer, output=True)
+            _, out = capture(model, {**values, **means}, args, prep.latent, layer, output=True)
             var = out.var().item()
             if not math.isfinite(var) or var <= 0:
                 raise ValueError(
@@ -106,7 +106,7 @@ def _map(guide, prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max
             break
         args = pool.select(pool.batch_indices(1, batch_size)[0])
         trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args)
-        site = observed_site(trace, prep.latent)
+        site = trace_observed_site(trace, prep.latent)
         loss = -site["fn"].log_prob(site["value"]).sum() / batch_size
         if not torch.isfinite(loss):
             raise ValueError(f"MAP: the negative log-likelihood is {loss.item()} at step {step}")

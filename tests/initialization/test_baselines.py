@@ -84,7 +84,7 @@ def test_lsuv_unit_output_variance(digits):
     prep = prepare(guide, (x, y), 10_000, 4096, normal_priors=False)
     values = {**guide_values(guide, (x, y), prep.latent), **guide.median()}
     for layer in prep.layers:
-        _, out = capture(guide.model, values, (x, y), layer, output=True)
+        _, out = capture(guide.model, values, (x, y), prep.latent, layer, output=True)
         assert abs(out.var().item() - 1) < 0.1, layer.weight_name
 
 
