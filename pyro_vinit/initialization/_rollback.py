@@ -1,66 +1,63 @@
 """Leaving a guide (and the param store) exactly as it was when an initializer fails."""
 
-from contextlib import contextmanager
-from typing import Iterator
+from typing import List, Tuple
 
 import pyro
 import torch
-from pyro.distributions import constraints
-from torch.distributions import transform_to
 
 
-@contextmanager
-def guide_rollback(guide) -> Iterator[None]:
+class GuideRollback:
     """
-    Restores ``guide`` and the param store if the block raises: parameter
-    values bit for bit, and, for a guide that was not set up before the
-    block, its not-set-up state (the parameters that setting it up created
-    are removed from it and from the param store), so that a corrected call
-    can set it up anew.
+    Restores a guide (and the param store) if the block raises: for a guide
+    that was not set up before the block, its not-set-up state (the
+    parameters that setting it up created are removed from it and from the
+    param store), so that a corrected call can set it up anew; and, once
+    :meth:`checkpoint` has been called, every parameter value bit for bit.
+
+    The values are copied only at :meth:`checkpoint`, which the caller calls
+    right before its first write, so that the copy does not add to the
+    memory of the work before it (nothing may be written before).
     """
-    store = pyro.get_param_store()
-    names_before = set(store.keys())
-    store_values = {name: p.detach().clone() for name, p in store.named_parameters()}
-    attrs = dict(guide.__dict__)
-    containers = {
-        key: dict(attrs[key])
-        for key in ("_modules", "_parameters", "_buffers", "_pyro_params")
-        if isinstance(attrs.get(key), dict)
-    }
-    state = {k: v.detach().clone() for k, v in guide.state_dict().items()}
-    try:
-        yield
-    except BaseException:
+
+    def __init__(self, guide) -> None:
+        self.guide = guide
+
+    def __enter__(self) -> "GuideRollback":
+        store = pyro.get_param_store()
+        self._names = set(store.keys())
+        self._attrs = dict(self.guide.__dict__)
+        self._containers = {
+            key: dict(self._attrs[key])
+            for key in ("_modules", "_parameters", "_buffers", "_pyro_params")
+            if isinstance(self._attrs.get(key), dict)
+        }
+        self._values: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        return self
+
+    @torch.no_grad()
+    def checkpoint(self) -> None:
+        """Copies every parameter of the guide and the param store (once each)."""
+        seen = set()
+        params = list(self.guide.parameters()) + [
+            p for _, p in pyro.get_param_store().named_parameters()
+        ]
+        for param in params:
+            if id(param) not in seen:
+                seen.add(id(param))
+                self._values.append((param, param.detach().clone()))
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        if exc_type is None:
+            return
         with torch.no_grad():
-            for name in set(store.keys()) - names_before:
+            for param, value in self._values:
+                param.copy_(value)
+            store = pyro.get_param_store()
+            for name in set(store.keys()) - self._names:
                 del store[name]
-            for name, param in store.named_parameters():
-                old = store_values.get(name)
-                if old is not None and old.shape == param.shape:
-                    param.copy_(old)
-            guide.__dict__.clear()
-            guide.__dict__.update(attrs)
-            guide.__dict__.update(containers)
-            for key, value in guide.state_dict().items():
-                if key in state and state[key].shape == value.shape:
-                    value.copy_(state[key])
-        raise
-
-
-@torch.no_grad()
-def write_unconstrained(guide, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
-    """Sets the unconstrained loc and scale of a site of an AutoNormal-style guide."""
-    params = dict(guide.named_parameters())
-    for key, value, constraint in (
-        (f"locs.{name}", loc, constraints.real),
-        (f"scales.{name}", scale, guide.scale_constraint),
-    ):
-        param = params.get(key + "_unconstrained", params.get(key))
-        if param is None:
-            raise TypeError(
-                f"{type(guide).__name__} has no parameter {key!r} for the noise site {name!r}"
-            )
-        param.copy_(transform_to(constraint).inv(value.to(param)).reshape(param.shape))
+            self.guide.__dict__.clear()
+            self.guide.__dict__.update(self._attrs)
+            self.guide.__dict__.update(self._containers)
 
 
 @torch.no_grad()

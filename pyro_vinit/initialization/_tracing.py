@@ -22,6 +22,7 @@ from torch.distributions import (
     StudentT,
 )
 
+from pyro_vinit._pyro_compat import unwrap_init_messenger
 from pyro_vinit.initialization._data import Data, DataPool
 from pyro_vinit.initialization.projection import GuideWriter
 from pyro_vinit.poutine.layer_recorder import (
@@ -305,7 +306,8 @@ def iterate_rows(
             yield args, rows, min(block_size, n - start)
 
 
-def align_rows(tensor: torch.Tensor, n: int, rows: Optional[torch.Tensor], keep: int, what: str):
+def align_rows(tensor: torch.Tensor, what: str, *, n: int, rows: Optional[torch.Tensor],
+               keep: int) -> torch.Tensor:
     """The rows of ``tensor`` for the block ``rows`` of a chunk of ``n`` rows."""
     if rows is None:
         if tensor.dim() == 0 or tensor.shape[0] != n:
@@ -493,7 +495,7 @@ def prepare(
     pool = DataPool(data, max_rows)
     first = next(pool.chunks(min(chunk_rows, _STRUCTURE_ROWS)))
     if guide.prototype_trace is None:
-        _check_has_likelihood(guide.model, first)
+        _check_has_likelihood(unwrap_init_messenger(guide.model), first)
         with torch.no_grad(), poutine.block():
             guide(*first)
     writer = GuideWriter(guide)

@@ -25,7 +25,7 @@ from torch import nn
 from pyro_vinit.data import load_diabetes, load_digits
 from pyro_vinit.nn import bayesianize
 
-__all__ = ["USER_MODELS", "UserModel", "blobs"]
+__all__ = ["USER_MODELS", "UserModel", "blobs", "iris"]
 
 Split = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -64,6 +64,18 @@ def blobs(num_classes: int = 3, dim: int = 10, n: int = 600, seed: int = 0) -> S
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
+def iris(seed: int = 0) -> Split:
+    """scikit-learn's iris (150 flowers, 3 classes), standardized, split 100 / 50."""
+    import sklearn.datasets
+
+    data = sklearn.datasets.load_iris()
+    x = torch.as_tensor(data.data, dtype=torch.float32)
+    x = (x - x.mean(0)) / x.std(0)
+    y = torch.as_tensor(data.target)
+    perm = torch.randperm(150, generator=torch.Generator().manual_seed(seed))
+    return x[perm[:100]], y[perm[:100]], x[perm[100:]], y[perm[100:]]
+
+
 def _standardized_diabetes() -> Split:
     x, y, xt, yt = load_diabetes()
     mean, std = y.mean(), y.std()
@@ -76,7 +88,7 @@ def _weight(d_in: int, d_out: int) -> dist.Distribution:
 
 def functional_tanh(depth: int, width: int = 100) -> Callable:
     """A functional model, ``pyro.sample`` + ``F.linear`` with ``pyro.deterministic``
-    records of the hidden activations and logits (3-class blobs)."""
+    records of the hidden activations and logits (3 classes)."""
 
     def model(x, y=None):
         h = x
@@ -229,7 +241,7 @@ def _net(model: Classifier, x: torch.Tensor) -> torch.Tensor:
 USER_MODELS: Dict[str, UserModel] = {
     m.name: m
     for m in [
-        UserModel("tanh_depth3", "classification", lambda n: functional_tanh(3), blobs),
+        UserModel("tanh_depth3", "classification", lambda n: functional_tanh(3), iris),
         UserModel("matmul_uniform_noise", "regression", lambda n: MatmulRegressor(10),
                   _standardized_diabetes),
         UserModel("matmul_halfnormal_noise", "regression",
