@@ -10,14 +10,16 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
+import pyro_vinit
 from benchmarks.reproduce import common, ktied, ood, radial
+from pyro_vinit.guides import site_params
 from pyro_vinit.nn import BayesianClassifier
 from tests.common import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {
     "ktied": ("runs", "truncation", "step_ms", "paper_shape_counts"),
-    "radial": ("robustness", "continual", "prior_from_posterior"),
+    "radial": ("robustness", "continual", "robustness_summary"),
     "lrt": ("rows", "paper"),
     "ood": ("runs", "sizes"),
 }
@@ -62,7 +64,7 @@ def test_mean_field_kl_is_closed_form(local_params):
     # not a Monte Carlo estimate (which would vary between calls)
     model, guide, x, _ = _model_and_guide()
     expected = 0.0
-    for name in guide.event_dims:
+    for name in site_params.latent_sites(guide):
         loc, scale = guide.get_loc_and_scale(name)
         layer = model.net[int(name.split(".")[1])]
         expected += kl_divergence(Normal(loc, scale), Normal(0.0, layer.prior_scale)).sum()
@@ -76,7 +78,7 @@ def test_mean_field_set_and_get(local_params):
     loc = torch.randn(5, 6)
     scale = torch.tensor([1e-6, 1e-3, 0.5, 3.0, 30.0]).unsqueeze(-1).expand(5, 6)
     guide.set_loc_and_scale("net.0.weight", loc, scale)
-    got_loc, got_scale = guide.get_loc_and_scale("net.0.weight")
+    got_loc, got_scale = site_params.get_loc_and_scale(guide, "net.0.weight")
     assert_close(got_loc, loc)
     assert_close(got_scale, scale, rtol=1e-4)
 
@@ -87,6 +89,19 @@ def test_mean_field_samples_at_the_site(local_params):
     trace = pyro.poutine.trace(guide).get_trace(x, y)
     fn = trace.nodes["net.0.weight"]["fn"]
     assert isinstance(fn.base_dist, Normal) and fn.event_dim == 2
+    assert_close(fn.base_dist.scale, torch.full((5, 6), 0.05))
+    assert "net.0.weight_unconstrained" not in trace.nodes
+
+
+def test_radial_sigma_as_the_paper(local_params):
+    # [1]'s sigma is the RadialNormal's own scale: per-element marginal sd sigma / sqrt(D)
+    model = common.make_model((6, 5, 3), num_data=10)
+    guide = common.make_guide("radial", model, init_scale=0.05)
+    guide(torch.randn(4, 6), torch.tensor([0, 1, 2, 1]))
+    radial.set_radial_sigma(guide, 0.3)
+    assert_close(guide.get_radial_scale("net.0.weight"), torch.full((5, 6), 0.3), rtol=1e-5)
+    assert_close(guide.get_loc_and_scale("net.0.bias")[1], torch.full((5,), 0.3 / 5**0.5),
+                 rtol=1e-5)
 
 
 def test_snr_recorder():
@@ -149,8 +164,9 @@ def test_continual_priors_reach_the_model(local_params):
     x, y = torch.randn(3, 6), torch.tensor([0, 1, 1])
     guide = common.MeanFieldNormal(model, init_scale=0.05)
     guide(x, y)
-    priors, _ = radial.priors_from(guide, body_sites)
-    radial.set_priors(net, priors)
+    priors = radial.body_priors(guide, body_sites)
+    assert sorted(priors) == sorted(body_sites)
+    pyro_vinit.set_priors(model, priors)
     trace = pyro.poutine.trace(model).get_trace(x, y)
     for name in body_sites:
         loc, scale = guide.get_loc_and_scale(name)

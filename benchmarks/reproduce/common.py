@@ -25,14 +25,12 @@ import pyro.poutine as poutine
 import torch
 import torch.nn.functional as F
 from pyro.infer import Predictive, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal, init_to_sample
-from pyro.infer.autoguide.initialization import InitMessenger
-from pyro.nn import PyroModule
-from pyro.poutine.util import site_is_subsample
+from pyro.infer.autoguide import init_to_sample
 from torch import nn
 from tqdm import tqdm
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_iblm
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger
 
@@ -76,10 +74,11 @@ def make_model(sizes: Sequence[int], num_data: int, prior_scale: Optional[float]
                               num_data=num_data)
 
 
-class MeanFieldNormal(PyroModule):
+class MeanFieldNormal(AutoSiteGuide):
     r"""
-    A fully factorized Normal :math:`\mathcal N(\mu, \mathrm{softplus}(\rho)^2)`
-    placed at each latent site of the model, the mean-field guide of the papers.
+    A fully factorized Normal placed at each latent site of the model, the
+    mean-field guide of the papers, written on the library's public
+    :class:`~pyro_vinit.guides.AutoSiteGuide` base.
 
     Pyro's :class:`~pyro.infer.autoguide.AutoNormal` has the same family but
     puts a ``Delta`` at each site and the Normal behind it, so
@@ -87,73 +86,25 @@ class MeanFieldNormal(PyroModule):
     while :class:`~pyro_vinit.AutoKTiedNormal` and
     :class:`~pyro_vinit.AutoRadialNormal` get it in closed form. The papers'
     mean-field baselines use the closed form; so does this guide, so that
-    the comparisons measure the families and not the KL estimators. The
-    scale is parameterized as AutoNormal's (softplus). Every latent site
-    must be real-valued (true of ``bayesianize``'s weights and biases).
+    the comparisons measure the families and not the KL estimators. Its
+    scales are AutoNormal's (softplus), and as an AutoSiteGuide it works with
+    :mod:`~pyro_vinit.guides.site_params`, I-BLM,
+    ``AutoKTiedNormal.from_guide`` and ``posterior_as_prior``.
     """
 
-    def __init__(self, model: Callable, *, init_scale: float = 0.1,
-                 init_loc_fn: Callable = init_to_sample):
-        super().__init__()
-        self._model = (model,)  # a tuple: the model's modules are not the guide's
-        self.init_scale = init_scale
-        self.init_loc_fn = init_loc_fn
-        self.event_dims: Dict[str, int] = {}
-        self.locs = nn.ParameterDict()
-        self.rhos = nn.ParameterDict()
+    def _setup_scales(self) -> None:
+        self._setup_normal_scales(self._event_dims)
 
-    @staticmethod
-    def key(name: str) -> str:
-        """The key of site ``name`` in ``locs`` and ``rhos`` (no dots allowed there)."""
-        return name.replace(".", "__")
+    def _get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        return attrgetter(name)(self.locs), attrgetter(name)(self.scales)
 
-    def _setup(self, *args, **kwargs) -> None:
-        model = InitMessenger(self.init_loc_fn)(self._model[0])
-        with torch.no_grad(), poutine.block():
-            trace = poutine.trace(model).get_trace(*args, **kwargs)
-        rho = math.log(math.expm1(self.init_scale))
-        for name, site in trace.iter_stochastic_nodes():
-            if site_is_subsample(site):
-                continue
-            if site["fn"].support is not dist.constraints.real and not (
-                isinstance(site["fn"].support, dist.constraints.independent)
-                and site["fn"].support.base_constraint is dist.constraints.real
-            ):
-                raise ValueError(f"MeanFieldNormal: site {name!r} is not real-valued")
-            value = site["value"].detach()
-            self.event_dims[name] = site["fn"].event_dim
-            self.locs[self.key(name)] = nn.Parameter(value.clone())
-            self.rhos[self.key(name)] = nn.Parameter(torch.full_like(value, rho))
+    def _set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        self._write_params([(f"locs.{name}", dist.constraints.real, loc),
+                            (f"scales.{name}", self.scale_constraint, scale)])
 
-    def get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = self.key(name)
-        return self.locs[key], F.softplus(self.rhos[key])
-
-    @torch.no_grad()
-    def set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
-        key = self.key(name)
-        self.locs[key].copy_(loc)
-        # softplus⁻¹, stable for small and large scales
-        self.rhos[key].copy_(scale + torch.log(-torch.expm1(-scale)))
-
-    def forward(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
-        if not self.event_dims:
-            self._setup(*args, **kwargs)
-        return {
-            name: pyro.sample(name, dist.Normal(*self.get_loc_and_scale(name)).to_event(event_dim))
-            for name, event_dim in self.event_dims.items()
-        }
-
-
-def guide_loc_and_scale(guide, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The unconstrained location and per-element standard deviation of site
-    ``name`` of a mean-field guide (MeanFieldNormal or Pyro's AutoNormal)."""
-    if isinstance(guide, MeanFieldNormal):
-        return guide.get_loc_and_scale(name)
-    if isinstance(guide, AutoNormal) and type(guide) is AutoNormal:
-        # AutoNormal's public containers of PyroParams
-        return attrgetter(name)(guide.locs), attrgetter(name)(guide.scales)
-    raise TypeError(f"guide_loc_and_scale: unsupported guide {type(guide).__name__}")
+    def _unconstrained_posterior(self, name: str) -> dist.TorchDistribution:
+        loc, scale = self._get_loc_and_scale(name)
+        return dist.Normal(loc, scale).to_event(self._event_dims[name])
 
 
 GUIDE_FAMILIES = ("mean-field", "k-tied k=1", "k-tied k=2", "k-tied k=3", "radial")
@@ -169,21 +120,6 @@ def make_guide(family: str, model, *, init_scale: float, init_loc_fn=init_to_sam
     if family == "radial":
         return AutoRadialNormal(model, **kwargs)
     raise ValueError(f"unknown guide family {family!r}; expected one of {GUIDE_FAMILIES}")
-
-
-def init_iblm(family: str, model, guide, x: torch.Tensor, y: torch.Tensor):
-    """I-BLM initialization of ``guide`` from ``(x, y)``. The library's
-    initializer writes Pyro's and its own autoguides; a MeanFieldNormal is
-    initialized through an AutoNormal of the same model, whose I-BLM means and
-    standard deviations are then copied."""
-    if family != "mean-field":
-        return init_guide_iblm(guide, (x, y))
-    proxy = AutoNormal(model)
-    init_guide_iblm(proxy, (x, y))
-    guide(x[:2], y[:2])  # set up
-    for name in guide.event_dims:
-        guide.set_loc_and_scale(name, *guide_loc_and_scale(proxy, name))
-    return guide
 
 
 def count_parameters(guide) -> int:

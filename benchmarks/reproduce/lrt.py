@@ -34,7 +34,7 @@ comparison is between the ratios.
 
 Usage::
 
-    python -m benchmarks.reproduce.lrt            # about 5 minutes on a loaded 2-core machine
+    python -m benchmarks.reproduce.lrt            # about 2.5 CPU minutes
     python -m benchmarks.reproduce.lrt --quick    # seconds
 
 [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
@@ -119,7 +119,9 @@ def run_seed(args, seed, data):
     with torch.no_grad():
         guide(x[:2], y[:2])
     last = f"net.{2 * (len(args.sizes) - 2)}.weight"
-    params = {"bottom": guide.locs[guide.key("net.0.weight")], "top": guide.locs[guide.key(last)]}
+    named = dict(guide.named_parameters())
+    params = {"bottom": named["locs.net.0.weight_unconstrained"],
+              "top": named[f"locs.{last}_unconstrained"]}
     kl_weight = len(x) / MNIST_SIZE
     kl = KLAnnealingMessenger(kl_weight)
     steps_per_epoch = len(x) // args.train_batch
