@@ -170,9 +170,10 @@ def rollback_on_error(guide: torch.nn.Module) -> Iterator[None]:
 
     Usage::
 
-        with rollback_on_error(guide):
-            for name, (loc, scale) in values.items():
-                set_loc_and_scale(guide, name, loc, scale)
+        with rollback_on_error(guide):  # all sites halved, or none
+            for name in latent_sites(guide):
+                loc, scale = get_loc_and_scale(guide, name)
+                set_loc_and_scale(guide, name, loc, scale / 2)
 
     Entries created inside the block (e.g. by setting the guide up) are not
     removed.
