@@ -20,7 +20,8 @@ _LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 def _fan_in(module: nn.Module) -> int:
     # in_features for Linear; in_channels / groups * prod(kernel_size) for Conv
-    return module.weight[0].numel()
+    # (from the shape, so that a layer with no output units has one too)
+    return module.weight.shape[1:].numel()
 
 
 class _NormalPrior:
@@ -113,7 +114,9 @@ def bayesianize(
     Sample sites are named after the parameters (``"0.weight"``, and
     ``"net.0.weight"`` once inside a :class:`BayesianClassifier`). Each
     converted layer keeps its prior standard deviation in a buffer
-    ``prior_scale``, so the prior follows ``.to(dtype/device)``.
+    ``prior_scale``, so the prior follows ``.to(dtype/device)``. Layers of
+    width 0 are converted too (their zero-size sites work with every guide); a
+    layer with no inputs has only its bias, with prior N(0, 1) and a warning.
 
     Every other parameter (of excluded layers, normalization layers, ...)
     stays deterministic: Pyro registers it in the param store when the model
@@ -190,11 +193,19 @@ def bayesianize(
             UserWarning,
             stacklevel=2,
         )
+    no_inputs = [name or "<root>" for name, sub in layers if _fan_in(sub) == 0]
+    if no_inputs and prior_scale is None:
+        warnings.warn(
+            f"bayesianize: layers {no_inputs} have no inputs (fan-in 0), so the default "
+            "prior N(0, 1 / fan-in) is undefined; their biases get N(0, 1). Pass "
+            "prior_scale=... to choose another prior",
+            stacklevel=2,
+        )
 
     # all checks passed: now modify
     for _, sub in layers:
         weight, bias = sub.weight, sub.bias
-        scale = prior_scale if prior_scale is not None else 1.0 / math.sqrt(_fan_in(sub))
+        scale = prior_scale if prior_scale is not None else 1.0 / math.sqrt(max(_fan_in(sub), 1))
         pyro.nn.module.to_pyro_module_(sub, recurse=False)
         sub.register_buffer(
             "prior_scale",

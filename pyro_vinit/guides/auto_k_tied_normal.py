@@ -41,7 +41,8 @@ class AutoKTiedNormal(AutoSiteGuide):
     i.e. :math:`mn + k(m + n)` parameters instead of AutoNormal's :math:`2mn`.
     The factors are kept positive by the same softplus parameterization as
     AutoNormal's scales (:attr:`scale_constraint`). Sites with fewer than two
-    event dims (biases, scalars) get AutoNormal's per-element scale. Tying is
+    event dims (biases, scalars) and zero-size sites get AutoNormal's
+    per-element scale. Tying is
     over event dims only: each element of a plate gets its own factors.
 
     :meth:`get_loc_and_scale` returns each site's location and per-element
@@ -69,6 +70,15 @@ class AutoKTiedNormal(AutoSiteGuide):
     (or a ``Normal``) at the site itself, so :class:`~pyro.infer.TraceMeanField_ELBO`
     uses the closed-form KL to a Normal prior; constrained sites go through the
     unconstrained space as in :class:`~pyro.infer.autoguide.AutoNormal`.
+
+    .. note:: By design this guide differs from
+        :class:`~pyro.infer.autoguide.AutoNormal` at real-support sites: the
+        posterior is sampled at the site itself, so ``guide_trace.nodes[name]``
+        carries the KTiedNormal and a nonzero ``log_prob``, and there is no auxiliary
+        ``<name>_unconstrained`` site (AutoNormal samples a Normal there and
+        puts a ``Delta``, of log-density 0, at the site). Code that expects
+        AutoNormal's trace layout (e.g. Pyro's ``test_scores``) sees the
+        difference; ELBOs, ``Predictive`` and ``poutine.replay`` do not.
 
     :param callable model: A Pyro model.
     :param int rank: The number :math:`k \ge 1` of tied components.
@@ -110,10 +120,11 @@ class AutoKTiedNormal(AutoSiteGuide):
         self.scale_v = PyroModule()
         untied = []
         for name, event_dim in self._event_dims.items():
-            if event_dim < 2:
+            loc = attrgetter(name)(self.locs)
+            # A zero-size site (e.g. a layer of width 0) has nothing to tie.
+            if event_dim < 2 or loc.numel() == 0:
                 untied.append(name)
                 continue
-            loc = attrgetter(name)(self.locs)
             batch_shape = loc.shape[: loc.dim() - event_dim]
             event_shape = loc.shape[loc.dim() - event_dim :]
             m, n = event_shape[0], math.prod(event_shape[1:])

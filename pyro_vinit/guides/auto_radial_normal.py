@@ -46,7 +46,8 @@ class AutoRadialNormal(AutoSiteGuide):
     softplus, where an Adam step moves :math:`s` by only about
     ``lr`` :math:`/\sqrt{D}`; see the methods page on the guides.) The event
     spans the site's event dims; plate dims sample independently. Sites with
-    no event dims (:math:`D = 1`) are Normal.
+    no event dims (:math:`D = 1`) are Normal, as are zero-size sites (e.g. a
+    layer of width 0), which have nothing to sample.
 
     Like every guide of :mod:`pyro_vinit.guides`, :meth:`get_loc_and_scale`
     and :meth:`set_loc_and_scale` speak the location :math:`\mu` and the
@@ -60,6 +61,15 @@ class AutoRadialNormal(AutoSiteGuide):
     quadrature (:func:`~pyro_vinit.distributions.radial_normal.radial_standard_icdf`).
     With :class:`~pyro.infer.TraceMeanField_ELBO` the KL to a Normal prior is
     computed in closed form.
+
+    .. note:: By design this guide differs from
+        :class:`~pyro.infer.autoguide.AutoNormal` at real-support sites: the
+        posterior is sampled at the site itself, so ``guide_trace.nodes[name]``
+        carries the RadialNormal and a nonzero ``log_prob``, and there is no auxiliary
+        ``<name>_unconstrained`` site (AutoNormal samples a Normal there and
+        puts a ``Delta``, of log-density 0, at the site). Code that expects
+        AutoNormal's trace layout (e.g. Pyro's ``test_scores``) sees the
+        difference; ELBOs, ``Predictive`` and ``poutine.replay`` do not.
 
     :param callable model: A Pyro model.
     :param callable init_loc_fn: A per-site initialization function.
@@ -106,8 +116,10 @@ class AutoRadialNormal(AutoSiteGuide):
 
     def _unconstrained_posterior(self, name: str) -> dist.TorchDistribution:
         loc, marginal_scale = self._get_loc_and_scale(name)
-        scale = marginal_scale * self._radial_factors[name]
-        return RadialNormal(loc, scale, self._event_dims[name])
+        event_dim = self._event_dims[name]
+        if loc.numel() == 0:  # a zero-size site: nothing to sample, as in AutoNormal
+            return dist.Normal(loc, marginal_scale).to_event(event_dim)
+        return RadialNormal(loc, marginal_scale * self._radial_factors[name], event_dim)
 
     @torch.no_grad()
     def quantiles(
@@ -128,9 +140,12 @@ class AutoRadialNormal(AutoSiteGuide):
         results = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             loc, marginal_scale = self._get_loc_and_scale(name)
-            scale = marginal_scale * self._radial_factors[name]
             q = torch.as_tensor(quantiles, dtype=loc.dtype, device=loc.device)
             q = q.reshape((-1,) + (1,) * loc.dim())
-            values = RadialNormal(loc, scale, self._event_dims[name]).marginal_icdf(q)
+            if loc.numel() == 0:
+                values = loc.expand(q.shape[:1] + loc.shape)
+            else:
+                scale = marginal_scale * self._radial_factors[name]
+                values = RadialNormal(loc, scale, self._event_dims[name]).marginal_icdf(q)
             results[name] = biject_to(site["fn"].support)(values)
         return results

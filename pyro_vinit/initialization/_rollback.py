@@ -4,8 +4,6 @@ from typing import List, Tuple
 
 import pyro
 import torch
-from pyro.distributions import constraints
-from torch.distributions import transform_to
 
 
 class GuideRollback:
@@ -60,22 +58,6 @@ class GuideRollback:
             self.guide.__dict__.clear()
             self.guide.__dict__.update(self._attrs)
             self.guide.__dict__.update(self._containers)
-
-
-@torch.no_grad()
-def write_unconstrained(guide, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
-    """Sets the unconstrained loc and scale of a site of an AutoNormal-style guide."""
-    params = dict(guide.named_parameters())
-    for key, value, constraint in (
-        (f"locs.{name}", loc, constraints.real),
-        (f"scales.{name}", scale, guide.scale_constraint),
-    ):
-        param = params.get(key + "_unconstrained", params.get(key))
-        if param is None:
-            raise TypeError(
-                f"{type(guide).__name__} has no parameter {key!r} for the noise site {name!r}"
-            )
-        param.copy_(transform_to(constraint).inv(value.to(param)).reshape(param.shape))
 
 
 @torch.no_grad()

@@ -306,7 +306,8 @@ def iterate_rows(
             yield args, rows, min(block_size, n - start)
 
 
-def align_rows(tensor: torch.Tensor, n: int, rows: Optional[torch.Tensor], keep: int, what: str):
+def align_rows(tensor: torch.Tensor, what: str, *, n: int, rows: Optional[torch.Tensor],
+               keep: int) -> torch.Tensor:
     """The rows of ``tensor`` for the block ``rows`` of a chunk of ``n`` rows."""
     if rows is None:
         if tensor.dim() == 0 or tensor.shape[0] != n:

@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import pyro
@@ -9,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import biject_to, transform_to
 
+from pyro_vinit.guides.site_params import check_supported, set_loc_and_scale
 from pyro_vinit.initialization._data import Data
-from pyro_vinit.initialization._rollback import GuideRollback, write_param, write_unconstrained
+from pyro_vinit.initialization._rollback import GuideRollback, write_param
 from pyro_vinit.initialization._tracing import (
     Layer,
     Prepared,
@@ -26,7 +28,6 @@ from pyro_vinit.initialization._tracing import (
     unwrap_likelihood,
 )
 from pyro_vinit.initialization.bayesian_linear_regression import bayesian_linear_regression
-from pyro_vinit.initialization.projection import GuideWriter
 
 __all__ = [
     "IBLMGuideInitializer",
@@ -347,8 +348,10 @@ class IBLMGuideInitializer:
     whatever the model does with it is found by bisection. A fixed scale is
     used as it is, unless ``estimate_noise=True``.
 
-    **4. Project** every site onto the guide's family
-    (:mod:`~pyro_vinit.initialization.projection`), one site at a time, and
+    **4. Project** every site onto the guide's family, one site at a time,
+    through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale` (the
+    guide's own projection: exact for a factorized Normal, a rank-:math:`k`
+    fit of the std matrix for AutoKTiedNormal, see that module), and
     set the running statistics of every ``nn.BatchNorm*d`` to their input's
     statistics over the data, so that the model in eval mode computes what
     was fitted.
@@ -444,7 +447,7 @@ class IBLMGuideInitializer:
             iterable of such tuples (e.g. a DataLoader).
         """
         opts = self.options
-        GuideWriter.family_of(guide)
+        check_supported(guide)
         with GuideRollback(guide) as rollback:
             # 1. trace: the layers, the likelihood and what feeds it
             prep = prepare(guide, data, opts.max_pool_size, opts.chunk_rows)
@@ -472,17 +475,12 @@ class IBLMGuideInitializer:
         fixed = likelihood.noise == "fixed" and not self.options.estimate_noise
         fixed = fixed and self.options.noise_scale is None
         parts = []
-        for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
-                                             prep.structure.block_size):
-            recorder = run_model(prep.writer.guide.model, values, args, prep.latent,
-                                 plate_rows=rows)
-            site = observed_site(recorder)
-            n = prep.pool.rows_of(args)
-            obs = align_rows(site["value"], n, rows, keep, "the observed site")
+        for site, rows_of in self._observed(prep, values):
+            obs = rows_of(site["value"], "the observed site")
             scale = None
             if fixed:
                 scale = unwrap_likelihood(site).scale.expand(site["value"].shape)
-                scale = align_rows(scale, n, rows, keep, "the likelihood's scale")
+                scale = rows_of(scale, "the likelihood's scale")
             parts.append(self._site_targets(site, likelihood.family, obs, scale))
         y = torch.cat([p[0] for p in parts])
         noise_var = torch.cat([p[1] for p in parts])
@@ -498,6 +496,16 @@ class IBLMGuideInitializer:
                 f"the likelihood has {y.shape[1]} target columns; I-BLM needs them to match"
             )
         return Targets(task, y, noise_var, softmax, fixed)
+
+    def _observed(self, prep: Prepared, values):
+        """The observed site of a run of the model over each chunk (or block) of the
+        data, with a function picking a tensor's rows of that chunk, in order."""
+        for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
+                                             prep.structure.block_size):
+            recorder = run_model(prep.writer.guide.model, values, args, prep.latent,
+                                 plate_rows=rows)
+            n = prep.pool.rows_of(args)
+            yield observed_site(recorder), partial(align_rows, n=n, rows=rows, keep=keep)
 
     def _site_targets(self, site: dict, family: str, obs: torch.Tensor, scale):
         """(targets (rows, k), noise variances (rows, k)) of an observed site's rows."""
@@ -543,8 +551,8 @@ class IBLMGuideInitializer:
         for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
                                              prep.structure.block_size):
             x, _ = capture(model, values, args, prep.latent, layer, plate_rows=rows)
-            inputs.append(align_rows(x, prep.pool.rows_of(args), rows, keep,
-                                     f"the input of layer {layer.weight_name!r}"))
+            inputs.append(align_rows(x, f"the input of layer {layer.weight_name!r}",
+                                     n=prep.pool.rows_of(args), rows=rows, keep=keep))
         inputs = torch.cat(inputs)
         if not bool(torch.isfinite(inputs).all()):
             raise ValueError(f"the input of layer {layer.weight_name!r} is not finite")
@@ -707,15 +715,10 @@ class IBLMGuideInitializer:
     def _residual_std(self, prep: Prepared, values, targets: Targets) -> torch.Tensor:
         """Root mean square residual of the network at ``values``, per target column."""
         squares, n = 0.0, 0
-        for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
-                                             prep.structure.block_size):
-            recorder = run_model(prep.writer.guide.model, values, args, prep.latent,
-                                 plate_rows=rows)
-            site = observed_site(recorder)
-            rows_n = prep.pool.rows_of(args)
+        for site, rows_of in self._observed(prep, values):
             loc = unwrap_likelihood(site).loc.expand(site["value"].shape)
-            loc = align_rows(loc, rows_n, rows, keep, "the likelihood's mean")
-            obs = align_rows(site["value"], rows_n, rows, keep, "the observed site")
+            loc = rows_of(loc, "the likelihood's mean")
+            obs = rows_of(site["value"], "the observed site")
             resid = (obs - loc).reshape(obs.shape[0], -1)
             squares = squares + resid.pow(2).sum(0)
             n += resid.shape[0]
@@ -790,23 +793,21 @@ class IBLMGuideInitializer:
     # ---- step 4: writing -----------------------------------------------------------------------
 
     def _write(self, prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit]) -> None:
-        writer = prep.writer
-        # One site at a time, so that only one site's projection is held in memory: a
-        # failure half-way is undone by GuideRollback.
+        guide = prep.writer.guide
+        # One site at a time through the guide's own projection, so that only one site's
+        # values are held twice in memory: a failure half-way is undone by GuideRollback.
         for key in list(fits):
             fit = fits.pop(key)
-            for name, (mean, var) in fit.site_values(writer.shape).items():
-                writer.write({name: writer.project(name, mean, var)})
-            del fit
+            for name, (mean, var) in fit.site_values(prep.writer.shape).items():
+                set_loc_and_scale(guide, name, mean, var.sqrt_())
         if noise is not None and noise.name is not None:
             if prep.structure.likelihood.noise == "site":
                 # the posterior std of log sigma from n residuals is about 1 / sqrt(2 n)
                 spread = min(0.1, (2.0 * prep.pool.num_rows) ** -0.5)
-                write_unconstrained(writer.guide, noise.name, noise.level,
-                                    torch.full_like(noise.level, spread))
+                set_loc_and_scale(guide, noise.name, noise.level,
+                                  torch.full_like(noise.level, spread))
             else:
                 write_param(noise.name, noise.level)
-
 
 def init_guide_iblm(guide, data: Data, **options: Any):
     """

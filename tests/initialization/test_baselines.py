@@ -1,14 +1,16 @@
 import math
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
+from pyro.nn import PyroModule
 from torch import nn
 
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide
 from pyro_vinit.data import load_digits
-from pyro_vinit.guides import AutoSiteGuide
+from pyro_vinit.guides import AutoSiteGuide, site_params
 from pyro_vinit.initialization._tracing import capture, guide_values, prepare
 from pyro_vinit.initialization.baselines import METHODS
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
@@ -125,3 +127,33 @@ def test_errors(digits):
     assert set(METHODS) == {
         "uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map", "iblm"
     }
+
+
+class _NoisyRegressor(PyroModule):
+    """A Bayesian MLP with a learned HalfNormal noise scale: a constrained latent."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = bayesianize(mlp((3, 8, 1)))
+
+    def forward(self, x, y=None):
+        noise = pyro.sample("noise", dist.HalfNormal(1.0))
+        mean = self.net(x).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("obs", dist.Normal(mean, noise), obs=y)
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+@pytest.mark.parametrize("method", ["xavier", "lsuv"])
+def test_constrained_latent_is_left_alone(guide_class, method):
+    # The layers are initialized as asked; the noise keeps the guide's own init.
+    x, y = torch.randn(40, 3), torch.randn(40)
+    guide = guide_class(_NoisyRegressor())
+    guide(x, y)
+    noise_before = [t.clone() for t in site_params.get_loc_and_scale(guide, "noise")]
+    init_guide(guide, None if method == "xavier" else (x, y), method=method, batch_size=40)
+    for before, after in zip(noise_before, site_params.get_loc_and_scale(guide, "noise")):
+        assert torch.equal(before, after)
+    _, w_std = _site(guide, "net.0.weight")
+    expected = 2 / (3 + 8) if method == "xavier" else 1 / 3
+    assert_close(w_std, torch.full_like(w_std, math.sqrt(expected)), atol=1e-4, rtol=1e-3)

@@ -437,3 +437,26 @@ def test_svi_after_init_trains():
     init_guide_iblm(guide, (x, y))
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
     assert math.isfinite(svi.step(x, y))
+
+
+def test_third_party_guide_gets_the_closed_form_posterior():
+    from tests.guides.test_site_params import AutoExpNormal, getattr_dotted
+
+    n, d_in = 60, 3
+    x = torch.randn(n, d_in, dtype=F64)
+    y = x @ torch.tensor([0.5, -1.0, 2.0], dtype=F64) + 0.3 * torch.randn(n, dtype=F64)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=F64), 0.7)
+                        .expand([1, d_in]).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), 0.3), obs=y)
+
+    guide = AutoExpNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n)
+    precision = torch.eye(d_in, dtype=F64) / 0.49 + x.T @ x / 0.09
+    mean = torch.linalg.solve(precision, x.T @ y / 0.09)
+    # written through the guide's own parameters, with no other change to I-BLM
+    assert_close(getattr_dotted(guide.locs, "w")[0], mean, atol=1e-9, rtol=1e-8)
+    assert_close(getattr_dotted(guide.log_scales, "w")[0].exp(),
+                 precision.diagonal().rsqrt(), atol=1e-12, rtol=1e-8)
