@@ -10,6 +10,10 @@ the installed Pyro.
   parameter behind a :class:`~pyro.nn.PyroParam`.
 * :func:`unwrap_init_messenger`: an autoguide's model without the
   ``InitMessenger`` Pyro wraps around it.
+* :func:`share_prototype`: sets an autoguide up from another's prototype
+  trace and plate frames (``AutoGuide._prototype_frames``).
+* :func:`pyro_sample_priors`: the priors of a PyroModule's PyroSample
+  attributes (``PyroModule._pyro_samples``).
 * :func:`scale_and_mask`, :class:`ScoreParts`: the helpers
   ``pyro.poutine.Trace`` uses to store a site's log density.
 * :func:`prefill_log_prob`: stores a site's log density in its message ahead
@@ -32,7 +36,9 @@ __all__ = [
     "helpful_support_errors",
     "is_vectorized_particles",
     "prefill_log_prob",
+    "pyro_sample_priors",
     "scale_and_mask",
+    "share_prototype",
     "unconstrained_param",
     "unwrap_init_messenger",
 ]
@@ -106,3 +112,33 @@ def prefill_log_prob(
     msg["log_prob"] = scaled
     msg["log_prob_sum"] = total
     msg["score_parts"] = ScoreParts(log_prob=scaled, score_function=0, entropy_term=scaled)
+
+
+def share_prototype(source, target) -> None:
+    """Gives the autoguide ``target`` the prototype trace (and plate frames) of the
+    set-up autoguide ``source`` of the same model, as if ``target`` had run the
+    model itself (AutoGuide keeps the frames in ``_prototype_frames``)."""
+    frames = getattr(source, "_prototype_frames", None)
+    if source.prototype_trace is None or not isinstance(frames, dict):
+        raise RuntimeError(
+            f"expected the set-up {type(source).__name__} to hold prototype_trace and a "
+            "_prototype_frames dict; this Pyro version sets guides up differently: update "
+            "pyro_vinit/_pyro_compat.py"
+        )
+    target.prototype_trace = source.prototype_trace
+    target._prototype_frames = dict(frames)
+
+
+def pyro_sample_priors(module: torch.nn.Module) -> dict:
+    """The priors of the :class:`~pyro.nn.PyroSample` attributes of ``module``
+    (not of its submodules), by attribute name; ``{}`` for a plain module
+    (PyroModule keeps them in ``_pyro_samples``)."""
+    samples = getattr(module, "_pyro_samples", None)
+    if samples is None:
+        return {}
+    if not isinstance(samples, dict):
+        raise RuntimeError(
+            "expected PyroModule._pyro_samples to be a dict; this Pyro version keeps "
+            "PyroSamples differently: update pyro_vinit/_pyro_compat.py"
+        )
+    return dict(samples)

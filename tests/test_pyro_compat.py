@@ -192,3 +192,33 @@ def test_autonormal_internals_used_by_the_guides():
     plates = guide._create_plates()
     assert isinstance(plates, dict)
     assert hasattr(AutoGuide, "_setup_prototype")
+
+
+def test_share_prototype_sets_up_a_guide_without_running_the_model():
+    from pyro.infer.autoguide import AutoDelta
+
+    from pyro_vinit._pyro_compat import share_prototype
+
+    def plated():
+        with pyro.plate("p", 4, subsample_size=2):
+            pyro.sample("x", dist.Normal(0.0, 1.0))
+
+    source = AutoNormal(plated)
+    source()
+    target = AutoDelta(plated)
+    share_prototype(source, target)
+    assert target.prototype_trace is source.prototype_trace
+    # The plates AutoGuide builds from the frames match the source's.
+    assert {n: p.subsample_size for n, p in target._create_plates().items()} == {"p": 2}
+
+
+def test_pyro_sample_priors():
+    from pyro.nn import PyroModule, PyroSample
+
+    from pyro_vinit._pyro_compat import pyro_sample_priors
+
+    module = PyroModule[torch.nn.Linear](2, 3)
+    prior = dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2)
+    module.weight = PyroSample(prior)
+    assert pyro_sample_priors(module) == {"weight": prior}
+    assert pyro_sample_priors(torch.nn.Linear(2, 3)) == {}

@@ -77,6 +77,10 @@ class AutoSiteGuide(AutoNormal):
         # AutoGuide's set-up, not AutoNormal's: that one would create a full-size
         # scale for every site, which a subclass may not use (k-tied sites).
         AutoGuide._setup_prototype(self, *args, **kwargs)
+        self._setup_params()
+
+    def _setup_params(self) -> None:
+        """Creates the parameters from ``self.prototype_trace``."""
         self._event_dims = {}
         self.locs = PyroModule()
         for name, site in self.prototype_trace.iter_stochastic_nodes():

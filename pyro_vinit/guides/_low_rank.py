@@ -69,6 +69,27 @@ def _rank_two(U: torch.Tensor, s: torch.Tensor, Vh: torch.Tensor):
     return u, v
 
 
+def _full_rank(matrix: torch.Tensor):
+    r"""Exact positive factors with :math:`\min(m, n)` components.
+
+    For :math:`m \le n`, :math:`U = I + \epsilon \mathbf 1 \mathbf 1^\top` is
+    positive and :math:`V^\top = U^{-1} S = S - c\,\mathbf 1 \mathbf 1^\top S`
+    with :math:`c = \epsilon / (1 + m\epsilon)`, positive for :math:`c` below
+    every :math:`S_{ij} / \sum_i S_{ij}`; :math:`m > n` is the transpose.
+    """
+    if matrix.shape[0] > matrix.shape[1]:
+        v, u = _full_rank(matrix.T)
+        return u, v
+    m = matrix.shape[0]
+    c = 0.5 * float((matrix / matrix.sum(0, keepdim=True)).min())
+    eps = c / (1 - m * c)  # c < 1 / m: the smallest entry is below its column's mean
+    u = torch.eye(m, dtype=matrix.dtype, device=matrix.device) + eps
+    v = (matrix - c * matrix.sum(0, keepdim=True)).T
+    # Balance the factors' magnitudes (the product is unchanged).
+    balance = (v.max() / u.max()).sqrt()
+    return u * balance, v / balance
+
+
 def _hals(matrix, u, v, floor, num_iters):
     """Hierarchical alternating least squares (Cichocki and Phan, 2009): each
     column update is an exact, clamped least-squares step, so the error does
@@ -111,6 +132,9 @@ def _fit_matrix(matrix: torch.Tensor, rank: int, num_iters: int):
         exact = _rank_two(U, s, Vh)
         if exact is not None:
             return _split(*exact, rank) if rank > 2 else exact
+    if rank >= min(m, n):
+        u, v = _full_rank(matrix)
+        return _split(u, v, rank) if rank > u.shape[-1] else (u, v)
     # Rank 3 or more: the nonnegative rank may exceed the rank, so no exact
     # construction exists in general; refine the rank-1 fit split into
     # components and keep whichever is closer.
@@ -133,6 +157,8 @@ def fit_positive_low_rank(
     * :math:`S` of rank 2 and :math:`k \ge 2`: exact, from two positive rows
       just outside the extreme rays of the cone the rows of :math:`S` span
       (every positive matrix of rank 2 has nonnegative rank 2).
+    * :math:`k \ge \min(m, n)`: exact, :math:`U = I + \epsilon\mathbf 1\mathbf 1^\top`
+      (for :math:`m \le n`, else the transpose) and :math:`V^\top = U^{-1}S`.
     * Otherwise the rank-1 fit split into :math:`k` components and refined by
       up to ``num_iters`` hierarchical alternating least-squares sweeps, which
       never increase the error. (Above rank 2 a positive :math:`S` of rank

@@ -4,14 +4,16 @@ import math
 from operator import attrgetter
 from typing import Callable, Dict, Optional, Tuple
 
+import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 
-from pyro_vinit._pyro_compat import deep_setattr
+from pyro_vinit._pyro_compat import deep_setattr, share_prototype, unwrap_init_messenger
 from pyro_vinit.distributions import KTiedNormal
+from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import AutoSiteGuide
 from pyro_vinit.guides._low_rank import fit_positive_low_rank
 
@@ -179,6 +181,67 @@ class AutoKTiedNormal(AutoSiteGuide):
             u, v = self._get_factors(name)
             return KTiedNormal(loc, u, v, tied_dims=event_dim).to_event(event_dim)
         return dist.Normal(loc, attrgetter(name)(self.scales)).to_event(event_dim)
+
+    @classmethod
+    def from_guide(
+        cls,
+        guide,
+        *,
+        rank: int = 2,
+        create_plates: Optional[Callable] = None,
+    ) -> "AutoKTiedNormal":
+        r"""
+        Returns a new, set-up k-tied guide for the model of ``guide`` (e.g. a
+        trained :class:`~pyro.infer.autoguide.AutoNormal`) with the same
+        locations and, at each site, the positive rank-``rank`` fit of
+        ``guide``'s per-element standard deviations (see
+        :meth:`set_loc_and_scale`).
+
+        Usage::
+
+            normal = AutoNormal(model)
+            ...  # train
+            guide = AutoKTiedNormal.from_guide(normal, rank=2)
+
+        The fit is exact at full rank (:math:`k \ge \min(m, n)`) and for std
+        matrices of rank at most 2; at rank 1 it is the best rank-1 fit in
+        Frobenius norm. The model is not run: the new guide reuses ``guide``'s
+        prototype trace, so ``guide`` must be set up (called once).
+
+        :param guide: A set-up guide :mod:`~pyro_vinit.guides.site_params`
+            supports, of any family.
+        :param int rank: The number :math:`k` of tied components.
+        :param callable create_plates: As for the constructor; defaults to
+            ``guide``'s.
+        :rtype: AutoKTiedNormal
+        :raises ValueError: if the param store already holds parameters under
+            this guide's name (e.g. of another AutoKTiedNormal), which the new
+            guide would otherwise pick up at its first call.
+        """
+        site_params.check_supported(guide)
+        sites = site_params.latent_sites(guide)  # raises if guide is not set up
+        values = {}
+        with torch.no_grad():
+            for name in sites:
+                loc, scale = site_params.get_loc_and_scale(guide, name)
+                values[name] = loc.detach().clone(), scale.detach().clone()
+        if create_plates is None:
+            create_plates = guide.create_plates
+        new = cls(unwrap_init_messenger(guide.model), rank=rank, create_plates=create_plates)
+        prefix = new._pyro_name + "."
+        taken = sorted(key for key in pyro.get_param_store().keys() if key.startswith(prefix))
+        if taken:
+            raise ValueError(
+                f"AutoKTiedNormal.from_guide: the param store already holds {taken[:3]}..., "
+                "which a new guide of this name would pick up at its first call instead of "
+                "the values from_guide computes; save them if needed, then remove them "
+                "(pyro.clear_param_store(), or del pyro.get_param_store()[name])"
+            )
+        share_prototype(guide, new)
+        new._setup_params()
+        for name, (loc, scale) in values.items():
+            new.set_loc_and_scale(name, loc, scale)
+        return new
 
     def get_scale_factors(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """

@@ -216,16 +216,20 @@ def init_guide(
     shapes: Dict[str, Tuple[torch.Size, float]] = {}
     for layer in layers:
         var = _variance(method, layer)
-        shapes[layer.weight_name] = (layer.weight_shape, var)
+        # means are made in the op's layout, stored in the site's (a matmul weight x @ w
+        # is the transpose of its layer's (out, in) weight)
+        name = layer.weight_name
+        site_shape = guide.prototype_trace.nodes[name]["value"].shape
+        shapes[name] = (site_shape, var)
         if method in ("orthogonal", "lsuv"):
-            means[layer.weight_name] = _orthogonal(layer, like)
+            means[name] = layer.to_site(name, _orthogonal(layer, like), site_shape)
         elif method == "map":
             std = math.sqrt(2.0 / (layer.fan_in + layer.fan_out))
-            means[layer.weight_name] = std * torch.randn(layer.weight_shape, dtype=like.dtype,
-                                                         device=like.device)
+            means[name] = std * torch.randn(site_shape, dtype=like.dtype, device=like.device)
         if layer.bias_name is not None:
-            shapes[layer.bias_name] = (torch.Size([layer.num_units]), var)
-            means[layer.bias_name] = like.new_zeros(layer.num_units)
+            bias_shape = guide.prototype_trace.nodes[layer.bias_name]["value"].shape
+            shapes[layer.bias_name] = (bias_shape, var)
+            means[layer.bias_name] = like.new_zeros(bias_shape)
 
     if method == "lsuv":
         with torch.no_grad():

@@ -305,23 +305,32 @@ def test_bad_init_scale(Guide, init_scale):
         Guide(assorted_model, init_scale=init_scale)
 
 
+@pytest.mark.parametrize("shared_subsample", [False, True])
 @pytest.mark.parametrize("Guide", GUIDES)
-def test_no_latent_sites(Guide):
-    # As AutoNormal: an empty guide, usable with SVI (e.g. a model whose only
-    # sample site is observed, under subsampling plates the guide creates).
-    def model(data):
-        with pyro.plate("data", len(data), subsample_size=5) as ind:
-            pyro.sample("obs", dist.Normal(0.0, 1.0), obs=data[ind])
+def test_no_latent_sites(Guide, shared_subsample):
+    # As AutoNormal: an empty guide, usable with SVI, for a model whose only sample
+    # site is observed, under two subsampled plates the guide creates (the second
+    # either subsampled on its own or reusing the first's indices).
+    def model(table):
+        with pyro.plate("rows", len(table), dim=-2), pyro.plate("cols", len(table), dim=-1):
+            block = pyro.subsample(table, event_dim=0)
+            assert block.shape[0] == block.shape[1]
+            pyro.sample("obs", dist.Normal(0.0, 1.0), obs=block)
 
-    def create_plates(data):
-        return pyro.plate("data", len(data), subsample_size=5)
+    def create_plates(table):
+        rows = pyro.plate("rows", len(table), subsample_size=3, dim=-2)
+        if not shared_subsample:
+            return rows, pyro.plate("cols", len(table), subsample_size=3, dim=-1)
+        with rows as index:
+            pass
+        return rows, pyro.plate("cols", len(table), subsample=index, dim=-1)
 
-    data = torch.randn(20)
+    table = torch.randn(8, 8)
     guide = Guide(model, create_plates=create_plates)
-    assert guide(data) == {}
+    assert guide(table) == {}
     svi = SVI(model, guide, Adam({"lr": 0.01}), Trace_ELBO())
     for _ in range(2):
-        assert math.isfinite(svi.step(data))
+        assert math.isfinite(svi.step(table))
     assert guide.median() == {} and guide.quantiles([0.5]) == {}
 
 

@@ -65,3 +65,13 @@ def test_components_are_not_proportional():
     u, _ = fit_positive_low_rank(s, 3)
     ratios = u / u[:, :1]
     assert (ratios.std(0)[1:] > 1e-3).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m,n,rank", [(5, 8, 5), (8, 5, 5), (6, 6, 6), (4, 7, 6), (3, 3, 4)])
+def test_full_rank_is_exact(m, n, rank, dtype):
+    s = (torch.rand(m, n, dtype=torch.float64) + 0.01).to(dtype)  # full rank
+    u, v = fit_positive_low_rank(s, rank)
+    assert u.shape == (m, rank) and (u > 0).all() and (v > 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    assert_close(u @ v.T, s, atol=0, rtol=tol)

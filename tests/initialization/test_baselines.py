@@ -8,7 +8,7 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNorm
 from pyro.nn import PyroModule
 from torch import nn
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.guides import AutoSiteGuide, site_params
 from pyro_vinit.initialization._tracing import capture, guide_values, prepare
@@ -100,16 +100,70 @@ def test_map_fits_the_data(digits):
     assert_close(std, torch.full_like(std, math.exp(-5.5 / 2)), atol=1e-5, rtol=1e-4)
 
 
-def test_map_time_budget(digits):
+class _FakeClock:
+    """A ``time`` module stand-in whose clock advances one second per reading."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
+def _count_adam_steps(monkeypatch):
+    steps = []
+    step = torch.optim.Adam.step
+
+    def counting_step(self, *args, **kwargs):
+        steps.append(None)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", counting_step)
+    return steps
+
+
+@pytest.mark.parametrize("map_seconds", [None, 5.5])
+def test_map_time_budget(digits, monkeypatch, map_seconds):
+    # With a clock that ticks once per reading, a budget of 5.5 "seconds" allows
+    # a handful of steps; without one, all map_steps run. No wall-clock timing.
+    from pyro_vinit.initialization import baselines
+
     x, y, _, _ = digits
+    monkeypatch.setattr(baselines, "time", _FakeClock())
+    steps = _count_adam_steps(monkeypatch)
     guide = AutoNormal(_model())
-    init_guide(guide, (x, y), method="map", map_steps=10**9, map_seconds=0.2)
+    init_guide(guide, (x[:200], y[:200]), method="map", map_steps=12, map_seconds=map_seconds,
+               batch_size=32)
+    if map_seconds is None:
+        assert len(steps) == 12
+    else:
+        assert 1 <= len(steps) <= 6
+
+
+def _iblm_params(data, use_init_guide, **options):
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(_model())
+    if use_init_guide:
+        init_guide(guide, data, method="iblm", **options)
+    else:
+        init_guide_iblm(guide, data, **options)
+    return {name: p.detach().clone() for name, p in guide.named_parameters()}
 
 
 def test_iblm_method_forwards_options(digits):
     x, y, _, _ = digits
-    guide = AutoNormal(_model())
-    init_guide(guide, (x, y), method="iblm", alpha=0.05, batch_size=64)
+    data = (x[:300], y[:300])
+    options = dict(alpha=0.05, batch_size=64, max_pool_size=200)
+    forwarded = _iblm_params(data, True, **options)
+    direct = _iblm_params(data, False, **options)
+    assert forwarded.keys() == direct.keys()
+    for name in direct:
+        assert_close(forwarded[name], direct[name], atol=0, rtol=0, msg=name)
+    # Each option changes the result, so equality above means each was forwarded.
+    for dropped in options:
+        other = _iblm_params(data, False, **{k: v for k, v in options.items() if k != dropped})
+        assert any(not torch.equal(other[n], direct[n]) for n in direct), dropped
 
 
 def test_errors(digits):

@@ -13,7 +13,7 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_iblm
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import bayesianize
 from pyro_vinit.poutine import local_reparam
@@ -460,3 +460,19 @@ def test_third_party_guide_gets_the_closed_form_posterior():
     assert_close(getattr_dotted(guide.locs, "w")[0], mean, atol=1e-9, rtol=1e-8)
     assert_close(getattr_dotted(guide.log_scales, "w")[0].exp(),
                  precision.diagonal().rsqrt(), atol=1e-12, rtol=1e-8)
+
+
+@pytest.mark.parametrize("method", ["orthogonal", "lsuv", "map", "xavier"])
+def test_baselines_on_matmul_layers(method):
+    # weights of shape (in, out) used as x @ w: the baselines' means in the site's layout
+    um = USER_MODELS["matmul_halfnormal_noise"]
+    x, y, _, _ = um.data()
+    model = um.make(len(x))
+    guide = AutoNormal(model)
+    init_guide(guide, (x, y), method=method, map_steps=5)
+    w1 = guide.median()["w1"]
+    assert w1.shape == (10, 50)
+    if method in ("orthogonal", "lsuv"):
+        # the layer's (out, in) = (50, 10) weight, i.e. w1.T, has orthogonal columns
+        gram = w1 @ w1.T
+        assert_close(gram / gram.diagonal().mean(), torch.eye(10), atol=1e-4, rtol=0)
