@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck mutate demo docs bench clean
+.PHONY: install test lint typecheck mutate demo docs bench reproduce clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_lrt.py
 	$(BIN)/python benchmarks/bench_iblm_time.py
 	$(BIN)/python benchmarks/bench_iblm_memory.py
+
+# The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
+# docs/_static/reproduce/. About 12 minutes of CPU time on one thread.
+reproduce: $(STAMP)
+	$(BIN)/python -m benchmarks.reproduce.ktied
+	$(BIN)/python -m benchmarks.reproduce.radial
+	$(BIN)/python -m benchmarks.reproduce.lrt
+	$(BIN)/python -m benchmarks.reproduce.ood
 
 clean:
 	rm -rf $(VENV) docs/_build build *.egg-info .mypy_cache
