@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_lrt.py
 	$(BIN)/python benchmarks/bench_iblm_time.py
 	$(BIN)/python benchmarks/bench_iblm_memory.py
+	$(BIN)/python benchmarks/bench_memory.py
 
 # The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
 # docs/_static/reproduce/. About 12 minutes of CPU time on one thread.

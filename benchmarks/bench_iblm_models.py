@@ -38,7 +38,7 @@ from pyro_vinit import init_guide
 from pyro_vinit.initialization.baselines import METHODS
 from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.schedules import LinearWarmup
-from pyro_vinit.testing import USER_MODELS
+from pyro_vinit.testing.user_models import USER_MODELS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -442,8 +442,8 @@ def uncertainty_decomposition(
     Usage::
 
         u = uncertainty_decomposition(logits=logits)      # each (N,)
-        u = uncertainty_decomposition(loc=means, scale=noise_scale)
-        ood_auroc(u.epistemic[in_dist], u.epistemic[out_dist])
+        ood_auroc(u.epistemic[:12], u.epistemic[12:])     # in- vs out-of-distribution
+        v = uncertainty_decomposition(loc=means, scale=noise_scale)
 
     :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
     :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
@@ -519,8 +519,9 @@ def ood_auroc(scores_in: torch.Tensor, scores_out: torch.Tensor) -> torch.Tensor
 
     Usage::
 
-        ood_auroc(predictive_entropy(logits=logits_in),
-                  predictive_entropy(logits=logits_out))
+        # logits (S, N, C): the first 12 points in distribution, the rest not
+        ood_auroc(predictive_entropy(logits=logits[:, :12]),
+                  predictive_entropy(logits=logits[:, 12:]))
 
     :param torch.Tensor scores_in: Scores of in-distribution points ``(N_in,)``.
     :param torch.Tensor scores_out: Scores of out-of-distribution points

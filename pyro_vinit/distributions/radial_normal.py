@@ -147,12 +147,13 @@ class RadialNormal(TorchDistribution):
 
     def rsample(self, sample_shape: _Shape = torch.Size()) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
-        eps = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
+        # new_empty: the noise takes loc's dtype and device by construction.
+        eps = self.loc.new_empty(shape).normal_()
         event_dim = len(self.event_shape)
         batch = shape[: len(shape) - event_dim]
         norm: torch.Tensor = eps.reshape(batch + (-1,)).norm(dim=-1)
         norm = norm.reshape(batch + (1,) * event_dim)
-        radius = torch.randn(norm.shape, dtype=eps.dtype, device=eps.device)
+        radius = eps.new_empty(norm.shape).normal_()
         return self.loc + self.scale * (eps / norm) * radius
 
     def _log_normalizer(self) -> float:

@@ -19,7 +19,7 @@ from torch.distributions import biject_to, transform_to
 
 from pyro_vinit._pyro_compat import deep_setattr, helpful_support_errors, unconstrained_param
 
-__all__: list = []
+__all__ = ["AutoSiteGuide"]
 
 
 def is_real_support(support: constraints.Constraint) -> bool:
@@ -36,6 +36,30 @@ def check_init_scale(cls: type, init_scale: float) -> None:
             f"deviation of each unconstrained latent element), but got {init_scale!r}; "
             "pass e.g. init_scale=0.1"
         )
+
+
+def check_loc_and_scale(name: str, shape: torch.Size, loc, scale, like: torch.Tensor):
+    """Validated ``loc`` and ``scale`` in ``like``'s dtype and device."""
+    values = []
+    for what, value in (("loc", loc), ("scale", scale)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"site {name!r}: {what} must be a torch.Tensor, got "
+                            f"{type(value).__name__}")
+        if value.shape != shape:
+            raise ValueError(
+                f"site {name!r}: {what} must have the site's full unconstrained shape "
+                f"{tuple(shape)}, got {tuple(value.shape)}"
+            )
+        values.append(value.detach().to(dtype=like.dtype, device=like.device))
+    loc, scale = values
+    if not bool(torch.isfinite(loc).all()):
+        raise ValueError(f"site {name!r}: loc has non-finite entries; nothing was written")
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(
+            f"site {name!r}: scale must be finite and positive (a marginal standard "
+            "deviation), but has entries that are not; nothing was written"
+        )
+    return loc, scale
 
 
 class AutoSiteGuide(AutoNormal):
@@ -168,26 +192,7 @@ class AutoSiteGuide(AutoNormal):
         """
         self._check_site(name)
         current = attrgetter(name)(self.locs)
-        values = []
-        for what, value in (("loc", loc), ("scale", scale)):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"site {name!r}: {what} must be a torch.Tensor, got {type(value).__name__}"
-                )
-            if value.shape != current.shape:
-                raise ValueError(
-                    f"site {name!r}: {what} must have the site's full unconstrained shape "
-                    f"{tuple(current.shape)}, got {tuple(value.shape)}"
-                )
-            values.append(value.detach().to(dtype=current.dtype, device=current.device))
-        loc, scale = values
-        if not bool(torch.isfinite(loc).all()):
-            raise ValueError(f"site {name!r}: loc has non-finite entries; nothing was written")
-        if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-            raise ValueError(
-                f"site {name!r}: scale must be finite and positive (a marginal standard "
-                "deviation), but has entries that are not; nothing was written"
-            )
+        loc, scale = check_loc_and_scale(name, current.shape, loc, scale, current)
         self._set_loc_and_scale(name, loc, scale)
 
     def _write_params(self, writes: List[Tuple[str, Constraint, torch.Tensor]]) -> None:

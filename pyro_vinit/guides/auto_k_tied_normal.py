@@ -200,8 +200,8 @@ class AutoKTiedNormal(AutoSiteGuide):
         Usage::
 
             normal = AutoNormal(model)
-            ...  # train
-            guide = AutoKTiedNormal.from_guide(normal, rank=2)
+            normal(x, y)  # set up (and train, e.g. with SVI)
+            tied = AutoKTiedNormal.from_guide(normal, rank=2)
 
         The fit is exact at full rank (:math:`k \ge \min(m, n)`) and for std
         matrices of rank at most 2; at rank 1 it is the best rank-1 fit in

@@ -111,18 +111,15 @@ class _WeightNoiseMessenger(LayerCallMessenger):
             self._warned.update(untreated)
         if not untreated:
             return None
-        lines = [
-            f"{type(self).__name__}: {len(untreated)} latent site(s) kept their ordinary "
-            "sample, shared by the whole minibatch:"
-        ]
-        lines += [f"  {name!r}: {reason};" for name, reason in untreated.items()]
+        sites = ";\n".join(f"  {name!r}: {reason}" for name, reason in untreated.items())
         if self.strict:
-            lines.append("(strict=True: pass strict=False to only warn about them.)")
+            end = "(strict=True: pass strict=False to only warn about them.)"
         else:
-            lines.append(
-                "Each site is named once per handler. Pass strict=True to make this an error."
-            )
-        return "\n".join(lines)
+            end = "Each site is named once per handler. Pass strict=True to make this an error."
+        return (
+            f"{type(self).__name__}: {len(untreated)} latent site(s) kept their ordinary "
+            f"sample, shared by the whole minibatch:\n{sites}.\n{end}"
+        )
 
     def _weight_distribution(self, call: LayerCall) -> Optional[Distribution]:
         """The distribution that drew the call's weight (whose

@@ -121,9 +121,10 @@ class LayerRecorderMessenger(Messenger):
 
     Usage::
 
-        with LayerRecorderMessenger(latent=["fc.weight", "fc.bias"]) as rec:
-            poutine.condition(model, data=values)(x, y)
-        rec.layers  # [RecordedLayer(...)]
+        latent = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+        with LayerRecorderMessenger(latent) as rec:
+            pyro.poutine.condition(model, data=guide.median())(x, y)
+        [layer.weight_name for layer in rec.layers]  # ["net.0.weight", "net.2.weight"]
 
     It is meant for one-off passes over a model whose latent sites are set
     (e.g. by :func:`pyro.poutine.condition`), such as an initializer's: it

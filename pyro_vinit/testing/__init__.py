@@ -4,6 +4,7 @@ works on models it was not written for (used by pyro-vinit's own tests and
 benchmarks, and available to anyone testing a guide or initializer).
 """
 
-from pyro_vinit.testing.user_models import USER_MODELS, UserModel
+from pyro_vinit.testing import user_models
+from pyro_vinit.testing.user_models import UserModel
 
-__all__ = ["USER_MODELS", "UserModel"]
+__all__ = ["UserModel", "user_models"]

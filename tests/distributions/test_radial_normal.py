@@ -291,3 +291,36 @@ def test_kl_to_a_prior_with_more_batch_dims():
     for i in range(2):
         one = dist.Normal(prior.base_dist.loc[i], prior.base_dist.scale[i]).to_event(1)
         assert_close(kl[i], kl_divergence(q, one))
+
+
+def test_device_and_dtype_follow_loc():
+    # The meta device stands in for an accelerator: a tensor created on the default
+    # device (the CPU) instead of loc's would fail to combine with it.
+    loc = torch.zeros(3, 4, dtype=torch.float64, device="meta")
+    d = RadialNormal(loc, torch.ones_like(loc), event_dim=1, validate_args=False)
+    sample = d.rsample((2,))
+    assert sample.device.type == "meta" and sample.dtype == torch.float64
+    q = torch.tensor([0.1, 0.5])[:, None, None]
+    for value in [d.log_prob(sample), d.entropy(), d.marginal_icdf(q)]:
+        assert value.device.type == "meta" and value.dtype == torch.float64
+
+
+def test_float64_samples_use_float64_noise():
+    # With D = 1 a sample is +-r: float32 noise cast up would be exactly representable
+    # in float32, float64 noise almost never is.
+    d = RadialNormal(torch.zeros(1000, 1, dtype=torch.float64),
+                     torch.ones(1000, 1, dtype=torch.float64), event_dim=1)
+    sample = d.rsample()
+    assert (sample != sample.float().double()).float().mean() > 0.99
+
+
+def test_marginal_icdf_in_float64():
+    # Probabilities given as a list are read in the distribution's dtype.
+    d = RadialNormal(torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64),
+                     event_dim=1)
+    q = [0.1, 0.6, 0.9]
+    z = radial_standard_icdf(torch.tensor(q, dtype=torch.float64), 3)
+    assert_close(d.marginal_icdf(torch.tensor(q, dtype=torch.float64)[:, None]), z[:, None]
+                 .expand(3, 3), atol=1e-14, rtol=0)
+    assert_close(d.marginal_icdf([[0.1], [0.6], [0.9]]), z[:, None].expand(3, 3),
+                 atol=1e-14, rtol=0)

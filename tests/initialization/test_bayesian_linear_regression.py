@@ -132,18 +132,22 @@ def test_solver_choice(solver, n, d, factored, monkeypatch):
 def test_jitter_only_where_the_factorization_fails():
     # Two batch dims (so no batch size can stand in for the matrix size), one
     # matrix not positive definite: only that one gets jitter, with its own scale.
+    # The two bad matrices fail at the second and at the first pivot.
     good = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
     bad = torch.tensor([[10.0, 0.0], [0.0, -1e-3]], dtype=torch.float64)
-    matrix = torch.stack([torch.stack([good, bad, good]), torch.stack([good, good, bad])])
+    bad_first = bad.flip(0, 1)
+    matrix = torch.stack([torch.stack([good, bad, good]), torch.stack([good, good, bad_first])])
     factor = blr._cholesky(matrix, jitter=1e-6)
     rebuilt = factor @ factor.transpose(-1, -2)
-    assert_close(rebuilt[0, 0], good, atol=1e-14, rtol=0)
-    assert_close(rebuilt[1, 1], good, atol=1e-14, rtol=0)
+    for i, j in [(0, 0), (0, 2), (1, 0), (1, 1)]:
+        assert_close(rebuilt[i, j], good, atol=1e-14, rtol=0)
     # -1e-3 needs four tries: 1e-6, 1e-5, 1e-4 and 1e-3 times the mean |diagonal|.
-    added = (1e-6 + 1e-5 + 1e-4 + 1e-3) * (10.0 + 1e-3) / 2
-    for i, j in [(0, 1), (1, 2)]:
-        assert_close(rebuilt[i, j], bad + added * torch.eye(2, dtype=torch.float64),
-                     atol=1e-12, rtol=0)
+    added = (1e-6 + 1e-5 + 1e-4 + 1e-3) * (10.0 + 1e-3) / 2 * torch.eye(2, dtype=torch.float64)
+    assert_close(rebuilt[0, 1], bad + added, atol=1e-12, rtol=0)
+    assert_close(rebuilt[1, 2], bad_first + added, atol=1e-12, rtol=0)
+    # ... and alone, where no other matrix of the batch keeps the retries going.
+    factor = blr._cholesky(bad_first, jitter=1e-6)
+    assert_close(factor @ factor.T, bad_first + added, atol=1e-12, rtol=0)
 
 
 def test_jitter_for_a_zero_first_pivot():
@@ -178,3 +182,15 @@ def test_jitter_gives_up_with_an_actionable_error():
 def test_bad_x():
     with pytest.raises(ValueError, match=re.escape("x must have shape (..., n, d), got (3,)")):
         bayesian_linear_regression(torch.randn(3), torch.randn(3), 1.0)
+
+
+def test_dual_solve_with_jitter():
+    # No noise and more rows than weights: K = X X^T is singular and needs the
+    # default jitter; the mean then interpolates the data, as the primal limit does.
+    x = torch.randn(8, 3, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    post = bayesian_linear_regression(x, y, 0.0, solver="dual")
+    assert post.covariance_diag is None
+    assert_close(x @ post.mean, y, atol=1e-4, rtol=0)
+    limit = bayesian_linear_regression(x, y, 1e-10, solver="primal")
+    assert_close(post.mean, limit.mean, atol=1e-4, rtol=0)

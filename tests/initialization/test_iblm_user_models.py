@@ -17,8 +17,7 @@ from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide, init_guide
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import bayesianize
 from pyro_vinit.poutine import local_reparam
-from pyro_vinit.testing import USER_MODELS
-from pyro_vinit.testing.user_models import Classifier, blobs, functional_tanh, iris
+from pyro_vinit.testing.user_models import USER_MODELS, Classifier, blobs, functional_tanh, iris
 from tests.common import assert_close
 
 GUIDES = [AutoNormal, AutoDiagonalNormal, AutoKTiedNormal, AutoRadialNormal]
