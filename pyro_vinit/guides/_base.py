@@ -19,7 +19,7 @@ from torch.distributions import biject_to, transform_to
 
 from pyro_vinit._pyro_compat import deep_setattr, helpful_support_errors, unconstrained_param
 
-__all__: list = []
+__all__ = ["AutoSiteGuide"]
 
 
 def is_real_support(support: constraints.Constraint) -> bool:

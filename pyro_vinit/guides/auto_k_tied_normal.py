@@ -200,7 +200,8 @@ class AutoKTiedNormal(AutoSiteGuide):
         Usage::
 
             normal = AutoNormal(model)
-            ...  # train
+            svi = SVI(model, normal, Adam({"lr": 1e-3}), TraceMeanField_ELBO())
+            svi.step(x, y)  # train
             guide = AutoKTiedNormal.from_guide(normal, rank=2)
 
         The fit is exact at full rank (:math:`k \ge \min(m, n)`) and for std

@@ -3,10 +3,12 @@ A trained posterior as the prior of the next task (e.g. in continual learning).
 
 Usage::
 
-    priors = posterior_as_prior(guide)          # after training on task 1
-    model = BayesianClassifier(bayesianize(mlp((64, 100, 10))))
-    set_priors(model, priors)                   # task 2's model starts from it
-    guide2 = AutoNormal(model)
+    from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+
+    priors = posterior_as_prior(guide)  # after training on task 1
+    model2 = BayesianClassifier(bayesianize(mlp((64, 8, 10))))  # the same network
+    set_priors(model2, priors)  # task 2's model starts from task 1's posterior
+    guide2 = AutoNormal(model2)
 """
 
 import functools
@@ -98,7 +100,7 @@ def set_priors(model: PyroModule, priors: Dict[str, Distribution]) -> PyroModule
 
     Usage::
 
-        set_priors(model, posterior_as_prior(old_guide))
+        set_priors(model, posterior_as_prior(guide))
 
     Site names are the model's (``"net.0.weight"``), i.e. the guide's. Every
     name must be a :class:`~pyro.nn.PyroSample` attribute of the model whose

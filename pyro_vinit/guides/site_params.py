@@ -170,7 +170,8 @@ def rollback_on_error(guide: torch.nn.Module) -> Iterator[None]:
 
     Usage::
 
-        with rollback_on_error(guide):
+        values = {"net.0.bias": (torch.zeros(8), torch.ones(8))}
+        with rollback_on_error(guide):  # all sites are written, or none
             for name, (loc, scale) in values.items():
                 set_loc_and_scale(guide, name, loc, scale)
 
