@@ -4,14 +4,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck mutate demo docs bench clean
+.PHONY: install test lint typecheck mutate demo docs bench reproduce clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch: a bare "torch" requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,examples,docs]"
+	$(BIN)/pip install -q -e ".[test,examples,docs,mnist,lightning]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -53,6 +53,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_guides.py
 	$(BIN)/python benchmarks/bench_lrt.py
 	$(BIN)/python benchmarks/bench_iblm_time.py
+	$(BIN)/python benchmarks/bench_iblm_memory.py
+	$(BIN)/python benchmarks/bench_memory.py
+
+# The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
+# docs/_static/reproduce/. About 12 minutes of CPU time on one thread.
+reproduce: $(STAMP)
+	$(BIN)/python -m benchmarks.reproduce.ktied
+	$(BIN)/python -m benchmarks.reproduce.radial
+	$(BIN)/python -m benchmarks.reproduce.lrt
+	$(BIN)/python -m benchmarks.reproduce.ood
 
 clean:
 	rm -rf $(VENV) docs/_build build *.egg-info .mypy_cache
