@@ -93,6 +93,14 @@ def test_mean_field_samples_at_the_site(local_params):
     assert "net.0.weight_unconstrained" not in trace.nodes
 
 
+def test_mean_field_means_start_at_a_prior_draw(local_params):
+    # not at 0 (AutoSiteGuide's init_to_feasible), where the hidden units are all alike
+    _, guide, _, _ = _model_and_guide()
+    loc = guide.get_loc_and_scale("net.0.weight")[0]
+    assert bool((loc != 0).all()) and len(set(loc[:, 0].tolist())) == loc.shape[0]
+    assert 0.2 < loc.std().item() * 6**0.5 < 2.5  # the prior's N(0, 1/6), loosely
+
+
 def test_radial_sigma_as_the_paper(local_params):
     # [1]'s sigma is the RadialNormal's own scale: per-element marginal sd sigma / sqrt(D)
     model = common.make_model((6, 5, 3), num_data=10)

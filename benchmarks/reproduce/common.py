@@ -92,6 +92,13 @@ class MeanFieldNormal(AutoSiteGuide):
     ``AutoKTiedNormal.from_guide`` and ``posterior_as_prior``.
     """
 
+    def __init__(self, model: Callable, *, init_loc_fn: Callable = init_to_sample,
+                 init_scale: float = 0.1, create_plates: Optional[Callable] = None):
+        # means from a prior draw by default: AutoSiteGuide's init_to_feasible sets every
+        # weight mean to 0, where the hidden units of a ReLU net are interchangeable or dead
+        super().__init__(model, init_loc_fn=init_loc_fn, init_scale=init_scale,
+                         create_plates=create_plates)
+
     def _setup_scales(self) -> None:
         self._setup_normal_scales(self._event_dims)
 

@@ -114,7 +114,7 @@ def run_seed(args, seed, data):
     x, y, x_test, y_test = data
     pyro.set_rng_seed(seed)
     model = common.make_model(args.sizes, len(x))
-    guide = common.MeanFieldNormal(model, init_scale=args.init_scale)
+    guide = common.make_guide("mean-field", model, init_scale=args.init_scale)
     loss_fn = TraceMeanField_ELBO()(model, guide)
     with torch.no_grad():
         guide(x[:2], y[:2])

@@ -38,6 +38,30 @@ def check_init_scale(cls: type, init_scale: float) -> None:
         )
 
 
+def check_loc_and_scale(name: str, shape: torch.Size, loc, scale, like: torch.Tensor):
+    """Validated ``loc`` and ``scale`` in ``like``'s dtype and device."""
+    values = []
+    for what, value in (("loc", loc), ("scale", scale)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"site {name!r}: {what} must be a torch.Tensor, got "
+                            f"{type(value).__name__}")
+        if value.shape != shape:
+            raise ValueError(
+                f"site {name!r}: {what} must have the site's full unconstrained shape "
+                f"{tuple(shape)}, got {tuple(value.shape)}"
+            )
+        values.append(value.detach().to(dtype=like.dtype, device=like.device))
+    loc, scale = values
+    if not bool(torch.isfinite(loc).all()):
+        raise ValueError(f"site {name!r}: loc has non-finite entries; nothing was written")
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(
+            f"site {name!r}: scale must be finite and positive (a marginal standard "
+            "deviation), but has entries that are not; nothing was written"
+        )
+    return loc, scale
+
+
 class AutoSiteGuide(AutoNormal):
     """
     Base of the mean-field autoguides whose unconstrained posterior at each
@@ -168,26 +192,7 @@ class AutoSiteGuide(AutoNormal):
         """
         self._check_site(name)
         current = attrgetter(name)(self.locs)
-        values = []
-        for what, value in (("loc", loc), ("scale", scale)):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"site {name!r}: {what} must be a torch.Tensor, got {type(value).__name__}"
-                )
-            if value.shape != current.shape:
-                raise ValueError(
-                    f"site {name!r}: {what} must have the site's full unconstrained shape "
-                    f"{tuple(current.shape)}, got {tuple(value.shape)}"
-                )
-            values.append(value.detach().to(dtype=current.dtype, device=current.device))
-        loc, scale = values
-        if not bool(torch.isfinite(loc).all()):
-            raise ValueError(f"site {name!r}: loc has non-finite entries; nothing was written")
-        if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-            raise ValueError(
-                f"site {name!r}: scale must be finite and positive (a marginal standard "
-                "deviation), but has entries that are not; nothing was written"
-            )
+        loc, scale = check_loc_and_scale(name, current.shape, loc, scale, current)
         self._set_loc_and_scale(name, loc, scale)
 
     def _write_params(self, writes: List[Tuple[str, Constraint, torch.Tensor]]) -> None:

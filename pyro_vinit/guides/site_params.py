@@ -63,7 +63,7 @@ from pyro.infer.autoguide import (
 from torch.distributions import biject_to, transform_to
 
 from pyro_vinit._pyro_compat import unconstrained_param
-from pyro_vinit.guides._base import AutoSiteGuide
+from pyro_vinit.guides._base import AutoSiteGuide, check_loc_and_scale
 
 __all__ = [
     "check_supported",
@@ -208,28 +208,6 @@ def _(guide, name, loc, scale):
 # ---- AutoNormal: the locs and scales containers ---------------------------------------------
 
 
-def _check_values(name: str, shape: torch.Size, loc, scale, like: torch.Tensor):
-    """Validated ``loc`` and ``scale`` in ``like``'s dtype and device."""
-    values = []
-    for what, value in (("loc", loc), ("scale", scale)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"site {name!r}: {what} must be a torch.Tensor, got "
-                            f"{type(value).__name__}")
-        if value.shape != shape:
-            raise ValueError(
-                f"site {name!r}: {what} must have the site's full unconstrained shape "
-                f"{tuple(shape)}, got {tuple(value.shape)}"
-            )
-        values.append(value.detach().to(dtype=like.dtype, device=like.device))
-    loc, scale = values
-    if not bool(torch.isfinite(loc).all()):
-        raise ValueError(f"site {name!r}: loc has non-finite entries; nothing was written")
-    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-        raise ValueError(
-            f"site {name!r}: scale must be finite and positive (a marginal standard "
-            "deviation), but has entries that are not; nothing was written"
-        )
-    return loc, scale
 
 
 def _check_name(guide, name: str) -> None:
@@ -267,7 +245,7 @@ def _(guide, name, loc, scale):
     _check_name(guide, name)
     loc_param = unconstrained_param(guide.locs, name)
     scale_param = unconstrained_param(guide.scales, name)
-    loc, scale = _check_values(name, loc_param.shape, loc, scale, loc_param)
+    loc, scale = check_loc_and_scale(name, loc_param.shape, loc, scale, loc_param)
     writes = [
         (loc_param, ..., _unconstrained(loc, constraints.real, loc_param, "loc")),
         (scale_param, ...,
@@ -314,7 +292,7 @@ def _(guide, name):
 def _(guide, name, loc, scale):
     index, shape = _flat_slice(guide, name)
     scale_param = unconstrained_param(guide, "scale")
-    loc, scale = _check_values(name, shape, loc, scale, guide.loc)
+    loc, scale = check_loc_and_scale(name, shape, loc, scale, guide.loc)
     writes = [
         (guide.loc, index, loc.reshape(-1)),
         (scale_param, index,
@@ -339,7 +317,7 @@ def _(guide, name):
 def _(guide, name, loc, scale):
     index, shape = _flat_slice(guide, name)
     scale_param = unconstrained_param(guide, "scale")
-    loc, scale = _check_values(name, shape, loc, scale, guide.loc)
+    loc, scale = check_loc_and_scale(name, shape, loc, scale, guide.loc)
     with torch.no_grad():
         diag = scale.reshape(-1) / _low_rank_inflation(guide, index)
     writes = [
