@@ -91,11 +91,16 @@ def summarize(workdir, modules):
 def _print_table(counts):
     statuses = ["killed", "timeout", "survived", "no tests", "equivalent"]
     other = sorted({s for c in counts.values() for s in c} - set(statuses))
-    print(" | ".join(["module", "total"] + statuses + other + ["survival rate"]))
+    print(" | ".join(["module", "total"] + statuses + other
+                     + ["survival rate", "counting the equivalent"]))
     for module, c in counts.items():
-        total = sum(c.values()) - c["equivalent"]
-        rate = f"{100 * (c['survived'] + c['no tests']) / total:.1f}%" if total else "-"
-        print(" | ".join([module, str(total)] + [str(c[s]) for s in statuses + other] + [rate]))
+        everything = sum(c.values())
+        total = everything - c["equivalent"]
+        alive = c["survived"] + c["no tests"]
+        rate = f"{100 * alive / total:.1f}%" if total else "-"
+        raw = f"{100 * (alive + c['equivalent']) / everything:.1f}%" if everything else "-"
+        print(" | ".join([module, str(total)] + [str(c[s]) for s in statuses + other]
+                         + [rate, raw]))
 
 
 def main():

@@ -216,7 +216,10 @@ def radial_standard_icdf(q: torch.Tensor, event_numel: int, num_nodes: int = 512
     log_w = log_w + (event_numel - 2) * phi.cos().log()
     w = (log_w - log_w.logsumexp(0)).exp()
     sin_phi = phi.sin()
-    std_normal = Normal(torch.tensor(0.0, dtype=torch.float64, device=q.device), 1.0)
+    # Constant, valid parameters: nothing to validate (validation would read them back).
+    std_normal = Normal(
+        torch.tensor(0.0, dtype=torch.float64, device=q.device), 1.0, validate_args=False
+    )
 
     def cdf(t: torch.Tensor) -> torch.Tensor:
         probs: torch.Tensor = std_normal.cdf(t.unsqueeze(-1) / sin_phi)

@@ -301,8 +301,12 @@ def test_device_and_dtype_follow_loc():
     sample = d.rsample((2,))
     assert sample.device.type == "meta" and sample.dtype == torch.float64
     q = torch.tensor([0.1, 0.5])[:, None, None]
-    for value in [d.log_prob(sample), d.entropy(), d.marginal_icdf(q)]:
+    for value in [d.log_prob(sample), d.entropy(), d.marginal_icdf(q),
+                  d.marginal_icdf(q.to("meta"))]:
         assert value.device.type == "meta" and value.dtype == torch.float64
+    for numel in [1, 2, 5]:
+        z = radial_standard_icdf(torch.tensor([0.1, 0.5], device="meta"), numel)
+        assert z.device.type == "meta" and z.dtype == torch.float32
 
 
 def test_float64_samples_use_float64_noise():
