@@ -4,24 +4,44 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo docs bench clean
+.PHONY: install test lint typecheck mutate demo docs bench reproduce clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch: a bare "torch" requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,examples,docs]"
+	$(BIN)/pip install -q -e ".[test,examples,docs,mnist,lightning]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check pyro_vinit tests examples benchmarks docs
+	$(BIN)/ruff check pyro_vinit tests examples benchmarks docs tools
+
+# The modules that are clean under `mypy --strict` (configured in pyproject.toml);
+# a module joins the list once it is.
+TYPED_MODULES ?= pyro_vinit/distributions pyro_vinit/schedules.py \
+	pyro_vinit/initialization/bayesian_linear_regression.py
+
+typecheck: $(STAMP)
+	$(BIN)/mypy $(TYPED_MODULES)
 
 test: $(STAMP)
-	$(BIN)/ruff check pyro_vinit tests examples benchmarks docs
+	$(BIN)/ruff check pyro_vinit tests examples benchmarks docs tools
+	$(BIN)/mypy $(TYPED_MODULES)
 	$(BIN)/python -m pytest -q tests
+
+# Mutation testing, a developer tool (not run in CI): mutates MUTATE_MODULES
+# (packages or .py files) and runs MUTATE_TESTS against each mutant, on one worker.
+# e.g. make mutate MUTATE_MODULES=pyro_vinit/poutine MUTATE_TESTS=tests/poutine
+MUTATE_MODULES ?= pyro_vinit/distributions pyro_vinit/initialization/bayesian_linear_regression.py
+MUTATE_TESTS ?= tests/distributions tests/initialization/test_bayesian_linear_regression.py
+
+mutate: $(STAMP)
+	$(BIN)/pip install -q -e ".[dev]"
+	OMP_NUM_THREADS=1 $(BIN)/python tools/mutate.py --modules $(MUTATE_MODULES) \
+		--tests $(MUTATE_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/python examples/quick_start.py
@@ -33,6 +53,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_guides.py
 	$(BIN)/python benchmarks/bench_lrt.py
 	$(BIN)/python benchmarks/bench_iblm_time.py
+	$(BIN)/python benchmarks/bench_iblm_memory.py
+	$(BIN)/python benchmarks/bench_memory.py
+
+# The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
+# docs/_static/reproduce/. About 12 minutes of CPU time on one thread.
+reproduce: $(STAMP)
+	$(BIN)/python -m benchmarks.reproduce.ktied
+	$(BIN)/python -m benchmarks.reproduce.radial
+	$(BIN)/python -m benchmarks.reproduce.lrt
+	$(BIN)/python -m benchmarks.reproduce.ood
 
 clean:
-	rm -rf $(VENV) docs/_build build *.egg-info
+	rm -rf $(VENV) docs/_build build *.egg-info .mypy_cache

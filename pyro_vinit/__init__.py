@@ -13,7 +13,7 @@ from pyro_vinit import (
     poutine,
     schedules,
 )
-from pyro_vinit.guides import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit.guides import AutoKTiedNormal, AutoRadialNormal, posterior_as_prior, set_priors
 from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_guide_iblm
 from pyro_vinit.poutine import FlipoutMessenger, LocalReparamMessenger, flipout, local_reparam
 
@@ -35,6 +35,8 @@ __all__ = [
     "local_reparam",
     "metrics",
     "nn",
+    "posterior_as_prior",
     "poutine",
     "schedules",
+    "set_priors",
 ]

@@ -1,8 +1,144 @@
 """
-The only module that imports Pyro's private helpers, so that a Pyro upgrade
-that moves or removes one touches this file alone.
+Every use of Pyro's private helpers, private attributes and undocumented
+behaviour, in one place, so that a Pyro upgrade that moves or changes one
+touches this file alone. ``tests/test_pyro_compat.py`` checks each against
+the installed Pyro.
+
+* :func:`deep_setattr`, :func:`helpful_support_errors`: helpers of
+  ``pyro.infer.autoguide.utils``, not part of Pyro's documented API.
+* :func:`unconstrained_param`: where :class:`~pyro.nn.PyroModule` keeps the
+  parameter behind a :class:`~pyro.nn.PyroParam`.
+* :func:`unwrap_init_messenger`: an autoguide's model without the
+  ``InitMessenger`` Pyro wraps around it.
+* :func:`share_prototype`: sets an autoguide up from another's prototype
+  trace and plate frames (``AutoGuide._prototype_frames``).
+* :func:`pyro_sample_priors`: the priors of a PyroModule's PyroSample
+  attributes (``PyroModule._pyro_samples``).
+* :func:`scale_and_mask`, :class:`ScoreParts`: the helpers
+  ``pyro.poutine.Trace`` uses to store a site's log density.
+* :func:`prefill_log_prob`: stores a site's log density in its message ahead
+  of time; relies on ``Trace.compute_log_prob``, ``compute_score_parts`` and
+  ``log_prob_sum`` leaving alone the sites that already have them.
+* :func:`is_vectorized_particles`: recognizes the plate in which an ELBO with
+  ``vectorize_particles=True`` runs the model and guide (by its name).
 """
 
+from operator import attrgetter
+
+import torch
+from pyro.distributions.score_parts import ScoreParts
+from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
 
-__all__ = ["deep_setattr", "helpful_support_errors"]
+__all__ = [
+    "ScoreParts",
+    "deep_setattr",
+    "helpful_support_errors",
+    "is_vectorized_particles",
+    "prefill_log_prob",
+    "pyro_sample_priors",
+    "scale_and_mask",
+    "share_prototype",
+    "unconstrained_param",
+    "unwrap_init_messenger",
+]
+
+# The name of the plate of pyro.infer.ELBO._vectorized_num_particles.
+_PARTICLE_PLATE = "num_particles_vectorized"
+
+
+def unconstrained_param(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    """The unconstrained :class:`~torch.nn.Parameter` behind the
+    :class:`~pyro.nn.PyroParam` at the dotted attribute ``name`` of a
+    :class:`~pyro.nn.PyroModule` (PyroModule keeps it at ``<name>_unconstrained``)."""
+    param = attrgetter(name + "_unconstrained")(module)
+    if not isinstance(param, torch.nn.Parameter):
+        raise RuntimeError(
+            f"expected the PyroParam {name!r} to be stored as the torch Parameter "
+            f"{name + '_unconstrained'!r}, found {type(param).__name__}; this Pyro version "
+            "stores PyroParams differently: update pyro_vinit/_pyro_compat.py"
+        )
+    return param
+
+
+def unwrap_init_messenger(model):
+    """The model an autoguide was built from, without the
+    :class:`~pyro.infer.autoguide.initialization.InitMessenger` the guide
+    wraps around it (Pyro keeps only the wrapped callable, ``guide.model``,
+    a partial of its private ``_context_wrap``)."""
+    from functools import partial
+
+    from pyro.infer.autoguide.initialization import InitMessenger
+    from pyro.poutine.messenger import _context_wrap
+
+    while True:
+        fn = model
+        while isinstance(fn, partial) and isinstance(fn.func, partial):
+            fn = fn.func
+        if not (
+            isinstance(fn, partial)
+            and fn.func is _context_wrap
+            and len(fn.args) == 2
+            and isinstance(fn.args[0], InitMessenger)
+        ):
+            return model
+        model = fn.args[1]
+
+
+def is_vectorized_particles(frame) -> bool:
+    """Whether the ``CondIndepStackFrame`` ``frame`` is the plate of an ELBO's
+    vectorized particles."""
+    return frame.name == _PARTICLE_PLATE
+
+
+def prefill_log_prob(
+    msg: dict,
+    unscaled: torch.Tensor,
+    scaled: torch.Tensor,
+    total: torch.Tensor,
+) -> None:
+    """
+    Stores the log density of the sample site ``msg`` as
+    ``Trace.compute_log_prob`` and ``compute_score_parts`` would (a
+    reparameterized site: no score function), so that they keep it instead
+    of computing it from ``msg["fn"]`` and ``msg["value"]``.
+
+    :param dict msg: A sample site's message.
+    :param torch.Tensor unscaled: ``fn.log_prob(value)``.
+    :param torch.Tensor scaled: ``unscaled`` with the site's scale and mask applied.
+    :param torch.Tensor total: ``scaled.sum()``.
+    """
+    msg["unscaled_log_prob"] = unscaled
+    msg["log_prob"] = scaled
+    msg["log_prob_sum"] = total
+    msg["score_parts"] = ScoreParts(log_prob=scaled, score_function=0, entropy_term=scaled)
+
+
+def share_prototype(source, target) -> None:
+    """Gives the autoguide ``target`` the prototype trace (and plate frames) of the
+    set-up autoguide ``source`` of the same model, as if ``target`` had run the
+    model itself (AutoGuide keeps the frames in ``_prototype_frames``)."""
+    frames = getattr(source, "_prototype_frames", None)
+    if source.prototype_trace is None or not isinstance(frames, dict):
+        raise RuntimeError(
+            f"expected the set-up {type(source).__name__} to hold prototype_trace and a "
+            "_prototype_frames dict; this Pyro version sets guides up differently: update "
+            "pyro_vinit/_pyro_compat.py"
+        )
+    target.prototype_trace = source.prototype_trace
+    target._prototype_frames = dict(frames)
+
+
+def pyro_sample_priors(module: torch.nn.Module) -> dict:
+    """The priors of the :class:`~pyro.nn.PyroSample` attributes of ``module``
+    (not of its submodules), by attribute name; ``{}`` for a plain module
+    (PyroModule keeps them in ``_pyro_samples``)."""
+    samples = getattr(module, "_pyro_samples", None)
+    if samples is None:
+        return {}
+    if not isinstance(samples, dict):
+        raise RuntimeError(
+            "expected PyroModule._pyro_samples to be a dict; this Pyro version keeps "
+            "PyroSamples differently: update pyro_vinit/_pyro_compat.py"
+        )
+    return dict(samples)

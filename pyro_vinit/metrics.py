@@ -16,6 +16,13 @@ Sampled labels, as :class:`~pyro.infer.Predictive` returns them for the
 observed site of a classifier, carry less information than the per-sample
 probabilities and are refused with a pointer to the logits.
 
+Inputs that would give a plausible but wrong number are refused with an error
+that says what to pass instead: ``logits`` whose every row is non-negative and
+sums to 1 (probabilities: pass ``probs=``), NaN in any input (a diverged model
+would otherwise get a finite error rate or entropy), ``+inf`` logits, and
+one-hot labels (pass class indices, ``y.argmax(-1)``). Labels may have any
+integer dtype, or be floats holding whole numbers.
+
 The Monte Carlo predictive distribution is the mixture of the ``S``
 likelihoods, :math:`p(y \\mid x) \\approx \\frac{1}{S} \\sum_s p(y \\mid x, w_s)`.
 
@@ -27,23 +34,31 @@ Usage::
 """
 
 import math
-from typing import Dict, NamedTuple, Optional, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 __all__ = [
     "Calibration",
+    "UncertaintyDecomposition",
     "brier_score",
     "calibration",
     "classification_metrics",
     "error_rate",
     "expected_calibration_error",
     "mnll",
+    "ood_auroc",
     "predictive_entropy",
     "predictive_probs",
     "regression_metrics",
     "rmse",
+    "uncertainty_decomposition",
 ]
+
+# How far from 1 the row sums of non-negative "logits" may be for them to be
+# taken for probabilities (loose enough for probabilities saved in float16 or
+# rounded to a few decimals).
+_PROBS_ATOL = 1e-3
 
 
 def _check_samples(
@@ -66,10 +81,58 @@ def _check_samples(
         )
 
 
+def _check_not_nan(name: str, value: torch.Tensor) -> None:
+    # A NaN would otherwise come out as NaN from some metrics and as a plausible
+    # number from others (argmax, binning, 0 * log 0 guards), so it is refused.
+    if value.is_floating_point():
+        nan = value.isnan()
+        if nan.any():
+            first = tuple(int(i) for i in nan.nonzero()[0])
+            raise ValueError(
+                f"{name} contains NaN ({int(nan.sum())} of {value.numel()} values, the first "
+                f"at index {first}); a metric of it would be meaningless: check the model and "
+                "the guide for divergence (e.g. a smaller learning rate), or drop those points"
+            )
+
+
+def _looks_one_hot(y: torch.Tensor) -> bool:
+    return bool(((y == 0) | (y == 1)).all() and (y.sum(-1) == 1).all())
+
+
+def _labels(y: torch.Tensor, samples: torch.Tensor, name: str) -> torch.Tensor:
+    # Class indices (N,) as long, or a clear error; checked before the shape so
+    # that one-hot labels get their own message.
+    num_classes = samples.shape[-1]
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"expected a tensor of labels y, got {type(y).__name__}")
+    if y.dim() >= 1 and y.shape == samples.shape[1:] and samples.dim() == 3:
+        kind = "one-hot labels" if _looks_one_hot(y) else "a class dimension"
+        raise ValueError(
+            f"y has shape {tuple(y.shape)} = {name}.shape[1:], as {kind} would: the metrics "
+            f"take class indices of shape (N,) in [0, {num_classes}); pass y.argmax(-1)"
+        )
+    if y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(
+            f"classification targets y must be integer class indices, got dtype {y.dtype}; "
+            "pass y.long()"
+        )
+    if y.is_floating_point():
+        _check_not_nan("y", y)
+        if not bool((y == y.round()).all()):
+            raise ValueError(
+                "classification targets y must be integer class indices, got floats that are "
+                f"not whole numbers (dtype {y.dtype}); pass the class indices, e.g. "
+                "probs.argmax(-1) for probability targets"
+            )
+    # every integer dtype (int32 from numpy, uint8 from image files, ...) becomes
+    # long, the index type that gather and one_hot need
+    return y.long()
+
+
 def _class_log_probs(
     y: Optional[torch.Tensor], logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
-) -> torch.Tensor:
-    # Per-sample log class probabilities (S, N, C).
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    # Per-sample log class probabilities (S, N, C) and the labels as long.
     if (logits is None) == (probs is None):
         raise ValueError("pass exactly one of logits= or probs= (shape (S, N, C))")
     samples = logits if logits is not None else probs
@@ -82,14 +145,13 @@ def _class_log_probs(
             "BayesianClassifier), or pass probs=F.one_hot(labels, C).float() for the cruder "
             "estimate from labels"
         )
+    if y is not None and isinstance(samples, torch.Tensor):
+        y = _labels(y, samples, name)
     _check_samples(name, samples, y, extra_dims=1)
     if samples.dim() != 3:
         raise ValueError(f"{name} must have shape (S, N, C), got {tuple(samples.shape)}")
+    _check_not_nan(name, samples)
     if y is not None:
-        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-            raise ValueError(
-                f"classification targets y must be integer labels, got dtype {y.dtype}"
-            )
         num_classes = samples.shape[-1]
         if y.numel() and (y.min() < 0 or y.max() >= num_classes):
             raise ValueError(
@@ -97,15 +159,68 @@ def _class_log_probs(
                 f"got min {int(y.min())} and max {int(y.max())}"
             )
     if logits is not None:
-        return torch.log_softmax(logits, dim=-1)
+        if (logits == math.inf).any():
+            raise ValueError(
+                "logits contain +inf, which has no softmax; -inf (probability 0) is allowed"
+            )
+        if (logits == -math.inf).all(-1).any():
+            raise ValueError("a row of logits is -inf for every class: no class has mass")
+        if (
+            logits.numel()
+            and logits.shape[-1] > 1
+            and (logits >= 0).all()
+            and ((logits.sum(-1) - 1).abs() <= _PROBS_ATOL).all()
+        ):
+            # Softmax of probabilities is a flattened, wrong distribution; genuine
+            # logits with every row on the simplex are all but impossible.
+            raise ValueError(
+                "logits look like probabilities (every row is non-negative and sums to 1): "
+                "pass them as probs= instead; if they really are logits, add a constant "
+                "(the softmax does not change)"
+            )
+        return torch.log_softmax(logits, dim=-1), y
     if (probs < 0).any() or not torch.allclose(probs.sum(-1), probs.new_ones(())):
-        raise ValueError("probs must be non-negative and sum to 1 over the last dimension")
-    return probs.log()
+        raise ValueError(
+            "probs must be non-negative and sum to 1 over the last dimension; "
+            "pass logits or log-probabilities as logits="
+        )
+    return probs.log(), y
+
+
+def _regression_inputs(
+    y: Optional[torch.Tensor], loc: torch.Tensor, scale: Union[float, torch.Tensor, None]
+) -> Optional[torch.Tensor]:
+    # Checks the per-sample means (and targets); returns scale as a tensor.
+    _check_samples("loc", loc, y, extra_dims=0)
+    _check_not_nan("loc", loc)
+    if y is not None:
+        _check_not_nan("y", y)
+    if scale is None:
+        return None
+    scale = torch.as_tensor(scale, dtype=loc.dtype, device=loc.device)
+    if not (scale > 0).all():
+        # NaN fails the comparison too
+        raise ValueError(f"scale must be positive (and not NaN), got min {scale.min().item()}")
+    try:
+        shape = torch.broadcast_shapes(scale.shape, loc.shape)
+    except RuntimeError:
+        shape = None
+    if shape != loc.shape:
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)} must broadcast to loc.shape = "
+            f"{tuple(loc.shape)} (a number, a per-point (N,) tensor, or per sample (S, N))"
+        )
+    return scale
 
 
 def _predictive_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
     # log of the Monte Carlo mixture (N, C): logsumexp over samples minus log S
     return torch.logsumexp(log_probs, dim=0) - math.log(log_probs.shape[0])
+
+
+def _entropy(log_p: torch.Tensor) -> torch.Tensor:
+    # over the last dimension; xlogy-style: a class of zero probability adds 0, not nan
+    return -torch.where(log_p > -math.inf, log_p.exp() * log_p, log_p.new_zeros(())).sum(-1)
 
 
 def predictive_probs(
@@ -126,7 +241,7 @@ def predictive_probs(
         (instead of ``logits``).
     :return: A tensor ``(N, C)``.
     """
-    return _predictive_log_probs(_class_log_probs(None, logits, probs)).exp()
+    return _predictive_log_probs(_class_log_probs(None, logits, probs)[0]).exp()
 
 
 def mnll(
@@ -175,14 +290,11 @@ def mnll(
                 "regression MNLL needs both loc= (per-sample means) and scale= (the likelihood's "
                 "standard deviation)"
             )
-        _check_samples("loc", loc, y, extra_dims=0)
-        scale = torch.as_tensor(scale, dtype=loc.dtype, device=loc.device)
-        if not (scale > 0).all():
-            raise ValueError("scale must be positive")
+        scale = _regression_inputs(y, loc, scale)
         log_p = torch.distributions.Normal(loc, scale).log_prob(y)
         log_p = log_p.reshape(log_p.shape[:2] + (-1,)).sum(-1)  # (S, N)
         return -_predictive_log_probs(log_p).mean()
-    log_probs = _class_log_probs(y, logits, probs)
+    log_probs, y = _class_log_probs(y, logits, probs)
     log_p = log_probs.gather(-1, y.expand(log_probs.shape[:-1]).unsqueeze(-1)).squeeze(-1)
     return -_predictive_log_probs(log_p).mean()
 
@@ -207,7 +319,7 @@ def rmse(y: torch.Tensor, *, loc: torch.Tensor) -> torch.Tensor:
         ``y`` itself, e.g. Predictive's ``"obs"``, give the same predictive mean).
     :return: A 0-dim tensor.
     """
-    _check_samples("loc", loc, y, extra_dims=0)
+    _regression_inputs(y, loc, None)
     return (loc.mean(0) - y).pow(2).mean().sqrt()
 
 
@@ -227,7 +339,8 @@ def error_rate(
     :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
     :return: A 0-dim tensor in [0, 1].
     """
-    log_p = _predictive_log_probs(_class_log_probs(y, logits, probs))
+    log_probs, y = _class_log_probs(y, logits, probs)
+    log_p = _predictive_log_probs(log_probs)
     return (log_p.argmax(-1) != y).to(log_p.dtype).mean()
 
 
@@ -254,7 +367,8 @@ def brier_score(
 
     [1] Brier (1950) "Verification of forecasts expressed in terms of probability"
     """
-    p = _predictive_log_probs(_class_log_probs(y, logits, probs)).exp()
+    log_probs, y = _class_log_probs(y, logits, probs)
+    p = _predictive_log_probs(log_probs).exp()
     one_hot = torch.nn.functional.one_hot(y, p.shape[-1]).to(p.dtype)
     return (p - one_hot).pow(2).sum(-1).mean()
 
@@ -275,9 +389,167 @@ def predictive_entropy(
     :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
     :return: A tensor ``(N,)``, one entropy per point (not averaged).
     """
-    log_p = _predictive_log_probs(_class_log_probs(None, logits, probs))
-    # xlogy-style: a class of zero probability contributes 0, not nan
-    return -torch.where(log_p > -math.inf, log_p.exp() * log_p, log_p.new_zeros(())).sum(-1)
+    return _entropy(_predictive_log_probs(_class_log_probs(None, logits, probs)[0]))
+
+
+class UncertaintyDecomposition(NamedTuple):
+    """
+    Total predictive uncertainty split into its aleatoric and epistemic parts
+    (see :func:`uncertainty_decomposition`), one value per test point.
+
+    :ivar torch.Tensor total: Total uncertainty.
+    :ivar torch.Tensor aleatoric: Expected uncertainty of the likelihood (data noise).
+    :ivar torch.Tensor epistemic: Uncertainty due to the posterior over the weights.
+    """
+
+    total: torch.Tensor
+    aleatoric: torch.Tensor
+    epistemic: torch.Tensor
+
+
+def uncertainty_decomposition(
+    *,
+    logits: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    loc: Optional[torch.Tensor] = None,
+    scale: Union[float, torch.Tensor, None] = None,
+) -> UncertaintyDecomposition:
+    r"""
+    Split of the predictive uncertainty at each test point into an aleatoric
+    part, expected under the posterior, and an epistemic part, due to the
+    disagreement of the posterior samples [1, 2].
+
+    For classification (``logits`` or ``probs``) the uncertainty is the entropy
+    in nats, and the epistemic part is the mutual information between the label
+    and the weights (the BALD score of [3]):
+
+    .. math::
+
+        \underbrace{H\Big[\frac{1}{S}\sum_s p_s\Big]}_{\text{total}}
+        = \underbrace{\frac{1}{S}\sum_s H[p_s]}_{\text{aleatoric}}
+        + \underbrace{I(y; w)}_{\text{epistemic}\ \ge 0},
+
+    where the total equals :func:`predictive_entropy`. For regression (``loc``
+    and ``scale`` of a Normal likelihood) it is the variance, split by the law
+    of total variance:
+
+    .. math::
+
+        \underbrace{\mathrm{Var}[y]}_{\text{total}}
+        = \underbrace{\frac{1}{S}\sum_s \sigma_s^2}_{\text{aleatoric}}
+        + \underbrace{\frac{1}{S}\sum_s (\mu_s - \bar\mu)^2}_{\text{epistemic}}.
+
+    Usage::
+
+        u = uncertainty_decomposition(logits=logits)      # each (N,)
+        ood_auroc(u.epistemic[:12], u.epistemic[12:])     # in- vs out-of-distribution
+        v = uncertainty_decomposition(loc=means, scale=noise_scale)
+
+    :param torch.Tensor logits: Per-sample logits ``(S, N, C)``.
+    :param torch.Tensor probs: Per-sample class probabilities ``(S, N, C)``.
+    :param torch.Tensor loc: Per-sample means ``(S, N)`` (or ``(S, N, ...)``).
+    :param scale: The Normal likelihood's standard deviation, a positive number
+        or a tensor broadcastable to ``loc`` (e.g. per-sample heteroscedastic
+        noise).
+    :type scale: float or torch.Tensor
+    :return: An :class:`UncertaintyDecomposition` of tensors ``(N,)`` (regression:
+        ``loc.shape[1:]``). The epistemic part is computed as the difference of
+        the other two, with negatives from rounding set to 0.
+
+    [1] Depeweg, Hernández-Lobato, Doshi-Velez, Udluft (2018) "Decomposition of
+    Uncertainty in Bayesian Deep Learning for Efficient and Risk-sensitive
+    Learning"
+
+    [2] Kendall, Gal (2017) "What Uncertainties Do We Need in Bayesian Deep
+    Learning for Computer Vision?"
+
+    [3] Houlsby, Huszár, Ghahramani, Lengyel (2011) "Bayesian Active Learning
+    for Classification and Preference Learning"
+    """
+    if loc is not None or scale is not None:
+        if logits is not None or probs is not None:
+            raise ValueError(
+                "pass either logits=/probs= (classification) or loc=, scale= (regression)"
+            )
+        if loc is None or scale is None:
+            raise ValueError(
+                "the regression decomposition needs both loc= (per-sample means) and scale= "
+                "(the likelihood's standard deviation)"
+            )
+        scale = _regression_inputs(None, loc, scale)
+        aleatoric = scale.pow(2).expand(loc.shape).mean(0)
+        # the variance of the S-sample mixture: divide by S, not S - 1
+        epistemic = loc.var(0, correction=0)
+        return UncertaintyDecomposition(aleatoric + epistemic, aleatoric, epistemic)
+    log_probs = _class_log_probs(None, logits, probs)[0]
+    total = _entropy(_predictive_log_probs(log_probs))
+    aleatoric = _entropy(log_probs).mean(0)
+    # Jensen makes the difference non-negative; only rounding can push it below 0
+    epistemic = (total - aleatoric).clamp(min=0)
+    return UncertaintyDecomposition(total, aleatoric, epistemic)
+
+
+def _check_scores(name: str, scores: torch.Tensor) -> None:
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"expected a tensor for {name}, got {type(scores).__name__}")
+    if scores.dim() != 1 or not scores.numel():
+        raise ValueError(
+            f"{name} must be a non-empty tensor of shape (N,), one score per point, got shape "
+            f"{tuple(scores.shape)}"
+        )
+    if scores.is_complex():
+        raise ValueError(f"{name} must be real, got dtype {scores.dtype}")
+    _check_not_nan(name, scores)
+
+
+def ood_auroc(scores_in: torch.Tensor, scores_out: torch.Tensor) -> torch.Tensor:
+    r"""
+    Area under the ROC curve (AUROC) of flagging out-of-distribution points by a
+    higher score [1], e.g. a higher :func:`predictive_entropy`: the probability
+    that an out-of-distribution point scores higher than an in-distribution
+    one, ties counting one half,
+
+    .. math::
+
+        \mathrm{AUROC} = \frac{1}{n_{in} n_{out}} \sum_{i, j}
+            \Big([s^{out}_j > s^{in}_i] + \tfrac12 [s^{out}_j = s^{in}_i]\Big),
+
+    computed in :math:`O(n \log n)` from the ranks of the pooled scores (the
+    Mann-Whitney U statistic [2]). 1 separates perfectly, 0.5 is chance.
+
+    Usage::
+
+        # logits (S, N, C): the first 12 points in distribution, the rest not
+        ood_auroc(predictive_entropy(logits=logits[:, :12]),
+                  predictive_entropy(logits=logits[:, 12:]))
+
+    :param torch.Tensor scores_in: Scores of in-distribution points ``(N_in,)``.
+    :param torch.Tensor scores_out: Scores of out-of-distribution points
+        ``(N_out,)``.
+    :return: A 0-dim tensor in [0, 1] (floating point of the scores' dtype,
+        float64 for integer scores).
+
+    [1] Hendrycks, Gimpel (2017) "A Baseline for Detecting Misclassified and
+    Out-of-Distribution Examples in Neural Networks"
+
+    [2] Mann, Whitney (1947) "On a Test of Whether one of Two Random Variables
+    is Stochastically Larger than the Other"
+    """
+    _check_scores("scores_in", scores_in)
+    _check_scores("scores_out", scores_out)
+    dtype = torch.promote_types(scores_in.dtype, scores_out.dtype)
+    if not dtype.is_floating_point:
+        dtype = torch.float64
+    n_in, n_out = scores_in.numel(), scores_out.numel()
+    pooled = torch.cat([scores_in.to(dtype), scores_out.to(dtype)])
+    values, order = pooled.sort()
+    # tied scores share the mean of the ranks they span (1-based)
+    _, group, counts = torch.unique_consecutive(values, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    mean_rank = ends - (counts.double() - 1) / 2
+    rank_sum_out = mean_rank[group][order >= n_in].sum()
+    u = rank_sum_out - n_out * (n_out + 1) / 2
+    return (u / (n_in * n_out)).to(dtype)
 
 
 class Calibration(NamedTuple):
@@ -343,7 +615,8 @@ def calibration(
     """
     if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
         raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
-    log_p = _predictive_log_probs(_class_log_probs(y, logits, probs))
+    log_probs, y = _class_log_probs(y, logits, probs)
+    log_p = _predictive_log_probs(log_probs)
     if y.numel() == 0:
         raise ValueError("calibration needs at least one test point")
     log_conf, pred = log_p.max(-1)

@@ -4,6 +4,7 @@ models.
 """
 
 import math
+import warnings
 from typing import Iterable, Optional, Tuple, Type, Union
 
 import pyro
@@ -19,7 +20,8 @@ _LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 def _fan_in(module: nn.Module) -> int:
     # in_features for Linear; in_channels / groups * prod(kernel_size) for Conv
-    return module.weight[0].numel()
+    # (from the shape, so that a layer with no output units has one too)
+    return module.weight.shape[1:].numel()
 
 
 class _NormalPrior:
@@ -112,11 +114,19 @@ def bayesianize(
     Sample sites are named after the parameters (``"0.weight"``, and
     ``"net.0.weight"`` once inside a :class:`BayesianClassifier`). Each
     converted layer keeps its prior standard deviation in a buffer
-    ``prior_scale``, so the prior follows ``.to(dtype/device)``.
+    ``prior_scale``, so the prior follows ``.to(dtype/device)``. Layers of
+    width 0 are converted too (their zero-size sites work with every guide); a
+    layer with no inputs has only its bias, with prior N(0, 1) and a warning.
 
     Every other parameter (of excluded layers, normalization layers, ...)
     stays deterministic: Pyro registers it in the param store when the model
-    runs, and SVI learns it as a point estimate.
+    runs, and SVI learns it as a point estimate. Matrices that are not an
+    ``nn.Linear`` / ``nn.Conv*d`` weight (attention projections, embeddings,
+    a module's own weights used in ``x @ w``) stay deterministic with one
+    warning naming them: their fan-in depends on how they are used, so make
+    them Bayesian by hand with :class:`~pyro.nn.PyroSample` (matrix products
+    with a latent weight are layers for :func:`~pyro_vinit.init_guide_iblm`
+    and :class:`~pyro_vinit.poutine.LocalReparamMessenger`).
 
     :param torch.nn.Module module: The network; converted in place and returned.
     :param float prior_scale: If given, a fixed prior N(0, prior_scale²) for
@@ -153,7 +163,11 @@ def bayesianize(
     if not layers:
         raise ValueError(
             "bayesianize: the network has no nn.Linear or nn.Conv1d/2d/3d layer left to convert "
-            "(check `exclude`)"
+            "(check `exclude`). bayesianize converts only these layer types, whose fan-in it "
+            "knows. A parameter used in a matrix product (e.g. `x @ self.w + self.b`) is made "
+            "Bayesian by hand with PyroSample, e.g. `module.w = PyroSample(dist.Normal(0., "
+            "d_in ** -0.5).expand([d_in, d_out]).to_event(2))` on a PyroModule; "
+            "init_guide_iblm and local_reparam treat such matrix products as layers"
         )
     converted = [name or "<root>" for name, sub in layers if "weight" not in sub._parameters]
     if converted:
@@ -162,10 +176,36 @@ def bayesianize(
             "already? Convert a fresh network, or exclude them by name"
         )
 
+    # Matrices outside the layer types (attention projections, embeddings, a user's own
+    # matmul weights) are not converted: say so rather than leave them silently.
+    left = [
+        f"{name}.{p}" if name else p
+        for name, sub in module.named_modules()
+        if not isinstance(sub, _LAYER_TYPES)
+        for p, param in sub.named_parameters(recurse=False)
+        if param.dim() >= 2
+    ]
+    if left:
+        warnings.warn(
+            f"bayesianize: the parameters {left} are not in an nn.Linear or nn.Conv1d/2d/3d "
+            "layer and stay deterministic (point estimates learned by SVI). To make one "
+            "Bayesian, set it to a PyroSample with its prior by hand",
+            UserWarning,
+            stacklevel=2,
+        )
+    no_inputs = [name or "<root>" for name, sub in layers if _fan_in(sub) == 0]
+    if no_inputs and prior_scale is None:
+        warnings.warn(
+            f"bayesianize: layers {no_inputs} have no inputs (fan-in 0), so the default "
+            "prior N(0, 1 / fan-in) is undefined; their biases get N(0, 1). Pass "
+            "prior_scale=... to choose another prior",
+            stacklevel=2,
+        )
+
     # all checks passed: now modify
     for _, sub in layers:
         weight, bias = sub.weight, sub.bias
-        scale = prior_scale if prior_scale is not None else 1.0 / math.sqrt(_fan_in(sub))
+        scale = prior_scale if prior_scale is not None else 1.0 / math.sqrt(max(_fan_in(sub), 1))
         pyro.nn.module.to_pyro_module_(sub, recurse=False)
         sub.register_buffer(
             "prior_scale",

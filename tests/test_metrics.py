@@ -18,6 +18,7 @@ PROBS = torch.tensor(
     ]
 )
 Y = torch.tensor([0, 0, 1])  # predictions are [0, 1, 1]: the second is wrong
+LOGITS = PROBS.log()
 
 
 def _inputs(kind, dtype):
@@ -155,17 +156,23 @@ def test_classification_metrics_dict():
     "call, match",
     [
         (lambda: metrics.mnll(Y), "exactly one of logits= or probs="),
-        (lambda: metrics.mnll(Y, logits=PROBS, probs=PROBS), "exactly one"),
-        (lambda: metrics.mnll(Y, logits=PROBS[0]), r"shape \(S,\) \+ y.shape \+ \(C,\)"),
-        (lambda: metrics.error_rate(Y[:2], logits=PROBS), "y.shape = \\(2,\\)"),
-        (lambda: metrics.error_rate(Y.float(), logits=PROBS), "integer labels"),
-        (lambda: metrics.error_rate(torch.tensor([0, 2, 1]), logits=PROBS), r"\[0, 2\)"),
+        (lambda: metrics.mnll(Y, logits=LOGITS, probs=PROBS), "exactly one"),
+        (lambda: metrics.mnll(Y, logits=LOGITS[0]), r"shape \(S,\) \+ y.shape \+ \(C,\)"),
+        (lambda: metrics.error_rate(Y[:2], logits=LOGITS), "y.shape = \\(2,\\)"),
+        (lambda: metrics.error_rate(Y + 0.5, logits=LOGITS), "not whole numbers"),
+        (lambda: metrics.error_rate(Y.bool(), logits=LOGITS), r"y\.long\(\)"),
+        (lambda: metrics.error_rate(torch.tensor([0, 2, 1]), logits=LOGITS), r"\[0, 2\)"),
         (lambda: metrics.brier_score(Y, probs=PROBS * 2), "sum to 1"),
+        (lambda: metrics.brier_score(Y, probs=LOGITS), "pass logits or log-probabilities"),
         (lambda: metrics.calibration(Y, probs=PROBS, num_bins=0), "num_bins"),
         (lambda: metrics.mnll(torch.zeros(3), loc=torch.zeros(2, 3)), "needs both"),
         (lambda: metrics.mnll(torch.zeros(3), loc=torch.zeros(2, 3), scale=-1.0), "positive"),
         (lambda: metrics.rmse(torch.zeros(3), loc=torch.zeros(2, 3, 1)), r"squeeze\(-1\)"),
-        (lambda: metrics.mnll(Y, logits=PROBS, loc=PROBS, scale=1.0), "either"),
+        (
+            lambda: metrics.mnll(torch.zeros(3), loc=torch.zeros(2, 3), scale=torch.ones(4, 1, 1)),
+            "must broadcast to loc.shape",
+        ),
+        (lambda: metrics.mnll(Y, logits=LOGITS, loc=PROBS, scale=1.0), "either"),
         (lambda: metrics.error_rate(Y, logits=Y.expand(4, 3)), "sampled labels"),
     ],
 )
@@ -204,3 +211,267 @@ def test_with_predictive_regressor():
     assert means.shape == (5, 9)
     assert_close(metrics.rmse(y, loc=means), (means.mean(0) - y).pow(2).mean().sqrt())
     assert torch.isfinite(metrics.mnll(y, loc=means, scale=model.noise_scale))
+
+
+# The classification metrics, each as a function of (y, inputs); the label-free
+# ones ignore y.
+CLASSIFICATION_METRICS = {
+    "mnll": lambda y, kw: metrics.mnll(y, **kw),
+    "error_rate": lambda y, kw: metrics.error_rate(y, **kw),
+    "brier_score": lambda y, kw: metrics.brier_score(y, **kw),
+    "calibration": lambda y, kw: metrics.calibration(y, **kw).ece,
+    "expected_calibration_error": lambda y, kw: metrics.expected_calibration_error(y, **kw),
+    "classification_metrics": lambda y, kw: metrics.classification_metrics(y, **kw),
+    "predictive_probs": lambda y, kw: metrics.predictive_probs(**kw),
+    "predictive_entropy": lambda y, kw: metrics.predictive_entropy(**kw),
+    "uncertainty_decomposition": lambda y, kw: metrics.uncertainty_decomposition(**kw),
+}
+LABELLED = [k for k in CLASSIFICATION_METRICS if not k.startswith(("predictive", "uncertainty"))]
+
+
+@pytest.mark.parametrize("name", CLASSIFICATION_METRICS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_probs_passed_as_logits_raise(name, dtype):
+    # softmax(probs) is a flatter, wrong distribution: refused with a pointer to probs=
+    with pytest.raises(ValueError, match="look like probabilities.*probs="):
+        CLASSIFICATION_METRICS[name](Y, {"logits": PROBS.to(dtype)})
+    # probabilities rounded to 3 decimals (rows sum to 1 within 1e-3) are caught too
+    rounded = torch.tensor([[[0.333, 0.333, 0.333]], [[0.5, 0.25, 0.25]]], dtype=dtype)
+    with pytest.raises(ValueError, match="look like probabilities"):
+        CLASSIFICATION_METRICS[name](torch.tensor([0]), {"logits": rounded})
+
+
+def _as_tensor(result):
+    if isinstance(result, dict):
+        return torch.tensor(list(result.values()))
+    return torch.stack(list(result)) if isinstance(result, tuple) else result
+
+
+@pytest.mark.parametrize("name", CLASSIFICATION_METRICS)
+def test_nonnegative_logits_off_the_simplex_are_accepted(name):
+    # the way out that the error names: a constant added keeps the softmax
+    actual = CLASSIFICATION_METRICS[name](Y, {"logits": PROBS + 1.0})
+    expected = CLASSIFICATION_METRICS[name](Y, {"probs": PROBS.softmax(-1)})
+    assert_close(_as_tensor(actual), _as_tensor(expected), atol=1e-6)
+
+
+def _nan_at(t, index):
+    t = t.clone()
+    t[index] = math.nan
+    return t
+
+
+@pytest.mark.parametrize("name", CLASSIFICATION_METRICS)
+@pytest.mark.parametrize("kind", ["logits", "probs"])
+def test_nan_predictions_raise(name, kind):
+    # before: a finite error rate, entropy and ECE from NaN logits
+    samples = LOGITS if kind == "logits" else PROBS
+    with pytest.raises(ValueError, match=rf"{kind} contains NaN \(1 of 12 values.*\(1, 2, 0\)"):
+        CLASSIFICATION_METRICS[name](Y, {kind: _nan_at(samples, (1, 2, 0))})
+    whole_row = _nan_at(samples, (0, 1))
+    with pytest.raises(ValueError, match=rf"{kind} contains NaN \(2 of 12"):
+        CLASSIFICATION_METRICS[name](Y, {kind: whole_row})
+
+
+@pytest.mark.parametrize("name", LABELLED)
+def test_nan_labels_raise(name):
+    with pytest.raises(ValueError, match="y contains NaN"):
+        CLASSIFICATION_METRICS[name](_nan_at(Y.float(), 1), {"logits": LOGITS})
+
+
+def test_nan_regression_inputs_raise():
+    loc, y = torch.zeros(2, 3), torch.zeros(3)
+    calls = {
+        "rmse": lambda y, loc, scale: metrics.rmse(y, loc=loc),
+        "mnll": lambda y, loc, scale: metrics.mnll(y, loc=loc, scale=scale),
+        "regression_metrics": lambda y, loc, scale: metrics.regression_metrics(
+            y, loc=loc, scale=scale
+        ),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match=r"loc contains NaN .*\(1, 0\)"):
+            call(y, _nan_at(loc, (1, 0)), 1.0)
+        with pytest.raises(ValueError, match=r"y contains NaN .*\(2,\)"):
+            call(_nan_at(y, 2), loc, 1.0)
+    with pytest.raises(ValueError, match="not NaN"):
+        metrics.mnll(y, loc=loc, scale=torch.tensor([1.0, math.nan, 1.0]))
+    with pytest.raises(ValueError, match="loc contains NaN"):
+        metrics.uncertainty_decomposition(loc=_nan_at(loc, (0, 0)), scale=1.0)
+    with pytest.raises(ValueError, match="not NaN"):
+        metrics.uncertainty_decomposition(loc=loc, scale=math.nan)
+
+
+def test_infinite_logits():
+    # -inf is probability 0 and fine; +inf and an all -inf row have no distribution
+    logits = torch.tensor([[[0.0, -math.inf], [-math.inf, 0.0]]])
+    assert_close(metrics.mnll(torch.tensor([0, 1]), logits=logits), 0.0)
+    assert_close(metrics.predictive_entropy(logits=logits), [0.0, 0.0])
+    with pytest.raises(ValueError, match=r"\+inf"):
+        metrics.mnll(torch.tensor([0]), logits=torch.tensor([[[0.0, math.inf]]]))
+    with pytest.raises(ValueError, match="every class"):
+        metrics.predictive_entropy(logits=torch.full((1, 1, 2), -math.inf))
+
+
+LABEL_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+LABEL_DTYPES += [getattr(torch, d) for d in ("uint16", "uint32", "uint64") if hasattr(torch, d)]
+
+
+@pytest.mark.parametrize("name", LABELLED)
+@pytest.mark.parametrize("dtype", LABEL_DTYPES + [torch.float32, torch.float64])
+def test_every_integer_label_dtype(name, dtype):
+    # before: int32 labels crashed brier_score inside one_hot; whole-number floats are
+    # labels too (non-whole ones are refused in test_errors)
+    expected = CLASSIFICATION_METRICS[name](Y, {"logits": LOGITS})
+    actual = CLASSIFICATION_METRICS[name](Y.to(dtype), {"logits": LOGITS})
+    if isinstance(expected, dict):
+        assert actual == pytest.approx(expected)
+    else:
+        assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("name", LABELLED)
+def test_one_hot_labels_name_argmax(name):
+    one_hot = torch.nn.functional.one_hot(Y, 2)
+    for y in (one_hot, one_hot.float()):
+        with pytest.raises(ValueError, match=r"one-hot labels.*y\.argmax\(-1\)"):
+            CLASSIFICATION_METRICS[name](y, {"logits": LOGITS})
+    # probability targets get the same pointer without being called one-hot
+    with pytest.raises(ValueError, match=r"a class dimension.*y\.argmax\(-1\)"):
+        CLASSIFICATION_METRICS[name](PROBS[0], {"logits": LOGITS})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["probs", "logits"])
+def test_uncertainty_equal_samples_have_no_epistemic(kind, dtype):
+    # every sample predicts the same distribution: all of the entropy is aleatoric
+    p = torch.tensor([[0.7, 0.2, 0.1], [1 / 3, 1 / 3, 1 / 3]], dtype=dtype).expand(5, 2, 3)
+    kw = {"probs": p} if kind == "probs" else {"logits": p.log()}
+    u = metrics.uncertainty_decomposition(**kw)
+    entropy = -(p[0] * p[0].log()).sum(-1)
+    assert u.total.dtype == dtype and u.total.shape == (2,)
+    assert_close(u.total, entropy, atol=1e-6)
+    assert_close(u.aleatoric, entropy, atol=1e-6)
+    assert_close(u.epistemic, [0.0, 0.0], atol=1e-6)
+    assert (u.epistemic >= 0).all()
+
+
+@pytest.mark.parametrize("kind", ["probs", "logits"])
+def test_uncertainty_disagreeing_one_hot_samples_are_all_epistemic(kind):
+    # samples certain of different classes: no aleatoric part, and I(y; w) = H[p_bar]
+    probs = torch.zeros(4, 2, 3, dtype=torch.float64)
+    probs[:, 0] = torch.eye(3, dtype=torch.float64)[[0, 1, 0, 1]]  # p_bar = (1/2, 1/2, 0)
+    probs[:, 1] = torch.eye(3, dtype=torch.float64)[[0, 1, 2, 2]]  # p_bar = (1/4, 1/4, 1/2)
+    kw = {"probs": probs} if kind == "probs" else {"logits": probs.log()}
+    u = metrics.uncertainty_decomposition(**kw)
+    expected = [math.log(2), 1.5 * math.log(2)]
+    assert_close(u.aleatoric, [0.0, 0.0])
+    assert_close(u.epistemic, expected)
+    assert_close(u.total, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_uncertainty_matches_predictive_entropy_and_mutual_information(dtype):
+    logits = 3 * torch.randn(7, 50, 4, dtype=dtype)
+    u = metrics.uncertainty_decomposition(logits=logits)
+    assert_close(u.total, metrics.predictive_entropy(logits=logits))
+    # the epistemic part is the mutual information, mean_s KL(p_s || p_bar), >= 0
+    log_p = logits.log_softmax(-1)
+    log_p_bar = metrics.predictive_probs(logits=logits).log()
+    kl = (log_p.exp() * (log_p - log_p_bar)).sum(-1).mean(0)
+    atol = 1e-5 if dtype == torch.float32 else 1e-10
+    assert_close(u.epistemic, kl, atol=atol, rtol=1e-4)
+    assert_close(u.aleatoric + u.epistemic, u.total, atol=atol)
+    assert (u.epistemic >= 0).all() and (u.epistemic > 0.01).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_uncertainty_regression_closed_form(dtype):
+    loc = torch.tensor([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]], dtype=dtype)  # S=3, N=2
+    scale = torch.tensor([[1.0], [2.0], [3.0]], dtype=dtype)  # per sample
+    u = metrics.uncertainty_decomposition(loc=loc, scale=scale)
+    assert u.total.dtype == dtype and u.total.shape == (2,)
+    aleatoric = (1 + 4 + 9) / 3
+    assert_close(u.aleatoric, [aleatoric, aleatoric])
+    assert_close(u.epistemic, [8 / 3, 0.0])  # mean 2, squared deviations 4, 0, 4
+    assert_close(u.total, [aleatoric + 8 / 3, aleatoric])
+    u = metrics.uncertainty_decomposition(loc=loc, scale=0.5)
+    assert_close(u.aleatoric, [0.25, 0.25])
+
+
+def test_uncertainty_regression_monte_carlo():
+    # the law of total variance against draws from the S-component mixture
+    g = torch.Generator().manual_seed(1)
+    S, N, M = 5, 3, 400_000
+    loc = torch.randn(S, N, generator=g, dtype=torch.float64)
+    scale = torch.rand(S, N, generator=g, dtype=torch.float64) + 0.2
+    u = metrics.uncertainty_decomposition(loc=loc, scale=scale)
+    s = torch.randint(0, S, (M, N), generator=g)
+    cols = torch.arange(N).expand(M, N)
+    y = loc[s, cols] + scale[s, cols] * torch.randn(M, N, generator=g, dtype=torch.float64)
+    # the variance of a variance estimate from M draws is about 2 var^2 / M (a 0.3% std)
+    assert_close(y.var(0), u.total, rtol=0.02, atol=0)
+    assert_close(y.mean(0), loc.mean(0), atol=0.02, rtol=0)
+
+
+def test_uncertainty_errors():
+    with pytest.raises(ValueError, match="either"):
+        metrics.uncertainty_decomposition(logits=LOGITS, loc=LOGITS[..., 0], scale=1.0)
+    with pytest.raises(ValueError, match="needs both"):
+        metrics.uncertainty_decomposition(loc=LOGITS[..., 0])
+    with pytest.raises(ValueError, match="exactly one"):
+        metrics.uncertainty_decomposition()
+
+
+def _sklearn_auroc(scores_in, scores_out):
+    roc_auc_score = pytest.importorskip("sklearn.metrics").roc_auc_score
+    labels = [0] * len(scores_in) + [1] * len(scores_out)
+    return roc_auc_score(labels, torch.cat([scores_in, scores_out]).double().numpy())
+
+
+@pytest.mark.parametrize("n_in, n_out", [(1, 1), (5, 9), (200, 150), (1000, 37)])
+@pytest.mark.parametrize("levels", [3, 20, None])  # few distinct values: many ties
+def test_ood_auroc_matches_sklearn(n_in, n_out, levels):
+    g = torch.Generator().manual_seed(n_in + n_out)
+    if levels is None:
+        scores_in = torch.randn(n_in, generator=g, dtype=torch.float64)
+        scores_out = torch.randn(n_out, generator=g, dtype=torch.float64) + 0.5
+    else:
+        scores_in = torch.randint(0, levels, (n_in,), generator=g).double()
+        scores_out = torch.randint(1, levels + 1, (n_out,), generator=g).double()
+    auroc = metrics.ood_auroc(scores_in, scores_out)
+    assert auroc.shape == () and auroc.dtype == torch.float64
+    assert auroc.item() == pytest.approx(_sklearn_auroc(scores_in, scores_out), abs=1e-12)
+    # integer and float32 scores give the same value
+    if levels is not None:
+        assert metrics.ood_auroc(scores_in.long(), scores_out.int()).item() == pytest.approx(
+            auroc.item(), abs=1e-12
+        )
+    single = metrics.ood_auroc(scores_in.float(), scores_out.float())
+    assert single.dtype == torch.float32
+    assert single.item() == pytest.approx(auroc.item(), abs=1e-6)
+
+
+def test_ood_auroc_closed_forms():
+    a, b = torch.tensor([0.0, 1.0, 2.0]), torch.tensor([3.0, 4.0])
+    assert metrics.ood_auroc(a, b).item() == 1.0
+    assert metrics.ood_auroc(b, a).item() == 0.0
+    assert metrics.ood_auroc(a, a).item() == 0.5  # every pair a tie or mirrored
+    # one tie of 3 x 2 pairs: (5 + 1/2) / 6
+    assert metrics.ood_auroc(a, torch.tensor([2.0, 5.0])).item() == pytest.approx(5.5 / 6)
+    assert metrics.ood_auroc(torch.tensor([-math.inf, 0.0]), torch.tensor([math.inf])) == 1.0
+
+
+@pytest.mark.parametrize(
+    "scores_in, scores_out, error, match",
+    [
+        (torch.zeros(0), torch.ones(3), ValueError, r"scores_in must be a non-empty.*\(0,\)"),
+        (torch.ones(3), torch.zeros(0), ValueError, "scores_out must be a non-empty"),
+        (torch.ones(3, 1), torch.ones(3), ValueError, r"shape \(N,\).*\(3, 1\)"),
+        (torch.tensor([0.0, math.nan]), torch.ones(3), ValueError, "scores_in contains NaN"),
+        (torch.ones(3), torch.tensor([math.nan]), ValueError, "scores_out contains NaN"),
+        ([0.0, 1.0], torch.ones(3), TypeError, "expected a tensor for scores_in"),
+    ],
+)
+def test_ood_auroc_errors(scores_in, scores_out, error, match):
+    with pytest.raises(error, match=match):
+        metrics.ood_auroc(scores_in, scores_out)

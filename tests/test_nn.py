@@ -326,3 +326,58 @@ def test_svi_cnn_with_guides(guide_cls, handler):
         predictive = handler(predictive, strict=True)
     logits = predictive(same)["_RETURN"][0]
     assert torch.allclose(logits[0], logits[1]) == (handler is None)
+
+
+def test_matmul_module_error_says_what_is_supported():
+    class MatmulLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 2))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with pytest.raises(ValueError, match=r"nn.Linear or nn.Conv1d/2d/3d.*x @ self.w.*PyroSample"):
+        bayesianize(MatmulLayer())
+
+
+def test_matrices_left_deterministic_are_named():
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+            self.embed = torch.nn.Embedding(5, 3)
+            self.norm = torch.nn.LayerNorm(3)
+
+    with pytest.warns(UserWarning, match=r"\['embed.weight'\]") as record:
+        bayesianize(Mixed())
+    assert len(record) == 1  # the LayerNorm's vectors and the converted layer are not named
+
+
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoKTiedNormal, AutoRadialNormal])
+def test_zero_width_layer(guide_cls):
+    # A hidden layer of width 0: its weight (0, 3) and bias (0,) are zero-size sites,
+    # the next layer (2, 0) has no inputs and outputs its bias alone, as without Pyro.
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+
+    def make():
+        with pytest.warns(UserWarning, match=r"layers \['2'\] have no inputs.*N\(0, 1\)"):
+            return bayesianize(nn.Sequential(nn.Linear(3, 0), nn.ReLU(), nn.Linear(0, 2)))
+
+    net = make()
+    trace = poutine.trace(net).get_trace(x)
+    sites = trace.nodes
+    assert sites["0.weight"]["value"].shape == (0, 3) and sites["0.bias"]["value"].shape == (0,)
+    assert_close(net[0].prior_scale, 3**-0.5)  # fan-in 3
+    assert_close(_prior_loc_scale(sites["2.bias"])[1], torch.ones(2))
+    assert_close(sites["_RETURN"]["value"], sites["2.bias"]["value"].expand(5, 2))
+    model = BayesianClassifier(make())
+    guide = guide_cls(model)
+    svi = SVI(model, guide, Adam({"lr": 0.01}), TraceMeanField_ELBO())
+    assert all(math.isfinite(svi.step(x, y)) for _ in range(2))
+    assert guide.median()["net.0.weight"].shape == (0, 3)
+
+
+def test_zero_width_layer_with_prior_scale_does_not_warn(recwarn):
+    bayesianize(nn.Sequential(nn.Linear(3, 0), nn.Linear(0, 2)), prior_scale=0.5)
+    assert not [w for w in recwarn if "fan-in 0" in str(w.message)]

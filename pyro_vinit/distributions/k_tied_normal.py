@@ -1,7 +1,7 @@
 """The k-tied Normal distribution of Swiatkowski et al. (2020)."""
 
 import math
-from typing import Optional
+from typing import Any, Optional, Sequence, Union
 
 import pyro.distributions as dist
 import torch
@@ -91,16 +91,25 @@ class KTiedNormal(dist.Normal):
         """The number :math:`k` of tied components."""
         return self.scale_u.shape[-1]
 
-    def expand(self, batch_shape, _instance=None):
-        new = self._get_checked_instance(KTiedNormal, _instance)
+    def expand(
+        self, batch_shape: Sequence[int], _instance: Optional["KTiedNormal"] = None
+    ) -> "KTiedNormal":
+        new: KTiedNormal = self._get_checked_instance(  # type: ignore[no-untyped-call]
+            KTiedNormal, _instance
+        )
         batch_shape = torch.Size(batch_shape)
         prefix = batch_shape[: len(batch_shape) - self.tied_dims]
         new.scale_u = self.scale_u.expand(prefix + self.scale_u.shape[-2:])
         new.scale_v = self.scale_v.expand(prefix + self.scale_v.shape[-2:])
         new.tied_dims = self.tied_dims
-        return super().expand(batch_shape, _instance=new)
+        result: KTiedNormal = super().expand(  # type: ignore[no-untyped-call]
+            batch_shape, _instance=new
+        )
+        return result
 
-    def to_event(self, reinterpreted_batch_ndims: Optional[int] = None) -> dist.Independent:
+    def to_event(
+        self, reinterpreted_batch_ndims: Optional[int] = None
+    ) -> Union["KTiedNormal", "KTiedIndependent"]:
         """
         Reinterprets the rightmost batch dims as event dims, as
         :meth:`~pyro.distributions.torch_distribution.TorchDistributionMixin.to_event`
@@ -112,10 +121,10 @@ class KTiedNormal(dist.Normal):
             reinterpret; all of them by default.
         :rtype: KTiedIndependent
         """
-        result = super().to_event(reinterpreted_batch_ndims)
+        result = super().to_event(reinterpreted_batch_ndims)  # type: ignore[no-untyped-call]
         if isinstance(result, dist.Independent) and result.base_dist is self:
-            result = KTiedIndependent(self, result.reinterpreted_batch_ndims)
-        return result
+            return KTiedIndependent(self, result.reinterpreted_batch_ndims)
+        return self  # Pyro returns the distribution itself when no dim is reinterpreted
 
 
 class KTiedIndependent(dist.Independent):
@@ -146,9 +155,12 @@ def _constant_over(t: torch.Tensor, dims: int) -> bool:
     return all(t.stride(d) == 0 or t.shape[d] == 1 for d in range(t.dim() - dims, t.dim()))
 
 
-@register_kl(KTiedIndependent, dist.Independent)
-@register_kl(KTiedIndependent, torch.distributions.Independent)
-def _kl_k_tied_independent(p: KTiedIndependent, q: torch.distributions.Independent):
+# register_kl is untyped: the ignores keep the function's own signature checked.
+@register_kl(KTiedIndependent, dist.Independent)  # type: ignore[untyped-decorator]
+@register_kl(KTiedIndependent, torch.distributions.Independent)  # type: ignore[untyped-decorator]
+def _kl_k_tied_independent(
+    p: KTiedIndependent, q: "torch.distributions.Independent[Any]"
+) -> torch.Tensor:
     base, prior = p.base_dist, q.base_dist
     ndims, tied = p.reinterpreted_batch_ndims, p.base_dist.tied_dims
     if not (
@@ -175,4 +187,5 @@ def _kl_k_tied_independent(p: KTiedIndependent, q: torch.distributions.Independe
         - sum_log_s
         + (sum_s2 + sum_d2) / (2 * prior_scale.pow(2))
     )
-    return sum_rightmost(kl, ndims - tied)
+    result: torch.Tensor = sum_rightmost(kl, ndims - tied)
+    return result

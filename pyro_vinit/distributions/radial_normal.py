@@ -1,22 +1,25 @@
 """The radial Normal distribution of Farquhar et al. (2020)."""
 
 import math
-from typing import Optional
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from pyro.distributions import TorchDistribution, constraints
-from pyro.distributions.util import broadcast_shape
 from torch.distributions import Independent, Normal, register_kl
 from torch.distributions.utils import broadcast_all
 
 __all__ = ["RadialNormal", "radial_standard_icdf"]
+
+# The shapes torch.distributions accepts for sample_shape.
+_Shape = Union[torch.Size, List[int], Tuple[int, ...]]
 
 # Euler-Mascheroni constant; E[log|r|] = -(gamma + log 2) / 2 for r ~ N(0, 1).
 _EULER_GAMMA = 0.5772156649015329
 
 
 def _sum_rightmost(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x.reshape(x.shape[: x.dim() - dim] + (-1,)).sum(-1) if dim else x
+    # For dim = 0 this sums a trailing dim of size 1: x itself.
+    return x.reshape(x.shape[: x.dim() - dim] + (-1,)).sum(-1)
 
 
 class RadialNormal(TorchDistribution):
@@ -73,8 +76,10 @@ class RadialNormal(TorchDistribution):
     """
 
     arg_constraints = {"loc": constraints.real, "scale": constraints.positive}
-    support = constraints.real
+    support: constraints.Constraint = constraints.real
     has_rsample = True
+    loc: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(
         self,
@@ -100,8 +105,12 @@ class RadialNormal(TorchDistribution):
         """Number of elements :math:`D` in one event."""
         return math.prod(self.event_shape)
 
-    def expand(self, batch_shape, _instance=None):
-        new = self._get_checked_instance(RadialNormal, _instance)
+    def expand(
+        self, batch_shape: Sequence[int], _instance: Optional["RadialNormal"] = None
+    ) -> "RadialNormal":
+        new: RadialNormal = self._get_checked_instance(  # type: ignore[no-untyped-call]
+            RadialNormal, _instance
+        )
         batch_shape = torch.Size(batch_shape)
         shape = batch_shape + self.event_shape
         new.loc = self.loc.expand(shape)
@@ -136,13 +145,15 @@ class RadialNormal(TorchDistribution):
         z = radial_standard_icdf(torch.as_tensor(q, dtype=self.loc.dtype), self.event_numel)
         return self.loc + self.scale * z.to(self.loc.device)
 
-    def rsample(self, sample_shape=torch.Size()) -> torch.Tensor:
+    def rsample(self, sample_shape: _Shape = torch.Size()) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
-        eps = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
+        # new_empty: the noise takes loc's dtype and device by construction.
+        eps = self.loc.new_empty(shape).normal_()
         event_dim = len(self.event_shape)
-        flat = eps.reshape(shape[: len(shape) - event_dim] + (-1,))
-        norm = flat.norm(dim=-1).reshape(shape[: len(shape) - event_dim] + (1,) * event_dim)
-        radius = torch.randn(norm.shape, dtype=eps.dtype, device=eps.device)
+        batch = shape[: len(shape) - event_dim]
+        norm: torch.Tensor = eps.reshape(batch + (-1,)).norm(dim=-1)
+        norm = norm.reshape(batch + (1,) * event_dim)
+        radius = eps.new_empty(norm.shape).normal_()
         return self.loc + self.scale * (eps / norm) * radius
 
     def _log_normalizer(self) -> float:
@@ -194,21 +205,22 @@ def radial_standard_icdf(q: torch.Tensor, event_numel: int, num_nodes: int = 512
     """
     q = torch.as_tensor(q)
     if event_numel == 1:
-        return Normal(0.0, 1.0).icdf(q.double()).to(q.dtype)
+        z: torch.Tensor = Normal(0.0, 1.0).icdf(q.double())
+        return z.to(q.dtype)
     import numpy as np
 
     upper = min(math.pi / 2, 12.0 / math.sqrt(event_numel - 2)) if event_numel > 2 else math.pi / 2
     nodes, weights = np.polynomial.legendre.leggauss(num_nodes)
-    like = {"dtype": torch.float64, "device": q.device}
-    phi = torch.as_tensor((nodes + 1) * upper / 2, **like)
-    log_w = torch.as_tensor(weights, **like).log()
+    phi = torch.as_tensor((nodes + 1) * upper / 2, dtype=torch.float64, device=q.device)
+    log_w = torch.as_tensor(weights, dtype=torch.float64, device=q.device).log()
     log_w = log_w + (event_numel - 2) * phi.cos().log()
     w = (log_w - log_w.logsumexp(0)).exp()
     sin_phi = phi.sin()
-    std_normal = Normal(torch.tensor(0.0, **like), 1.0)
+    std_normal = Normal(torch.tensor(0.0, dtype=torch.float64, device=q.device), 1.0)
 
-    def cdf(t):
-        return (std_normal.cdf(t.unsqueeze(-1) / sin_phi) * w).sum(-1)
+    def cdf(t: torch.Tensor) -> torch.Tensor:
+        probs: torch.Tensor = std_normal.cdf(t.unsqueeze(-1) / sin_phi)
+        return (probs * w).sum(-1)
 
     flat = q.double().reshape(-1)
     lo = torch.full_like(flat, -40.0)
@@ -221,16 +233,19 @@ def radial_standard_icdf(q: torch.Tensor, event_numel: int, num_nodes: int = 512
     return ((lo + hi) / 2).reshape(q.shape).to(q.dtype if q.is_floating_point() else torch.float64)
 
 
-def _normal_cross_entropy(q: RadialNormal, p_loc: torch.Tensor, p_scale: torch.Tensor):
+def _normal_cross_entropy(
+    q: RadialNormal, p_loc: torch.Tensor, p_scale: torch.Tensor
+) -> torch.Tensor:
     # E_q[-log N(w | p_loc, p_scale)] summed over the event, using
-    # E_q[(w - p_loc)^2] = (loc - p_loc)^2 + scale^2 / D.
+    # E_q[(w - p_loc)^2] = (loc - p_loc)^2 + scale^2 / D (of q's full shape, so the
+    # terms cover every element of the event).
     second_moment = (q.loc - p_loc).pow(2) + q.variance
     terms = p_scale.log() + 0.5 * math.log(2 * math.pi) + 0.5 * second_moment / p_scale.pow(2)
-    terms = terms.expand(broadcast_shape(terms.shape, q.batch_shape + q.event_shape))
     return _sum_rightmost(terms, len(q.event_shape))
 
 
-@register_kl(RadialNormal, Normal)
+# register_kl is untyped: the ignores keep the functions' own signatures checked.
+@register_kl(RadialNormal, Normal)  # type: ignore[untyped-decorator]
 def _kl_radial_normal(q: RadialNormal, p: Normal) -> torch.Tensor:
     if len(q.event_shape) != 0:
         raise NotImplementedError(
@@ -240,8 +255,8 @@ def _kl_radial_normal(q: RadialNormal, p: Normal) -> torch.Tensor:
     return _normal_cross_entropy(q, p.loc, p.scale) - q.entropy()
 
 
-@register_kl(RadialNormal, Independent)
-def _kl_radial_independent(q: RadialNormal, p: Independent) -> torch.Tensor:
+@register_kl(RadialNormal, Independent)  # type: ignore[untyped-decorator]
+def _kl_radial_independent(q: RadialNormal, p: "Independent[Any]") -> torch.Tensor:
     base = p.base_dist
     if not isinstance(base, Normal) or p.event_shape != q.event_shape:
         raise NotImplementedError

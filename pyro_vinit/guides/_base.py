@@ -2,19 +2,24 @@
 
 from contextlib import ExitStack
 from operator import attrgetter
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 from pyro.distributions import constraints
+from pyro.distributions.constraints import Constraint
 from pyro.distributions.util import sum_rightmost
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoGuide, AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
-from torch.distributions import biject_to
+from pyro.nn import PyroModule, PyroParam
+from pyro.ops.tensor_utils import periodic_repeat
+from torch.distributions import biject_to, transform_to
 
-__all__: list = []
+from pyro_vinit._pyro_compat import deep_setattr, helpful_support_errors, unconstrained_param
+
+__all__ = ["AutoSiteGuide"]
 
 
 def is_real_support(support: constraints.Constraint) -> bool:
@@ -22,12 +27,6 @@ def is_real_support(support: constraints.Constraint) -> bool:
     while isinstance(support, constraints.independent):
         support = support.base_constraint
     return support is constraints.real
-
-
-def deep_delattr(obj: torch.nn.Module, name: str) -> None:
-    """Deletes the dotted attribute ``name`` (e.g. ``"fc1.weight"``) of ``obj``."""
-    parent, _, leaf = name.rpartition(".")
-    delattr(attrgetter(parent)(obj) if parent else obj, leaf)
 
 
 def check_init_scale(cls: type, init_scale: float) -> None:
@@ -39,14 +38,34 @@ def check_init_scale(cls: type, init_scale: float) -> None:
         )
 
 
+def check_loc_and_scale(name: str, shape: torch.Size, loc, scale, like: torch.Tensor):
+    """Validated ``loc`` and ``scale`` in ``like``'s dtype and device."""
+    values = []
+    for what, value in (("loc", loc), ("scale", scale)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"site {name!r}: {what} must be a torch.Tensor, got "
+                            f"{type(value).__name__}")
+        if value.shape != shape:
+            raise ValueError(
+                f"site {name!r}: {what} must have the site's full unconstrained shape "
+                f"{tuple(shape)}, got {tuple(value.shape)}"
+            )
+        values.append(value.detach().to(dtype=like.dtype, device=like.device))
+    loc, scale = values
+    if not bool(torch.isfinite(loc).all()):
+        raise ValueError(f"site {name!r}: loc has non-finite entries; nothing was written")
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(
+            f"site {name!r}: scale must be finite and positive (a marginal standard "
+            "deviation), but has entries that are not; nothing was written"
+        )
+    return loc, scale
+
+
 class AutoSiteGuide(AutoNormal):
     """
     Base of the mean-field autoguides whose unconstrained posterior at each
     site is a family other than a fully factorized Normal.
-
-    Subclasses build their scale parameters in :meth:`_setup_scales` (after
-    :class:`~pyro.infer.autoguide.AutoNormal` has set up ``locs``) and return
-    each site's unconstrained posterior from :meth:`_unconstrained_posterior`.
 
     Unlike :class:`~pyro.infer.autoguide.AutoNormal`, a real-support site gets
     its posterior at the site itself rather than a ``Delta`` behind an
@@ -54,6 +73,15 @@ class AutoSiteGuide(AutoNormal):
     :class:`~pyro.infer.TraceMeanField_ELBO` can use a closed-form KL and
     effect handlers can see the posterior's parameters. Constrained sites go
     through the unconstrained space as in ``AutoNormal``.
+
+    Every subclass speaks one parameterization through :meth:`get_loc_and_scale`
+    and :meth:`set_loc_and_scale`: each site's unconstrained location and the
+    per-element marginal standard deviation, at full site shape. A subclass
+    creates its scale parameters in :meth:`_setup_scales` (``locs`` exist by
+    then; :meth:`_setup_normal_scales` gives sites AutoNormal's per-element
+    scales), returns each site's unconstrained posterior from
+    :meth:`_unconstrained_posterior`, and implements :meth:`_get_loc_and_scale`
+    and :meth:`_set_loc_and_scale`; the public methods validate before calling them.
     """
 
     def __init__(
@@ -70,32 +98,58 @@ class AutoSiteGuide(AutoNormal):
         )
 
     def _setup_prototype(self, *args, **kwargs) -> None:
-        super()._setup_prototype(*args, **kwargs)
-        if not self._event_dims:
-            raise RuntimeError(
-                f"{type(self).__name__} found no latent sample sites in the model: there is "
-                "nothing to infer. Use an empty guide, or check that the model's sample "
-                "sites are not all observed or blocked."
-            )
+        # AutoGuide's set-up, not AutoNormal's: that one would create a full-size
+        # scale for every site, which a subclass may not use (k-tied sites).
+        AutoGuide._setup_prototype(self, *args, **kwargs)
+        self._setup_params()
+
+    def _setup_params(self) -> None:
+        """Creates the parameters from ``self.prototype_trace``."""
+        self._event_dims = {}
+        self.locs = PyroModule()
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            with helpful_support_errors(site):
+                init_loc = biject_to(site["fn"].support).inv(site["value"].detach()).detach()
+            # The unconstrained event dims may differ from the constrained ones (simplex).
+            event_dim = site["fn"].event_dim + init_loc.dim() - site["value"].dim()
+            self._event_dims[name] = event_dim
+            # The parameters cover a subsampled plate's full size.
+            for frame in site["cond_indep_stack"]:
+                full_size = frame.full_size or frame.size
+                if full_size != frame.size:
+                    init_loc = periodic_repeat(init_loc, full_size, frame.dim - event_dim)
+                    init_loc = init_loc.contiguous()
+            deep_setattr(self.locs, name, PyroParam(init_loc, constraints.real, event_dim))
+        self.scales = PyroModule()
         self._setup_scales()
 
     def _setup_scales(self) -> None:
         raise NotImplementedError
+
+    def _setup_normal_scales(self, names) -> None:
+        """AutoNormal's per-element scale parameter, at ``init_scale``, for each site in
+        ``names``."""
+        for name in names:
+            loc = attrgetter(name)(self.locs)
+            scale = torch.full_like(loc, self._init_scale)
+            deep_setattr(
+                self.scales, name, PyroParam(scale, self.scale_constraint, self._event_dims[name])
+            )
 
     def _unconstrained_posterior(self, name: str) -> dist.TorchDistribution:
         """The posterior of site ``name`` in unconstrained space, with
         ``self._event_dims[name]`` event dims."""
         raise NotImplementedError
 
-    def get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """
-        Returns the unconstrained-space location and scale parameters of the
-        posterior at site ``name``, at full (not subsampled) size outside a
-        subsampled plate.
+    def _set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        """Writes validated ``loc`` and ``scale`` (full site shape, the guide's dtype and
+        device) into the parameters of site ``name``, e.g. with :meth:`_write_params`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement _set_loc_and_scale, so its "
+            "parameters cannot be written"
+        )
 
-        :param str name: A latent sample site of the model.
-        :rtype: tuple
-        """
+    def _check_site(self, name: str) -> None:
         if self.prototype_trace is None:
             raise RuntimeError(
                 f"{type(self).__name__} is not set up yet: call the guide once with the "
@@ -106,7 +160,60 @@ class AutoSiteGuide(AutoNormal):
                 f"{name!r} is not a latent site of this guide; its sites are "
                 f"{sorted(self._event_dims)}"
             )
+
+    def get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """
+        Returns the unconstrained-space location and the per-element marginal
+        standard deviation of the posterior at site ``name``, both at the full
+        (not subsampled) unconstrained site shape.
+
+        :param str name: A latent sample site of the model.
+        :rtype: tuple
+        """
+        self._check_site(name)
         return self._get_loc_and_scale(name)
+
+    def set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        """
+        Sets the posterior at site ``name`` to the unconstrained-space location
+        ``loc`` and per-element marginal standard deviation ``scale`` (the
+        inverse of :meth:`get_loc_and_scale`; a family that cannot represent
+        ``scale`` exactly takes its closest member, see the subclass).
+
+        The values are copied in place into the existing parameters, so their
+        identity and any optimizer state survive; they are validated first, and
+        nothing is written if they are invalid.
+
+        :param str name: A latent sample site of the model.
+        :param torch.Tensor loc: Finite, of the site's full unconstrained shape.
+        :param torch.Tensor scale: Finite and positive, of the same shape.
+        :raises ValueError: if a value has the wrong shape or is not finite (and
+            positive).
+        """
+        self._check_site(name)
+        current = attrgetter(name)(self.locs)
+        loc, scale = check_loc_and_scale(name, current.shape, loc, scale, current)
+        self._set_loc_and_scale(name, loc, scale)
+
+    def _write_params(self, writes: List[Tuple[str, Constraint, torch.Tensor]]) -> None:
+        """Copies constrained values into PyroParams in place: ``writes`` holds
+        ``(dotted attribute of self, constraint, value)``. Every unconstrained value
+        is computed and checked before the first copy."""
+        staged = []
+        for attr, constraint, value in writes:
+            param = unconstrained_param(self, attr)
+            raw = transform_to(constraint).inv(value).to(param)
+            if raw.shape != param.shape or not bool(torch.isfinite(raw).all()):
+                raise ValueError(
+                    f"{type(self).__name__}: cannot write {attr!r}: the unconstrained value "
+                    f"has shape {tuple(raw.shape)} (expected {tuple(param.shape)}) or "
+                    "non-finite entries (a scale too close to 0 or too large for the "
+                    "dtype); nothing was written"
+                )
+            staged.append((param, raw))
+        with torch.no_grad():
+            for param, raw in staged:
+                param.copy_(raw)
 
     def forward(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
         """

@@ -6,10 +6,9 @@ from typing import Dict, List, Tuple, Union
 
 import pyro.distributions as dist
 import torch
-from pyro.nn import PyroParam
+from pyro.distributions import constraints
 from torch.distributions import biject_to
 
-from pyro_vinit._pyro_compat import deep_setattr
 from pyro_vinit.distributions import RadialNormal
 from pyro_vinit.guides._base import AutoSiteGuide
 
@@ -47,18 +46,30 @@ class AutoRadialNormal(AutoSiteGuide):
     softplus, where an Adam step moves :math:`s` by only about
     ``lr`` :math:`/\sqrt{D}`; see the methods page on the guides.) The event
     spans the site's event dims; plate dims sample independently. Sites with
-    no event dims (:math:`D = 1`) are Normal.
+    no event dims (:math:`D = 1`) are Normal, as are zero-size sites (e.g. a
+    layer of width 0), which have nothing to sample.
 
-    :meth:`get_loc_and_scale` returns the distribution's parameters
-    :math:`(\mu, \sigma)`, so that ``RadialNormal(loc, scale, event_dim)`` is
-    the posterior; divide ``scale`` by :math:`\sqrt{D}` (or read
-    ``scales.<name>``) for the marginal standard deviations.
+    Like every guide of :mod:`pyro_vinit.guides`, :meth:`get_loc_and_scale`
+    and :meth:`set_loc_and_scale` speak the location :math:`\mu` and the
+    marginal standard deviation :math:`s` (exact both ways);
+    :meth:`get_radial_scale` returns the ``RadialNormal``'s own scale
+    :math:`\sigma = \sqrt{D}\, s`, so that
+    ``RadialNormal(loc, get_radial_scale(name), event_dim)`` is the posterior.
 
     :meth:`median` is exact (``loc``, mapped to the constrained space);
     :meth:`quantiles` are the exact marginal quantiles computed by numerical
     quadrature (:func:`~pyro_vinit.distributions.radial_normal.radial_standard_icdf`).
     With :class:`~pyro.infer.TraceMeanField_ELBO` the KL to a Normal prior is
     computed in closed form.
+
+    .. note:: By design this guide differs from
+        :class:`~pyro.infer.autoguide.AutoNormal` at real-support sites: the
+        posterior is sampled at the site itself, so ``guide_trace.nodes[name]``
+        carries the RadialNormal and a nonzero ``log_prob``, and there is no auxiliary
+        ``<name>_unconstrained`` site (AutoNormal samples a Normal there and
+        puts a ``Delta``, of log-density 0, at the site). Code that expects
+        AutoNormal's trace layout (e.g. Pyro's ``test_scores``) sees the
+        difference; ELBOs, ``Predictive`` and ``poutine.replay`` do not.
 
     :param callable model: A Pyro model.
     :param callable init_loc_fn: A per-site initialization function.
@@ -77,32 +88,38 @@ class AutoRadialNormal(AutoSiteGuide):
         self._radial_factors: Dict[str, float] = {}
         for name, event_dim in self._event_dims.items():
             loc = attrgetter(name)(self.locs)
-            numel = math.prod(loc.shape[loc.dim() - event_dim :])
-            self._radial_factors[name] = math.sqrt(numel)
-            scale = torch.full_like(loc, self._init_scale)
-            deep_setattr(self.scales, name, PyroParam(scale, self.scale_constraint, event_dim))
+            self._radial_factors[name] = math.sqrt(math.prod(loc.shape[loc.dim() - event_dim :]))
+        self._setup_normal_scales(self._event_dims)
 
     def _get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        loc = attrgetter(name)(self.locs)
-        marginal_scale = attrgetter(name)(self.scales)
-        return loc, marginal_scale * self._radial_factors[name]
+        return attrgetter(name)(self.locs), attrgetter(name)(self.scales)
 
-    def get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        self._write_params(
+            [
+                (f"locs.{name}", constraints.real, loc),
+                (f"scales.{name}", self.scale_constraint, scale),
+            ]
+        )
+
+    def get_radial_scale(self, name: str) -> torch.Tensor:
         r"""
-        Returns the unconstrained-space location :math:`\mu` and radial scale
-        :math:`\sigma = \sqrt{D}\, s` of the posterior at site ``name``, at full
-        (not subsampled) size outside a subsampled plate: the posterior is
-        ``RadialNormal(loc, scale, event_dim)``. Each element's marginal
-        standard deviation is ``scale / sqrt(D)``, the stored ``scales.<name>``.
+        Returns the scale :math:`\sigma = \sqrt{D}\, s` of the posterior
+        ``RadialNormal(loc, scale, event_dim)`` at site ``name`` (``loc`` from
+        :meth:`get_loc_and_scale`), at full (not subsampled) size.
 
         :param str name: A latent sample site of the model.
-        :rtype: tuple
+        :rtype: torch.Tensor
         """
-        return super().get_loc_and_scale(name)
+        _, marginal_scale = self.get_loc_and_scale(name)
+        return marginal_scale * self._radial_factors[name]
 
     def _unconstrained_posterior(self, name: str) -> dist.TorchDistribution:
-        loc, scale = self._get_loc_and_scale(name)
-        return RadialNormal(loc, scale, self._event_dims[name])
+        loc, marginal_scale = self._get_loc_and_scale(name)
+        event_dim = self._event_dims[name]
+        if loc.numel() == 0:  # a zero-size site: nothing to sample, as in AutoNormal
+            return dist.Normal(loc, marginal_scale).to_event(event_dim)
+        return RadialNormal(loc, marginal_scale * self._radial_factors[name], event_dim)
 
     @torch.no_grad()
     def quantiles(
@@ -122,9 +139,13 @@ class AutoRadialNormal(AutoSiteGuide):
         """
         results = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
-            loc, scale = self._get_loc_and_scale(name)
+            loc, marginal_scale = self._get_loc_and_scale(name)
             q = torch.as_tensor(quantiles, dtype=loc.dtype, device=loc.device)
             q = q.reshape((-1,) + (1,) * loc.dim())
-            values = RadialNormal(loc, scale, self._event_dims[name]).marginal_icdf(q)
+            if loc.numel() == 0:
+                values = loc.expand(q.shape[:1] + loc.shape)
+            else:
+                scale = marginal_scale * self._radial_factors[name]
+                values = RadialNormal(loc, scale, self._event_dims[name]).marginal_icdf(q)
             results[name] = biject_to(site["fn"].support)(values)
         return results

@@ -105,6 +105,17 @@ class DataPool:
                 for a, al in zip(self.args, self._aligned)
             )
 
+    @property
+    def device(self) -> torch.device:
+        return _device(self.args)
+
+    def rows_of(self, args: Sequence[Any]) -> int:
+        """The number of rows in ``args``, a chunk or selection of the pool's."""
+        for a, al in zip(args, self._aligned):
+            if al:
+                return a.shape[0]
+        return 0
+
     def features(self) -> Optional[torch.Tensor]:
         """The first floating-point tensor argument indexed by the rows (the
         model's input, as a rule), or None."""

@@ -1,34 +1,72 @@
 """
-Finding a model's Bayesian layers and likelihood, and propagating data to a
-layer, with :class:`~pyro_vinit.poutine.LayerCallMessenger`.
+Reading a model for the data-driven initializers: its Bayesian layers, its
+likelihood and where each layer's output goes, and running it on the data
+with some latent sites set (with
+:class:`~pyro_vinit.poutine.layer_recorder.LayerRecorderMessenger`).
 """
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyro.poutine as poutine
 import torch
-from torch.distributions import Distribution, Independent, Normal
+from pyro.poutine.util import site_is_subsample
+from torch.distributions import (
+    Bernoulli,
+    Categorical,
+    Distribution,
+    Independent,
+    Normal,
+    OneHotCategorical,
+    StudentT,
+)
 
+from pyro_vinit._pyro_compat import unwrap_init_messenger
 from pyro_vinit.initialization._data import Data, DataPool
 from pyro_vinit.initialization.projection import GuideWriter
-from pyro_vinit.poutine import LayerCall, LayerCallMessenger
+from pyro_vinit.poutine.layer_recorder import (
+    LayerRecorderMessenger,
+    RecordedLayer,
+    StopModel,
+    norm_statistics,
+)
+
+SUPPORTED_LIKELIHOODS = (
+    "Normal or StudentT (regression), Categorical or OneHotCategorical (probs or logits), "
+    "Bernoulli (probs or logits)"
+)
+# Rows of the first pass, which reads the model's structure.
+_STRUCTURE_ROWS = 256
 
 
 @dataclass
 class Layer:
-    """One ``F.linear`` / ``F.conv*d`` call whose weight is a latent sample site."""
+    """
+    One Bayesian layer of the model: an ``F.linear`` / ``F.conv*d`` call (or
+    a matrix product read as ``F.linear``) whose weight is a latent site.
+
+    Shapes and priors are in the op's layout (``(out, in)`` for linear,
+    ``(out, in / groups, *kernel)`` for conv); ``weight_index`` maps that
+    layout onto the site's when they differ (see :meth:`to_site`).
+    """
 
     op: str
     weight_name: str
     weight_shape: torch.Size
-    prior_loc: Optional[torch.Tensor] = None  # weight_shape
-    prior_scale: Optional[torch.Tensor] = None  # weight_shape
     kwargs: Dict[str, Any] = field(default_factory=dict)
-    bias_name: Optional[str] = None  # a latent bias site
-    bias_prior_loc: Optional[torch.Tensor] = None  # (out,)
+    source: str = ""
+    weight_index: Optional[torch.Tensor] = None
+    prior_loc: Optional[torch.Tensor] = None
+    prior_scale: Optional[torch.Tensor] = None
+    bias_name: Optional[str] = None
+    bias_index: Optional[torch.Tensor] = None
+    bias_prior_loc: Optional[torch.Tensor] = None
     bias_prior_scale: Optional[torch.Tensor] = None
-    fixed_bias: Optional[torch.Tensor] = None  # a bias that is not a latent site
+    fixed_bias: Optional[torch.Tensor] = None
+    #: "hidden", "output" (its output is the likelihood's mean or logits) or
+    #: "scale" (its output sets the likelihood's scale)
+    role: str = "hidden"
 
     @property
     def num_units(self) -> int:
@@ -48,6 +86,46 @@ class Layer:
     def site_names(self) -> Tuple[str, ...]:
         return (self.weight_name,) + ((self.bias_name,) if self.bias_name else ())
 
+    def to_site(self, name: str, tensor: torch.Tensor, site_shape: torch.Size) -> torch.Tensor:
+        """``tensor`` in the op's layout of site ``name``, in the site's layout."""
+        index = self.weight_index if name == self.weight_name else self.bias_index
+        if index is None:
+            return tensor.reshape(site_shape)
+        out = tensor.new_empty(site_shape.numel())
+        out[index.reshape(-1)] = tensor.reshape(-1)
+        return out.reshape(site_shape)
+
+
+@dataclass
+class Likelihood:
+    """The model's observed site and what sets its noise (regression only)."""
+
+    name: str
+    family: str  # "normal", "categorical", "onehot" or "bernoulli"
+    #: where the likelihood's scale comes from: None (classification), "fixed",
+    #: "site" (a latent site), "param" (a pyro.param) or "layer" (a scale head)
+    noise: Optional[str] = None
+    noise_name: Optional[str] = None
+
+
+@dataclass
+class ModelStructure:
+    """What the first pass over the model finds."""
+
+    layers: List[Layer]
+    likelihood: Optional[Likelihood]
+    latent: List[str]
+    #: latent sites no layer (or noise estimate) will initialize
+    uncovered: List[str]
+    #: the subsample size of the model's subsampled data plate, if it has one
+    block_size: Optional[int] = None
+    #: whether the model calls F.batch_norm
+    batch_norm: bool = False
+
+    @property
+    def output_layers(self) -> List[Layer]:
+        return [layer for layer in self.layers if layer.role == "output"]
+
 
 def _unwrap(fn: Distribution) -> Distribution:
     while isinstance(fn, Independent) or type(fn).__name__ in (
@@ -58,8 +136,30 @@ def _unwrap(fn: Distribution) -> Distribution:
     return fn
 
 
+def unwrap_likelihood(site: dict) -> Distribution:
+    return _unwrap(site["fn"])
+
+
+def likelihood_family(site: dict) -> str:
+    fn = unwrap_likelihood(site)
+    if isinstance(fn, (Normal, StudentT)):
+        return "normal"
+    if isinstance(fn, OneHotCategorical):
+        return "onehot"
+    if isinstance(fn, Categorical):
+        return "categorical"
+    if isinstance(fn, Bernoulli):
+        return "bernoulli"
+    raise ValueError(
+        f"I-BLM supports {SUPPORTED_LIKELIHOODS} likelihoods; the observed site "
+        f"{site['name']!r} is {type(site['fn']).__name__}"
+        + (f" over {type(fn).__name__}" if fn is not site["fn"] else "")
+        + "; use one of these, or a data-free initializer (init_guide(..., method='xavier'))"
+    )
+
+
 def normal_prior(msg: dict, shape: torch.Size) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The loc and scale, broadcast to ``shape``, of the Normal prior at a site."""
+    """The loc and scale, broadcast to ``shape`` (views), of the Normal prior at a site."""
     fn = _unwrap(msg["fn"])
     if not isinstance(fn, Normal):
         raise ValueError(
@@ -71,130 +171,163 @@ def normal_prior(msg: dict, shape: torch.Size) -> Tuple[torch.Tensor, torch.Tens
     return fn.loc.expand(shape), fn.scale.expand(shape)
 
 
-class _LayerRecorder(LayerCallMessenger):
-    def __init__(self, latent: Sequence[str], normal_priors: bool):
-        super().__init__()
-        self.latent = set(latent)
-        self.normal_priors = normal_priors
-        self.layers: List[Layer] = []
-
-    def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
-        name = call.weight_name
-        if name is None or name not in self.latent:
-            return None
-        shape = call.weight.shape
-        layer = Layer(call.op, name, shape, kwargs=dict(call.kwargs))
-        if self.normal_priors:
-            layer.prior_loc, layer.prior_scale = normal_prior(call.weight_msgs[-1], shape)
-        if call.bias is not None:
-            if call.bias_name is not None and call.bias_name in self.latent:
-                layer.bias_name = call.bias_name
-                if self.normal_priors:
-                    layer.bias_prior_loc, layer.bias_prior_scale = normal_prior(
-                        call.bias_msgs[-1], call.bias.shape
-                    )
-            else:
-                layer.fixed_bias = call.bias.detach()
-        self.layers.append(layer)
-        return None
+def _to_layout(tensor: torch.Tensor, index: Optional[torch.Tensor], shape: torch.Size):
+    """A site-layout tensor (possibly an expanded view) in the op's layout."""
+    if index is None:
+        return tensor.reshape(shape)  # a view (no copy) when the layouts agree
+    if tensor.stride() and all(s == 0 for s in tensor.stride()):  # one value, expanded
+        return tensor.reshape(-1)[:1].expand(shape.numel()).reshape(shape)
+    return tensor.reshape(-1)[index.reshape(-1)].reshape(shape)
 
 
-class _Captured(Exception):
-    pass
+def _layer_from_record(record: RecordedLayer, sites: Dict[str, dict], priors: bool) -> Layer:
+    call = record.call
+    layer = Layer(call.op, record.weight_name, call.weight.shape, dict(call.kwargs),
+                  call.source, record.weight_index)
+    if priors:
+        msg = sites[record.weight_name]
+        loc, scale = normal_prior(msg, msg["value"].shape)
+        layer.prior_loc = _to_layout(loc, record.weight_index, layer.weight_shape)
+        layer.prior_scale = _to_layout(scale, record.weight_index, layer.weight_shape)
+    if record.bias_name is not None:
+        layer.bias_name, layer.bias_index = record.bias_name, record.bias_index
+        if priors:
+            msg = sites[record.bias_name]
+            loc, scale = normal_prior(msg, msg["value"].shape)
+            shape = torch.Size([layer.num_units])
+            layer.bias_prior_loc = _to_layout(loc, record.bias_index, shape)
+            layer.bias_prior_scale = _to_layout(scale, record.bias_index, shape)
+    elif record.fixed_bias is not None:
+        layer.fixed_bias = record.fixed_bias
+    return layer
 
 
-class _InputCapture(LayerCallMessenger):
-    """Records the input (and optionally the output) of the call that uses the
-    weight site ``weight_name``, then stops the model."""
-
-    def __init__(self, weight_name: str, output: bool = False):
-        super().__init__()
-        self.weight_name = weight_name
-        self.output = output
-        self.input: Optional[torch.Tensor] = None
-        self.result: Optional[torch.Tensor] = None
-
-    def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
-        if call.weight_name == self.weight_name:
-            self.input = call.input
-            if self.output:
-                self.result = call()
-            raise _Captured
-        return None
-
-
-def trace_layers(
-    model: Callable,
-    values: Dict[str, torch.Tensor],
-    args: Sequence[Any],
-    latent: Sequence[str],
-    normal_priors: bool = True,
-) -> Tuple[List[Layer], poutine.Trace]:
-    """Runs ``model(*args)`` with the latent sites set to ``values``; returns the
-    Bayesian layers in execution order (with their Normal priors, if
-    ``normal_priors``, else no priors) and the trace."""
-    recorder = _LayerRecorder(latent, normal_priors)
-    with recorder:
-        trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args)
-    seen = set()
-    for layer in recorder.layers:
-        for name in layer.site_names:
-            if name in seen:
-                raise ValueError(
-                    f"the latent site {name!r} is used by more than one layer call; I-BLM "
-                    "needs each Bayesian layer's weight and bias to be used once"
-                )
-            seen.add(name)
-    return recorder.layers, trace
-
-
-def capture(
-    model: Callable,
-    values: Dict[str, torch.Tensor],
-    args: Sequence[Any],
-    layer: Layer,
-    output: bool = False,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The input (and output) of ``layer`` when ``model(*args)`` runs with the latent
-    sites set to ``values``; the model stops there."""
-    catcher = _InputCapture(layer.weight_name, output)
-    try:
-        with catcher:
-            poutine.condition(model, data=values)(*args)
-    except _Captured:
-        pass
-    if catcher.input is None:
-        raise RuntimeError(
-            f"the model did not call the layer with weight {layer.weight_name!r} on these "
-            "arguments; I-BLM needs the same layers to run on every batch"
-        )
-    return catcher.input, catcher.result
-
-
-def observed_site(trace: poutine.Trace, latent: Sequence[str]) -> dict:
-    """The single observed sample site of a model trace."""
-    sites = [
-        site
-        for name, site in trace.nodes.items()
-        if site["type"] == "sample" and site["is_observed"] and name not in latent
-    ]
-    if len(sites) != 1:
-        raise ValueError(
-            f"I-BLM needs a model with exactly one observed sample site (its likelihood); "
-            f"found {[s['name'] for s in sites]}. Call the model with its targets, "
-            "e.g. data=(x, y)"
-        )
-    return sites[0]
-
-
-def unwrap_likelihood(site: dict) -> Distribution:
-    return _unwrap(site["fn"])
+# ---------------------------------------------------------------------- running the model
 
 
 def guide_values(guide, args: Sequence[Any], latent: Sequence[str]) -> Dict[str, torch.Tensor]:
     """A draw of every latent site from the guide (in the model's constrained space)."""
-    trace = poutine.trace(guide).get_trace(*args)
+    with poutine.block():
+        trace = poutine.trace(guide).get_trace(*args)
     return {name: trace.nodes[name]["value"] for name in latent}
+
+
+def guide_medians(guide, args: Sequence[Any]) -> Dict[str, torch.Tensor]:
+    """The guide's median of every latent site (in the model's constrained space)."""
+    with poutine.block():
+        return dict(guide.median(*args))
+
+
+def run_model(
+    model: Callable,
+    values: Dict[str, torch.Tensor],
+    args: Sequence[Any],
+    latent: Sequence[str],
+    *,
+    plate_rows: Optional[torch.Tensor] = None,
+    track_flow: bool = False,
+    on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
+    norm_statistics: Optional[Dict[int, list]] = None,
+    substitute: Optional[Dict[str, torch.Tensor]] = None,
+) -> LayerRecorderMessenger:
+    """Runs ``model(*args)`` with the latent sites set to ``values`` (hidden from
+    any handler outside, e.g. ``local_reparam``) under a layer recorder, which
+    it returns; ``on_layer`` may stop the run (:class:`StopModel`)."""
+    recorder = LayerRecorderMessenger(
+        latent,
+        track_flow=track_flow,
+        plate_subsample=plate_rows,
+        norm_statistics=norm_statistics,
+        on_layer=on_layer,
+    )
+    fn = poutine.condition(model, data=values)
+    if substitute:
+        fn = poutine.substitute(fn, data=substitute)
+    with torch.no_grad(), poutine.block(), recorder:
+        fn(*args)
+    return recorder
+
+
+def observed_site(recorder: LayerRecorderMessenger) -> dict:
+    """The single observed sample site of a recorded run (``pyro.deterministic``
+    sites and plate subsamples are not observations)."""
+    sites = recorder.observed
+    if len(sites) != 1:
+        found = [s["name"] for s in sites]
+        hint = (
+            "call it with its targets, e.g. init_guide_iblm(guide, (x, y))"
+            if not sites
+            else "I-BLM fits one likelihood; combine the observations into one site"
+        )
+        raise ValueError(
+            f"I-BLM needs a model with exactly one observed sample site (its likelihood); "
+            f"found {found}: {hint}"
+        )
+    return sites[0]
+
+
+def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> dict:
+    """The single observed sample site of a model trace."""
+    sites = [
+        site
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and site["is_observed"]
+        and name not in latent
+        and not site_is_subsample(site)
+        and not site["infer"].get("_deterministic")
+    ]
+    if len(sites) != 1:
+        raise ValueError(
+            f"this initializer needs a model with exactly one observed sample site (its "
+            f"likelihood); found {[s['name'] for s in sites]}"
+        )
+    return sites[0]
+
+
+def iterate_rows(
+    pool: DataPool, chunk_rows: int, block_size: Optional[int]
+) -> Iterator[Tuple[Tuple[Any, ...], Optional[torch.Tensor], int]]:
+    """
+    ``(args, plate_rows, keep)`` covering every row of the pool once, in order:
+    chunks of ``chunk_rows``; for a model with a subsampled data plate, each
+    chunk walked in blocks of its ``subsample_size`` (``plate_rows``: the
+    block's row indices in the chunk, the last block wrapped around, of which
+    the first ``keep`` are new).
+    """
+    for args in pool.chunks(chunk_rows):
+        n = pool.rows_of(args)
+        if block_size is None:
+            yield args, None, n
+            continue
+        device = pool.device
+        for start in range(0, n, block_size):
+            rows = torch.arange(start, start + block_size, device=device) % n
+            yield args, rows, min(block_size, n - start)
+
+
+def align_rows(tensor: torch.Tensor, what: str, *, n: int, rows: Optional[torch.Tensor],
+               keep: int) -> torch.Tensor:
+    """The rows of ``tensor`` for the block ``rows`` of a chunk of ``n`` rows."""
+    if rows is None:
+        if tensor.dim() == 0 or tensor.shape[0] != n:
+            raise ValueError(
+                f"{what} has shape {tuple(tensor.shape)} for {n} data rows; I-BLM needs the "
+                "data rows along the leading dim"
+            )
+        return tensor
+    if tensor.dim() and tensor.shape[0] == len(rows):
+        return tensor[:keep]
+    if tensor.dim() and tensor.shape[0] == n:
+        return tensor[rows[:keep]]
+    raise ValueError(
+        f"{what} has shape {tuple(tensor.shape)}, neither the {len(rows)} rows of the "
+        f"subsampled plate nor the {n} rows of the data; I-BLM needs the data rows along "
+        "the leading dim"
+    )
+
+
+# ---------------------------------------------------------------------- the first pass
 
 
 @dataclass
@@ -203,43 +336,229 @@ class Prepared:
 
     pool: DataPool
     writer: GuideWriter
-    layers: List[Layer]
-    trace: poutine.Trace  # of the model on the first chunk, with gradients
-    first: Tuple[Any, ...]  # the first chunk's model arguments
+    structure: ModelStructure
+    first: Tuple[Any, ...]  # the first pass's model arguments
+
+    @property
+    def layers(self) -> List[Layer]:
+        return self.structure.layers
 
     @property
     def latent(self) -> List[str]:
-        return self.writer.latent_names
+        return self.structure.latent
+
+
+def _check_has_likelihood(model: Callable, args: Sequence[Any]) -> None:
+    # Before a fresh guide is set up: a model run without its targets would make the
+    # observed site a latent one of the guide.
+    with torch.no_grad(), poutine.block():
+        trace = poutine.trace(model).get_trace(*args)
+    observed = [
+        name
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and site["is_observed"]
+        and not site_is_subsample(site)
+        and not site["infer"].get("_deterministic")
+    ]
+    if not observed:
+        raise ValueError(
+            "the model has no observed sample site on these arguments: I-BLM fits the "
+            "likelihood, so call it with the targets, e.g. init_guide_iblm(guide, (x, y))"
+        )
+
+
+def _roles(
+    recorder: LayerRecorderMessenger, layers: List[Layer], site: dict
+) -> Likelihood:
+    family = likelihood_family(site)
+    flow = recorder.likelihood_flow
+    mean_keys = ("loc",) if family == "normal" else ("logits", "probs")
+    mean_tokens = frozenset().union(*(flow.get(k, frozenset()) for k in mean_keys))
+    outputs = sorted(i for kind, i in mean_tokens if kind == "layer")
+    if not outputs:
+        what = "mean" if family == "normal" else "logits or probs"
+        raise ValueError(
+            f"no Bayesian layer's output reaches the {what} of the likelihood "
+            f"{site['name']!r}; I-BLM needs the last layer to feed it"
+        )
+    if len(outputs) > 1:
+        names = [layers[i].weight_name for i in outputs]
+        raise ValueError(
+            f"the outputs of several Bayesian layers ({names}) reach the likelihood's mean "
+            f"directly; I-BLM fits one output layer to the targets. Sum them inside one "
+            "layer, or initialize with init_guide(..., method='xavier')"
+        )
+    layers[outputs[0]].role = "output"
+    likelihood = Likelihood(site["name"], family)
+    if family != "normal":
+        return likelihood
+    tokens = flow.get("scale", frozenset())
+    scale_layers = sorted(i for kind, i in tokens if kind == "layer")
+    sources = sorted((kind, name) for kind, name in tokens if kind in ("site", "param"))
+    if scale_layers and (len(scale_layers) > 1 or sources or scale_layers == outputs):
+        names = [layers[i].weight_name for i in scale_layers]
+        raise ValueError(
+            f"the likelihood's scale depends on the Bayesian layers {names}"
+            + (f" and on {[n for _, n in sources]}" if sources else "")
+            + "; I-BLM can set one scale head (a layer whose output only sets the scale) "
+            "or one noise site. Initialize this model with init_guide(..., method='xavier')"
+        )
+    if scale_layers:
+        layers[scale_layers[0]].role = "scale"
+        likelihood.noise, likelihood.noise_name = "layer", layers[scale_layers[0]].weight_name
+    elif len(sources) > 1:
+        raise ValueError(
+            f"the likelihood's scale depends on several sites or params {[n for _, n in sources]}"
+            "; I-BLM can estimate one noise site. Pass noise_scale=... to fix the regression "
+            "noise and initialize the noise sites yourself"
+        )
+    elif sources:
+        likelihood.noise, likelihood.noise_name = sources[0]
+    else:
+        likelihood.noise = "fixed"
+    return likelihood
+
+
+def trace_structure(
+    guide, pool: DataPool, latent: List[str], normal_priors: bool
+) -> Tuple[ModelStructure, Tuple[Any, ...]]:
+    """The first pass: the model on up to 256 rows with the guide's medians."""
+    first = next(pool.chunks(_STRUCTURE_ROWS))
+    values = guide_medians(guide, first)
+    recorder = run_model(guide.model, values, first, latent, track_flow=True)
+    sites: Dict[str, dict] = {}
+    with torch.no_grad(), poutine.block():
+        trace = poutine.trace(poutine.condition(guide.model, data=values)).get_trace(*first)
+    sites = {name: trace.nodes[name] for name in latent if name in trace.nodes}
+    layers = [_layer_from_record(r, sites, normal_priors) for r in recorder.layers]
+    seen = set()
+    for layer in layers:
+        for name in layer.site_names:
+            if name in seen:
+                raise ValueError(
+                    f"the latent site {name!r} is used by more than one layer call; I-BLM "
+                    "needs each Bayesian layer's weight and bias to be used once"
+                )
+            seen.add(name)
+    likelihood = None
+    if normal_priors:
+        if not layers:
+            raise ValueError(
+                "the model has no F.linear / F.conv layer or matrix product whose weight is "
+                "a latent sample site, so there is nothing to initialize; make the layers "
+                "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample"
+            )
+        likelihood = _roles(recorder, layers, observed_site(recorder))
+    covered = seen | ({likelihood.noise_name} if likelihood and likelihood.noise == "site"
+                      else set())
+    uncovered = [name for name in latent if name not in covered]
+    sizes = {s for _, s in recorder.subsampled_plates.values()}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the model has subsampled plates with different subsample sizes "
+            f"{recorder.subsampled_plates}; I-BLM walks the data in blocks of one size"
+        )
+    block_size = sizes.pop() if sizes else None
+    structure = ModelStructure(layers, likelihood, latent, uncovered, block_size,
+                               recorder.num_batch_norms > 0)
+    return structure, first
+
+
+def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
+    """Names, in one warning (or error if ``strict``), the latent sites that the
+    initializer leaves at the guide's own initial values."""
+    if not structure.uncovered:
+        return
+    message = (
+        f"{who} initializes the weights and biases of the layers it sees (F.linear, "
+        "F.conv1d/2d/3d and matrix products of the data with a latent weight)"
+        + (" and the noise site" if structure.likelihood
+           and structure.likelihood.noise == "site" else "")
+        + f"; these latent sites keep the guide's own initial values: "
+        f"{structure.uncovered}. Such sites are used by calls it cannot see (e.g. "
+        "nn.MultiheadAttention's internal projections) or are not layer weights"
+    )
+    if strict:
+        raise ValueError(message + "; the guide was left unchanged.")
+    warnings.warn(message + ". Pass strict=True to make this an error.", UserWarning,
+                  stacklevel=3)
 
 
 def prepare(
     guide, data: Data, max_rows: int, chunk_rows: int, normal_priors: bool = True
 ) -> Prepared:
-    """Checks the guide class, reads the data, sets the guide up if needed and
-    finds the model's Bayesian layers."""
+    """Checks the guide class, reads the data, sets the guide up if needed (after
+    checking that the model has a likelihood on the data) and reads the model's
+    structure."""
     GuideWriter.family_of(guide)  # an unsupported guide fails before any work
     pool = DataPool(data, max_rows)
-    first = next(pool.chunks(chunk_rows))
+    first = next(pool.chunks(min(chunk_rows, _STRUCTURE_ROWS)))
     if guide.prototype_trace is None:
-        with torch.no_grad():
+        _check_has_likelihood(unwrap_init_messenger(guide.model), first)
+        with torch.no_grad(), poutine.block():
             guide(*first)
     writer = GuideWriter(guide)
     latent = writer.latent_names
-    layers, trace = trace_layers(
-        guide.model, guide_values(guide, first, latent), first, latent, normal_priors
-    )
-    if not layers:
-        raise ValueError(
-            "the model has no F.linear / F.conv layer whose weight is a latent sample "
-            "site, so there is nothing to initialize; make the layers Bayesian with "
-            "pyro_vinit.nn.bayesianize"
-        )
-    for layer in layers:
+    structure, first = trace_structure(guide, pool, latent, normal_priors)
+    for layer in structure.layers:
         for name in layer.site_names:
+            site_shape = writer.shape(name)
             expected = layer.weight_shape if name == layer.weight_name else (layer.num_units,)
-            if tuple(writer.shape(name)) != tuple(expected):
+            if site_shape.numel() != torch.Size(expected).numel():
                 raise ValueError(
-                    f"site {name!r} has shape {tuple(writer.shape(name))} in the guide but "
+                    f"site {name!r} has shape {tuple(site_shape)} in the guide but "
                     f"{tuple(expected)} in the layer call"
                 )
-    return Prepared(pool, writer, layers, trace, first)
+    return Prepared(pool, writer, structure, first)
+
+
+def capture(
+    model: Callable,
+    values: Dict[str, torch.Tensor],
+    args: Sequence[Any],
+    latent: Sequence[str],
+    layer: Layer,
+    *,
+    output: bool = False,
+    plate_rows: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The input (and output) of ``layer`` when ``model(*args)`` runs with the latent
+    sites set to ``values``; the model stops there."""
+    found: Dict[str, torch.Tensor] = {}
+
+    def on_layer(record: RecordedLayer) -> Optional[torch.Tensor]:
+        if record.weight_name == layer.weight_name:
+            found["input"] = record.call.input
+            if output:
+                found["output"] = record.call()
+            raise StopModel
+        return None
+
+    run_model(model, values, args, latent, plate_rows=plate_rows, on_layer=on_layer)
+    if "input" not in found:
+        raise RuntimeError(
+            f"the model did not call the layer with weight {layer.weight_name!r} on these "
+            "arguments; I-BLM needs the same layers to run on every batch"
+        )
+    return found["input"], found.get("output")
+
+
+@torch.no_grad()
+def refresh_norm_statistics(prep: Prepared, values: Dict[str, torch.Tensor],
+                            chunk_rows: int) -> None:
+    """Sets the running statistics of every ``F.batch_norm`` the model calls
+    (``nn.BatchNorm*d``) to the mean and variance of its input over the data
+    with the latent sites at ``values``, so that the model in eval mode
+    computes what the initializer fitted (it normalizes with batch statistics
+    while fitting)."""
+    if not prep.structure.batch_norm:
+        return
+    accumulated: Dict[int, list] = {}
+    for args, rows, _ in iterate_rows(prep.pool, chunk_rows, prep.structure.block_size):
+        run_model(prep.writer.guide.model, values, args, prep.latent, plate_rows=rows,
+                  norm_statistics=accumulated)
+    for running_mean, running_var, mean, var in norm_statistics(accumulated):
+        running_mean.copy_(mean)
+        if running_var is not None:
+            running_var.copy_(var)

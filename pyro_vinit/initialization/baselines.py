@@ -7,16 +7,17 @@ from typing import Dict, List, Optional, Tuple
 import pyro.poutine as poutine
 import torch
 
+from pyro_vinit.guides import site_params
+from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.initialization._data import Data
 from pyro_vinit.initialization._tracing import (
     Layer,
     capture,
     guide_values,
-    observed_site,
     prepare,
+    trace_observed_site,
 )
 from pyro_vinit.initialization.iblm import init_guide_iblm
-from pyro_vinit.initialization.projection import GuideWriter
 
 __all__ = ["METHODS", "init_guide"]
 
@@ -25,24 +26,29 @@ _DATA_METHODS = ("lsuv", "map", "iblm")
 _MAP_LOG_VAR = -5.5
 
 
-def _layers_by_name(writer: GuideWriter) -> List[Layer]:
-    """Without data: every site with two or more dims is a weight ``<m>.weight``,
-    paired with a site ``<m>.bias`` of its output size if there is one."""
+def _layers_by_name(guide) -> List[Layer]:
+    """Without data: every real-support site with two or more dims is a weight
+    ``<m>.weight``, paired with a real-support site ``<m>.bias`` of its output size
+    if there is one. Other sites (e.g. a positive noise scale) are left alone."""
+    shapes = {
+        name: site["value"].shape
+        for name, site in site_params.latent_sites(guide).items()
+        if is_real_support(site["fn"].support)
+    }
     layers = []
-    names = set(writer.latent_names)
-    for name in writer.latent_names:
-        shape = writer.shape(name)
+    for name, shape in shapes.items():
         if len(shape) < 2:
             continue
         prefix = name.rpartition(".")[0]
         bias = f"{prefix}.bias" if prefix else "bias"
         layer = Layer("unknown", name, shape)
-        if bias in names and tuple(writer.shape(bias)) == (shape[0],):
+        if bias in shapes and tuple(shapes[bias]) == (shape[0],):
             layer.bias_name = bias
         layers.append(layer)
     if not layers:
         raise ValueError(
-            "the guide has no latent site with two or more dims (a layer weight) to initialize"
+            "the guide has no real-support latent site with two or more dims (a layer "
+            "weight) to initialize"
         )
     return layers
 
@@ -62,16 +68,17 @@ def _variance(method: str, layer: Layer) -> float:
     return 1.0 / layer.fan_in  # heuristic, orthogonal, lsuv
 
 
-def _lsuv(prep, means: Dict[str, torch.Tensor], batch_size: int, tol: float, max_iters: int):
+def _lsuv(guide, prep, means: Dict[str, torch.Tensor], batch_size: int, tol: float,
+          max_iters: int):
     """Rescales each layer's (orthogonal) mean so that its output on a data batch
     has unit variance, layer by layer (Mishkin and Matas, 2015)."""
-    pool, model = prep.pool, prep.writer.guide.model
+    pool, model = prep.pool, guide.model
     batch_size = pool.effective_batch_size(batch_size, "init_guide(method='lsuv')")
     args = pool.select(pool.batch_indices(1, batch_size)[0])
-    values = guide_values(prep.writer.guide, args, prep.latent)
+    values = guide_values(guide, args, prep.latent)
     for layer in prep.layers:
         for _ in range(max_iters):
-            _, out = capture(model, {**values, **means}, args, layer, output=True)
+            _, out = capture(model, {**values, **means}, args, prep.latent, layer, output=True)
             var = out.var().item()
             if not math.isfinite(var) or var <= 0:
                 raise ValueError(
@@ -82,9 +89,9 @@ def _lsuv(prep, means: Dict[str, torch.Tensor], batch_size: int, tol: float, max
             means[layer.weight_name] = means[layer.weight_name] / math.sqrt(var)
 
 
-def _map(prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max_seconds, lr):
+def _map(guide, prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max_seconds, lr):
     """Means minimizing the mean negative log-likelihood of the data with Adam."""
-    pool, guide = prep.pool, prep.writer.guide
+    pool = prep.pool
     batch_size = pool.effective_batch_size(batch_size, "init_guide(method='map')")
     model = guide.model
     params = {name: value.clone().requires_grad_() for name, value in means.items()}
@@ -99,7 +106,7 @@ def _map(prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max_second
             break
         args = pool.select(pool.batch_indices(1, batch_size)[0])
         trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args)
-        site = observed_site(trace, prep.latent)
+        site = trace_observed_site(trace, prep.latent)
         loss = -site["fn"].log_prob(site["value"]).sum() / batch_size
         if not torch.isfinite(loss):
             raise ValueError(f"MAP: the negative log-likelihood is {loss.item()} at step {step}")
@@ -154,14 +161,16 @@ def init_guide(
     ================= ========================================= ========
 
     The data-free methods need only a set-up guide; their layers are then
-    recognized by name: every site with two or more dims is a weight, and a site
-    ``<module>.bias`` of matching size is its bias. With data, the layers are
-    found by tracing the model's ``F.linear`` / ``F.conv*d`` calls. Sites that
-    are not a layer's weight or bias are left unchanged, and nothing is written
-    unless every value has been computed.
+    recognized by name: every real-support site with two or more dims is a
+    weight, and a real-support site ``<module>.bias`` of matching size is its
+    bias. With data, the layers are found by tracing the model's ``F.linear`` /
+    ``F.conv*d`` calls. Sites that are not a layer's weight or bias (e.g. a
+    ``HalfNormal`` noise scale) keep the guide's own initialization, and the
+    writes (through :mod:`~pyro_vinit.guides.site_params`) are all or nothing.
 
-    :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
-        AutoRadialNormal guide.
+    :param guide: A guide :mod:`~pyro_vinit.guides.site_params` supports:
+        AutoNormal, AutoDiagonalNormal, AutoLowRankMultivariateNormal,
+        AutoKTiedNormal, AutoRadialNormal or another AutoSiteGuide.
     :param data: One tuple of model arguments or an iterable of such tuples;
         required by ``lsuv``, ``map`` and ``iblm`` (and to set up a guide that
         is not set up yet).
@@ -191,43 +200,46 @@ def init_guide(
     if data is None:
         if method in _DATA_METHODS:
             raise ValueError(f"init_guide(method={method!r}) needs data: pass (x, y) or a loader")
-        GuideWriter.family_of(guide)
+        site_params.check_supported(guide)
         if guide.prototype_trace is None:
             raise RuntimeError(
                 f"{type(guide).__name__} is not set up yet: pass data (e.g. "
                 "init_guide(guide, (x, y), method=...)) or call the guide once first"
             )
-        writer = GuideWriter(guide)
-        layers, prep = _layers_by_name(writer), None
+        layers, prep = _layers_by_name(guide), None
     else:
         prep = prepare(guide, data, max_pool_size, chunk_rows=4096, normal_priors=False)
-        writer, layers = prep.writer, prep.layers
+        layers = prep.layers
 
     like = next(guide.parameters())
     means: Dict[str, torch.Tensor] = {}
     shapes: Dict[str, Tuple[torch.Size, float]] = {}
     for layer in layers:
         var = _variance(method, layer)
-        shapes[layer.weight_name] = (layer.weight_shape, var)
+        # means are made in the op's layout, stored in the site's (a matmul weight x @ w
+        # is the transpose of its layer's (out, in) weight)
+        name = layer.weight_name
+        site_shape = guide.prototype_trace.nodes[name]["value"].shape
+        shapes[name] = (site_shape, var)
         if method in ("orthogonal", "lsuv"):
-            means[layer.weight_name] = _orthogonal(layer, like)
+            means[name] = layer.to_site(name, _orthogonal(layer, like), site_shape)
         elif method == "map":
             std = math.sqrt(2.0 / (layer.fan_in + layer.fan_out))
-            means[layer.weight_name] = std * torch.randn(layer.weight_shape, dtype=like.dtype,
-                                                         device=like.device)
+            means[name] = std * torch.randn(site_shape, dtype=like.dtype, device=like.device)
         if layer.bias_name is not None:
-            shapes[layer.bias_name] = (torch.Size([layer.num_units]), var)
-            means[layer.bias_name] = like.new_zeros(layer.num_units)
+            bias_shape = guide.prototype_trace.nodes[layer.bias_name]["value"].shape
+            shapes[layer.bias_name] = (bias_shape, var)
+            means[layer.bias_name] = like.new_zeros(bias_shape)
 
     if method == "lsuv":
         with torch.no_grad():
-            _lsuv(prep, means, batch_size, lsuv_tol, lsuv_max_iters)
+            _lsuv(guide, prep, means, batch_size, lsuv_tol, lsuv_max_iters)
     elif method == "map":
-        _map(prep, means, batch_size, map_steps, map_seconds, map_lr)
+        _map(guide, prep, means, batch_size, map_steps, map_seconds, map_lr)
 
-    staged = {}
-    for name, (shape, var) in shapes.items():
-        loc = means.get(name, like.new_zeros(shape))
-        staged[name] = writer.project(name, loc, torch.full_like(loc, var))
-    writer.write(staged)
+    with site_params.rollback_on_error(guide):
+        for name, (shape, var) in shapes.items():
+            loc = means.get(name, like.new_zeros(shape))
+            scale = torch.full_like(loc, math.sqrt(var))
+            site_params.set_loc_and_scale(guide, name, loc, scale)
     return guide

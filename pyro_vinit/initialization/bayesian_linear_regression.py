@@ -31,6 +31,8 @@ class BLRPosterior(NamedTuple):
 def _cholesky(matrix: torch.Tensor, jitter: float, max_tries: int = 8) -> torch.Tensor:
     """Batched Cholesky factor; adds ``jitter`` × mean diagonal (growing ×10 per
     try) to the matrices of the batch that are not numerically positive definite."""
+    factor: torch.Tensor
+    info: torch.Tensor
     factor, info = torch.linalg.cholesky_ex(matrix)
     if not bool((info > 0).any()):
         return factor
@@ -117,11 +119,12 @@ def bayesian_linear_regression(
         raise ValueError(f"x must have shape (..., n, d), got {tuple(x.shape)}")
     n, d = x.shape[-2:]
     batch = x.shape[:-2]
-    like = dict(dtype=x.dtype, device=x.device)
-    y = torch.as_tensor(y, **like).expand(batch + (n,))
-    noise_var = torch.as_tensor(noise_var, **like).expand(batch + (n,))
-    prior_loc = torch.as_tensor(prior_loc, **like).expand(batch + (d,))
-    prior_var = torch.as_tensor(prior_scale, **like).pow(2).expand(batch + (d,))
+    dtype, device = x.dtype, x.device
+    y = torch.as_tensor(y, dtype=dtype, device=device).expand(batch + (n,))
+    noise_var = torch.as_tensor(noise_var, dtype=dtype, device=device).expand(batch + (n,))
+    prior_loc = torch.as_tensor(prior_loc, dtype=dtype, device=device).expand(batch + (d,))
+    prior_var = torch.as_tensor(prior_scale, dtype=dtype, device=device).pow(2)
+    prior_var = prior_var.expand(batch + (d,))
 
     noise_prec = noise_var.reciprocal()
     precision_diag = prior_var.reciprocal() + torch.einsum("...nd,...n->...d", x * x, noise_prec)
@@ -134,7 +137,7 @@ def bayesian_linear_regression(
         mean = torch.cholesky_solve(b.unsqueeze(-1), factor).squeeze(-1)
         cov = None
         if covariance_diag:
-            eye = torch.eye(d, **like).expand(batch + (d, d))
+            eye = torch.eye(d, dtype=dtype, device=device).expand(batch + (d, d))
             cov = torch.linalg.solve_triangular(factor, eye, upper=False).pow(2).sum(-2)
     else:
         xl = x * prior_var.unsqueeze(-2)

@@ -5,7 +5,7 @@ slowing down any other tensor operation.
 """
 
 import functools
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch.distributions import Distribution
@@ -26,6 +26,10 @@ _METADATA = {
     _T.ndim.__get__,
     _T.layout.__get__,
     _T.is_cuda.__get__,
+    _T.is_nested.__get__,  # read by torch.compile on every tensor it meets
+    _T.is_sparse.__get__,
+    _T.is_quantized.__get__,
+    _T.is_meta.__get__,
     _T.dim,
     _T.size,
     _T.numel,
@@ -36,7 +40,15 @@ _METADATA = {
     _T.is_complex,
     _T.element_size,
     _T.get_device,
+    # new tensors of the same shape (e.g. the zero log-Jacobian of an identity transform)
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
 }
+
+#: A view op: ``(func, args, kwargs)``, applied as ``func(tensor, *args, **kwargs)``.
+ViewOp = Tuple[Callable, tuple, dict]
 
 
 @functools.lru_cache(maxsize=256)
@@ -47,9 +59,9 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) ->
 
 def unwrap(obj: Any) -> Any:
     """Replaces every :class:`SiteValue` in ``obj`` (nested in tuples, lists and
-    dicts) by its real tensor, drawing deferred values."""
+    dicts) by its concrete tensor, drawing deferred values."""
     if isinstance(obj, SiteValue):
-        return obj.real
+        return obj.concrete
     if isinstance(obj, (tuple, list)):
         return type(obj)(unwrap(x) for x in obj)
     if isinstance(obj, dict):
@@ -65,44 +77,99 @@ def contains_site_value(obj: Any) -> bool:
     return False
 
 
+def replay(view_ops: Tuple[ViewOp, ...], tensor: torch.Tensor) -> torch.Tensor:
+    """Applies ``view_ops`` to ``tensor`` (of the drawn value's shape)."""
+    for func, args, kwargs in view_ops:
+        tensor = func(tensor, *args, **kwargs)
+    return tensor
+
+
+class Uses:
+    """
+    Which elements of one draw the layer calls and matrix products of a run
+    have used, shared by every stand-in of the draw (its views, the model's
+    value behind a ``Delta``), so that a second use of the same elements
+    (a tied weight) is seen, while disjoint slices of one draw (as
+    :class:`~pyro.infer.autoguide.AutoDiagonalNormal` hands each site) are
+    not mistaken for one.
+    """
+
+    __slots__ = ("shape", "whole", "mask")
+
+    def __init__(self, shape: torch.Size) -> None:
+        self.shape = shape
+        self.whole = False
+        self.mask: Optional[torch.Tensor] = None
+
+    def add(self, view_ops: Optional[Tuple[ViewOp, ...]]) -> bool:
+        """Records a use of the elements that ``view_ops`` selects (all of
+        them if None); returns whether any of them had been used before."""
+        index = None if view_ops is None else _indices(self.shape, view_ops)
+        if index is None:
+            seen = self.whole or (self.mask is not None and bool(self.mask.any()))
+            self.whole = True
+            return seen
+        if self.whole:
+            return True
+        if self.mask is None:
+            self.mask = torch.zeros(self.shape.numel(), dtype=torch.bool)
+        seen = bool(self.mask[index].any())
+        self.mask[index] = True
+        return seen
+
+
+def _indices(shape: torch.Size, view_ops: Tuple[ViewOp, ...]) -> Optional[torch.Tensor]:
+    # The flat indices of the drawn elements a view holds, or None for all of them.
+    if not view_ops:
+        return None
+    ops = tuple(op for op in view_ops if op[0] not in _CASTS)
+    index = replay(ops, torch.arange(shape.numel()).reshape(shape)).reshape(-1)
+    return None if index.numel() == shape.numel() else index
+
+
 class SiteValue(torch.Tensor):
     """
-    A sample site's value as seen by the model while a layer-call handler
-    using ``interception = "site_values"`` is active.
+    A sample site's value as seen by the model while a layer-call handler is
+    active.
 
-    It has the shape, dtype and device of the real value and behaves like
-    it in every torch operation: each operation runs on :attr:`real`. The
-    real value is either given (:meth:`wrap`) or *deferred* (:meth:`defer`):
+    It has the shape, dtype and device of the value and behaves like it in
+    every torch operation: each operation runs on :attr:`concrete`. The
+    value is either given (:meth:`wrap`) or *deferred* (:meth:`defer`):
     drawn the first time an operation other than a shape query needs it,
     which under local reparameterization and a closed-form KL may be never.
 
-    The handler sees, through :meth:`__torch_function__`, every ``F.linear``
-    / ``F.conv*d`` call with a stand-in among its arguments.
+    The handler sees, through :meth:`__torch_function__`, every operation
+    with a stand-in among its arguments.
 
-    :ivar dist: The distribution that drew the value, or None if unknown.
+    :ivar dist: The distribution that drew the value (of the drawn shape), or
+        None if unknown.
     :ivar list msgs: The sample-site messages holding this value, the one
         that drew it first.
-    :ivar str derived: For a reshaped or cast site value, the name of the
-        operation (the value is then not the site's own).
-    :ivar list uses: A one-element list counting the layer calls and other
-        matrix products that used the value so far; shared by every stand-in
-        for the same draw (reshaped or cast ones, the model's value behind a
-        ``Delta``), so that a second use of one weight sample is seen.
+    :ivar tuple view_ops: For a view of the drawn value (transposed,
+        reshaped, sliced or cast, each element a distinct drawn element), the
+        ops that made it from the drawn value, to apply to the distribution's
+        parameters too; empty for the drawn value itself.
+    :ivar str derived: The name of the first op, if any, after which the
+        value is no longer such a view (it repeats or detaches elements, e.g.
+        ``expand``); then the handlers use the value as it is.
+    :ivar Uses uses: The elements of the draw used so far by layer calls and
+        matrix products, shared by every stand-in of the draw.
     """
 
     dist: Optional[Distribution]
     msgs: List[dict]
+    view_ops: Tuple[ViewOp, ...]
     derived: Optional[str]
-    uses: List[int]
+    uses: Uses
     _real: Optional[torch.Tensor]
     _thunk: Optional[Callable[[], torch.Tensor]]
     _grad_enabled: bool
 
     @classmethod
-    def _new(cls, placeholder: torch.Tensor, dist, msgs, derived=None, uses=None) -> "SiteValue":
+    def _new(cls, placeholder, dist, msgs, view_ops=(), derived=None, uses=None) -> "SiteValue":
         self = torch.Tensor._make_subclass(cls, placeholder, False)
-        self.dist, self.msgs, self.derived = dist, msgs, derived
-        self.uses = [0] if uses is None else uses
+        self.dist, self.msgs, self.view_ops, self.derived = dist, msgs, view_ops, derived
+        self.uses = Uses(placeholder.shape) if uses is None else uses
         self._real, self._thunk = None, None
         return self
 
@@ -112,12 +179,14 @@ class SiteValue(torch.Tensor):
         value: torch.Tensor,
         dist: Optional[Distribution],
         msgs: List[dict],
+        view_ops: Tuple[ViewOp, ...] = (),
         derived: Optional[str] = None,
-        uses: Optional[List[int]] = None,
+        uses: Optional[Uses] = None,
     ) -> "SiteValue":
         """A stand-in for the existing tensor ``value`` (sharing its storage);
-        ``uses`` is the use counter of the stand-in it derives from, if any."""
-        self = cls._new(value.detach(), dist, msgs, derived, uses)
+        ``view_ops``, ``derived`` and ``uses`` as those of the stand-in it
+        derives from, if any."""
+        self = cls._new(value.detach(), dist, msgs, view_ops, derived, uses)
         self._real = value
         return self
 
@@ -129,23 +198,27 @@ class SiteValue(torch.Tensor):
         like: torch.Tensor,
         dist: Optional[Distribution] = None,
         msgs: Optional[List[dict]] = None,
+        dtype: Optional[torch.dtype] = None,
     ) -> "SiteValue":
-        """A stand-in of ``shape`` (with the dtype and device of ``like``)
-        whose real value ``thunk()`` is computed on first use, in the grad
-        mode of now."""
-        self = cls._new(_placeholder(shape, like.dtype, like.device), dist, msgs or [])
+        """A stand-in of ``shape`` (with the dtype and device of ``like``, or
+        ``dtype``) whose value ``thunk()`` is computed on first use, in
+        the grad mode of now."""
+        placeholder = _placeholder(shape, dtype or like.dtype, like.device)
+        self = cls._new(placeholder, dist, msgs or [])
         self._thunk = thunk
         self._grad_enabled = torch.is_grad_enabled()
         return self
 
     @property
     def is_deferred(self) -> bool:
-        """Whether the real value has not been computed yet."""
+        """Whether the value has not been computed yet."""
         return self._real is None
 
     @property
-    def real(self) -> torch.Tensor:
-        """The real value, computed now if it was deferred."""
+    @torch.compiler.disable
+    def concrete(self) -> torch.Tensor:
+        """The value as a plain tensor, computed now if it was deferred (not
+        ``real``: that is :attr:`torch.Tensor.real`, which torch itself reads)."""
         if self._real is None:
             with torch.set_grad_enabled(self._grad_enabled):
                 self._real = unwrap(self._thunk())
@@ -157,15 +230,121 @@ class SiteValue(torch.Tensor):
         """The name of the site whose value this is (the model's, when seen)."""
         return self.msgs[-1]["name"] if self.msgs else None
 
+    @property
+    def is_view(self) -> bool:
+        """Whether the distribution of this value is known: the drawn value or
+        a view of it (:attr:`view_ops`)."""
+        return self.derived is None
+
+    def derive(self, func: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """
+        ``func(self, *args, **kwargs)`` as a stand-in for the same draw: a
+        view (:attr:`view_ops`) if ``func`` keeps each element a distinct
+        drawn element, else marked :attr:`derived`. A view of a deferred
+        value stays deferred.
+        """
+        args, kwargs = unwrap(args), unwrap(kwargs or {})
+        view_op = (func, args, kwargs)
+        is_view = self.derived is None and _is_view_op(func, args)
+        if is_view and self.is_deferred:
+            meta = _meta_result(func, self, args, kwargs)
+            if meta is not None and (func not in _EXPANDS or meta.numel() == self.numel()):
+                source = self
+                out = SiteValue.defer(
+                    lambda: func(source.concrete, *args, **kwargs),
+                    meta.shape, like=self, dtype=meta.dtype,
+                )
+                out.dist, out.msgs, out.uses = self.dist, list(self.msgs), self.uses
+                out.view_ops = self.view_ops + (view_op,)
+                return out
+        out = func(self.concrete, *args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return out
+        if func in _EXPANDS and out.numel() != self.numel():
+            is_view = False  # repeated elements
+        if is_view:
+            return SiteValue.wrap(
+                out, self.dist, list(self.msgs), self.view_ops + (view_op,), None, self.uses
+            )
+        name = getattr(func, "__name__", None) or str(func)
+        return SiteValue.wrap(
+            out, self.dist, list(self.msgs), self.view_ops, self.derived or name, self.uses
+        )
+
     @classmethod
+    @torch.compiler.disable
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func == _T.grad.__get__ and args[0].is_deferred:
+            return None  # e.g. torch.compile's hasattr(t, "grad")
         handler = ACTIVE[-1] if ACTIVE else None
         if handler is not None:
             out = handler._site_value_op(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         return func(*unwrap(args), **unwrap(kwargs))
+
+
+def _meta_result(func, value: SiteValue, args, kwargs) -> Optional[torch.Tensor]:
+    # The shape and dtype of func's result, without drawing the value.
+    try:
+        out = func(torch.empty(value.shape, dtype=value.dtype, device="meta"), *args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return None  # e.g. a move to another device: computed from the real value
+    return out if isinstance(out, torch.Tensor) else None
+
+
+# Ops after which each element of the result is one distinct element of the argument
+# (possibly cast): a Normal's parameters go through them as the value does.
+_VIEWS = {
+    _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
+    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.clone,
+    _T.narrow, _T.movedim, _T.swapaxes, _T.T.__get__, _T.mT.__get__, torch.reshape,
+    torch.transpose, torch.t, torch.permute, torch.flatten, torch.squeeze, torch.unsqueeze,
+    torch.clone, torch.narrow, torch.movedim, torch.swapaxes,
+}
+_CASTS = {_T.to, _T.float, _T.double, _T.half, _T.bfloat16, _T.type}
+# Views only when they repeat no element (e.g. Delta.rsample's expand to the same shape,
+# basic indexing), or never (detach: a pathwise gradient would appear).
+_EXPANDS = {_T.expand, _T.expand_as}
+_OTHERS = {_T.__getitem__, _T.detach}
+#: Every op after which a site value is still "the weight", as a view or not.
+DERIVING_OPS = _VIEWS | _CASTS | _EXPANDS | _OTHERS
+
+
+def _is_basic_index(index) -> bool:
+    if isinstance(index, tuple):
+        return all(_is_basic_index(i) for i in index)
+    return index is None or index is Ellipsis or isinstance(index, slice) or (
+        isinstance(index, int) and not isinstance(index, bool)
+    )
+
+
+def _is_view_op(func, args) -> bool:
+    if func in _VIEWS:
+        # Tensor.view(dtype) reinterprets the bits
+        return not (func is _T.view and args and isinstance(args[0], torch.dtype))
+    if func is _T.__getitem__:
+        return bool(args) and _is_basic_index(args[0])
+    return func in _CASTS or func in _EXPANDS  # expand: if it repeats nothing (checked after)
+
+
+_TRANSPOSES = {_T.t, torch.t, _T.T.__get__, _T.mT.__get__}
+
+
+def is_transpose(view_ops: Tuple[ViewOp, ...], shape: torch.Size) -> bool:
+    """Whether ``view_ops`` transpose a matrix of ``shape`` (and do nothing else)."""
+    if len(view_ops) != 1 or len(shape) != 2:
+        return False
+    func, args, kwargs = view_ops[0]
+    if func in _TRANSPOSES:
+        return True
+    if func in (_T.transpose, torch.transpose, _T.swapaxes, torch.swapaxes) and not kwargs:
+        return len(args) == 2 and {a % 2 for a in args} == {0, 1}
+    if func in (_T.permute, torch.permute) and not kwargs:
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+        return [d % 2 for d in dims] == [1, 0]
+    return False

@@ -12,6 +12,7 @@ from pyro_vinit.poutine._weight_noise_messenger import (
     _WeightNoiseMessenger,
     rademacher,
     spatial_dims,
+    view_of,
 )
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, base_distribution
 
@@ -51,15 +52,20 @@ class FlipoutMessenger(_WeightNoiseMessenger):
     exactly its ordinary distribution, and the examples are uncorrelated.
     It costs two layer evaluations instead of one.
 
-    Interface, requirements and fallbacks are those of
-    :class:`~pyro_vinit.poutine.LocalReparamMessenger`: the handler must
-    see both the guide and the model; where Flipout does not apply (another
-    distribution, a reshaped weight, a custom op, a weight shared by several
-    layer calls after its first use) the ordinary sample is
-    used with a warning once per site, or an error with ``strict=True``.
-    The bias is used as sampled.
+    Layers, interface, requirements, fallbacks and the report on exit are
+    those of :class:`~pyro_vinit.poutine.LocalReparamMessenger`: the handler
+    must see both the guide and the model; layers are ``F.linear``,
+    ``F.conv1d/2d/3d`` and matrix products with one weight operand, whose
+    weight may be a view of the sample (transposed, reshaped, sliced); where
+    Flipout does not apply (a distribution not known to be sign-symmetric,
+    a weight transformed in a way that repeats elements, another op, a
+    weight shared by several layer calls after its first use) the ordinary
+    sample is used, and on exit one warning, or with ``strict=True`` one
+    error, names those sites and the weight-like ones that never reached a
+    layer call. The bias is used as sampled.
 
-    :param bool strict: Raise instead of warning where Flipout does not apply.
+    :param bool strict: Raise one error instead of one warning, on exit,
+        naming the latent sites Flipout did not apply to.
 
     [1] Wen, Vicol, Ba, Tran, Grosse (2018) "Flipout: Efficient
     Pseudo-Independent Weight Perturbations on Mini-Batches"
@@ -80,8 +86,8 @@ class FlipoutMessenger(_WeightNoiseMessenger):
                 "known to be symmetric under sign flips",
             )
             return None
-        weight = call.weight.real
-        mean = base.mean.expand(weight.shape)
+        weight = call.weight.concrete
+        mean = view_of(call.weight, base.mean)
         x, bias = unwrap(call.input), unwrap(call.bias)
         op = getattr(F, call.op)
         out = op(x, mean, bias, **call.kwargs)

@@ -1,85 +1,74 @@
 """
-Seeing the ``F.linear`` / ``F.conv*d`` calls of a model together with the
-sample sites their weights came from.
+Seeing the layer calls of a model together with the sample sites their
+weights came from.
 
-:class:`LayerCallMessenger` is the base of the library's layer-aware effect
-handlers (local reparameterization, Flipout, the I-BLM tracer). While it is
-active it records, for every sample site, the messages that hold its value,
-so that a weight tensor can be traced back to the distribution that drew it
-(the guide's) and to the model's prior, and it hands each layer call to
-:meth:`LayerCallMessenger._process_layer_call` as a :class:`LayerCall`.
+:class:`LayerCallMessenger` is the base of the weight-noise handlers (local
+reparameterization, Flipout). While it is active, every floating-point
+sample-site value is handed to the program as a
+:class:`~pyro_vinit.poutine._site_value.SiteValue`, a tensor subclass whose
+``__torch_function__`` reports the operations it takes part in: only
+operations on site values pay for the interception, ``torch.nn.functional``
+is never modified, and nothing outside the context can observe the handler.
+The handler sees
 
-How calls are intercepted is chosen per class by
-:attr:`LayerCallMessenger.interception`; neither way touches a module
-attribute, so ``torch.nn.functional`` is exactly as it was, also after an
-exception, and nothing outside the context can observe the handler:
+* every ``F.linear`` / ``F.conv1d/2d/3d`` call whose weight or bias is a site
+  value, and every matrix product that is a linear layer (``x @ w``,
+  ``torch.matmul``, ``torch.mm``, ``torch.addmm``, a two-operand
+  ``torch.einsum`` with one contracted index: see
+  :func:`~pyro_vinit.poutine._layer_ops.parse_matmul`), handed to
+  :meth:`~LayerCallMessenger._process_layer_call` as a
+  :class:`~pyro_vinit.poutine._layer_ops.LayerCall`;
+* views of site values (transposed, reshaped, sliced or cast), whose
+  distribution is that of the draw seen through the same ops
+  (:attr:`SiteValue.view_ops`);
+* the other uses of site values by layer-like ops it does not treat
+  (:meth:`~LayerCallMessenger._on_custom_op`).
 
-``"mode"`` (the default)
-    A :class:`torch.overrides.TorchFunctionMode`, scoped to the context by
-    construction (popped on exit, also after an exception). It sees every
-    layer call, including those whose weight is a plain parameter and
-    ``torch.conv2d`` called directly. Its cost is a Python call for *every*
-    torch function run inside the context: guide, model, ELBO and optimizer
-    alike. On the SVI step of a 64→400→400→10 network with AutoKTiedNormal it
-    adds 20–25% (1.3 ms to 6.8 ms, 2 ms to 8.3 ms with Pyro's validation on;
-    ``benchmarks/bench_lrt.py``), more than local reparameterization saves.
-    Right for one-off passes such as an initializer.
+It also lets a handler *defer* a draw until something needs the value
+(:meth:`~LayerCallMessenger._draw`). Site values stay ordinary tensors in
+every other respect, also after the context exits, and under
+:func:`torch.compile` the handler runs eagerly.
 
-``"site_values"``
-    Each floating-point sample-site value is handed to the program as a
-    :class:`~pyro_vinit.poutine._site_value.SiteValue`, a tensor subclass
-    whose ``__torch_function__`` reports the layer calls it takes part in.
-    Only operations on site values pay for the interception, which makes it
-    the choice of the per-step handlers (local reparameterization, Flipout).
-    It sees exactly the calls whose weight or bias is a site value, also a
-    reshaped or cast one (:attr:`SiteValue.derived`), and the other uses of
-    site values by matrix products (:meth:`_on_custom_op`). It also lets a
-    handler *defer* a draw until something needs the value
-    (:meth:`_draw`). Site values stay ordinary tensors in every other
-    respect, also after the context exits.
-
-Only one layer-call handler may be active at a time.
+The initializers' tracer, which must also see layers whose weights are plain
+tensors, is the :class:`~torch.overrides.TorchFunctionMode`-based
+:class:`~pyro_vinit.poutine.layer_recorder.LayerRecorderMessenger`: a mode
+pays a Python call on every torch function of the step, too much for a
+per-step handler. Only one layer-call handler may be active at a time.
 """
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, Independent
-from torch.overrides import TorchFunctionMode
 
-from pyro_vinit.poutine._site_value import ACTIVE, SiteValue, contains_site_value, unwrap
+from pyro_vinit.poutine._layer_ops import (
+    LAYER_OPS,
+    MATMUL_OPS,
+    LayerCall,
+    parse_layer_call,
+    parse_matmul,
+)
+from pyro_vinit.poutine._site_value import (
+    ACTIVE,
+    DERIVING_OPS,
+    SiteValue,
+    Uses,
+    contains_site_value,
+    unwrap,
+)
 
 __all__ = ["LayerCall", "LayerCallMessenger"]
 
-# op -> (name, positional parameter names after (input, weight, bias))
-_LAYER_OPS: Dict[Callable, Tuple[str, Tuple[str, ...]]] = {
-    F.linear: ("linear", ()),
-    F.conv1d: ("conv1d", ("stride", "padding", "dilation", "groups")),
-    F.conv2d: ("conv2d", ("stride", "padding", "dilation", "groups")),
-    F.conv3d: ("conv3d", ("stride", "padding", "dilation", "groups")),
-}
-_CONV_DEFAULTS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
-
 _T = torch.Tensor
-# Operations after which a site value is still "the weight", reshaped or cast.
-_DERIVING_OPS = {
-    _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
-    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.to, _T.float,
-    _T.double, _T.half, _T.bfloat16, _T.type, _T.clone, _T.detach, _T.expand, _T.expand_as,
-    _T.__getitem__, _T.narrow, _T.T.__get__, _T.mT.__get__, torch.reshape, torch.transpose,
-    torch.t, torch.permute, torch.flatten, torch.squeeze, torch.unsqueeze, torch.clone,
-    torch.narrow,
-}
-# Operations that use a site value as a layer's weight in a way the handlers cannot see.
-_CUSTOM_LAYER_OPS = {
-    torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm,
-    _T.bmm, torch.einsum, torch.tensordot, torch.addmm, _T.addmm, torch.mv, _T.mv,
-    torch.addmv, torch.baddbmm, torch.inner, F.bilinear, F.embedding, F.conv_transpose1d,
-    F.conv_transpose2d, F.conv_transpose3d,
+# Operations that use a site value as a layer's weight in a way the handlers cannot see
+# (the matrix products too, in the forms parse_matmul does not read as a layer).
+_CUSTOM_LAYER_OPS = MATMUL_OPS | {
+    torch.bmm, _T.bmm, torch.mv, _T.mv, torch.tensordot, torch.addmv, torch.baddbmm,
+    torch.inner, F.bilinear, F.embedding, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d,
 }
 
 
@@ -91,108 +80,72 @@ def base_distribution(fn: Any) -> Any:
     return fn
 
 
-@dataclass
-class LayerCall:
-    """
-    One ``F.linear`` or ``F.conv*d`` call seen by a :class:`LayerCallMessenger`.
-
-    :ivar str op: ``"linear"``, ``"conv1d"``, ``"conv2d"`` or ``"conv3d"``.
-    :ivar torch.Tensor input: The layer's input.
-    :ivar torch.Tensor weight: The weight tensor as passed to the op.
-    :ivar bias: The bias tensor, or None.
-    :ivar dict kwargs: The op's remaining arguments (``stride``, ``padding``,
-        ``dilation``, ``groups`` for convolutions, with defaults filled in).
-    :ivar list weight_msgs: The sample-site messages whose value *is* ``weight``,
-        in the order they were seen: the message whose distribution drew the
-        value first (under SVI the guide's; for Pyro's AutoNormal the
-        auxiliary ``<name>_unconstrained`` Normal, followed through the
-        ``Delta`` at the site; under :class:`~pyro.infer.Predictive`, which
-        conditions the model on guide samples, the guide's last draw of the
-        site), then the model's. Empty if the weight is not a sample site's
-        value (a plain parameter, or a reshaped or cast sample).
-    :ivar list bias_msgs: The same for ``bias``.
-    """
-
-    op: str
-    input: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-    kwargs: Dict[str, Any] = field(default_factory=dict)
-    weight_msgs: List[dict] = field(default_factory=list)
-    bias_msgs: List[dict] = field(default_factory=list)
-
-    def __call__(
-        self,
-        input: Optional[torch.Tensor] = None,
-        weight: Optional[torch.Tensor] = None,
-        bias: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Runs the op with the call's arguments, optionally replacing
-        ``input``, ``weight`` and ``bias`` (pass ``bias=False`` for none)."""
-        input = self.input if input is None else input
-        weight = self.weight if weight is None else weight
-        bias = self.bias if bias is None else (None if bias is False else bias)
-        fn = getattr(F, self.op)
-        return fn(*unwrap((input, weight, bias)), **self.kwargs)
-
-    @property
-    def weight_name(self) -> Optional[str]:
-        """The model's sample-site name of the weight, or None."""
-        return self.weight_msgs[-1]["name"] if self.weight_msgs else None
-
-    @property
-    def bias_name(self) -> Optional[str]:
-        """The model's sample-site name of the bias, or None."""
-        return self.bias_msgs[-1]["name"] if self.bias_msgs else None
+def _is_latent(value: Any) -> bool:
+    return isinstance(value, SiteValue) and bool(value.msgs)
 
 
-class _LayerCallMode(TorchFunctionMode):
-    def __init__(self, messenger: "LayerCallMessenger"):
-        super().__init__()
-        self.messenger = messenger
+def _msgs_of(value: Any) -> List[dict]:
+    return value.msgs if _is_latent(value) and value.is_view else []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        spec = _LAYER_OPS.get(func)
-        if spec is None:
-            return func(*args, **kwargs)
-        return self.messenger._handle_layer_call(spec, args, kwargs)
+
+def _site_values(items) -> List[SiteValue]:
+    found = []
+    for item in items:
+        if isinstance(item, SiteValue):
+            found.append(item)
+        elif isinstance(item, (tuple, list)) and contains_site_value(item):
+            found.extend(_site_values(item))
+    return found
+
+
+def _layer_call(func, args, kwargs) -> LayerCall:
+    op, input, weight, bias, extra = parse_layer_call(func, args, kwargs)
+    return LayerCall(
+        op, input, weight, bias, extra, source=op,
+        weight_msgs=_msgs_of(weight), bias_msgs=_msgs_of(bias),
+    )
+
+
+def _matmul_call(func, args, kwargs) -> Optional[LayerCall]:
+    # A matrix product as an F.linear call whose weight is a view of the site value.
+    found = parse_matmul(func, args, kwargs, _is_latent)
+    if found is None:
+        return None
+    x, w, transposed, bias = found
+    name = getattr(func, "__name__", str(func)).strip("_").replace("rmatmul", "matmul")
+    return LayerCall(
+        "linear", unwrap(x), w.derive(_T.mT.__get__) if transposed else w, bias,
+        transposed=transposed, source=name, weight_msgs=_msgs_of(w), bias_msgs=_msgs_of(bias),
+    )
 
 
 class LayerCallMessenger(Messenger):
     """
-    Base effect handler that pairs the model's ``F.linear`` / ``F.conv*d``
-    calls with the sample sites their weights came from.
+    Base effect handler that pairs the model's layer calls with the sample
+    sites their weights came from (see the module docstring).
 
-    Subclasses override :meth:`_process_layer_call`, and may choose the
-    interception mechanism (:attr:`interception`) and, with
-    ``"site_values"``, override :meth:`_draw` and :meth:`_on_custom_op`. See
-    the module docstring. Only one such handler may be active at a time.
+    Subclasses override :meth:`_process_layer_call`, and may override
+    :meth:`_draw`, :meth:`_post_site_value` and :meth:`_on_custom_op`.
+    Only one such handler may be active at a time.
     """
-
-    #: ``"mode"`` or ``"site_values"``: see the module docstring.
-    interception = "mode"
 
     def __init__(self) -> None:
         super().__init__()
-        if self.interception not in ("mode", "site_values"):
-            raise ValueError(
-                f"{type(self).__name__}.interception must be 'mode' or 'site_values', "
-                f"not {self.interception!r}"
-            )
-        self._mode: Optional[_LayerCallMode] = None
-        self._reset()
+        self._start_run()
 
-    def _reset(self) -> None:
-        # "mode": id(value) -> (value, msgs holding it); name -> its latest value.
-        self._by_value: Dict[int, Tuple[torch.Tensor, List[dict]]] = {}
-        self._value_of: Dict[str, torch.Tensor] = {}
-        # "site_values": name -> the latest message that drew the site's value in this
-        # context; id(msg) -> the value this handler drew for it, until post-processing.
+    def _start_run(self) -> None:
+        # name -> the latest message that drew the site's value in this context;
+        # id(msg) -> the value this handler drew for it, until post-processing.
         self._draws: Dict[str, dict] = {}
         self._pending: Dict[int, SiteValue] = {}
+        # name -> the latest message holding a site value drawn by a distribution (not an
+        # auxiliary site of a guide): the latent sites of the run, for reports.
+        self._latent: Dict[str, dict] = {}
         self._busy = False
 
+    # torch.compile runs the handler's own code eagerly: Dynamo would trace into the
+    # deferred draws and run them out of order (issue 13).
+    @torch.compiler.disable
     def __enter__(self):
         if ACTIVE:
             raise RuntimeError(
@@ -202,30 +155,23 @@ class LayerCallMessenger(Messenger):
                 "FlipoutMessenger covers the sites LocalReparamMessenger cannot."
             )
         result = super().__enter__()
-        self._reset()
-        if self.interception == "mode":
-            self._mode = _LayerCallMode(self)
-            self._mode.__enter__()
+        self._start_run()
         ACTIVE.append(self)
         return result
 
+    @torch.compiler.disable
     def __exit__(self, exc_type, exc_value, traceback):
-        try:
-            if self._mode is not None:
-                self._mode.__exit__(exc_type, exc_value, traceback)
-        finally:
-            self._mode = None
-            self._reset()
-            if ACTIVE and ACTIVE[-1] is self:
-                ACTIVE.pop()
-            super().__exit__(exc_type, exc_value, traceback)
+        self._start_run()
+        if ACTIVE and ACTIVE[-1] is self:
+            ACTIVE.pop()
+        super().__exit__(exc_type, exc_value, traceback)
 
     # ----------------------------------------------------------------- messages
 
+    @torch.compiler.disable
     def _pyro_sample(self, msg: dict) -> None:
         if (
-            self.interception != "site_values"
-            or msg["value"] is not None
+            msg["value"] is not None
             or msg["is_observed"]
             or msg["done"]
             or msg["args"]
@@ -241,11 +187,10 @@ class LayerCallMessenger(Messenger):
 
     def _draw(self, msg: dict) -> Optional[SiteValue]:
         """
-        With ``interception = "site_values"``: draws the value of a sample
-        site that nothing has set, as the default would (``msg["fn"]()``),
-        and returns it as a :class:`SiteValue` whose ``dist`` is
-        ``msg["fn"]``, or None to leave the site to the default. Subclasses
-        may return a deferred value (:meth:`SiteValue.defer`).
+        Draws the value of a sample site that nothing has set, as the default
+        would (``msg["fn"]()``), and returns it as a :class:`SiteValue` whose
+        ``dist`` is ``msg["fn"]``, or None to leave the site to the default.
+        Subclasses may return a deferred value (:meth:`SiteValue.defer`).
         """
         value = msg["fn"]()
         if isinstance(value, SiteValue):  # e.g. a Delta at another site's value
@@ -254,29 +199,34 @@ class LayerCallMessenger(Messenger):
             return None
         return SiteValue.wrap(value, msg["fn"], [])
 
+    @torch.compiler.disable
     def _pyro_post_sample(self, msg: dict) -> None:
         value = msg["value"]
         if not isinstance(value, torch.Tensor):
-            return
-        if self.interception == "mode":
-            self._record(msg, value)
             return
         drawn = self._pending.pop(id(msg), None)
         if isinstance(value, SiteValue):
             if value is drawn:
                 self._draws[msg["name"]] = msg
-            if value.derived is not None:
+            if value.view_ops or value.derived is not None:
                 followed = self._follow_delta(msg, value)
-                if followed is None:
-                    return
-                msg["value"] = value = followed
+                if followed is not None:
+                    msg["value"] = value = followed
             value.msgs.append(msg)
+            if value.dist is not None and not msg["infer"].get("is_auxiliary"):
+                self._latent[msg["name"]] = msg
             self._post_site_value(msg, value)
         elif value.is_floating_point():
             if msg["is_observed"]:
                 draw = self._draws.get(msg["name"])
                 if draw is not None and draw["value"].shape == value.shape:
-                    msg["value"] = SiteValue.wrap(value, draw["value"].dist, [draw, msg])
+                    # Conditioned on a draw of the guide (Predictive): a new value with
+                    # the distribution of the draw, seen as the draw was (view_ops).
+                    d = draw["value"]
+                    msg["value"] = SiteValue.wrap(
+                        value, d.dist, [draw, msg], d.view_ops, d.derived, Uses(d.uses.shape)
+                    )
+                    self._latent[msg["name"]] = msg
             elif drawn is not None:
                 # A handler outside this one replaced the value it drew (e.g. poutine.replay
                 # of a guide trace drawn outside it): where it came from is unknown.
@@ -290,86 +240,47 @@ class LayerCallMessenger(Messenger):
         # to the support (itself for real support): the site value is then v's value.
         fn = base_distribution(msg["fn"])
         source = getattr(fn, "v", None) if isinstance(fn, dist.Delta) else None
-        if not (
-            isinstance(source, SiteValue)
-            and source.derived is None
-            and source.shape == value.shape
-        ):
+        if not (isinstance(source, SiteValue) and source.is_view and source.shape == value.shape):
             return None
-        return SiteValue.wrap(value.real, source.dist, list(source.msgs), uses=source.uses)
-
-    def _record(self, msg: dict, value: torch.Tensor) -> None:
-        entry = self._by_value.get(id(value))
-        if entry is None or entry[0] is not value:
-            old = self._value_of.get(msg["name"])
-            if old is not None and self._by_value.get(id(old), (None,))[0] is old:
-                del self._by_value[id(old)]
-            fn = base_distribution(msg["fn"])
-            source = getattr(fn, "v", None) if isinstance(fn, dist.Delta) else None
-            start = list(self._msgs_for(source)) if source is not None else []
-            if start and source.shape != value.shape:
-                start = []
-            entry = self._by_value[id(value)] = (value, start)
-        entry[1].append(msg)
-        self._value_of[msg["name"]] = value
-
-    def _msgs_for(self, tensor: Optional[torch.Tensor]) -> List[dict]:
-        if tensor is None:
-            return []
-        if isinstance(tensor, SiteValue):
-            return [] if tensor.derived is not None else tensor.msgs
-        entry = self._by_value.get(id(tensor))
-        return entry[1] if entry is not None and entry[0] is tensor else []
-
-    # -------------------------------------------------------------- layer calls
-
-    def _make_call(self, spec: Tuple[str, Tuple[str, ...]], args, kwargs) -> LayerCall:
-        op, names = spec
-        args, kwargs = list(args), dict(kwargs)
-        input = args[0] if args else kwargs.pop("input")
-        weight = args[1] if len(args) > 1 else kwargs.pop("weight")
-        bias = args[2] if len(args) > 2 else kwargs.pop("bias", None)
-        extra = dict(zip(names, args[3:]))
-        extra.update(kwargs)
-        if op != "linear":
-            for key, default in _CONV_DEFAULTS.items():
-                extra.setdefault(key, default)
-        return LayerCall(
-            op, input, weight, bias, extra, self._msgs_for(weight), self._msgs_for(bias)
+        return SiteValue.wrap(
+            value.concrete, source.dist, list(source.msgs), source.view_ops, None, source.uses
         )
 
-    def _handle_layer_call(self, spec, args, kwargs) -> torch.Tensor:
-        call = self._make_call(spec, args, kwargs)
-        self._busy = True
-        try:
-            out = self._process_layer_call(call)
-            return call() if out is None else out
-        finally:
-            self._busy = False
+    # -------------------------------------------------------------- layer calls
 
     def _site_value_op(self, func, args, kwargs) -> Any:
         # Called by SiteValue.__torch_function__ for every operation on a site value
         # while this handler is active; NotImplemented means "run it as usual".
         if self._busy:
             return NotImplemented
-        spec = _LAYER_OPS.get(func)
-        if spec is not None:
-            return self._handle_layer_call(spec, args, kwargs)
-        if func in _DERIVING_OPS:
+        if func in LAYER_OPS:
+            return self._handle_layer_call(_layer_call(func, args, kwargs))
+        if func in DERIVING_OPS:
             source = args[0] if args else None
-            out = func(*unwrap(args), **unwrap(kwargs))
-            if isinstance(source, SiteValue) and source.msgs and isinstance(out, torch.Tensor):
-                name = getattr(func, "__name__", str(func))
-                return SiteValue.wrap(
-                    out, source.dist, list(source.msgs), source.derived or name, source.uses
-                )
-            return out
+            return source.derive(func, args[1:], kwargs) if _is_latent(source) else NotImplemented
         if func in _CUSTOM_LAYER_OPS:
-            name = getattr(func, "__name__", str(func))
+            call = _matmul_call(func, args, kwargs)
+            if call is not None:
+                return self._handle_layer_call(
+                    call, lambda: func(*unwrap(args), **unwrap(kwargs))
+                )
+            name = getattr(func, "__name__", str(func)).strip("_")
             for value in _site_values(args) + _site_values(list(kwargs.values())):
                 if value.msgs:
                     self._on_custom_op(value, name)
         return NotImplemented
+
+    def _handle_layer_call(
+        self, call: LayerCall, original: Optional[Callable[[], torch.Tensor]] = None
+    ) -> torch.Tensor:
+        self._busy = True
+        try:
+            out = self._process_layer_call(call)
+            if out is None:  # unchanged: the program's own op, bit for bit
+                return original() if original is not None else call()
+            return out
+        finally:
+            self._busy = False
 
     def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
         """Hook called when the site value ``value`` (possibly reshaped) is used
@@ -380,16 +291,7 @@ class LayerCallMessenger(Messenger):
         Handles one layer call. Returns the layer's output, or None to run the
         op unchanged. The base implementation returns None.
 
-        :param LayerCall call: The intercepted call.
+        :param LayerCall call: The intercepted call; its ``weight`` is a
+            :class:`SiteValue` if it is a sample site's value or a view of one.
         """
         return None
-
-
-def _site_values(items) -> List[SiteValue]:
-    found = []
-    for item in items:
-        if isinstance(item, SiteValue):
-            found.append(item)
-        elif isinstance(item, (tuple, list)) and contains_site_value(item):
-            found.extend(_site_values(item))
-    return found

@@ -5,13 +5,16 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from pyro.distributions.score_parts import ScoreParts
-from pyro.distributions.util import scale_and_mask
 from torch.distributions import Normal
 
+from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
 from pyro_vinit.distributions import KTiedNormal
-from pyro_vinit.poutine._site_value import SiteValue, unwrap
-from pyro_vinit.poutine._weight_noise_messenger import _WeightNoiseMessenger, spatial_dims
+from pyro_vinit.poutine._site_value import SiteValue, is_transpose, unwrap
+from pyro_vinit.poutine._weight_noise_messenger import (
+    _WeightNoiseMessenger,
+    spatial_dims,
+    view_of,
+)
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, base_distribution
 
 __all__ = ["LocalReparamMessenger"]
@@ -37,7 +40,10 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             svi.step(x, y)
 
     For a layer :math:`b = f(x, W) + c` (``F.linear`` or ``F.conv1d/2d/3d``,
-    so ``nn.Linear`` and ``nn.Conv*d`` too) with
+    so ``nn.Linear`` and ``nn.Conv*d`` too, or a matrix product with one
+    weight operand: ``x @ w``, ``torch.matmul``, ``torch.mm``,
+    ``torch.addmm(c, x, w)``, a two-operand ``torch.einsum`` with one
+    contracted index) with
     :math:`W_{ij} \sim \mathcal N(\mu_{ij}, \sigma_{ij}^2)` and a bias
     :math:`c_i \sim \mathcal N(\nu_i, \tau_i^2)` (or a plain tensor, or
     None), each output element is drawn as
@@ -51,7 +57,10 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
     example, with the examples independent: the ELBO's expectation and so
     its gradient are unchanged, and the gradient variance scales as
     :math:`1/M` in the minibatch size. Stride, padding, dilation and groups
-    are honoured.
+    are honoured. The weight may be the sample as drawn or a view of it
+    (transposed, reshaped, sliced or cast, e.g. ``x @ w.t()`` or the slices
+    of :class:`~pyro.infer.autoguide.AutoDiagonalNormal`'s flat latent):
+    :math:`\mu` and :math:`\sigma` are then viewed the same way.
 
     For :class:`~pyro_vinit.distributions.KTiedNormal` weights
     (:class:`~pyro_vinit.guides.AutoKTiedNormal`), :math:`\sigma = UV^\top`
@@ -80,21 +89,35 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
     :class:`~pyro.infer.Trace_ELBO` they are computed from one sample when
     first used.
 
-    *Where it does not apply* the weight's ordinary sample is used and a
-    warning names the site, once per site, or with ``strict=True`` an error
-    is raised: a distribution other than a factorized Normal (e.g.
+    *Where it does not apply* the weight's ordinary sample is used: a
+    distribution other than a factorized Normal (e.g.
     :class:`~pyro_vinit.guides.AutoRadialNormal`'s; use
     :class:`~pyro_vinit.poutine.FlipoutMessenger` for those), a weight
-    reshaped or cast before the layer call, a weight used by an op other
-    than the four above (e.g. ``torch.matmul``), a value set by a handler
-    outside this one, and every use after the first of a weight or sampled
-    bias that several layer calls share (tied weights: independent noise at
-    each use would lose the correlation between the uses). A bias with
-    another distribution is used as sampled.
+    transformed before the layer call in a way that repeats or detaches
+    elements (e.g. ``expand``), a weight used by another op (e.g.
+    ``F.bilinear``, ``F.embedding``, ``F.conv_transpose2d``, ``torch.bmm``),
+    a value set by a handler outside this one, and every use after the
+    first of weight elements or a sampled bias that several layer calls share
+    (tied weights: independent noise at each use would lose the correlation
+    between the uses). A bias with another distribution is used as sampled.
     Weights that are plain parameters or conditioned values are used as
-    they are.
+    they are. When the handler exits, one warning names the latent sites of
+    the run that kept their ordinary sample, with the reasons, together with
+    the weight-like sites (real-valued, two dims or more) that never reached
+    a layer call it sees (e.g. :class:`~torch.nn.MultiheadAttention`'s
+    projections, used inside ``F.multi_head_attention_forward``); each site
+    is named once per handler instance. With ``strict=True`` this is one
+    error instead, raised on exit (after the run: an SVI step has then been
+    taken), which makes ``strict`` a check of a model, e.g. on its first step.
 
-    :param bool strict: Raise instead of warning where the trick does not apply.
+    Vectorized particles (``vectorize_particles=True``) are refused before
+    the model runs: they give every weight a particle dim, which
+    ``nn.Linear`` and ``nn.Conv*d`` do not take. Under
+    :func:`torch.compile` the handler runs eagerly (a graph break at each of
+    its operations), and the compiled step equals the eager one.
+
+    :param bool strict: Raise one error instead of one warning, on exit,
+        naming the latent sites the trick did not apply to.
     :param low_rank: Whether to use the low rank of a k-tied variance
         (None: when it is cheaper).
     :type low_rank: bool or None
@@ -138,17 +161,15 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             scaled = SiteValue.defer(
                 lambda: scale_and_mask(unscaled, scale, mask), scaled_shape, like=value
             )
-        msg["unscaled_log_prob"] = unscaled
-        msg["log_prob"] = scaled
-        msg["log_prob_sum"] = SiteValue.defer(lambda: scaled.sum(), torch.Size(), like=value)
-        msg["score_parts"] = ScoreParts(log_prob=scaled, score_function=0, entropy_term=scaled)
+        total = SiteValue.defer(lambda: scaled.sum(), torch.Size(), like=value)
+        prefill_log_prob(msg, unscaled, scaled, total)
 
     def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
         fn = self._weight_distribution(call)
         if fn is None:
             return None
-        weight = _factorized_normal(fn, call.weight.shape)
-        if weight is None:
+        normal = _factorized_normal(fn, call.weight.uses.shape)
+        if normal is None:
             name = type(base_distribution(fn)).__name__
             self._fallback(
                 call.weight,
@@ -156,18 +177,19 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
                 "gives per-example noise for sign-symmetric ones such as RadialNormal)",
             )
             return None
-        bias = call.bias
-        if isinstance(bias, SiteValue) and bias.msgs and bias.derived is None:
-            bias = _factorized_normal(bias.dist, bias.shape) or bias
-        if isinstance(bias, Normal):
-            bias_loc, bias_var = bias.loc, bias.scale.pow(2)
-        else:
-            bias_loc, bias_var = unwrap(bias), None
+        weight_loc = view_of(call.weight, normal.loc)
+        bias, bias_var = call.bias, None
+        if isinstance(bias, SiteValue) and bias.msgs and bias.is_view:
+            bias_normal = _factorized_normal(bias.dist, bias.uses.shape)
+            if bias_normal is not None:
+                bias_var = view_of(bias, bias_normal.scale).pow(2)
+                bias = view_of(bias, bias_normal.loc)
+        bias = unwrap(bias)
         x = unwrap(call.input)
 
         op = getattr(F, call.op)
-        mean = op(x, weight.loc, bias_loc, **call.kwargs)
-        var = self._variance(call, x * x, weight)
+        mean = op(x, weight_loc, bias, **call.kwargs)
+        var = self._variance(call, x * x, normal)
         if bias_var is not None:
             # A positive bias variance keeps sqrt away from 0, where its gradient is infinite.
             std = (var + bias_var.reshape(bias_var.shape + (1,) * spatial_dims(call))).sqrt()
@@ -176,12 +198,12 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
         return torch.addcmul(mean, std, torch.randn_like(mean))
 
-    def _variance(self, call: LayerCall, x2: torch.Tensor, weight: Normal) -> torch.Tensor:
+    def _variance(self, call: LayerCall, x2: torch.Tensor, normal: Normal) -> torch.Tensor:
         """:math:`f(x^2, \\sigma^2)`, through the low-rank factors where chosen."""
-        factors = self._low_rank_factors(call, weight)
+        factors = self._low_rank_factors(call, normal)
         op = getattr(F, call.op)
         if factors is None:
-            return op(x2, weight.scale.pow(2), None, **call.kwargs)
+            return op(x2, view_of(call.weight, normal.scale).pow(2), None, **call.kwargs)
         u2, v2 = factors  # (m, r), (n, r)
         if call.op == "linear":
             return F.linear(F.linear(x2, v2.t()), u2)
@@ -191,17 +213,20 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
         return torch.movedim(torch.movedim(thin, channel, -1) @ u2.t(), -1, channel)
 
     def _low_rank_factors(
-        self, call: LayerCall, weight: Normal
+        self, call: LayerCall, normal: Normal
     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        weight = call.weight
+        transposed = is_transpose(weight.view_ops, weight.uses.shape)
         if (
             self.low_rank is False
-            or not isinstance(weight, KTiedNormal)
-            or weight.scale_u.dim() != 2
-            or weight.tied_dims != call.weight.dim()
+            or not isinstance(normal, KTiedNormal)
+            or normal.scale_u.dim() != 2
+            or normal.tied_dims != weight.dim()
             or call.kwargs.get("groups", 1) != 1
+            or (weight.view_ops and not transposed)
         ):
             return None
-        u, v = weight.scale_u, weight.scale_v
+        u, v = (normal.scale_v, normal.scale_u) if transposed else (normal.scale_u, normal.scale_v)
         (m, k), n = u.shape, v.shape[0]
         r = k * (k + 1) // 2
         if self.low_rank is None and r * (m + n) >= m * n:

@@ -139,3 +139,58 @@ def test_to_event_and_expand_keep_the_k_tied_independent():
         kl_divergence(expanded, prior),
         kl_divergence(dist.Normal(d.loc, d.scale).to_event(2), prior).expand(3),
     )
+
+
+def test_validate_args_is_passed_on():
+    # conftest enables validation globally; validate_args=False must still turn it off.
+    u, v = _factors((), 4, 5, 2)
+    loc = torch.zeros(4, 5)
+    with pytest.raises(ValueError, match="scale_u"):
+        KTiedNormal(loc, -u, v)
+    d = KTiedNormal(loc, -u, v, validate_args=False)
+    assert d._validate_args is False
+
+
+class _Shifted(KTiedNormal):
+    """A subclass with its own constructor, as Pyro's expand protocol allows."""
+
+    def __init__(self, loc, scale_u, scale_v, shift, validate_args=None):
+        self.shift = shift
+        super().__init__(loc + shift, scale_u, scale_v, validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(_Shifted, _instance)
+        new.shift = self.shift
+        return super().expand(batch_shape, _instance=new)
+
+
+def test_expand_of_a_subclass():
+    u, v = _factors((), 4, 5, 2)
+    d = _Shifted(torch.zeros(4, 5), u, v, shift=3.0).expand([2, 4, 5])
+    assert type(d) is _Shifted and d.shift == 3.0
+    assert d.scale_u.shape == (2, 4, 2)
+    assert_close(d.loc, torch.full((2, 4, 5), 3.0))
+
+
+def test_expand_batched_factors():
+    d = _tied((3,), (4, 5), 2)
+    expanded = d.expand([2, 3, 4, 5])
+    assert expanded.scale_u.shape == (2, 3, 4, 2) and expanded.scale_v.shape == (2, 3, 5, 2)
+    assert_close(expanded.scale, d.scale.expand(2, 3, 4, 5))
+    assert_close(expanded.scale_u[1], d.scale_u)
+
+
+def test_low_rank_kl_for_a_single_row(monkeypatch):
+    # A layer with one output unit: the prior scale is constant over the (size-1)
+    # row dim without being expanded along it, which still allows the low-rank KL.
+    d = _tied((), (1, 5), 2)
+
+    def no_fallback(p, q):
+        raise AssertionError("fell back to the element-wise KL")
+
+    monkeypatch.setattr(k_tied_normal, "kl_divergence", no_fallback)
+    prior_scale = torch.tensor([[0.7]], dtype=torch.float64).expand(1, 5)
+    assert prior_scale.stride() == (1, 0)
+    q = dist.Normal(torch.zeros(1, 5, dtype=torch.float64), prior_scale).to_event(2)
+    expected = dist.Normal(d.loc, d.scale).to_event(2)
+    assert_close(kl_divergence(d.to_event(2), q), kl_divergence(expected, q), atol=1e-10)

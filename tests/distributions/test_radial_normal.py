@@ -197,3 +197,130 @@ def test_expand():
     assert d.batch_shape == (4,) and d.event_shape == (3,)
     assert d.sample().shape == (4, 3)
     assert d.log_prob(torch.zeros(4, 3) + 0.1).shape == (4,)
+
+
+class _Shifted(RadialNormal):
+    """A subclass with its own constructor, as Pyro's expand protocol allows."""
+
+    def __init__(self, loc, scale, shift, event_dim=0, validate_args=None):
+        self.shift = shift
+        super().__init__(loc + shift, scale, event_dim, validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(_Shifted, _instance)
+        new.shift = self.shift
+        return super().expand(batch_shape, _instance=new)
+
+
+def test_expand_of_a_subclass():
+    d = _Shifted(torch.zeros(3), torch.ones(3), shift=2.0, event_dim=1).expand([4])
+    assert type(d) is _Shifted and d.shift == 2.0
+    assert d.batch_shape == (4,) and d.event_shape == (3,)
+    assert_close(d.mean, torch.full((4, 3), 2.0))
+
+
+def test_expand_keeps_validate_args():
+    # Validation is on globally (conftest): the expanded copy keeps the original's choice.
+    loc, scale = torch.zeros(3), torch.ones(3)
+    bad = torch.full((4, 3), float("nan"))
+    with pytest.raises(ValueError):
+        RadialNormal(loc, scale, event_dim=1, validate_args=True).expand([4]).log_prob(bad)
+    unchecked = RadialNormal(loc, scale, event_dim=1, validate_args=False).expand([4])
+    assert unchecked._validate_args is False
+    assert torch.isnan(unchecked.log_prob(bad)).all()
+    # ... and expanding does not validate the parameters again.
+    nan_loc = RadialNormal(torch.full((3,), float("nan")), scale, 1, validate_args=False)
+    assert nan_loc.expand([4]).batch_shape == (4,)
+
+
+def test_log_prob_at_the_mean_one_dim():
+    # D = 1 is Normal(loc, scale), finite at w = loc (where the radius is 0).
+    loc, scale = torch.tensor([0.3, -1.0]), torch.tensor([2.0, 0.5])
+    assert_close(RadialNormal(loc, scale).log_prob(loc), dist.Normal(loc, scale).log_prob(loc))
+
+
+@pytest.mark.parametrize("numel", [1, 5])
+def test_marginal_icdf_matches_samples(numel):
+    loc = torch.linspace(-1.0, 1.0, numel)
+    scale = torch.linspace(0.5, 2.0, numel)
+    d = RadialNormal(loc, scale, event_dim=1)
+    q = torch.tensor([0.05, 0.3, 0.5, 0.8, 0.95])
+    quantiles = d.marginal_icdf(q.unsqueeze(-1))  # (5, numel)
+    assert quantiles.shape == (5, numel) and quantiles.dtype == torch.float32
+    if numel == 1:
+        assert_close(quantiles, dist.Normal(loc, scale).icdf(q.unsqueeze(-1)), atol=1e-5)
+    samples = d.sample((40000,))
+    empirical = torch.quantile(samples, q, dim=0)
+    assert_close(quantiles, empirical, atol=0.03 * scale.max().item() / math.sqrt(numel), rtol=0)
+
+
+@pytest.mark.parametrize("numel", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_standard_icdf_keeps_dtype(numel, dtype):
+    q = torch.tensor([0.1, 0.9], dtype=dtype)
+    assert radial_standard_icdf(q, numel).dtype == dtype
+    assert RadialNormal(torch.zeros(numel, dtype=dtype), torch.ones(numel, dtype=dtype),
+                        event_dim=1).marginal_icdf(q.unsqueeze(-1)).dtype == dtype
+
+
+def _reference_cdf(t, numel, num_points=100_001):
+    # P(u_i r <= t) from the density of s = |u_i|, prop. to (1 - s^2)^((D - 3)/2) on
+    # (0, 1): a different integral from the implementation's, by the trapezoid rule in
+    # log s, which is dense where the mass is (s ~ 1/sqrt(D)) for any D.
+    log_s = torch.linspace(math.log(1e-9), 0.0, num_points, dtype=torch.float64)[:-1]
+    s = log_s.exp()
+    log_w = (numel - 3) / 2 * torch.log1p(-s * s) + log_s
+    w = (log_w - log_w.max()).exp()
+    return (dist.Normal(0.0, 1.0).cdf(t / s) * w).sum() / w.sum()
+
+
+@pytest.mark.parametrize("numel", [4, 50, 10_000, 1_000_000])
+def test_standard_icdf_accuracy(numel):
+    # The documented accuracy, about 1e-6 in F, up to a million-weight layer.
+    q = torch.tensor([0.01, 0.1, 0.3, 0.7, 0.95], dtype=torch.float64)
+    z = radial_standard_icdf(q, numel)
+    cdf = torch.stack([_reference_cdf(t, numel) for t in z])
+    assert_close(cdf, q, atol=1e-6, rtol=0)
+
+
+def test_kl_to_a_prior_with_more_batch_dims():
+    q = RadialNormal(torch.randn(3, 4), torch.rand(3, 4) + 0.5, event_dim=1)
+    prior = dist.Normal(torch.randn(2, 3, 4), torch.rand(2, 3, 4) + 0.5).to_event(1)
+    kl = kl_divergence(q, prior)
+    assert kl.shape == (2, 3)
+    for i in range(2):
+        one = dist.Normal(prior.base_dist.loc[i], prior.base_dist.scale[i]).to_event(1)
+        assert_close(kl[i], kl_divergence(q, one))
+
+
+def test_device_and_dtype_follow_loc():
+    # The meta device stands in for an accelerator: a tensor created on the default
+    # device (the CPU) instead of loc's would fail to combine with it.
+    loc = torch.zeros(3, 4, dtype=torch.float64, device="meta")
+    d = RadialNormal(loc, torch.ones_like(loc), event_dim=1, validate_args=False)
+    sample = d.rsample((2,))
+    assert sample.device.type == "meta" and sample.dtype == torch.float64
+    q = torch.tensor([0.1, 0.5])[:, None, None]
+    for value in [d.log_prob(sample), d.entropy(), d.marginal_icdf(q)]:
+        assert value.device.type == "meta" and value.dtype == torch.float64
+
+
+def test_float64_samples_use_float64_noise():
+    # With D = 1 a sample is +-r: float32 noise cast up would be exactly representable
+    # in float32, float64 noise almost never is.
+    d = RadialNormal(torch.zeros(1000, 1, dtype=torch.float64),
+                     torch.ones(1000, 1, dtype=torch.float64), event_dim=1)
+    sample = d.rsample()
+    assert (sample != sample.float().double()).float().mean() > 0.99
+
+
+def test_marginal_icdf_in_float64():
+    # Probabilities given as a list are read in the distribution's dtype.
+    d = RadialNormal(torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64),
+                     event_dim=1)
+    q = [0.1, 0.6, 0.9]
+    z = radial_standard_icdf(torch.tensor(q, dtype=torch.float64), 3)
+    assert_close(d.marginal_icdf(torch.tensor(q, dtype=torch.float64)[:, None]), z[:, None]
+                 .expand(3, 3), atol=1e-14, rtol=0)
+    assert_close(d.marginal_icdf([[0.1], [0.6], [0.9]]), z[:, None].expand(3, 3),
+                 atol=1e-14, rtol=0)

@@ -9,6 +9,7 @@ from pyro.optim import Adam
 
 from pyro_vinit import AutoKTiedNormal
 from pyro_vinit.distributions import KTiedNormal
+from pyro_vinit.guides import site_params
 from tests.common import assert_close
 
 
@@ -150,3 +151,69 @@ def test_large_rank_allowed():
     guide = _train(AutoKTiedNormal(layer_model, rank=40), steps=5)
     _, scale = guide.get_loc_and_scale("fc.weight")
     assert scale.shape == (30, 20) and torch.isfinite(scale).all()
+
+
+def _trained_normal():
+    # Distinct per-element sds: the std matrix has full rank.
+    guide = AutoNormal(layer_model)
+    guide()
+    with torch.no_grad():
+        for name, p in guide.named_parameters():
+            if name.startswith("scales."):
+                p.copy_(torch.rand_like(p).mul(0.5).add(0.02).expm1().log())
+            else:
+                p.normal_()
+    return guide
+
+
+@pytest.mark.parametrize("rank", [1, 2, 5])
+def test_from_guide(rank):
+    normal = _trained_normal()
+    guide = AutoKTiedNormal.from_guide(normal, rank=rank)
+    assert guide.rank == rank and guide.prototype_trace is normal.prototype_trace
+    for name in ["fc.weight", "fc.bias", "conv.weight", "local.weight"]:
+        loc, scale = site_params.get_loc_and_scale(guide, name)
+        expected_loc, expected_scale = site_params.get_loc_and_scale(normal, name)
+        assert_close(loc, expected_loc)
+        if name == "fc.bias":  # untied: exact
+            assert_close(scale, expected_scale, rtol=1e-6, atol=0)
+            continue
+        m = expected_scale.shape[-2] if name == "local.weight" else expected_scale.shape[0]
+        target = expected_scale.detach().reshape(expected_scale.shape[:-2] + (m, -1)
+                                                 if name == "local.weight" else (m, -1))
+        fitted = scale.detach().reshape(target.shape)
+        error = (fitted - target).double().norm(dim=(-2, -1))
+        best = torch.linalg.svdvals(target.double())[..., rank:].norm(dim=-1)  # Eckart-Young
+        if rank >= min(target.shape[-2:]):  # full rank: exact
+            assert_close(fitted, target, rtol=1e-5, atol=0)
+        elif rank == 1:  # the best rank-1 fit (the task asks for within 1.5x)
+            assert (error <= 1.5 * best).all() and (error <= best * (1 + 1e-4)).all()
+        else:
+            assert (error >= best * (1 - 1e-6)).all() and (error < 1.5 * best).all()
+
+
+def test_from_guide_trains_and_needs_no_model_args():
+    normal = _trained_normal()
+    pyro.get_param_store().clear()  # the AutoNormal's module keeps its parameters
+    guide = AutoKTiedNormal.from_guide(normal, rank=2)
+    svi = SVI(layer_model, guide, Adam({"lr": 0.01}), TraceMeanField_ELBO())
+    before = {k: v.detach().clone() for k, v in guide.state_dict().items()}
+    data = torch.randn(10, 30, 20)
+    # The first call registers the from_guide values, not fresh ones.
+    trace = poutine.trace(guide).get_trace(data)
+    loc = trace.nodes["fc.weight"]["fn"].base_dist.loc
+    assert_close(loc, before["locs.fc.weight_unconstrained"])
+    assert set(guide.state_dict()) == set(before)
+    svi.step(data)
+    assert set(pyro.get_param_store().keys()) == {
+        f"AutoKTiedNormal.{k.removesuffix('_unconstrained')}" for k in before
+    }
+
+
+def test_from_guide_errors():
+    with pytest.raises(RuntimeError, match="not set up yet"):
+        AutoKTiedNormal.from_guide(AutoNormal(layer_model))
+    existing = AutoKTiedNormal(layer_model)
+    existing()  # its parameters are in the param store under the same names
+    with pytest.raises(ValueError, match="already holds"):
+        AutoKTiedNormal.from_guide(existing, rank=1)

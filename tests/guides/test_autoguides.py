@@ -9,8 +9,21 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import pytest
 import torch
-from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal, init_to_value
+from pyro.infer import (
+    SVI,
+    JitTrace_ELBO,
+    JitTraceMeanField_ELBO,
+    Predictive,
+    Trace_ELBO,
+    TraceMeanField_ELBO,
+)
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoGuideList,
+    AutoNormal,
+    init_to_sample,
+    init_to_value,
+)
 from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 
@@ -292,13 +305,33 @@ def test_bad_init_scale(Guide, init_scale):
         Guide(assorted_model, init_scale=init_scale)
 
 
-@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
-def test_no_latent_sites(Guide):
-    def model():
-        pyro.sample("obs", dist.Normal(0.0, 1.0), obs=torch.tensor(0.0))
+@pytest.mark.parametrize("shared_subsample", [False, True])
+@pytest.mark.parametrize("Guide", GUIDES)
+def test_no_latent_sites(Guide, shared_subsample):
+    # As AutoNormal: an empty guide, usable with SVI, for a model whose only sample
+    # site is observed, under two subsampled plates the guide creates (the second
+    # either subsampled on its own or reusing the first's indices).
+    def model(table):
+        with pyro.plate("rows", len(table), dim=-2), pyro.plate("cols", len(table), dim=-1):
+            block = pyro.subsample(table, event_dim=0)
+            assert block.shape[0] == block.shape[1]
+            pyro.sample("obs", dist.Normal(0.0, 1.0), obs=block)
 
-    with pytest.raises(RuntimeError, match="found no latent sample sites"):
-        Guide(model)()
+    def create_plates(table):
+        rows = pyro.plate("rows", len(table), subsample_size=3, dim=-2)
+        if not shared_subsample:
+            return rows, pyro.plate("cols", len(table), subsample_size=3, dim=-1)
+        with rows as index:
+            pass
+        return rows, pyro.plate("cols", len(table), subsample=index, dim=-1)
+
+    table = torch.randn(8, 8)
+    guide = Guide(model, create_plates=create_plates)
+    assert guide(table) == {}
+    svi = SVI(model, guide, Adam({"lr": 0.01}), Trace_ELBO())
+    for _ in range(2):
+        assert math.isfinite(svi.step(table))
+    assert guide.median() == {} and guide.quantiles([0.5]) == {}
 
 
 @pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
@@ -345,3 +378,141 @@ def test_determinism(Guide):
         svi = SVI(assorted_model, guide, Adam({"lr": 0.01}), Trace_ELBO())
         results.append([svi.step() for _ in range(3)])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("Elbo", [JitTrace_ELBO, JitTraceMeanField_ELBO])
+@pytest.mark.parametrize("Guide", GUIDES)
+def test_jit_elbo(Guide, Elbo):
+    # AutoKTiedNormal used to fail here with KeyError 'AutoKTiedNormal.scales.<site>'.
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(4, 5), 1.0).to_event(2))
+        pyro.sample("b", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        pyro.sample("positive", dist.LogNormal(0.0, 1.0))
+
+    # Locs away from the prior mean, where the closed-form KL's gradient is not 0.
+    guide = Guide(model, init_loc_fn=init_to_sample)
+    svi = SVI(model, guide, Adam({"lr": 0.01}), Elbo(ignore_jit_warnings=True))
+    svi.step()
+    before = {k: v.detach().clone() for k, v in guide.named_parameters()}
+    assert all(math.isfinite(svi.step()) for _ in range(3))
+    after = dict(guide.named_parameters())
+    assert set(after) == set(before)
+    assert all(not torch.equal(after[k].detach(), v) for k, v in before.items())
+
+
+def _store_names(guide):
+    return {f"{guide._pyro_name}.{name.removesuffix('_unconstrained')}"
+            for name, _ in guide.named_parameters()}
+
+
+@pytest.mark.parametrize("Guide", GUIDES)
+def test_param_store_holds_only_live_parameters(Guide):
+    guide = Guide(assorted_model)
+    svi = SVI(assorted_model, guide, Adam({"lr": 0.01}), Trace_ELBO())
+    svi.step()
+    assert set(pyro.get_param_store().keys()) == _store_names(guide)
+
+
+def _adam_state_floats(optim):
+    return sum(
+        value.numel()
+        for torch_optim in optim.optim_objs.values()
+        for state in torch_optim.state.values()
+        for key, value in state.items()
+        if key != "step"
+    )
+
+
+def test_k_tied_optimizer_state_is_half_of_autonormal():
+    # 784-400-400-10: a k-tied(2) guide trains about half of AutoNormal's parameters,
+    # (mn + k(m + n)) against 2mn per layer; orphaned full-size scales would add ~mn.
+    from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+
+    x, y = torch.randn(4, 784), torch.randint(0, 10, (4,))
+    counts = {}
+    for name, make in [("normal", AutoNormal), ("ktied", lambda m: AutoKTiedNormal(m, rank=2))]:
+        pyro.clear_param_store()
+        model = BayesianClassifier(bayesianize(mlp((784, 400, 400, 10))))
+        guide = make(model)
+        optim = Adam({"lr": 0.01})
+        SVI(model, guide, optim, TraceMeanField_ELBO()).step(x, y)
+        assert set(pyro.get_param_store().keys()) == _store_names(guide)
+        live = {id(p) for p in guide.parameters()}
+        assert all(id(p) in live for p in optim.optim_objs)
+        counts[name] = _adam_state_floats(optim)
+    layers = [(400, 784), (400, 400), (10, 400)]
+    # Adam keeps two moments per parameter element.
+    assert counts["normal"] == 2 * 2 * sum(m * n + m for m, n in layers)
+    assert counts["ktied"] == 2 * sum(m * n + 2 * (m + n) + 2 * m for m, n in layers)
+    assert 0.49 < counts["ktied"] / counts["normal"] < 0.52
+
+
+@pytest.mark.parametrize("Guide", GUIDES)
+def test_new_guide_over_loaded_param_store(Guide, tmp_path):
+    # save -> clear -> load -> a new guide -> Predictive: the new guide uses the loaded
+    # parameters (read from the param store by name), as AutoNormal does.
+    guide = Guide(assorted_model)
+    svi = SVI(assorted_model, guide, Adam({"lr": 0.1}), Trace_ELBO())
+    for _ in range(20):
+        svi.step()
+    trained = {k: v.detach().clone() for k, v in guide.state_dict().items()}
+    median = guide.median()
+    pyro.get_param_store().save(tmp_path / "params.pt")
+    pyro.clear_param_store()
+    pyro.get_param_store().load(tmp_path / "params.pt")
+
+    restored = Guide(assorted_model)
+    samples = Predictive(assorted_model, guide=restored, num_samples=3)()
+    assert samples["matrix"].shape[0] == 3
+    state = restored.state_dict()
+    assert set(state) == set(trained)
+    for key, value in trained.items():
+        assert torch.equal(state[key], value), key
+    for name, value in median.items():
+        assert_close(restored.median()[name], value)
+
+
+def zero_size_model():
+    pyro.sample("w", dist.Normal(torch.zeros(3, 2), 1.0).to_event(2))
+    pyro.sample("no_rows", dist.Normal(torch.zeros(0, 3), 1.0).to_event(2))
+    pyro.sample("no_cols", dist.Normal(0.0, 1.0).expand([4, 0]).to_event(2))
+    pyro.sample("empty", dist.Normal(torch.zeros(0), 1.0).to_event(1))
+    with pyro.plate("plate", 2):
+        pyro.sample("local_empty", dist.Normal(torch.zeros(0, 5), 1.0).to_event(2))
+
+
+@pytest.mark.parametrize("Elbo", ELBOS)
+@pytest.mark.parametrize("Guide", GUIDES)
+def test_zero_size_sites(Guide, Elbo):
+    guide = Guide(zero_size_model)
+    svi = SVI(zero_size_model, guide, Adam({"lr": 0.01}), Elbo())
+    assert all(math.isfinite(svi.step()) for _ in range(2))
+    trace = poutine.trace(zero_size_model).get_trace()
+    median, quantiles = guide.median(), guide.quantiles([0.1, 0.9])
+    guide_trace = poutine.trace(guide).get_trace()
+    for name, site in trace.iter_stochastic_nodes():
+        if name == "plate":
+            continue
+        assert median[name].shape == site["value"].shape
+        assert quantiles[name].shape == (2,) + site["value"].shape
+        assert guide_trace.nodes[name]["value"].shape == site["value"].shape
+    samples = Predictive(zero_size_model, guide=guide, num_samples=3, parallel=True)()
+    assert samples["no_cols"].shape[0] == 3 and samples["no_cols"].shape[-2:] == (4, 0)
+
+
+@pytest.mark.parametrize("Guide", GUIDES)
+def test_parameters_fixed_after_first_call(Guide):
+    # All parameters exist after guide(*args), so that the guide can be wrapped by
+    # DistributedDataParallel before training: no key or tensor changes later.
+    guide = Guide(assorted_model)
+    guide()
+    keys = list(guide.state_dict())
+    params = dict(guide.named_parameters())
+    for Elbo in ELBOS:
+        svi = SVI(assorted_model, guide, Adam({"lr": 0.01}), Elbo())
+        for _ in range(2):
+            svi.step()
+    guide.median()
+    guide.quantiles([0.5])
+    assert list(guide.state_dict()) == keys
+    assert all(p is params[name] for name, p in guide.named_parameters())

@@ -1,19 +1,23 @@
 import math
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
+from pyro.nn import PyroModule
 from torch import nn
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide, init_guide_iblm
 from pyro_vinit.data import load_digits
+from pyro_vinit.guides import AutoSiteGuide, site_params
 from pyro_vinit.initialization._tracing import capture, guide_values, prepare
 from pyro_vinit.initialization.baselines import METHODS
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from tests.common import assert_close
 
-GUIDES = [AutoNormal, AutoDiagonalNormal, AutoKTiedNormal, AutoRadialNormal]
+GUIDES = [AutoNormal, AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoKTiedNormal,
+          AutoRadialNormal]
 
 
 def _model():
@@ -31,19 +35,13 @@ def digits():
 
 
 def _site(guide, name):
-    """(loc, per-element std) of a site, whatever the family."""
-    if isinstance(guide, AutoDiagonalNormal):
-        median = guide.median()[name]
-        q = guide.quantiles([0.5 + math.erf(1 / math.sqrt(2)) / 2])
-        return median, q[name][0] - median
-    if isinstance(guide, AutoNormal) and not isinstance(guide, (AutoKTiedNormal,
-                                                                  AutoRadialNormal)):
-        loc = guide.median()[name]
-        return loc, guide.quantiles([0.8413447460685429])[name][0] - loc
-    loc, scale = guide.get_loc_and_scale(name)
-    if isinstance(guide, AutoRadialNormal):
-        scale = scale / math.sqrt(scale.numel())
-    return loc, scale
+    """(loc, per-element std) of a site, read independently of site_params where
+    Pyro can tell: its Normal quantiles at +1 sd."""
+    if isinstance(guide, AutoSiteGuide):
+        return guide.get_loc_and_scale(name)
+    median = guide.median()[name]
+    q = guide.quantiles([0.5 + math.erf(1 / math.sqrt(2)) / 2])
+    return median, q[name][0] - median
 
 
 @pytest.mark.parametrize("guide_class", GUIDES)
@@ -58,7 +56,7 @@ def test_data_free_values(guide_class, method, digits):
         var = {"uninformative": 1.0, "xavier": 2 / (d_in + d_out)}.get(method, 1 / d_in)
         w_loc, w_std = _site(guide, f"{name}.weight")
         b_loc, b_std = _site(guide, f"{name}.bias")
-        tol = dict(atol=1e-4, rtol=1e-3 if guide_class is not AutoKTiedNormal else 1e-2)
+        tol = dict(atol=1e-4, rtol=1e-3)
         assert_close(w_std, torch.full_like(w_std, math.sqrt(var)), **tol)
         assert_close(b_std, torch.full_like(b_std, math.sqrt(var)), **tol)
         assert_close(b_loc, torch.zeros_like(b_loc))
@@ -86,7 +84,7 @@ def test_lsuv_unit_output_variance(digits):
     prep = prepare(guide, (x, y), 10_000, 4096, normal_priors=False)
     values = {**guide_values(guide, (x, y), prep.latent), **guide.median()}
     for layer in prep.layers:
-        _, out = capture(guide.model, values, (x, y), layer, output=True)
+        _, out = capture(guide.model, values, (x, y), prep.latent, layer, output=True)
         assert abs(out.var().item() - 1) < 0.1, layer.weight_name
 
 
@@ -102,16 +100,70 @@ def test_map_fits_the_data(digits):
     assert_close(std, torch.full_like(std, math.exp(-5.5 / 2)), atol=1e-5, rtol=1e-4)
 
 
-def test_map_time_budget(digits):
+class _FakeClock:
+    """A ``time`` module stand-in whose clock advances one second per reading."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
+def _count_adam_steps(monkeypatch):
+    steps = []
+    step = torch.optim.Adam.step
+
+    def counting_step(self, *args, **kwargs):
+        steps.append(None)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", counting_step)
+    return steps
+
+
+@pytest.mark.parametrize("map_seconds", [None, 5.5])
+def test_map_time_budget(digits, monkeypatch, map_seconds):
+    # With a clock that ticks once per reading, a budget of 5.5 "seconds" allows
+    # a handful of steps; without one, all map_steps run. No wall-clock timing.
+    from pyro_vinit.initialization import baselines
+
     x, y, _, _ = digits
+    monkeypatch.setattr(baselines, "time", _FakeClock())
+    steps = _count_adam_steps(monkeypatch)
     guide = AutoNormal(_model())
-    init_guide(guide, (x, y), method="map", map_steps=10**9, map_seconds=0.2)
+    init_guide(guide, (x[:200], y[:200]), method="map", map_steps=12, map_seconds=map_seconds,
+               batch_size=32)
+    if map_seconds is None:
+        assert len(steps) == 12
+    else:
+        assert 1 <= len(steps) <= 6
+
+
+def _iblm_params(data, use_init_guide, **options):
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(_model())
+    if use_init_guide:
+        init_guide(guide, data, method="iblm", **options)
+    else:
+        init_guide_iblm(guide, data, **options)
+    return {name: p.detach().clone() for name, p in guide.named_parameters()}
 
 
 def test_iblm_method_forwards_options(digits):
     x, y, _, _ = digits
-    guide = AutoNormal(_model())
-    init_guide(guide, (x, y), method="iblm", alpha=0.05, batch_size=64)
+    data = (x[:300], y[:300])
+    options = dict(alpha=0.05, batch_size=64, max_pool_size=200)
+    forwarded = _iblm_params(data, True, **options)
+    direct = _iblm_params(data, False, **options)
+    assert forwarded.keys() == direct.keys()
+    for name in direct:
+        assert_close(forwarded[name], direct[name], atol=0, rtol=0, msg=name)
+    # Each option changes the result, so equality above means each was forwarded.
+    for dropped in options:
+        other = _iblm_params(data, False, **{k: v for k, v in options.items() if k != dropped})
+        assert any(not torch.equal(other[n], direct[n]) for n in direct), dropped
 
 
 def test_errors(digits):
@@ -129,3 +181,33 @@ def test_errors(digits):
     assert set(METHODS) == {
         "uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map", "iblm"
     }
+
+
+class _NoisyRegressor(PyroModule):
+    """A Bayesian MLP with a learned HalfNormal noise scale: a constrained latent."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = bayesianize(mlp((3, 8, 1)))
+
+    def forward(self, x, y=None):
+        noise = pyro.sample("noise", dist.HalfNormal(1.0))
+        mean = self.net(x).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("obs", dist.Normal(mean, noise), obs=y)
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+@pytest.mark.parametrize("method", ["xavier", "lsuv"])
+def test_constrained_latent_is_left_alone(guide_class, method):
+    # The layers are initialized as asked; the noise keeps the guide's own init.
+    x, y = torch.randn(40, 3), torch.randn(40)
+    guide = guide_class(_NoisyRegressor())
+    guide(x, y)
+    noise_before = [t.clone() for t in site_params.get_loc_and_scale(guide, "noise")]
+    init_guide(guide, None if method == "xavier" else (x, y), method=method, batch_size=40)
+    for before, after in zip(noise_before, site_params.get_loc_and_scale(guide, "noise")):
+        assert torch.equal(before, after)
+    _, w_std = _site(guide, "net.0.weight")
+    expected = 2 / (3 + 8) if method == "xavier" else 1 / 3
+    assert_close(w_std, torch.full_like(w_std, math.sqrt(expected)), atol=1e-4, rtol=1e-3)

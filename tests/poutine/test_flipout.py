@@ -108,3 +108,53 @@ def test_k_tied_guide_and_fallback():
     with pytest.warns(UserWarning, match="'w'.*StudentT"):
         with local_reparam():
             model_studentt()
+
+
+@pytest.mark.parametrize("kind", ["normal", "radial"])
+def test_output_signs_decorrelate_examples(kind):
+    # Flipout's per-example weight is W̄ + ΔW ∘ r sᵀ. With the input signs s alone, two
+    # examples' outputs are uncorrelated but not independent: they share the row signs,
+    # so for outputs i, k the product c_i c_k of centred outputs is correlated across
+    # examples, E[c_i c_k c'_i c'_k] = Σ_j Var(ΔW_ij) Var(ΔW_kj) x_j⁴ for a factorized
+    # Normal (of the same order for a radial one). The output signs r make it 0, as for
+    # independent weight draws. Over 3000 draws of 8 identical examples the mean product
+    # must be within 5 standard errors of 0, while the Normal's value without r lies
+    # beyond 10 of them (so the test has the power to see r missing).
+    n, m = 3000, 8
+    loc = torch.randn(2, 3)
+    scale = torch.full((2, 3), 0.8) * (6**0.5 if kind == "radial" else 1.0)
+    fn, marginal_var = _weight(kind, loc, scale)  # the same marginal variance
+    x = torch.ones(m, 3)
+
+    def model():
+        return F.linear(x, pyro.sample("w", fn))
+
+    with flipout(strict=True):
+        c = torch.stack([model() for _ in range(n)]) - F.linear(x, loc)
+    pairs = torch.triu_indices(m, m, offset=1)
+    prod = c[:, :, 0] * c[:, :, 1]  # (draw, example)
+    stat = (prod[:, pairs[0]] * prod[:, pairs[1]]).mean(1)  # one value per draw
+    se = stat.std() / n**0.5
+    assert stat.mean().abs() < 5 * se
+    if kind == "normal":
+        without_r = (marginal_var[0] * marginal_var[1] * x[0] ** 4).sum()
+        assert without_r > 10 * se
+
+
+@pytest.mark.parametrize("kind", ["normal", "radial"])
+def test_matmul_layer_moments(kind):
+    # x @ w with w of shape (in, out) is a layer: per-example noise, right moments.
+    n = 4000
+    x = torch.randn(2, 5).repeat(2, 1)
+    loc, scale = torch.randn(5, 3), torch.rand(5, 3) + 0.5
+    fn, marginal_var = _weight(kind, loc, scale)
+
+    def model():
+        return x @ pyro.sample("w", fn) + 1.0
+
+    with flipout(strict=True):
+        outs = torch.stack([model() for _ in range(n)])
+    _moments(outs, x @ loc + 1.0, (x**2) @ marginal_var)
+    a, b = outs[:, 0] - outs[:, 0].mean(0), outs[:, 2] - outs[:, 2].mean(0)
+    corr = (a * b).mean(0) / (a.std(0) * b.std(0))
+    assert corr.abs().max() < 5 / n**0.5

@@ -11,7 +11,10 @@ from pyro_vinit.poutine import (
     flipout,
     local_reparam,
 )
-from pyro_vinit.poutine._site_value import SiteValue
+from pyro_vinit.poutine._site_value import SiteValue, Uses, replay
+from tests.common import assert_close
+
+_T = torch.Tensor
 
 _FUNCTIONS = ("linear", "conv1d", "conv2d", "conv3d")
 HANDLERS = [LayerCallMessenger, LocalReparamMessenger, FlipoutMessenger]
@@ -64,15 +67,16 @@ def test_handler_functions():
 
 
 def test_site_values_behave_like_tensors():
-    with LocalReparamMessenger():
+    with pytest.warns(UserWarning, match="'w': it never reached a layer call"), \
+            LocalReparamMessenger():
         w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
         assert isinstance(w, SiteValue) and w.is_deferred
         assert w.shape == (3, 4) and w.dtype == torch.float32 and w.dim() == 2
         assert w.is_deferred  # shape queries do not draw
         total = w.sum()
         assert not w.is_deferred and type(total) is torch.Tensor
-    torch.testing.assert_close(total, w.real.sum())
-    assert torch.equal(w + 1, w.real + 1)  # still usable after the context
+    torch.testing.assert_close(total, w.concrete.sum())
+    assert torch.equal(w + 1, w.concrete + 1)  # still usable after the context
 
 
 class _Recorder(LayerCallMessenger):
@@ -81,11 +85,13 @@ class _Recorder(LayerCallMessenger):
         self.calls = []
 
     def _process_layer_call(self, call):
-        self.calls.append((call.op, call.weight_name, call.bias_name, dict(call.kwargs)))
+        self.calls.append((call.op, call.source, call.weight_name, call.transposed))
+        self.canonical = call()
         return None
 
 
-def test_mode_sees_calls_and_sites():
+def test_sees_calls_with_site_values_only():
+    # A layer whose weight and bias are plain tensors costs nothing: it is not seen.
     linear = torch.nn.Linear(4, 3)
 
     def model(x):
@@ -94,9 +100,108 @@ def test_mode_sees_calls_and_sites():
         h = F.conv2d(x, w, b, stride=2)
         return linear(h.flatten(1)[:, :4])
 
-    with _Recorder() as rec:
+    class Conv(_Recorder):
+        def _process_layer_call(self, call):
+            self.calls.append((call.op, call.weight_name, call.bias_name, dict(call.kwargs)))
+
+    with Conv() as rec:
         model(torch.randn(1, 3, 8, 8))
     assert rec.calls == [
         ("conv2d", "w", "b", {"stride": 2, "padding": 0, "dilation": 1, "groups": 1}),
-        ("linear", None, None, {}),
     ]
+
+
+# ---------------------------------------------------------------- views of a draw
+
+
+def _stand_in(shape, name="w"):
+    value = torch.randn(shape, dtype=torch.float64)
+    return value, SiteValue.wrap(value, dist.Normal(torch.zeros(shape), 1.0), [{"name": name}])
+
+
+VIEWS = {
+    "t": lambda w: w.t(),
+    "mT": lambda w: w.mT,
+    "reshape": lambda w: w.reshape(4, 3),
+    "transpose then flatten": lambda w: w.transpose(0, 1).flatten(),
+    "slice": lambda w: w[1:, ::2],
+    "index and unsqueeze": lambda w: w[0].unsqueeze(0),
+    "cast": lambda w: w.float(),
+    "expand to the same shape": lambda w: w.expand(3, 4),
+}
+NOT_VIEWS = {
+    "expand": lambda w: w[:1].expand(3, 4),
+    "advanced index": lambda w: w[[0, 0]],
+    "detach": lambda w: w.detach(),
+    "bit view": lambda w: w.view(torch.int64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEWS))
+def test_views_replay_on_parameters(name):
+    # A view of a draw knows the ops that made it: applied to the drawn value (or to a
+    # distribution's parameters) they give the view.
+    op = VIEWS[name]
+    value, stand_in = _stand_in((3, 4))
+    with LayerCallMessenger():
+        view = op(stand_in)
+    assert isinstance(view, SiteValue) and view.is_view and view.msgs[-1]["name"] == "w"
+    assert torch.equal(replay(view.view_ops, value), view.concrete)
+    assert torch.equal(view.concrete, op(value))
+
+
+@pytest.mark.parametrize("name", sorted(NOT_VIEWS))
+def test_repeating_or_detaching_ops_are_not_views(name):
+    op = NOT_VIEWS[name]
+    value, stand_in = _stand_in((3, 4))
+    with LayerCallMessenger():
+        out = op(stand_in)
+    assert isinstance(out, SiteValue) and not out.is_view
+    assert torch.equal(out.concrete, op(value))
+
+
+def test_view_of_deferred_value_stays_deferred():
+    with LocalReparamMessenger():
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+        view = w.t()[1:]
+        assert view.is_deferred and w.is_deferred and view.shape == (3, 3)
+        assert torch.equal(view.concrete, w.concrete.t()[1:])
+        pyro.sample("obs", dist.Normal(F.linear(torch.ones(1, 4), w), 1.0).to_event(2),
+                    obs=torch.zeros(1, 3))
+
+
+def test_uses_see_overlapping_elements():
+    uses = Uses(torch.Size([2, 3]))
+    rows = [((_T.__getitem__, (i,), {}),) for i in range(2)]
+    assert not uses.add(rows[0]) and not uses.add(rows[1])  # disjoint slices
+    assert uses.add(rows[0])  # the same elements again
+    uses = Uses(torch.Size([2, 3]))
+    assert not uses.add(((_T.t, (), {}),))  # all elements, transposed
+    assert uses.add(rows[1])
+
+
+@pytest.mark.parametrize(
+    "product",
+    [
+        lambda x, w: x @ w,
+        lambda x, w: torch.matmul(x, w),
+        lambda x, w: torch.einsum("bi,io->bo", x, w),
+        lambda x, w: torch.addmm(torch.ones(3, dtype=torch.float64), x, w),
+    ],
+)
+def test_matrix_products_are_layer_calls(product):
+    # The product is handed over as the equivalent F.linear call, whose output is the
+    # product's; the program's result is the product's own (bit for bit).
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def model():
+        loc = torch.zeros(4, 3, dtype=torch.float64)
+        return product(x, pyro.sample("w", dist.Normal(loc, 1.0).to_event(2)))
+
+    with _Recorder() as rec, pyro.poutine.trace() as tr:
+        out = model()
+    w = tr.trace.nodes["w"]["value"].concrete
+    assert len(rec.calls) == 1 and rec.calls[0][0] == "linear"
+    assert rec.calls[0][2:] == ("w", True)
+    assert torch.equal(out, product(x, w))
+    assert_close(rec.canonical, out, atol=1e-12, rtol=1e-12)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule
 from pyro.optim import Adam
 from pyro.poutine.util import prune_subsample_sites
@@ -208,6 +208,7 @@ def _hand_written_guide(model, x, y):
 
 
 GUIDES = {
+    "AutoDiagonalNormal": lambda model, x, y: AutoDiagonalNormal(model),
     "AutoKTiedNormal": lambda model, x, y: AutoKTiedNormal(model, rank=2),
     "AutoNormal": lambda model, x, y: AutoNormal(model),
     "hand-written": _hand_written_guide,
@@ -302,7 +303,7 @@ def test_subsampled_plate():
 # ------------------------------------------------------------------ fallbacks
 
 
-def test_radial_guide_warns_once_per_site_and_strict_raises():
+def test_radial_guide_warns_once_per_run_and_strict_raises():
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     model = _classifier()
     guide = AutoRadialNormal(model)
@@ -313,32 +314,33 @@ def test_radial_guide_warns_once_per_site_and_strict_raises():
             with handler:
                 svi.step(x, y)
     messages = [str(w.message) for w in record if "LocalReparamMessenger" in str(w.message)]
-    assert len(messages) == 2  # net.0.weight and net.2.weight, once each
-    assert "'net.0.weight'" in messages[0] and "RadialNormal" in messages[0]
+    assert len(messages) == 1  # one warning naming both sites, once per handler
+    assert "'net.0.weight': its distribution is RadialNormal" in messages[0]
+    assert "'net.2.weight': its distribution is RadialNormal" in messages[0]
     with pytest.raises(ValueError, match="'net.0.weight'.*RadialNormal"):
         with local_reparam(strict=True):
             svi.step(x, y)
 
 
-def test_reshaped_weight_and_custom_op_fall_back():
+def test_repeating_view_and_custom_op_fall_back():
     x = torch.randn(3, 4)
 
-    def reshaped(x):
-        w = pyro.sample("flat", _normal(torch.zeros(8), torch.ones(8)))
-        return F.linear(x, w.reshape(2, 4))
+    def repeated(x):
+        w = pyro.sample("row", _normal(torch.zeros(1, 4), torch.ones(1, 4)))
+        return F.linear(x, w.expand(2, 4))  # both outputs share one weight row
 
     def custom(x):
         w = pyro.sample("w", _normal(torch.zeros(2, 4), torch.ones(2, 4)))
-        return x @ w.t()
+        return F.bilinear(x, x, w.unsqueeze(-1).expand(2, 4, 4))
 
-    with pytest.warns(UserWarning, match="'flat'.*reshape"):
+    with pytest.warns(UserWarning, match="'row'.*by expand"):
         with local_reparam():
-            out = reshaped(x)
-    assert out.shape == (3, 2)
-    with pytest.raises(ValueError, match="'w'.*matmul"):
+            out = repeated(x)
+    assert torch.equal(out[:, 0], out[:, 1])  # the ordinary sample
+    with pytest.raises(ValueError, match="'w'.*bilinear"):
         with local_reparam(strict=True):
             custom(x)
-    with pytest.warns(UserWarning, match="'w'.*matmul"):
+    with pytest.warns(UserWarning, match="'w'.*bilinear"):
         with local_reparam():
             out = custom(x)
     assert out.shape == (3, 2)
@@ -361,15 +363,24 @@ def test_shared_weight_falls_back(handler):
         with handler():
             tied()
 
-    # A matrix product before the layer call: both use the ordinary sample.
+    # An op the handler does not treat, before the layer call: both use the ordinary sample.
+    def custom_then_layer():
+        w = pyro.sample("w", _normal(torch.zeros(2, 4), torch.ones(2, 4)))
+        return torch.tensordot(x, w, dims=([1], [1])) - F.linear(x, w)
+
+    with pytest.warns(UserWarning, match="'w'.*tensordot"):
+        with handler():
+            out = custom_then_layer()
+    assert_close(out, torch.zeros(5, 2), atol=1e-6)
+
+    # A matrix product is a layer: the layer call after it is a second use.
     def matmul_then_layer():
         w = pyro.sample("w", _normal(torch.zeros(2, 4), torch.ones(2, 4)))
         return x @ w.t() - F.linear(x, w)
 
-    with pytest.warns(UserWarning, match="'w'.*matmul"):
-        with handler():
-            out = matmul_then_layer()
-    assert_close(out, torch.zeros(5, 2), atol=1e-6)
+    with pytest.raises(ValueError, match="'w'.*shared or tied"):
+        with handler(strict=True):
+            matmul_then_layer()
 
 
 def test_shared_bias_falls_back():
@@ -398,3 +409,118 @@ def test_plain_weights_untouched():
         warnings.simplefilter("error")
         with local_reparam(strict=True):
             assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
+
+
+# ----------------------------------------------------------- matrix products
+
+
+def _exact_moments(monkeypatch, fn):
+    """The mean and variance LRT gives each output element of ``fn()``: its
+    outputs with the standard normal noise set to 0, then to 1."""
+    monkeypatch.setattr(torch, "randn_like", torch.zeros_like)
+    mean = fn()
+    monkeypatch.setattr(torch, "randn_like", torch.ones_like)
+    return mean, (fn() - mean) ** 2
+
+
+# Linear layers written as matrix products. Each is linear in the drawn values, so
+# its exact mean is the layer at the means (and the bias mean) and its exact variance
+# the layer of x^2 at the variances (plus the bias variance).
+MATMUL_LAYERS = {
+    "x @ w": lambda x, d: x @ d("w", (5, 3)),
+    "torch.matmul": lambda x, d: torch.matmul(x, d("w", (5, 3))),
+    "Tensor.matmul": lambda x, d: x.matmul(d("w", (5, 3))),
+    "torch.mm": lambda x, d: torch.mm(x, d("w", (5, 3))),
+    "torch.addmm": lambda x, d: torch.addmm(d("b", (3,)), x, d("w", (5, 3))),
+    "einsum bi,io->bo": lambda x, d: torch.einsum("bi,io->bo", x, d("w", (5, 3))),
+    "einsum ...i,oi->...o": lambda x, d: torch.einsum("...i,oi->...o", x, d("w", (3, 5))),
+    "x @ w.t()": lambda x, d: x @ d("w", (3, 5)).t(),
+    "F.linear(x, w.reshape)": lambda x, d: F.linear(x, d("w", (15,)).reshape(3, 5)),
+    "x @ w[1] (a slice)": lambda x, d: x @ d("w", (2, 5, 3))[1],
+}
+
+
+@pytest.mark.parametrize("layer", sorted(MATMUL_LAYERS))
+def test_matmul_layer_exact_moments(layer, monkeypatch):
+    # float64 against the closed form: x·μ (+ ν) and x²·σ² (+ τ²).
+    fn = MATMUL_LAYERS[layer]
+    like = {"dtype": torch.float64}
+    x = torch.randn(4, 5, **like)
+    locs, scales = {}, {}
+
+    def draw(name, shape):
+        if name not in locs:
+            locs[name] = torch.randn(shape, **like)
+            scales[name] = torch.rand(shape, **like) + 0.2
+        return pyro.sample(name, _normal(locs[name], scales[name]))
+
+    fn(x, draw)  # the parameters
+    with local_reparam(strict=True):
+        mean, var = _exact_moments(monkeypatch, lambda: fn(x, draw))
+    assert mean.dtype == torch.float64
+    assert_close(mean, fn(x, lambda name, shape: locs[name]), atol=1e-12, rtol=1e-12)
+    assert_close(var, fn(x**2, lambda name, shape: scales[name] ** 2), atol=1e-12, rtol=1e-12)
+
+
+def test_matmul_layer_rows_independent():
+    # Pyro's modules tutorial style x @ w + b, w of shape (in, out): identical rows get
+    # independent outputs (|corr| < 5 / sqrt(n)), with the right variance.
+    n = 2000
+    x = torch.randn(1, 5).expand(2, 5)
+    loc, scale = torch.randn(5, 3), torch.rand(5, 3) + 0.5
+
+    def model():
+        w = pyro.sample("w", _normal(loc, scale))
+        b = pyro.sample("b", _normal(torch.zeros(3), torch.ones(3)))
+        return x @ w + b
+
+    plain = torch.stack([model() for _ in range(10)])
+    assert torch.equal(plain[:, 0], plain[:, 1])
+    with local_reparam(strict=True):
+        out = torch.stack([model() for _ in range(n)])
+    a, b = out[:, 0] - out[:, 0].mean(0), out[:, 1] - out[:, 1].mean(0)
+    corr = (a * b).mean(0) / (a.std(0) * b.std(0))
+    assert corr.abs().max() < 5 / n**0.5
+    _mc_check(out[:, 0], x[0] @ loc, (x[0] ** 2) @ scale**2 + 1)
+
+
+def test_slices_of_one_draw_are_separate_layers(monkeypatch):
+    # Disjoint slices of one sample (as AutoDiagonalNormal hands out) are two layers;
+    # a slice used twice is a tied weight.
+    x = torch.randn(4, 5, dtype=torch.float64)
+    loc, scale = torch.randn(2, 3, 5).double(), torch.rand(2, 3, 5).double() + 0.2
+
+    def two_layers():
+        w = pyro.sample("w", _normal(loc, scale))
+        return torch.stack([F.linear(x, w[0]), F.linear(x, w[1])])
+
+    with local_reparam(strict=True):
+        mean, var = _exact_moments(monkeypatch, two_layers)
+    assert_close(mean, torch.stack([F.linear(x, loc[0]), F.linear(x, loc[1])]), atol=1e-12)
+    expected = torch.stack([F.linear(x**2, scale[0] ** 2), F.linear(x**2, scale[1] ** 2)])
+    assert_close(var, expected, atol=1e-12, rtol=1e-12)
+
+    def tied():
+        w = pyro.sample("w", _normal(loc, scale))
+        return F.linear(x, w[0]) + F.linear(x, w[0, :, :])
+
+    with pytest.raises(ValueError, match="'w'.*shared or tied"):
+        with local_reparam(strict=True):
+            tied()
+
+
+def test_k_tied_low_rank_transposed_weight():
+    # x @ w with w of shape (in, out): the layer's scale is (U V^T)^T = V U^T.
+    loc, u, v = torch.randn(7, 4), torch.rand(7, 2) + 0.1, torch.rand(4, 2) + 0.1
+    x = torch.randn(6, 7)
+
+    def model():
+        return x @ pyro.sample("w", KTiedNormal(loc, u, v).to_event(2))
+
+    outs = []
+    for low_rank in (True, False):
+        pyro.set_rng_seed(1)
+        with local_reparam(low_rank=low_rank, strict=True):
+            outs.append(model())
+    assert outs[0].shape == (6, 4)
+    assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)

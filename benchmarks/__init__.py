@@ -1,0 +1,1 @@
+"""Benchmarks of pyro-vinit; ``benchmarks.reproduce`` reproduces the papers' results."""

@@ -1,0 +1,145 @@
+r"""
+A trained posterior as the prior of the next task (e.g. in continual learning).
+
+Usage::
+
+    priors = posterior_as_prior(guide)          # after training on task 1
+    model2 = BayesianClassifier(bayesianize(mlp((64, 8, 10))))  # the same architecture
+    set_priors(model2, priors)                  # task 2's model starts from it
+    guide2 = AutoNormal(model2)
+"""
+
+import functools
+from typing import Dict
+
+import pyro.distributions as dist
+import torch
+from pyro.nn import PyroModule, PyroSample
+from torch.distributions import Distribution, biject_to
+
+from pyro_vinit._pyro_compat import pyro_sample_priors
+from pyro_vinit.distributions import RadialNormal
+from pyro_vinit.guides import site_params
+from pyro_vinit.guides._base import is_real_support
+from pyro_vinit.guides.auto_radial_normal import AutoRadialNormal
+
+__all__ = ["posterior_as_prior", "set_priors"]
+
+
+@functools.singledispatch
+def _unconstrained_family(guide, name: str, loc: torch.Tensor, scale: torch.Tensor,
+                          event_dim: int) -> Distribution:
+    # Every family but the radial one: the Normal of the guide's marginals.
+    return dist.Normal(loc, scale).to_event(event_dim)
+
+
+@_unconstrained_family.register(AutoRadialNormal)
+def _(guide, name, loc, scale, event_dim):
+    if loc.numel() == 0:
+        return dist.Normal(loc, scale).to_event(event_dim)
+    return RadialNormal(loc, guide.get_radial_scale(name).detach().clone(), event_dim)
+
+
+def posterior_as_prior(guide) -> Dict[str, Distribution]:
+    r"""
+    Returns, for each latent site of a set-up ``guide``, its posterior as a
+    distribution of fixed tensors, to be used as that site's prior in the next
+    task's model (see :func:`set_priors`).
+
+    Usage::
+
+        priors = posterior_as_prior(guide)
+        priors["net.0.weight"]  # Normal(loc, scale).to_event(2)
+
+    Each distribution's ``batch_shape + event_shape`` is the site's shape, with
+    the model site's event dims. Its tensors are detached copies: they do not
+    require grad and further training of ``guide`` does not change them.
+
+    * :class:`~pyro.infer.autoguide.AutoNormal`,
+      :class:`~pyro_vinit.guides.AutoKTiedNormal` (and every other supported
+      guide but the radial one): ``Normal(loc, scale).to_event(event_dim)`` with
+      the guide's locations and per-element marginal standard deviations (for
+      :class:`~pyro.infer.autoguide.AutoLowRankMultivariateNormal` its
+      correlations are dropped).
+    * :class:`~pyro_vinit.guides.AutoRadialNormal`: the guide's own
+      :class:`~pyro_vinit.distributions.RadialNormal` (a Normal at zero-size
+      sites). No closed form of KL(RadialNormal‖RadialNormal) is known (the
+      expected log-radius under a shifted radial has none), so
+      :class:`~pyro.infer.TraceMeanField_ELBO` falls back to its Monte Carlo
+      estimate at these sites, as it does for any pair without a registered KL;
+      a Normal or k-tied posterior against a radial prior does the same.
+
+    A constrained site (e.g. a ``HalfNormal`` noise scale) gets the guide's
+    unconstrained posterior pushed through ``biject_to(support)``. A site in a
+    subsampled plate gets its full-size posterior; index it by the subsample
+    in the model.
+
+    :param guide: A set-up guide :mod:`~pyro_vinit.guides.site_params` supports.
+    :return: A dict mapping site name to distribution.
+    :rtype: dict
+    """
+    priors = {}
+    for name, site in site_params.latent_sites(guide).items():
+        loc, scale = site_params.get_loc_and_scale(guide, name)
+        loc, scale = loc.detach().clone(), scale.detach().clone()
+        event_dim = site["fn"].event_dim + loc.dim() - site["value"].dim()
+        posterior = _unconstrained_family(guide, name, loc, scale, event_dim)
+        if not is_real_support(site["fn"].support):
+            posterior = dist.TransformedDistribution(posterior, biject_to(site["fn"].support))
+        priors[name] = posterior
+    return priors
+
+
+def set_priors(model: PyroModule, priors: Dict[str, Distribution]) -> PyroModule:
+    """
+    Replaces the priors of sample sites of a :class:`~pyro.nn.PyroModule` model
+    (e.g. a :func:`~pyro_vinit.nn.bayesianize` d network inside a
+    :class:`~pyro_vinit.nn.BayesianClassifier`), in place, and returns it.
+
+    Usage::
+
+        set_priors(model, posterior_as_prior(guide))  # guide: the last task's
+
+    Site names are the model's (``"net.0.weight"``), i.e. the guide's. Every
+    name must be a :class:`~pyro.nn.PyroSample` attribute of the model whose
+    shape (if the prior records it, as ``bayesianize``'s does) matches; nothing
+    is changed unless all do. Call it before the model first runs under a guide,
+    or re-create the guide afterwards.
+
+    :param PyroModule model: The model.
+    :param dict priors: Site name to distribution.
+    :rtype: PyroModule
+    :raises KeyError: for a name that is not a PyroSample of the model.
+    :raises ValueError: for a distribution of the wrong shape.
+    """
+    targets = []
+    for name, prior in priors.items():
+        parent_name, _, leaf = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+        except AttributeError:
+            parent = None
+        samples = pyro_sample_priors(parent) if parent is not None else {}
+        if leaf not in samples:
+            raise KeyError(
+                f"set_priors: {name!r} is not a PyroSample site of the model; bayesianize "
+                "the layer first, and use the model's site names (e.g. 'net.0.weight')"
+            )
+        if not isinstance(prior, Distribution):
+            raise TypeError(f"set_priors: the prior of {name!r} must be a Distribution, got "
+                            f"{type(prior).__name__}")
+        current = samples[leaf]
+        if isinstance(current, Distribution):
+            expected = current.batch_shape + current.event_shape
+        else:
+            expected = getattr(current, "shape", None)
+        shape = prior.batch_shape + prior.event_shape
+        if expected is not None and tuple(shape) != tuple(expected):
+            raise ValueError(
+                f"set_priors: the prior of {name!r} has shape {tuple(shape)}, but the site "
+                f"has shape {tuple(expected)}"
+            )
+        targets.append((parent, leaf, prior))
+    for parent, leaf, prior in targets:
+        setattr(parent, leaf, PyroSample(prior))
+    return model

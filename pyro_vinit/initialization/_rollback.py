@@ -1,0 +1,70 @@
+"""Leaving a guide (and the param store) exactly as it was when an initializer fails."""
+
+from typing import List, Tuple
+
+import pyro
+import torch
+
+
+class GuideRollback:
+    """
+    Restores a guide (and the param store) if the block raises: for a guide
+    that was not set up before the block, its not-set-up state (the
+    parameters that setting it up created are removed from it and from the
+    param store), so that a corrected call can set it up anew; and, once
+    :meth:`checkpoint` has been called, every parameter value bit for bit.
+
+    The values are copied only at :meth:`checkpoint`, which the caller calls
+    right before its first write, so that the copy does not add to the
+    memory of the work before it (nothing may be written before).
+    """
+
+    def __init__(self, guide) -> None:
+        self.guide = guide
+
+    def __enter__(self) -> "GuideRollback":
+        store = pyro.get_param_store()
+        self._names = set(store.keys())
+        self._attrs = dict(self.guide.__dict__)
+        self._containers = {
+            key: dict(self._attrs[key])
+            for key in ("_modules", "_parameters", "_buffers", "_pyro_params")
+            if isinstance(self._attrs.get(key), dict)
+        }
+        self._values: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        return self
+
+    @torch.no_grad()
+    def checkpoint(self) -> None:
+        """Copies every parameter of the guide and the param store (once each)."""
+        seen = set()
+        params = list(self.guide.parameters()) + [
+            p for _, p in pyro.get_param_store().named_parameters()
+        ]
+        for param in params:
+            if id(param) not in seen:
+                seen.add(id(param))
+                self._values.append((param, param.detach().clone()))
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        if exc_type is None:
+            return
+        with torch.no_grad():
+            for param, value in self._values:
+                param.copy_(value)
+            store = pyro.get_param_store()
+            for name in set(store.keys()) - self._names:
+                del store[name]
+            self.guide.__dict__.clear()
+            self.guide.__dict__.update(self._attrs)
+            self.guide.__dict__.update(self._containers)
+
+
+@torch.no_grad()
+def write_param(name: str, unconstrained: torch.Tensor) -> None:
+    """Sets the unconstrained value of the param-store entry ``name`` in place."""
+    for key, param in pyro.get_param_store().named_parameters():
+        if key == name:
+            param.copy_(unconstrained.to(param).reshape(param.shape))
+            return
+    raise KeyError(f"no param {name!r} in the param store")

@@ -1,0 +1,201 @@
+"""
+Which torch calls are a Bayesian layer: ``F.linear`` and ``F.conv1d/2d/3d``,
+and the matrix-product spellings of a linear layer (``x @ w``,
+``torch.matmul``, ``torch.mm``, ``torch.addmm``, a two-operand
+``torch.einsum`` with one contracted index), each read as the equivalent
+``F.linear`` call.
+
+Shared by the layer recorder of the initializers
+(:mod:`~pyro_vinit.poutine.layer_recorder`) and the weight-noise handlers
+(:mod:`~pyro_vinit.poutine.layer_call_messenger`).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LAYER_OPS", "MATMUL_OPS", "LayerCall", "parse_layer_call", "parse_matmul"]
+
+_T = torch.Tensor
+
+# op -> (name, positional parameter names after (input, weight, bias))
+LAYER_OPS: Dict[Callable, Tuple[str, Tuple[str, ...]]] = {
+    F.linear: ("linear", ()),
+    F.conv1d: ("conv1d", ("stride", "padding", "dilation", "groups")),
+    F.conv2d: ("conv2d", ("stride", "padding", "dilation", "groups")),
+    F.conv3d: ("conv3d", ("stride", "padding", "dilation", "groups")),
+}
+_CONV_DEFAULTS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+#: Matrix products that :func:`parse_matmul` can read as a linear layer.
+MATMUL_OPS = {
+    torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm,
+    torch.addmm, _T.addmm, torch.einsum,
+}
+
+
+@dataclass
+class LayerCall:
+    """
+    One layer call: an ``F.linear`` / ``F.conv*d`` call, or a matrix product
+    read as the equivalent ``F.linear`` call.
+
+    :ivar str op: ``"linear"``, ``"conv1d"``, ``"conv2d"`` or ``"conv3d"``.
+    :ivar torch.Tensor input: The layer's input, as ``F.<op>`` takes it.
+    :ivar torch.Tensor weight: The weight, as ``F.<op>`` takes it
+        (``(out, in)`` for linear): for a matrix product ``x @ w`` this is
+        ``w.t()``, see :attr:`transposed`.
+    :ivar bias: The bias tensor, or None.
+    :ivar dict kwargs: The op's remaining arguments (``stride``, ``padding``,
+        ``dilation``, ``groups`` for convolutions, with defaults filled in).
+    :ivar bool transposed: Whether :attr:`weight` is the transpose of the
+        tensor the program passed (a matrix product ``x @ w`` with ``w`` of
+        shape ``(in, out)``).
+    :ivar str source: The name of the torch function that was called.
+    :ivar list weight_msgs: The sample-site messages whose value *is* the
+        weight the program passed, in the order they were seen (the message
+        whose distribution drew the value first). Empty for a plain tensor.
+    :ivar list bias_msgs: The same for ``bias``.
+    """
+
+    op: str
+    input: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    transposed: bool = False
+    source: str = ""
+    weight_msgs: List[dict] = field(default_factory=list)
+    bias_msgs: List[dict] = field(default_factory=list)
+
+    def __call__(
+        self,
+        input: Optional[torch.Tensor] = None,
+        weight: Optional[torch.Tensor] = None,
+        bias: Any = None,
+    ) -> torch.Tensor:
+        """Runs the op with the call's arguments, optionally replacing
+        ``input``, ``weight`` (in the op's layout) and ``bias`` (pass
+        ``bias=False`` for none)."""
+        from pyro_vinit.poutine._site_value import unwrap
+
+        input = self.input if input is None else input
+        weight = self.weight if weight is None else weight
+        bias = self.bias if bias is None else (None if bias is False else bias)
+        return getattr(F, self.op)(*unwrap((input, weight, bias)), **self.kwargs)
+
+    @property
+    def weight_name(self) -> Optional[str]:
+        """The model's sample-site name of the weight, or None."""
+        return self.weight_msgs[-1]["name"] if self.weight_msgs else None
+
+    @property
+    def bias_name(self) -> Optional[str]:
+        """The model's sample-site name of the bias, or None."""
+        return self.bias_msgs[-1]["name"] if self.bias_msgs else None
+
+
+def parse_layer_call(func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]):
+    """
+    ``(op, input, weight, bias, op_kwargs)`` of an ``F.linear`` /
+    ``F.conv*d`` call, with the conv defaults filled in, or None for any
+    other function.
+    """
+    spec = LAYER_OPS.get(func)
+    if spec is None:
+        return None
+    op, names = spec
+    args, kwargs = list(args), dict(kwargs)
+    input = args[0] if args else kwargs.pop("input")
+    weight = args[1] if len(args) > 1 else kwargs.pop("weight")
+    bias = args[2] if len(args) > 2 else kwargs.pop("bias", None)
+    extra = dict(zip(names, args[3:]))
+    extra.update(kwargs)
+    if op != "linear":
+        for key, default in _CONV_DEFAULTS.items():
+            extra.setdefault(key, default)
+    return op, input, weight, bias, extra
+
+
+def _einsum_as_linear(equation: str, a: torch.Tensor, b: torch.Tensor, is_weight: Callable):
+    # "...i,io->...o" style: one operand is a 2-d weight, exactly one index is contracted,
+    # and the output is the input's free indices followed by the weight's free index.
+    equation = equation.replace(" ", "")
+    if "->" not in equation or equation.count(",") != 1:
+        return None
+    lhs, out = equation.split("->")
+    left, right = lhs.split(",")
+    for inp, w, spec_in, spec_w in ((a, b, left, right), (b, a, right, left)):
+        if not is_weight(w) or len(spec_w) != 2 or "." in spec_w or is_weight(inp):
+            continue
+        shared = [c for c in spec_w if c in spec_in]
+        letters = spec_in.replace(".", "")
+        if len(shared) != 1 or shared[0] in out or len(set(letters)) != len(letters):
+            continue
+        k = shared[0]
+        o = spec_w.replace(k, "")
+        free_in = spec_in.replace(k, "")
+        if out != free_in + o or o in spec_in:
+            continue
+        # move the contracted index of the input last
+        if "." in free_in:
+            if not spec_in.endswith(k):
+                continue
+            x = inp
+        else:
+            x = inp.permute([spec_in.index(c) for c in free_in] + [spec_in.index(k)])
+        transposed = spec_w.index(k) == 0  # weight given as (in, out)
+        return x, w, transposed
+    return None
+
+
+def parse_matmul(
+    func: Callable, args: Sequence[Any], kwargs: Dict[str, Any], is_weight: Callable
+):
+    """
+    Reads a matrix product of an input and a 2-d weight (``is_weight(t)``
+    true for the weight, not for the input) as a linear layer: returns
+    ``(input, weight, transposed, bias)``, where ``weight`` is the program's
+    tensor, ``weight.t()`` if ``transposed`` else ``weight`` is the
+    ``(out, in)`` matrix ``F.linear`` takes, ``input`` has the contracted
+    dim last, and ``bias`` is the added vector of ``torch.addmm`` (any other
+    ``addmm`` is not read as a layer); or None if the call is not a linear
+    layer.
+    """
+    if func is torch.einsum:
+        if len(args) == 3 and isinstance(args[0], str) and not kwargs:
+            equation, a, b = args
+        elif len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], (list, tuple)):
+            equation, (a, b) = args[0], args[1]
+        else:
+            return None
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return None
+        found = _einsum_as_linear(equation, a, b, is_weight)
+        if found is None:
+            return None
+        return found + (None,)
+    if func not in MATMUL_OPS:
+        return None
+    bias = None
+    if func in (torch.addmm, _T.addmm):
+        if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 or len(args) != 3:
+            return None
+        bias, x, w = args
+        if not (isinstance(bias, torch.Tensor) and bias.dim() == 1):
+            return None
+    elif func is _T.__rmatmul__:
+        if len(args) != 2:
+            return None
+        w, x = args
+    else:
+        if len(args) != 2 or kwargs:
+            return None
+        x, w = args
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return None
+    if not is_weight(w) or is_weight(x) or w.dim() != 2 or x.dim() < 1:
+        return None
+    return x, w, True, bias

@@ -1,0 +1,429 @@
+"""
+Recording the Bayesian layers of a model run, and how their outputs flow
+into the likelihood: the tracer behind the data-driven initializers.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+from torch.overrides import TorchFunctionMode
+
+from pyro_vinit.poutine._layer_ops import LayerCall, parse_layer_call, parse_matmul
+
+__all__ = ["LayerRecorderMessenger", "RecordedLayer", "StopModel", "norm_statistics"]
+
+_T = torch.Tensor
+
+# Functions that only read metadata: passed straight through.
+_METADATA = {
+    _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__,
+    _T.requires_grad.__get__, _T.is_leaf.__get__, _T.grad_fn.__get__, _T.layout.__get__,
+    _T.dim, _T.size, _T.numel, _T.__len__, _T.is_floating_point, _T.data_ptr,
+    _T.__hash__, _T.__bool__, _T.item, _T.tolist, _T.stride, _T.storage_offset,
+    _T.is_contiguous, _T.element_size, _T.get_device, _T._version.__get__,
+}
+
+# Operations after which a tensor holds the same elements in another layout
+# (or dtype): a site value passed through them is still "the weight".
+_RELAYOUT = {
+    _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
+    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.T.__get__,
+    _T.mT.__get__, _T.movedim, torch.reshape, torch.transpose, torch.t, torch.permute,
+    torch.flatten, torch.squeeze, torch.unsqueeze, torch.movedim, torch.swapaxes,
+    _T.swapaxes,
+}
+_SAME_VALUES = {
+    _T.to, _T.float, _T.double, _T.half, _T.bfloat16, _T.type, _T.clone, _T.detach,
+    _T.contiguous, torch.clone,
+}
+_ADDS = {_T.__add__, _T.__radd__, _T.add, torch.add}
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+             F.feature_alpha_dropout}
+
+
+class StopModel(Exception):
+    """Raised by a hook of :class:`LayerRecorderMessenger` to stop the model
+    run once it has what it needs; the messenger swallows it on exit."""
+
+
+@dataclass
+class _Derived:
+    """A tensor holding a site value's elements in another layout: ``index``
+    gives, for each of its elements (flattened), the flat index in the site
+    value, or is None for the site value itself (possibly cast)."""
+
+    name: str
+    root_shape: torch.Size
+    index: Optional[torch.Tensor]
+
+
+@dataclass
+class RecordedLayer:
+    """
+    A layer call whose weight is a latent sample site (in the op's layout,
+    see :class:`~pyro_vinit.poutine._layer_ops.LayerCall`).
+
+    :ivar LayerCall call: The call, with its input.
+    :ivar str weight_name: The weight's sample site.
+    :ivar weight_index: Flat index into the site value of each element of
+        ``call.weight`` (flattened), or None when the layouts agree.
+    :ivar bias_name: A latent bias site, or None.
+    :ivar bias_index: As ``weight_index``, for the bias.
+    :ivar fixed_bias: A bias that is not a latent site (a parameter), or None.
+    """
+
+    call: LayerCall
+    weight_name: str
+    weight_index: Optional[torch.Tensor] = None
+    bias_name: Optional[str] = None
+    bias_index: Optional[torch.Tensor] = None
+    fixed_bias: Optional[torch.Tensor] = None
+    output: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def site_names(self) -> Tuple[str, ...]:
+        return (self.weight_name,) + ((self.bias_name,) if self.bias_name else ())
+
+
+def _relayout_index(derived: _Derived, func, args, kwargs) -> Optional[torch.Tensor]:
+    # Replaying the op on the flat indices of the site value tells where each element went.
+    shape = derived.root_shape
+    base = torch.arange(shape.numel()).reshape(shape) if derived.index is None else derived.index
+    out = func(base, *args[1:], **kwargs)
+    return out if isinstance(out, torch.Tensor) else None
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, recorder: "LayerRecorderMessenger"):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            return func(*args, **(kwargs or {}))
+        return self.recorder._torch_function(func, args, kwargs or {})
+
+
+class LayerRecorderMessenger(Messenger):
+    r"""
+    Effect handler that records the model's Bayesian layers: every
+    ``F.linear`` / ``F.conv1d/2d/3d`` call, and every linear layer written
+    as a matrix product (``x @ w``, ``torch.matmul``, ``torch.mm``,
+    ``torch.addmm``, a two-operand ``torch.einsum`` with one contracted
+    index), whose weight is the value of one of the ``latent`` sample sites
+    (also reshaped, transposed or cast before the call), with its bias: a
+    latent site, a plain tensor, or, after a matrix product, a latent vector
+    added to its output.
+
+    Usage::
+
+        latent = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+        with LayerRecorderMessenger(latent) as rec:
+            pyro.poutine.condition(model, data=guide.median())(x, y)
+        [layer.weight_name for layer in rec.layers]  # ["net.0.weight", "net.2.weight"]
+
+    It is meant for one-off passes over a model whose latent sites are set
+    (e.g. by :func:`pyro.poutine.condition`), such as an initializer's: it
+    intercepts calls with a :class:`torch.overrides.TorchFunctionMode`, so
+    every torch function in its context pays a Python call. While active,
+
+    * dropout is off (``F.dropout*`` return their input), so that a pass is
+      deterministic;
+    * ``F.batch_norm`` normalizes with the statistics of the batch at hand
+      and leaves the running statistics alone (see
+      :func:`norm_statistics` to collect them);
+    * :attr:`subsampled_plates` records every subsampled
+      :class:`~pyro.plate` (name -> ``(size, subsample_size)``), and with
+      ``plate_subsample=rows`` such a plate whose ``subsample_size`` is
+      ``len(rows)`` takes the indices ``rows`` instead of a random draw, so
+      that a caller can walk through all the data in blocks;
+    * with ``track_flow=True`` it follows, through every torch operation,
+      which layers' outputs (not through another layer), latent sites and
+      params each tensor depends on, and :attr:`likelihood_flow` tells, for
+      each parameter of the observed site's distribution, where it comes
+      from.
+
+    Subclasses (or callers, through :attr:`on_layer`) can return a layer's
+    output or raise :class:`StopModel` to stop the run.
+
+    :param latent: Names of the latent sample sites whose values are weights.
+    :param bool track_flow: Follow the data flow (costs a set union per op).
+    :param torch.Tensor plate_subsample: See above; None leaves plates alone.
+    :param dict norm_statistics: If given, the input statistics of every
+        ``F.batch_norm`` call are accumulated in it, across runs (see
+        :func:`norm_statistics`).
+    """
+
+    def __init__(
+        self,
+        latent: Collection[str],
+        *,
+        track_flow: bool = False,
+        plate_subsample: Optional[torch.Tensor] = None,
+        norm_statistics: Optional[Dict[int, list]] = None,
+        on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
+    ):
+        super().__init__()
+        self.latent = set(latent)
+        self.track_flow = track_flow
+        self.plate_subsample = plate_subsample
+        self.subsampled_plates: Dict[str, Tuple[int, int]] = {}
+        self.num_batch_norms = 0
+        self.on_layer = on_layer
+        self.layers: List[RecordedLayer] = []
+        #: distribution parameter name -> tokens ("layer", i) / ("site", name) / ("param", name)
+        self.likelihood_flow: Dict[str, FrozenSet[tuple]] = {}
+        self.observed: List[dict] = []
+        self._sites: Dict[int, Tuple[torch.Tensor, _Derived]] = {}
+        self._flow: Dict[int, Tuple[torch.Tensor, FrozenSet[tuple]]] = {}
+        self._open_matmuls: Dict[int, Tuple[torch.Tensor, RecordedLayer]] = {}
+        self._norm_stats = norm_statistics
+        self._mode: Optional[_Mode] = None
+
+    # ------------------------------------------------------------ context
+
+    def __enter__(self):
+        result = super().__enter__()
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return result
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(exc_type, exc_value, traceback)
+        finally:
+            self._mode = None
+            super().__exit__(exc_type, exc_value, traceback)
+        return exc_type is not None and issubclass(exc_type, StopModel)
+
+    # ------------------------------------------------------------ pyro messages
+
+    def _pyro_sample(self, msg: dict) -> None:
+        if not site_is_subsample(msg) or msg["value"] is not None:
+            return
+        fn = msg["fn"]
+        if fn.subsample_size is not None and fn.subsample_size < fn.size:
+            self.subsampled_plates[msg["name"]] = (fn.size, fn.subsample_size)
+            rows = self.plate_subsample
+            if rows is not None and len(rows) == fn.subsample_size and len(rows) and (
+                int(rows.max()) < fn.size
+            ):
+                msg["value"] = rows.to(fn.device) if fn.device is not None else rows
+
+    def _pyro_post_sample(self, msg: dict) -> None:
+        value = msg["value"]
+        if not isinstance(value, torch.Tensor) or site_is_subsample(msg):
+            return
+        if msg["infer"].get("_deterministic"):
+            return
+        name = msg["name"]
+        if msg["is_observed"] and name not in self.latent:
+            self.observed.append(msg)
+            if self.track_flow:
+                self._record_likelihood_flow(msg)
+            return
+        if name in self.latent:
+            self._sites[id(value)] = (value, _Derived(name, value.shape, None))
+            if self.track_flow:
+                self._set_flow(value, frozenset({("site", name)}))
+
+    def _pyro_post_param(self, msg: dict) -> None:
+        if self.track_flow and isinstance(msg["value"], torch.Tensor):
+            self._set_flow(msg["value"], frozenset({("param", msg["name"])}))
+
+    def _record_likelihood_flow(self, msg: dict) -> None:
+        fn = msg["fn"]
+        while hasattr(fn, "base_dist"):
+            fn = fn.base_dist
+        fn = getattr(fn, "_categorical", fn)  # OneHotCategorical
+        for name in getattr(fn, "arg_constraints", {}):
+            value = fn.__dict__.get(name)  # only parameters given (lazy ones are derived)
+            if isinstance(value, torch.Tensor):
+                self.likelihood_flow[name] = self._get_flow(value)
+
+    # ------------------------------------------------------------ flow
+
+    def _set_flow(self, tensor: torch.Tensor, tokens: FrozenSet[tuple]) -> None:
+        self._flow[id(tensor)] = (tensor, tokens)
+
+    def _get_flow(self, tensor: Any) -> FrozenSet[tuple]:
+        entry = self._flow.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else frozenset()
+
+    def _union_flow(self, items) -> FrozenSet[tuple]:
+        tokens: frozenset = frozenset()
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                tokens = tokens | self._get_flow(item)
+            elif isinstance(item, (tuple, list)):
+                tokens = tokens | self._union_flow(item)
+            elif isinstance(item, dict):
+                tokens = tokens | self._union_flow(item.values())
+        return tokens
+
+    def _tag_outputs(self, out: Any, tokens: FrozenSet[tuple]) -> None:
+        if not tokens:
+            return
+        if isinstance(out, torch.Tensor):
+            self._set_flow(out, tokens | self._get_flow(out))
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                self._tag_outputs(item, tokens)
+
+    # ------------------------------------------------------------ torch functions
+
+    def _site_of(self, tensor: Any) -> Optional[_Derived]:
+        entry = self._sites.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else None
+
+    def _torch_function(self, func, args, kwargs):
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.batch_norm:
+            out = self._batch_norm(args, kwargs)
+        else:
+            out = self._layer(func, args, kwargs)
+            if out is None:
+                out = func(*args, **kwargs)
+                self._after(func, args, kwargs, out)
+                return out
+        if self.track_flow and func is F.batch_norm:
+            self._tag_outputs(out, self._union_flow(args) | self._union_flow(kwargs.values()))
+        return out
+
+    def _after(self, func, args, kwargs, out) -> None:
+        source = args[0] if args else None
+        derived = self._site_of(source) if isinstance(source, torch.Tensor) else None
+        if derived is not None and isinstance(out, torch.Tensor):
+            if func in _SAME_VALUES:
+                self._sites[id(out)] = (out, derived)
+            elif func in _RELAYOUT:
+                index = _relayout_index(derived, func, args, kwargs)
+                if index is not None:
+                    self._sites[id(out)] = (out, _Derived(derived.name, derived.root_shape, index))
+        if func in _ADDS and len(args) == 2 and self._open_matmuls:
+            self._matmul_bias(args, out)
+        if not self.track_flow:
+            return
+        if func is torch.broadcast_tensors:
+            # element-wise: Normal(loc, scale) broadcasts its parameters together
+            for item, result in zip(args, out):
+                self._tag_outputs(result, self._union_flow([item]))
+        else:
+            self._tag_outputs(out, self._union_flow(args) | self._union_flow(kwargs.values()))
+
+    def _layer(self, func, args, kwargs) -> Optional[torch.Tensor]:
+        parsed = parse_layer_call(func, args, kwargs)
+        if parsed is not None:
+            op, x, program_weight, bias, extra = parsed
+            transposed = False
+            if self._site_of(program_weight) is None:
+                return None
+        else:
+            found = parse_matmul(func, args, kwargs, lambda t: self._site_of(t) is not None)
+            if found is None:
+                return None
+            x, program_weight, transposed, bias = found
+            op, extra = "linear", {}
+        derived = self._site_of(program_weight)
+        weight = program_weight.t() if transposed else program_weight
+        index = self._layer_index(derived, transposed)
+        source = getattr(func, "__name__", str(func))
+        call = LayerCall(op, x, weight, bias, extra, transposed, source)
+        layer = RecordedLayer(call, derived.name, index)
+        if bias is not None:
+            bias_derived = self._site_of(bias)
+            if bias_derived is not None and bias.dim() == 1:
+                layer.bias_name = bias_derived.name
+                layer.bias_index = bias_derived.index
+            else:
+                layer.fixed_bias = bias.detach()
+        self.layers.append(layer)
+        out = self.on_layer(layer) if self.on_layer is not None else None
+        if out is None:
+            out = call()
+        layer.output = out
+        if parsed is None and bias is None:
+            self._open_matmuls[id(out)] = (out, layer)
+        if self.track_flow:
+            self._set_flow(out, frozenset({("layer", len(self.layers) - 1)}))
+        return out
+
+    def _layer_index(self, derived: _Derived, transposed: bool) -> Optional[torch.Tensor]:
+        index = derived.index
+        if transposed:
+            if index is None:
+                index = torch.arange(derived.root_shape.numel()).reshape(derived.root_shape)
+            index = index.t()
+        if index is not None:
+            flat = index.reshape(-1)
+            identity = torch.arange(flat.numel())
+            if flat.numel() != derived.root_shape.numel() or not torch.equal(
+                flat.sort().values, identity
+            ):
+                raise ValueError(
+                    f"the weight of sample site {derived.name!r} reaches a layer call through "
+                    "an operation that repeats or drops elements; pass it to the layer whole "
+                    "(reshaped or transposed at most)"
+                )
+            if torch.equal(flat, identity):
+                index = None
+        return index
+
+    def _matmul_bias(self, args, out) -> None:
+        # x @ w + b: a latent vector b added to an open matrix product is its bias.
+        for a, b in (args, args[::-1]):
+            entry = self._open_matmuls.get(id(a))
+            if entry is None or entry[0] is not a:
+                continue
+            layer = entry[1]
+            derived = self._site_of(b)
+            if derived is None or derived.index is not None:
+                continue
+            if b.dim() == 1 and b.shape[0] == layer.call.weight.shape[0]:
+                layer.bias_name = derived.name
+                layer.call.bias = b
+                del self._open_matmuls[id(a)]
+                layer.output = out
+                if self.track_flow:
+                    self._set_flow(out, self._get_flow(a))
+                return
+
+    def _batch_norm(self, args, kwargs) -> torch.Tensor:
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training",
+                 "momentum", "eps")
+        params = dict(zip(names, args))
+        params.update(kwargs)
+        x = params["input"]
+        running_mean = params.get("running_mean")
+        self.num_batch_norms += 1
+        if self._norm_stats is not None and running_mean is not None:
+            dims = [0] + list(range(2, x.dim()))
+            stats = self._norm_stats.setdefault(
+                id(running_mean), [running_mean, params.get("running_var"), 0, 0.0, 0.0]
+            )
+            n = x.numel() // x.shape[1]
+            stats[2] += n
+            stats[3] = stats[3] + x.sum(dims)
+            stats[4] = stats[4] + (x * x).sum(dims)
+        return F.batch_norm(
+            x, None, None, params.get("weight"), params.get("bias"), True, 0.0,
+            params.get("eps", 1e-5),
+        )
+
+
+def norm_statistics(accumulated: Dict[int, list]) -> List[Tuple[torch.Tensor, ...]]:
+    """``(running_mean, running_var, mean, var)`` for each ``F.batch_norm`` call
+    whose statistics a :class:`LayerRecorderMessenger` accumulated: the
+    module's buffers and the mean and unbiased variance of their inputs."""
+    found = []
+    for running_mean, running_var, n, total, squares in accumulated.values():
+        mean = total / n
+        var = (squares / n - mean * mean).clamp_min(0) * (n / max(n - 1, 1))
+        found.append((running_mean, running_var, mean, var))
+    return found

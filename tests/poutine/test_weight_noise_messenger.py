@@ -1,0 +1,166 @@
+"""What LocalReparamMessenger and FlipoutMessenger share: the report of the
+sites they could not treat, vectorized particles, torch.compile."""
+
+import re
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.nn import PyroModule, PyroSample
+from pyro.optim import Adam
+from torch import nn
+
+from pyro_vinit import AutoKTiedNormal
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.poutine import flipout, local_reparam
+
+HANDLERS = [local_reparam, flipout]
+
+
+def _named_sites(message: str) -> set:
+    return set(re.findall(r"^  '([^']+)':", message, flags=re.M))
+
+
+_ATTENTION = {"net.self_attn.in_proj_weight", "net.self_attn.out_proj.weight"}
+
+
+class _Encoder(PyroModule):
+    # A bayesianized nn.TransformerEncoderLayer: its feed-forward layers and the
+    # attention's output projection are nn.Linear, so latent, and the attention's input
+    # projection is made latent by hand; both projections are used inside
+    # F.multi_head_attention_forward, never by a layer call the handlers see.
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                           batch_first=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "bayesianize: the parameters")
+            self.net = bayesianize(layer)
+        self.net.self_attn.in_proj_weight = PyroSample(
+            dist.Normal(0.0, 0.3).expand([24, 8]).to_event(2)
+        )
+
+    def forward(self, x, y=None):
+        h = self.net(x).mean((-2, -1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(h, 1.0), obs=y)
+        return h
+
+
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoDiagonalNormal, AutoKTiedNormal])
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_transformer_names_unreached_weight(handler, guide_class):
+    x, y = torch.randn(4, 5, 8), torch.randn(4)
+    model = _Encoder()
+    guide = guide_class(model)
+    svi = SVI(model, guide, Adam({"lr": 0.01}), Trace_ELBO())
+    with pytest.raises(ValueError) as error:
+        with handler(strict=True):
+            svi.step(x, y)
+    message = str(error.value)
+    # the model's name, never the guide's internal sites (*_unconstrained, *_latent)
+    assert _named_sites(message) == _ATTENTION
+    assert "never reached a layer call" in message
+    assert "unconstrained" not in message and "_latent" not in message
+
+    # Without strict: one warning naming it, once per handler.
+    step = handler(svi.step)
+    with pytest.warns(UserWarning) as record:
+        step(x, y)
+    ours = [str(w.message) for w in record if "latent site(s)" in str(w.message)]
+    assert len(ours) == 1 and _named_sites(ours[0]) == _ATTENTION
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(x, y)
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_one_report_lists_untreated_and_unreached(handler):
+    x = torch.randn(3, 4)
+
+    def model():
+        normal = dist.Normal(torch.zeros(2, 4), 1.0).to_event(2)
+        h = F.linear(x, pyro.sample("treated", normal))
+        g = F.linear(x, pyro.sample("repeated", dist.Normal(torch.zeros(1, 4), 1.0)
+                                    .to_event(2)).expand(2, 4))
+        scale = pyro.sample("elementwise", normal)  # 2-d, never in a layer
+        bias = pyro.sample("bias", dist.Normal(torch.zeros(2), 1.0).to_event(1))  # 1-d
+        return (h + g) * scale.sum(-1) + bias
+
+    with pytest.raises(ValueError) as error:
+        with handler(strict=True):
+            model()
+    message = str(error.value)
+    assert _named_sites(message) == {"repeated", "elementwise"}
+    assert "'repeated': its value is transformed (by expand)" in message
+    assert "'elementwise': it never reached a layer call" in message
+    with pytest.warns(UserWarning, match="2 latent site"):
+        with handler():
+            model()
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_no_report_after_an_error(handler):
+    # An exception in the body is not masked by the report.
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(2, 4), 1.0).to_event(2))
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError):
+        with handler(strict=True):
+            model()
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_vectorized_particles_refused_before_the_model_runs(handler):
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    model = BayesianClassifier(bayesianize(mlp((4, 8, 3))))
+    guide = AutoNormal(model)
+    guide(x, y)
+    calls = []
+    model.net.register_forward_pre_hook(lambda *args: calls.append(1))
+    elbo = Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1)
+    with pytest.raises(ValueError, match="vectorize_particles=False"):
+        with handler():
+            elbo.differentiable_loss(model, guide, x, y)
+    assert calls == []
+    # one particle after another works
+    elbo = Trace_ELBO(num_particles=3, max_plate_nesting=1)
+    with handler(strict=True):
+        assert torch.isfinite(elbo.differentiable_loss(model, guide, x, y))
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("elbo", [Trace_ELBO, TraceMeanField_ELBO])
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_compiled_loss_equals_eager(handler, elbo):
+    # Issue 13: torch.compile of a loss under the handler crashed (a stride-0 stand-in
+    # failed Dynamo's guard). The handler runs eagerly inside the compiled function, so
+    # with the same seed the loss and its gradients are those of the eager run (the
+    # first, compiling call may draw a deferred weight earlier: compared from the next).
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model = BayesianClassifier(bayesianize(mlp((4, 8, 3))))
+    guide = AutoKTiedNormal(model)
+    guide(x, y)
+    loss_fn = elbo().differentiable_loss
+
+    def loss(x, y):
+        with handler(strict=True):
+            return loss_fn(model, guide, x, y)
+
+    compiled = torch.compile(loss, backend="eager")
+    compiled(x, y)
+    results = []
+    for fn in (compiled, loss):
+        pyro.set_rng_seed(1)
+        value = fn(x, y)
+        grads = torch.autograd.grad(value, list(guide.parameters()))
+        results.append((value, grads))
+    (value, grads), (eager_value, eager_grads) = results
+    assert torch.equal(value, eager_value)
+    assert all(torch.equal(g, e) for g, e in zip(grads, eager_grads))

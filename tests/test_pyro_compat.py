@@ -1,0 +1,224 @@
+"""Fails loudly if Pyro changes what pyro_vinit._pyro_compat and the flat-latent
+layout of pyro_vinit.guides.site_params rely on."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Trace_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import (
+    AutoDiagonalNormal,
+    AutoGuide,
+    AutoLowRankMultivariateNormal,
+    AutoNormal,
+)
+from pyro.nn import PyroModule, PyroParam
+from pyro.poutine.messenger import Messenger
+
+from pyro_vinit._pyro_compat import (
+    deep_setattr,
+    helpful_support_errors,
+    is_vectorized_particles,
+    prefill_log_prob,
+    scale_and_mask,
+    unconstrained_param,
+)
+from pyro_vinit.guides import site_params
+
+
+def model():
+    pyro.sample("a", dist.Normal(torch.zeros(2, 3), 1.0).to_event(2))
+    pyro.sample("simplex", dist.Dirichlet(torch.ones(4)))  # 3 unconstrained elements
+    pyro.sample("b", dist.LogNormal(torch.zeros(5), 1.0).to_event(1))
+
+
+def test_unconstrained_param_is_the_trained_parameter():
+    guide = AutoNormal(model)
+    guide()
+    param = unconstrained_param(guide.scales, "a")
+    assert param is dict(guide.named_parameters())["scales.a_unconstrained"]
+    # ... and the tensor the param store (hence SVI's optimizer) holds.
+    assert param is pyro.get_param_store().get_param("AutoNormal.scales.a").unconstrained()
+    assert torch.allclose(torch.nn.functional.softplus(param), guide.scales.a)
+
+
+def test_flat_latent_layout():
+    # site_params slices AutoContinuous's flat latent in trace order; Pyro's own
+    # median() unpacks it: the two must agree site by site.
+    for Guide in (AutoDiagonalNormal, AutoLowRankMultivariateNormal):
+        guide = Guide(model)
+        guide()
+        with torch.no_grad():
+            guide.loc.copy_(torch.arange(guide.latent_dim, dtype=guide.loc.dtype) / 10)
+        median = guide.median()
+        for name, site in site_params.latent_sites(guide).items():
+            loc, _ = site_params.get_loc_and_scale(guide, name)
+            expected = torch.distributions.biject_to(site["fn"].support)(loc)
+            assert torch.allclose(median[name], expected), name
+
+
+# ------------------------------------------------- what the poutine handlers rely on
+
+
+class _Prefill(Messenger):
+    # Stores the log density of the guide's site (a Normal) ahead of time, as
+    # LocalReparamMessenger does for a deferred weight; like it, it runs outside the
+    # ELBO, so its post-processing comes before the ELBO's trace records the site.
+    def __init__(self, constant):
+        super().__init__()
+        self.constant = constant
+
+    def _pyro_post_sample(self, msg):
+        if isinstance(msg["fn"].base_dist, dist.Normal):
+            value = torch.full(msg["fn"].batch_shape, self.constant)
+            scaled = scale_and_mask(value, msg["scale"], msg["mask"])
+            prefill_log_prob(msg, value, scaled, scaled.sum())
+
+
+@pytest.mark.parametrize("elbo", [Trace_ELBO, TraceMeanField_ELBO, TraceGraph_ELBO])
+def test_prefilled_log_prob_is_kept(elbo):
+    # The guide's draw is z up to 1e-6; a Normal guide and a StudentT prior have no
+    # closed-form KL, so every ELBO reads the guide's log density from the site.
+    z = torch.tensor([0.5, -0.5])
+    prior = dist.StudentT(3.0, torch.zeros(2), 1.0).to_event(1)
+
+    def model():
+        pyro.sample("z", prior)
+
+    def guide():
+        pyro.sample("z", dist.Normal(z, 1e-6).to_event(1))
+
+    expected = -(prior.log_prob(z) + 7.0)
+    with _Prefill(-7.0):
+        losses = [elbo().loss_and_grads(model, guide)]
+        if hasattr(elbo, "differentiable_loss"):
+            losses.append(elbo().differentiable_loss(model, guide))
+    for loss in losses:
+        assert torch.allclose(torch.as_tensor(loss), expected, atol=1e-4), (
+            f"{elbo.__name__} recomputed a guide site's log density although its message "
+            "already had one: pyro_vinit._pyro_compat.prefill_log_prob no longer works "
+            "with this Pyro (LocalReparamMessenger relies on it)"
+        )
+
+
+def test_trace_keeps_prefilled_entries():
+    def guide():
+        pyro.sample("z", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+    trace = pyro.poutine.trace(guide).get_trace()
+    site = trace.nodes["z"]
+    sentinel = torch.full((), -3.0)
+    prefill_log_prob(site, sentinel, sentinel, sentinel)
+    trace.compute_log_prob()
+    trace.compute_score_parts()
+    assert site["log_prob"] is sentinel and site["unscaled_log_prob"] is sentinel
+    assert site["score_parts"].log_prob is sentinel
+    assert trace.log_prob_sum() == sentinel
+
+
+def test_vectorized_particle_plate_is_recognized():
+    frames = []
+
+    class Record(Messenger):
+        def _pyro_post_sample(self, msg):
+            frames.extend(msg["cond_indep_stack"])
+
+    def model():
+        with Record():
+            pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    def guide():
+        pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    Trace_ELBO(num_particles=3, vectorize_particles=True).differentiable_loss(model, guide)
+    assert any(is_vectorized_particles(frame) for frame in frames), (
+        "an ELBO with vectorize_particles=True no longer runs the model in a plate "
+        "named 'num_particles_vectorized': update pyro_vinit._pyro_compat"
+    )
+    frames.clear()
+    Trace_ELBO(num_particles=3).differentiable_loss(model, guide)
+    assert frames == [] or not any(is_vectorized_particles(frame) for frame in frames)
+
+
+def test_scale_and_mask():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    mask = torch.tensor([True, False, True])
+    assert torch.equal(scale_and_mask(x, 2.0, mask), torch.tensor([2.0, 0.0, 6.0]))
+    assert scale_and_mask(x, 1.0, None) is x
+
+
+def test_deep_setattr_and_helpful_support_errors():
+    module = PyroModule()
+    deep_setattr(module, "a.b", PyroParam(torch.ones(2)))
+    assert torch.equal(module.a.b, torch.ones(2))
+
+    site = {"name": "w", "fn": dist.Categorical(logits=torch.zeros(3))}
+    with pytest.raises(ValueError, match="discrete sample site 'w'"):
+        with helpful_support_errors(site):
+            raise NotImplementedError("no transform")
+
+
+def test_autonormal_delta_follows_the_auxiliary_value():
+    # LayerCallMessenger follows the Delta that AutoNormal puts at a real-support site
+    # to the Normal of its auxiliary <name>_unconstrained site, through Delta.v.
+    guide = AutoNormal(model)
+    trace = pyro.poutine.trace(guide).get_trace()
+    aux, site = trace.nodes["a_unconstrained"], trace.nodes["a"]
+    assert aux["infer"].get("is_auxiliary")
+    delta = site["fn"]
+    while isinstance(delta, dist.Independent):
+        delta = delta.base_dist
+    assert isinstance(delta, dist.Delta) and delta.v is aux["value"]
+
+
+def test_autocontinuous_latent_is_auxiliary():
+    # The handlers' reports leave out guide-internal sites by their is_auxiliary flag.
+    guide = AutoDiagonalNormal(model)
+    trace = pyro.poutine.trace(guide).get_trace()
+    internal = [name for name in trace.stochastic_nodes if name not in ("a", "simplex", "b")]
+    assert internal and all(trace.nodes[n]["infer"].get("is_auxiliary") for n in internal)
+
+
+# -------------------------------------- AutoNormal internals the guides build on
+
+
+def test_autonormal_internals_used_by_the_guides():
+    # pyro_vinit.guides subclass AutoNormal and read its protected set-up state.
+    guide = AutoNormal(model, init_scale=0.25)
+    assert guide._init_scale == 0.25
+    assert guide.prototype_trace is None
+    guide()
+    assert guide.prototype_trace is not None
+    plates = guide._create_plates()
+    assert isinstance(plates, dict)
+    assert hasattr(AutoGuide, "_setup_prototype")
+
+
+def test_share_prototype_sets_up_a_guide_without_running_the_model():
+    from pyro.infer.autoguide import AutoDelta
+
+    from pyro_vinit._pyro_compat import share_prototype
+
+    def plated():
+        with pyro.plate("p", 4, subsample_size=2):
+            pyro.sample("x", dist.Normal(0.0, 1.0))
+
+    source = AutoNormal(plated)
+    source()
+    target = AutoDelta(plated)
+    share_prototype(source, target)
+    assert target.prototype_trace is source.prototype_trace
+    # The plates AutoGuide builds from the frames match the source's.
+    assert {n: p.subsample_size for n, p in target._create_plates().items()} == {"p": 2}
+
+
+def test_pyro_sample_priors():
+    from pyro.nn import PyroModule, PyroSample
+
+    from pyro_vinit._pyro_compat import pyro_sample_priors
+
+    module = PyroModule[torch.nn.Linear](2, 3)
+    prior = dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2)
+    module.weight = PyroSample(prior)
+    assert pyro_sample_priors(module) == {"weight": prior}
+    assert pyro_sample_priors(torch.nn.Linear(2, 3)) == {}

@@ -1,0 +1,147 @@
+"""
+Mutation testing of chosen modules against chosen tests with mutmut, for
+``make mutate`` (a developer tool, not part of CI).
+
+mutmut reads its settings only from the ``pyproject.toml`` of the directory it
+runs in, so this script copies the package and the tests into a scratch
+directory (``build/mutmut`` by default), writes the settings for the requested
+modules and tests there, runs ``mutmut run`` and prints, per module, how many
+mutants the tests killed and how many survived. Mutants listed in
+``tools/mutmut_equivalent.txt`` (equivalent to the original code, so no test
+can kill them) are counted apart.
+
+Usage::
+
+    python tools/mutate.py --modules pyro_vinit/distributions --tests tests/distributions
+    cd build/mutmut && mutmut show <mutant name>     # the diff of one survivor
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENT = ROOT / "tools" / "mutmut_equivalent.txt"
+
+def _toml_list(items):
+    return "[" + ", ".join(json.dumps(str(item)) for item in items) + "]"
+
+
+def _config(modules, tests, pytest_args):
+    globs = [m if m.endswith(".py") else f"{m.rstrip('/')}/*" for m in modules]
+    return "\n".join(
+        [
+            "[tool.mutmut]",
+            'source_paths = ["pyro_vinit"]',
+            f"only_mutate = {_toml_list(globs)}",
+            f"pytest_add_cli_args_test_selection = {_toml_list(tests)}",
+            f"pytest_add_cli_args = {_toml_list(pytest_args)}",
+            # torch starts threads at import: fork the workers from a clean server process.
+            'process_isolation = "forkserver"',
+            "",
+        ]
+    )
+
+
+def _equivalent():
+    """mutant name -> justification, from tools/mutmut_equivalent.txt."""
+    if not EQUIVALENT.exists():
+        return {}
+    result = {}
+    for line in EQUIVALENT.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, why = line.partition(" ")
+            result[name] = why.strip()
+    return result
+
+
+def _module_of(mutant, modules):
+    for module in modules:
+        dotted = module.removesuffix(".py").replace("/", ".").rstrip(".")
+        if mutant == dotted or mutant.startswith(dotted + "."):
+            return module
+    return None
+
+
+def summarize(workdir, modules):
+    """Per module: Counter of killed / survived / no tests / timeout / equivalent."""
+    from mutmut.stats import status_by_exit_code
+
+    equivalent = _equivalent()
+    counts = {module: Counter() for module in modules}
+    survivors = []
+    for meta in sorted((workdir / "mutants").rglob("*.py.meta")):
+        for mutant, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            module = _module_of(mutant, modules)
+            if module is None or code is None:
+                continue
+            # A timeout means the mutant hangs the tests: detected, though not by an assert.
+            status = "equivalent" if mutant in equivalent else status_by_exit_code[code]
+            counts[module][status] += 1
+            if status in ("survived", "no tests"):
+                survivors.append(f"{mutant} ({status})")
+    return counts, survivors
+
+
+def _print_table(counts):
+    statuses = ["killed", "timeout", "survived", "no tests", "equivalent"]
+    other = sorted({s for c in counts.values() for s in c} - set(statuses))
+    print(" | ".join(["module", "total"] + statuses + other + ["survival rate"]))
+    for module, c in counts.items():
+        total = sum(c.values()) - c["equivalent"]
+        rate = f"{100 * (c['survived'] + c['no tests']) / total:.1f}%" if total else "-"
+        print(" | ".join([module, str(total)] + [str(c[s]) for s in statuses + other] + [rate]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", nargs="+", required=True,
+                        help="packages or .py files under pyro_vinit to mutate")
+    parser.add_argument("--tests", nargs="+", required=True,
+                        help="test files or folders to run against each mutant")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "mutmut")
+    parser.add_argument("--max-children", type=int, default=1, help="parallel workers")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the previous results in workdir; retest only what changed")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="print the table of the last run without running mutmut")
+    args = parser.parse_args()
+    for path in args.modules + args.tests:
+        if not (ROOT / path).exists():
+            parser.error(f"{path} does not exist (paths are relative to {ROOT})")
+
+    if not args.summary_only:
+        if not args.resume:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        for name in ("pyro_vinit", "tests"):
+            shutil.rmtree(args.workdir / name, ignore_errors=True)
+            shutil.copytree(ROOT / name, args.workdir / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ROOT / "setup.cfg", args.workdir / "setup.cfg")
+        (args.workdir / "pyproject.toml").write_text(
+            _config(args.modules, args.tests, ["-p", "no:cacheprovider", "-x", "-q"])
+        )
+        mutmut = Path(sys.executable).with_name("mutmut")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("PYTHONPATH", None)  # mutmut puts its mutated copy first on the path
+        cmd = [str(mutmut), "run", "--max-children", str(args.max_children)]
+        subprocess.run(cmd, cwd=args.workdir, env=env, check=True)
+
+    counts, survivors = summarize(args.workdir, args.modules)
+    print()
+    _print_table(counts)
+    if survivors:
+        print(f"\n{len(survivors)} not killed (see `cd {args.workdir} && mutmut show <name>`):")
+        print("\n".join(survivors))
+    summary = {m: dict(c) for m, c in counts.items()}
+    (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
