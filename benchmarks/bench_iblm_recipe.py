@@ -18,7 +18,7 @@ Two training set-ups, each applied alike to every initialization:
   prior's. The cap is an initialization change: if ``init_guide_iblm``
   accepts ``max_scale`` it is passed, else the benchmark caps the variances
   after ``init_guide_iblm`` and re-projects them onto the guide's family with
-  the library's own ``GuideWriter`` (exactly what the option does). The
+  the library's ``site_params.set_loc_and_scale`` (what the option would do). The
   baselines keep the scales that define them.
 * **as-is**: the full ELBO from the first step, every guide as ``init_guide``
   wrote it.
@@ -51,7 +51,6 @@ Bayes for Deep Models"
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -67,7 +66,7 @@ from tqdm import tqdm
 
 from pyro_vinit import AutoKTiedNormal, IBLMGuideInitializer, init_guide
 from pyro_vinit.data import load_digits
-from pyro_vinit.initialization.projection import GuideWriter
+from pyro_vinit.guides import site_params
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger, local_reparam
@@ -81,7 +80,6 @@ GUIDES = {
     "AutoKTiedNormal(rank=2)": lambda model: AutoKTiedNormal(model, rank=2),
 }
 ERROR_MARGIN = 0.03
-LIBRARY_CAP = "max_scale" in inspect.signature(IBLMGuideInitializer).parameters
 
 
 def _prior_scale(site) -> torch.Tensor:
@@ -93,21 +91,26 @@ def _prior_scale(site) -> torch.Tensor:
 
 def cap_scales(guide, ratio: float) -> None:
     """Caps each site's standard deviation at ``ratio`` times its prior's and
-    writes it back through the library's projection (for AutoKTiedNormal the
-    capped matrix gets its rank-k refit): the emulation of
-    ``init_guide_iblm(..., max_scale=ratio)``."""
-    writer = GuideWriter(guide)
-    staged = {}
+    writes it back with :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`
+    (for AutoKTiedNormal the capped matrix gets its rank-k refit): the
+    emulation of ``init_guide_iblm(..., max_scale=ratio)``."""
     with torch.no_grad():
         for name, site in guide.prototype_trace.iter_stochastic_nodes():
-            if isinstance(guide, AutoKTiedNormal):
-                loc, scale = guide.get_loc_and_scale(name)
-            else:
-                loc, scale = guide._get_loc_and_scale(name)
+            loc, scale = site_params.get_loc_and_scale(guide, name)
             cap = ratio * _prior_scale(site)
-            staged[name] = writer.project(name, loc.detach(),
-                                          torch.minimum(scale.detach(), cap).pow(2))
-    writer.write(staged)
+            site_params.set_loc_and_scale(guide, name, loc.detach().clone(),
+                                          torch.minimum(scale.detach(), cap))
+
+
+def _library_has_cap() -> bool:
+    try:
+        IBLMGuideInitializer(max_scale=0.1)
+    except TypeError:
+        return False
+    return True
+
+
+LIBRARY_CAP = _library_has_cap()
 
 
 def build(guide_name, seed, n):
