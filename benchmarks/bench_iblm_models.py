@@ -10,14 +10,19 @@ heteroscedastic net with mean and scale heads (diabetes), a ResNet-style CNN
 with BatchNorm (digits images), an MLP under a subsampled plate and a
 Transformer layer (digits). AutoNormal guide, N(0, 1/D_in)-style priors as
 each model declares them; SVI with Adam (lr 1e-3), minibatches of 128,
-Trace_ELBO, the KL term warmed up linearly over the first half of the run
-(:class:`~pyro_vinit.poutine.KLAnnealingMessenger`). The metric is the test
+Trace_ELBO and the library's training recipe for every initialization alike:
+the KL term weighted by ``--kl-weight`` (0.1) throughout
+(:class:`~pyro_vinit.poutine.KLAnnealingMessenger`), and I-BLM's stds capped
+at ``--scale-cap`` (0.1) times the prior's (``max_scale_ratio``). With
+``--full-elbo`` the protocol before the recipe: no cap, the KL term warmed up
+linearly over the first half of the run, the full ELBO after. The metric is the test
 error of the guide's median network (classification) or its test RMSE
 (regression), in the model's eval mode.
 
 Usage::
 
     python benchmarks/bench_iblm_models.py             # full run (~10 minutes)
+    python benchmarks/bench_iblm_models.py --full-elbo # without the recipe
     python benchmarks/bench_iblm_models.py --quick     # smoke run
 """
 
@@ -57,7 +62,7 @@ def metric(um, model, guide, x, y) -> float:
     return (out - y).pow(2).mean().sqrt().item()
 
 
-def run(um, method, seed, steps, eval_every, batch_size):
+def run(um, method, seed, steps, eval_every, batch_size, args):
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     x, y, xt, yt = um.data()
@@ -65,10 +70,16 @@ def run(um, method, seed, steps, eval_every, batch_size):
     guide = AutoNormal(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. the Transformer's uncovered attention sites
-        init_guide(guide, (x, y), method=method, map_seconds=2.0)
+        options = {}
+        if method == "iblm" and not args.full_elbo:
+            options["max_scale_ratio"] = args.scale_cap
+        init_guide(guide, (x, y), method=method, map_seconds=2.0, **options)
     curve = [(0, metric(um, model, guide, xt, yt))]
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
-    annealing = KLAnnealingMessenger(LinearWarmup(max(1, steps // 2)))
+    if args.full_elbo:
+        annealing = KLAnnealingMessenger(LinearWarmup(max(1, steps // 2)))
+    else:
+        annealing = KLAnnealingMessenger(args.kl_weight)
     for step in range(1, steps + 1):
         idx = torch.randint(len(x), (min(batch_size, len(x)),))
         with annealing:
@@ -87,7 +98,7 @@ def main(args):
     for name, method, seed in tqdm(jobs, desc="runs"):
         try:
             curve = run(USER_MODELS[name], method, seed, args.steps, args.eval_every,
-                        args.batch_size)
+                        args.batch_size, args)
         except ValueError as e:  # a baseline that cannot handle the model
             curve = [(0, math.nan)]
             tqdm.write(f"{name} {method}: {e}")
@@ -104,7 +115,10 @@ def main(args):
         rows.append({"model": name, "task": USER_MODELS[name].task, "methods": means,
                      "best_baseline": best})
     what = {"classification": "test error", "regression": "test RMSE"}
-    print(f"\nAutoNormal, {args.steps} SVI steps, mean of {args.seeds} seeds\n")
+    protocol = ("full ELBO (KL warmed up over the first half)" if args.full_elbo else
+                f"recipe (KL weight {args.kl_weight}, I-BLM stds capped at {args.scale_cap}"
+                " x prior)")
+    print(f"\nAutoNormal, {args.steps} SVI steps, {protocol}, mean of {args.seeds} seeds\n")
     print("| model | metric | I-BLM at init | I-BLM after | best baseline | at init | after |")
     print("|---|---|---:|---:|---|---:|---:|")
     for r in rows:
@@ -116,7 +130,8 @@ def main(args):
     if args.quick:
         return
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "bench_iblm_models.json"), "w") as f:
+    tag = "_full_elbo" if args.full_elbo else ""
+    with open(os.path.join(HERE, "results", f"bench_iblm_models{tag}.json"), "w") as f:
         json.dump({"setup": vars(args), "rows": rows, "curves": results}, f, indent=2)
 
 
@@ -128,6 +143,12 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--kl-weight", type=float, default=0.1,
+                        help="the recipe's constant KL weight")
+    parser.add_argument("--scale-cap", type=float, default=0.1,
+                        help="the recipe's cap on I-BLM's stds, a multiple of the prior's")
+    parser.add_argument("--full-elbo", action="store_true",
+                        help="the protocol without the recipe")
     parser.add_argument("--quick", action="store_true", help="tiny run, no files")
     args = parser.parse_args()
     if args.quick:
