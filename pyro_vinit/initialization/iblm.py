@@ -261,17 +261,17 @@ class Fit:
     mean: torch.Tensor
     var: torch.Tensor
 
-    def site_values(self, writer_shape) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    def site_values(self, site_shape) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         layer, d = self.layer, self.layer.fan_in
         out = {
             layer.weight_name: tuple(
-                layer.to_site(layer.weight_name, t[:, :d], writer_shape(layer.weight_name))
+                layer.to_site(layer.weight_name, t[:, :d], site_shape(layer.weight_name))
                 for t in (self.mean, self.var)
             )
         }
         if layer.bias_name is not None:
             out[layer.bias_name] = tuple(
-                layer.to_site(layer.bias_name, t[:, d], writer_shape(layer.bias_name))
+                layer.to_site(layer.bias_name, t[:, d], site_shape(layer.bias_name))
                 for t in (self.mean, self.var)
             )
         return out
@@ -526,7 +526,7 @@ class IBLMGuideInitializer:
         data, with a function picking a tensor's rows of that chunk, in order."""
         for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
                                              prep.structure.block_size):
-            recorder = run_model(prep.writer.guide.model, values, args, prep.latent,
+            recorder = run_model(prep.guide.model, values, args, prep.latent,
                                  plate_rows=rows)
             n = prep.pool.rows_of(args)
             yield observed_site(recorder), partial(align_rows, n=n, rows=rows, keep=keep)
@@ -571,7 +571,7 @@ class IBLMGuideInitializer:
 
     def _collect_inputs(self, prep: Prepared, values, layer: Layer) -> torch.Tensor:
         inputs = []
-        model = prep.writer.guide.model
+        model = prep.guide.model
         for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
                                              prep.structure.block_size):
             x, _ = capture(model, values, args, prep.latent, layer, plate_rows=rows)
@@ -585,7 +585,7 @@ class IBLMGuideInitializer:
     def _stage(self, prep: Prepared, values, fits: Dict[str, Fit], fit: Fit) -> None:
         """Records a fit and sets the layer's sites for the passes that follow."""
         fits[fit.layer.weight_name] = fit
-        for name, (mean, var) in fit.site_values(prep.writer.shape).items():
+        for name, (mean, var) in fit.site_values(prep.site_shape).items():
             sample = self.options.propagate == "sample"
             values[name] = torch.normal(mean, var.sqrt()) if sample else mean
 
@@ -757,12 +757,12 @@ class IBLMGuideInitializer:
         if prep.structure.block_size is not None:
             n = prep.pool.rows_of(args)
             rows = torch.arange(prep.structure.block_size, device=prep.pool.device) % n
-        model, latent = prep.writer.guide.model, prep.latent
+        model, latent = prep.guide.model, prep.latent
         if head is not None:
             shape = torch.Size([head.num_units])
             what = f"the scale head {head.weight_name!r}"
         elif likelihood.noise == "site":
-            site = prep.writer.guide.prototype_trace.nodes[likelihood.noise_name]
+            site = prep.guide.prototype_trace.nodes[likelihood.noise_name]
             shape, support = site["value"].shape, site["fn"].support
             what = f"the noise site {likelihood.noise_name!r}"
         else:
@@ -817,7 +817,7 @@ class IBLMGuideInitializer:
     # ---- step 4: writing -----------------------------------------------------------------------
 
     def _write(self, prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit]) -> None:
-        guide = prep.writer.guide
+        guide = prep.guide
         # One site at a time through the guide's own projection, so that only one site's
         # values are held twice in memory: a failure half-way is undone by GuideRollback.
         ratio = self.options.max_scale_ratio
@@ -828,7 +828,7 @@ class IBLMGuideInitializer:
                 _, prior_scale = _unit_priors(fit.layer, units)
                 cap = (ratio * prior_scale).to(fit.var).square_()
                 fit.var = torch.minimum(fit.var, cap)
-            for name, (mean, var) in fit.site_values(prep.writer.shape).items():
+            for name, (mean, var) in fit.site_values(prep.site_shape).items():
                 set_loc_and_scale(guide, name, mean, var.sqrt_())
         if noise is not None and noise.name is not None:
             if prep.structure.likelihood.noise == "site":
