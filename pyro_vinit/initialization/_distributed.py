@@ -366,8 +366,8 @@ def local_window(pool: ShardedPool, scores: torch.Tensor, start: torch.Tensor,
         leq = torch.searchsorted(spl, cand_t, right=True).clamp_max(counts[r])
         below_hi += torch.minimum(shard_rows[r], (less + 1) * q - 1)
         upto_lo += leq * q
-    below_hi[:, -2] = 0  # nothing is below -inf
-    upto_lo[:, -1] = n  # everything is up to inf
+    # (-inf and inf bound the window whatever their bounds say: the max and min below
+    # fall back to them when no splitter qualifies)
     start = start.to(scores.device)
     lo = torch.where(below_hi <= start[:, None], cand_t, -inf).amax(1)  # (units,)
     hi = torch.where(upto_lo >= (start + batch_size)[:, None], cand_t, inf).amin(1)

@@ -51,6 +51,14 @@ def _classification_data(d=6, k=3):
     return x, y
 
 
+def _imbalanced_data():
+    """Class 2 is rare: the slabs of units regressing onto its column often hold
+    none of it, and those units get a random batch instead."""
+    x, _ = _classification_data()
+    y = torch.where(x[:, 0] > 1.5, 2, (x[:, 1] > 0).long())
+    return x, y
+
+
 def _regression_data():
     g = torch.Generator().manual_seed(SEED)
     x = torch.randn(sum(SHARDS), 5, generator=g, dtype=torch.float64)
@@ -89,6 +97,9 @@ CASES: Dict[str, Case] = {
                                            _regression_data, {}),
     "regression_learned_noise_autonormal": Case(NoisyRegressor, AutoNormal,
                                                 _regression_data, {}),
+    # units whose local batch has a constant target column get random batches
+    "imbalanced_small_batches": Case(_mlp_classifier, AutoNormal, _imbalanced_data,
+                                     {"batch_size": 16}),
     # batch normalization, in chunks of 64 rows (rank 0 has no rows in the second and third
     # of the global chunks), from a pool of 160 of the 187 rows (a global random subset)
     "batchnorm_chunks_subsample": Case(_bn_classifier, AutoNormal, _classification_data,

@@ -23,6 +23,17 @@ pytestmark = pytest.mark.skipif(
 TOL = dict(rtol=1e-5, atol=1e-9)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The one-process references are tiny: a second intra-op thread only makes
+    them wait for each other on a shared machine (seconds instead of
+    milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """All cases in one spawn of two processes (starting them costs seconds)."""
