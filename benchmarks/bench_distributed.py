@@ -29,7 +29,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 
@@ -43,11 +42,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import KLAnnealingMessenger, local_reparam
+from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, local_reparam
 from pyro_vinit.schedules import LinearWarmup
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from distributed_mnist import HandledELBO  # noqa: E402
 
 # (name, layer sizes, global batch B, nominal training set size N)
 PROBLEMS = [

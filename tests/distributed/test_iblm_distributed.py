@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.common import assert_close
 from tests.distributed import _harness, _iblm_harness
-from tests.distributed._iblm_harness import CASES, ERROR_CASES, WORLD_SIZE
+from tests.distributed._iblm_harness import CASES, ERROR_CASES
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available()
