@@ -423,6 +423,41 @@ class IBLMGuideInitializer:
     the model has a likelihood on them, and is returned to its not-set-up
     state on failure). The computation is batched over the units.
 
+    **Across processes.** With ``process_group`` (e.g.
+    ``torch.distributed.group.WORLD``), every rank of the group calls the
+    initializer with the same options and its own shard of the data (shards
+    of any sizes, each with at least one row; the same trailing shapes and
+    dtypes), and every rank ends with the same guide, equal, to float
+    rounding, to one process's initialization on the concatenated shards in
+    rank order (with the random state of rank 0; the other ranks get their
+    own back). The rows are numbered in that global order, and every random
+    draw (pool subsample, minibatches, slab directions, ``propagate="sample"``)
+    is made alike on every rank in that index space, so a shard smaller than
+    ``batch_size`` is no special case. Per layer the ranks exchange, in a few
+    collective calls whatever the number of units: for ``hidden_batches=
+    "local"``, a sparse set of each rank's sorted slab scores, then the
+    scores near each unit's window (never all scores); the selected rows of
+    every unit's minibatch (one all-gather of the distinct rows: at most
+    :math:`\min(N, h B)` rows of the layer's input, with their targets), each
+    rank then solving its share of the units, whose fits are all-gathered;
+    for the output layer's shared rows, the all-reduced statistics
+    :math:`X^\top L^{-1} X` and :math:`X^\top L^{-1} y` of every unit (solved
+    in the primal form, whatever ``solver``); the targets' mean and std, the
+    residual sums of squares of the noise estimate and, for batch
+    normalization, each call's input statistics per chunk of the global pool
+    (so ``F.batch_norm`` normalizes as it would in one process) and the
+    refreshed running statistics. An error on one rank (bad labels, a
+    non-finite input, ranks with different data layouts, options or models)
+    is raised, naming the rank, on every rank, before anything is written.
+    Not exact: a model with batch normalization *and* a subsampled data
+    plate (each rank normalizes its own blocks; warned), slab orders among
+    rows with identical scores (duplicated rows), and float32 rounding of the
+    slab scores; an iterable ``data`` is read up to ``max_pool_size`` rows on
+    each rank before the global subsample.
+
+    :param process_group: A :class:`torch.distributed.ProcessGroup` over
+        whose ranks the data is sharded, or None (one process; a group of one
+        rank is the same).
     :param int batch_size: Rows in each hidden unit's minibatch (images, for conv
         layers).
     :param int output_rows: Rows the output layer's units share (all rows if
@@ -976,16 +1011,21 @@ def _agree(prep: Prepared):
 def init_guide_iblm(guide, data: Data, process_group: Optional[Any] = None, **options: Any):
     """
     Initializes ``guide`` in place with I-BLM and returns it; shorthand for
-    ``IBLMGuideInitializer(**options)(guide, data)``.
+    ``IBLMGuideInitializer(process_group, **options)(guide, data)``.
 
     Usage::
 
         guide = AutoNormal(model)
         init_guide_iblm(guide, (x_train, y_train))
+        # under torchrun: each rank its shard, every rank the same result
+        init_guide_iblm(guide, (x_shard, y_shard), process_group=dist.group.WORLD)
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
         AutoRadialNormal guide of the model.
     :param data: One tuple of model arguments, or an iterable of such tuples.
+    :param process_group: The :class:`torch.distributed.ProcessGroup` over
+        whose ranks the data is sharded (see :class:`IBLMGuideInitializer`),
+        or None.
     :param options: Keyword options of :class:`IBLMGuideInitializer`.
     """
     return IBLMGuideInitializer(process_group=process_group, **options)(guide, data)

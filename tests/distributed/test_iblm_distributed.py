@@ -97,3 +97,18 @@ def test_errors_are_raised_alike_on_every_rank(ranks, name):
         assert "failed on rank 1 of 2" in message and "labels out of range" in message
     assert all(r["unchanged"] for r in results)
 
+
+
+@pytest.mark.parametrize("group, match", [
+    (object(), "torch.distributed is not initialized"),
+])
+def test_bad_process_group_is_refused_when_built(group, match):
+    """Outside an initialized process group (here, this test process), a
+    process_group is refused at once, with what to do."""
+    from pyro_vinit import IBLMGuideInitializer
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=match):
+        IBLMGuideInitializer(process_group=group)
+    # None, and dist.group.WORLD before init_process_group (which is None), mean one process
+    assert IBLMGuideInitializer(process_group=dist.group.WORLD).process_group is None
