@@ -200,14 +200,9 @@ class AutoKTiedNormal(AutoSiteGuide):
         Usage::
 
             normal = AutoNormal(model)
-<<<<<<< HEAD
-            normal(x, y)  # set up (and train, e.g. with SVI)
-            tied = AutoKTiedNormal.from_guide(normal, rank=2)
-=======
             svi = SVI(model, normal, Adam({"lr": 1e-3}), TraceMeanField_ELBO())
             svi.step(x, y)  # train
             guide = AutoKTiedNormal.from_guide(normal, rank=2)
->>>>>>> h-guides
 
         The fit is exact at full rank (:math:`k \ge \min(m, n)`) and for std
         matrices of rank at most 2; at rank 1 it is the best rank-1 fit in

@@ -3,17 +3,11 @@ A trained posterior as the prior of the next task (e.g. in continual learning).
 
 Usage::
 
-<<<<<<< HEAD
-    priors = posterior_as_prior(guide)          # after training on task 1
-    model2 = BayesianClassifier(bayesianize(mlp((64, 8, 10))))  # the same architecture
-    set_priors(model2, priors)                  # task 2's model starts from it
-=======
     from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 
     priors = posterior_as_prior(guide)  # after training on task 1
     model2 = BayesianClassifier(bayesianize(mlp((64, 8, 10))))  # the same network
     set_priors(model2, priors)  # task 2's model starts from task 1's posterior
->>>>>>> h-guides
     guide2 = AutoNormal(model2)
 """
 
@@ -106,11 +100,7 @@ def set_priors(model: PyroModule, priors: Dict[str, Distribution]) -> PyroModule
 
     Usage::
 
-<<<<<<< HEAD
         set_priors(model, posterior_as_prior(guide))  # guide: the last task's
-=======
-        set_priors(model, posterior_as_prior(guide))
->>>>>>> h-guides
 
     Site names are the model's (``"net.0.weight"``), i.e. the guide's. Every
     name must be a :class:`~pyro.nn.PyroSample` attribute of the model whose
