@@ -32,7 +32,8 @@ from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
 from pyro.poutine.indep_messenger import CondIndepStackFrame
-from pyro.poutine.runtime import Message
+
+from pyro_vinit._typing import SampleSite
 
 __all__ = [
     "ScoreParts",
@@ -96,7 +97,7 @@ def is_vectorized_particles(frame: CondIndepStackFrame) -> bool:
 
 
 def prefill_log_prob(
-    msg: Message[..., torch.Tensor],
+    msg: SampleSite,
     unscaled: torch.Tensor,
     scaled: torch.Tensor,
     total: torch.Tensor,

@@ -9,9 +9,10 @@ the same dict, and :func:`sample_site` / :func:`stochastic_sites` give it to
 mypy without copying or checking anything at run time.
 """
 
-from typing import Any, Dict, Iterator, Optional, Tuple, TypedDict, Union, cast
+from typing import Any, Dict, Iterator, Tuple, TypedDict, Union, cast
 
 import torch
+from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.torch_distribution import TorchDistribution
 from pyro.poutine.indep_messenger import CondIndepStackFrame
 from pyro.poutine.runtime import Message
@@ -31,8 +32,14 @@ class SampleSite(TypedDict, total=False):
     scale: Union[torch.Tensor, float]
     mask: Union[bool, torch.Tensor, None]
     cond_indep_stack: Tuple[CondIndepStackFrame, ...]
-    infer: Optional[Dict[str, Any]]
+    infer: Dict[str, Any]  # pyro.sample always sets it
     done: bool
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    unscaled_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    log_prob_sum: torch.Tensor
+    score_parts: ScoreParts
 
 
 def sample_site(msg: "Message[..., Any]") -> SampleSite:
