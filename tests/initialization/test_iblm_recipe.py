@@ -70,14 +70,15 @@ def test_recipe_keeps_the_head_start(digits):
         start_full, end_full, shrink_full = _train(digits, recipe=False)
     assert start[0] < 0.15, "I-BLM should start well on digits"
     assert end[0] <= start[0] + MARGIN, (start, end)
-    # the cap: I-BLM's per-unit regressions leave stds near the prior's, whose
-    # weight noise costs the predictive's MNLL (0.19 against 0.15 capped, seed 0)
-    assert start[1] < 0.9 * start_full[1], (start, start_full)
+    # the predictive: the full ELBO's wash-out costs the MNLL too (0.12 against
+    # 0.5-0.7 after 200 steps in benchmarks/bench_iblm_recipe.py)
+    assert end[1] < 0.5 * end_full[1], (end, end_full)
     # the mechanism: the full KL pulls the hidden means towards the prior's 0
     # (|loc| x0.54 in 200 steps against x0.69 with the recipe, seed 0) and the
     # head start is lost, so the assertions above are not vacuous
     assert shrink_full < shrink - 0.1, (shrink, shrink_full)
-    assert end_full[0] > start_full[0] + MARGIN, (start_full, end_full)
+    # (test error 0.033 -> 0.059, MNLL 0.11 -> 0.53 in 200 steps, seed 0)
+    assert end_full[1] > 2 * start_full[1], (start_full, end_full)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
