@@ -190,6 +190,10 @@ class LayerRecorderMessenger(Messenger):
     :param dict norm_statistics: If given, the input statistics of every
         ``F.batch_norm`` call are accumulated in it, across runs (see
         :func:`norm_statistics`).
+    :param callable norm_sync: If given, ``F.batch_norm`` normalizes with the
+        ``(mean, biased variance)`` that ``norm_sync(input, dims)`` returns
+        (e.g. statistics over the shards of several processes) instead of
+        the batch's own.
     """
 
     def __init__(
@@ -200,6 +204,7 @@ class LayerRecorderMessenger(Messenger):
         plate_subsample: Optional[torch.Tensor] = None,
         norm_statistics: Optional[Dict[int, List[Any]]] = None,
         on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
+        norm_sync: Optional[Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]] = None,
     ) -> None:
         super().__init__()
         self.latent = set(latent)
@@ -216,6 +221,7 @@ class LayerRecorderMessenger(Messenger):
         self._flow: Dict[int, Tuple[torch.Tensor, FrozenSet[Token]]] = {}
         self._open_matmuls: Dict[int, Tuple[torch.Tensor, RecordedLayer]] = {}
         self._norm_stats = norm_statistics
+        self.norm_sync = norm_sync
         self._mode: Optional[_Mode] = None
 
     # ------------------------------------------------------------ context
@@ -462,6 +468,10 @@ class LayerRecorderMessenger(Messenger):
             stats[2] += n
             stats[3] = stats[3] + x.sum(dims)
             stats[4] = stats[4] + (x * x).sum(dims)
+        if self.norm_sync is not None:
+            mean, var = self.norm_sync(x, [0] + list(range(2, x.dim())))
+            return F.batch_norm(x, mean, var, params.get("weight"), params.get("bias"), False,
+                                0.0, params.get("eps", 1e-5))
         return F.batch_norm(
             x, None, None, params.get("weight"), params.get("bias"), True, 0.0,
             params.get("eps", 1e-5),
