@@ -5,6 +5,7 @@ import warnings
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+from typing_extensions import TypeGuard
 
 Data = Union[Tuple[Any, ...], Iterable[Sequence[Any]]]
 
@@ -33,7 +34,7 @@ def _check_finite(args: Sequence[Any]) -> None:
             )
 
 
-def is_args_tuple(data: Data) -> bool:
+def is_args_tuple(data: Data) -> TypeGuard[Tuple[Any, ...]]:
     """Whether ``data`` is one tuple of model arguments (not an iterable of them)."""
     return isinstance(data, tuple) and not (
         data and all(isinstance(b, (tuple, list)) for b in data)
@@ -76,8 +77,12 @@ class DataPool:
         self.args, self.num_rows, self._aligned = args, n, aligned
 
     @staticmethod
-    def _collect(batches: Iterable[Sequence[Any]], max_rows: Optional[int]):
-        first, parts, n = None, [], 0
+    def _collect(
+        batches: Iterable[Sequence[Any]], max_rows: Optional[int]
+    ) -> Tuple[Tuple[Any, ...], int, List[bool]]:
+        first: Optional[Tuple[Tuple[Any, ...], List[bool]]] = None
+        parts: List[Tuple[Any, ...]] = []
+        n = 0
         for batch in batches:
             if not isinstance(batch, (tuple, list)):
                 raise TypeError(
@@ -121,7 +126,8 @@ class DataPool:
         """The number of rows in ``args``, a chunk or selection of the pool's."""
         for a, al in zip(args, self._aligned):
             if al:
-                return a.shape[0]
+                rows: int = a.shape[0]
+                return rows
         return 0
 
     def features(self) -> Optional[torch.Tensor]:
@@ -129,7 +135,8 @@ class DataPool:
         model's input, as a rule), or None."""
         for a, al in zip(self.args, self._aligned):
             if al and a.is_floating_point():
-                return a
+                features: torch.Tensor = a
+                return features
         return None
 
     def iterate(

@@ -54,8 +54,8 @@ class HandledELBO(torch.nn.Module):
         self,
         elbo_module: torch.nn.Module,
         annealing: Optional[KLAnnealingMessenger] = None,
-        weight_noise: Optional[Callable[[], ContextManager]] = None,
-    ):
+        weight_noise: Optional[Callable[[], ContextManager[object]]] = None,
+    ) -> None:
         if not isinstance(elbo_module, torch.nn.Module):
             raise TypeError(
                 "HandledELBO: elbo_module must be an ELBO module, elbo(model, guide) (e.g. "
@@ -84,4 +84,5 @@ class HandledELBO(torch.nn.Module):
                 stack.enter_context(self.annealing)
             if self.weight_noise is not None:
                 stack.enter_context(self.weight_noise())
-            return self.elbo(*args, **kwargs)
+            loss: torch.Tensor = self.elbo(*args, **kwargs)
+            return loss
