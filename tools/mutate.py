@@ -108,7 +108,7 @@ def main():
     parser.add_argument("--modules", nargs="+", required=True,
                         help="packages or .py files under pyro_vinit to mutate")
     parser.add_argument("--tests", nargs="+", required=True,
-                        help="test files or folders to run against each mutant")
+                        help="test files, folders or pytest ids (file::test) to run against each mutant")
     parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "mutmut")
     parser.add_argument("--max-children", type=int, default=1, help="parallel workers")
     parser.add_argument("--resume", action="store_true",
@@ -117,7 +117,8 @@ def main():
                         help="print the table of the last run without running mutmut")
     args = parser.parse_args()
     for path in args.modules + args.tests:
-        if not (ROOT / path).exists():
+        # a test may be a pytest id, ``file::test``: the file must exist
+        if not (ROOT / path.partition("::")[0]).exists():
             parser.error(f"{path} does not exist (paths are relative to {ROOT})")
 
     if not args.summary_only:

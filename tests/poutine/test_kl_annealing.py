@@ -188,6 +188,24 @@ def test_decorating_model_and_guide_equals_context():
     assert_close(decorated, context, atol=1e-10, rtol=0)
 
 
+def test_tensor_scale():
+    # a one-element tensor (e.g. a schedule computed with torch) is taken as its number
+    messenger = KLAnnealingMessenger(scale=torch.tensor([0.3], dtype=torch.float64))
+    assert type(messenger.scale) is float and messenger.scale == pytest.approx(0.3)
+    with kl_annealing(torch.tensor(0.25)):
+        tr = poutine.trace(toy_model).get_trace(torch.zeros(2))
+    assert tr.nodes["mu"]["scale"] == pytest.approx(0.25)
+    messenger.scale = torch.tensor(0.5)
+    assert messenger.scale == 0.5
+
+
+def test_default_scale_is_one():
+    # without a scale the handler is the identity, as poutine.scale() without one
+    assert kl_annealing().scale == 1.0 and KLAnnealingMessenger().scale == 1.0
+    tr = poutine.trace(kl_annealing(toy_model)).get_trace(torch.zeros(2))
+    assert tr.nodes["mu"]["scale"] == 1.0 and tr.nodes["z"]["scale"] == pytest.approx(5.0)
+
+
 def test_installing_twice_fails():
     # Pyro refuses a messenger installed twice, which rules out a silent λ²
     annealing = KLAnnealingMessenger(scale=0.5)
@@ -245,9 +263,10 @@ def test_linear_warmup_values():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: KLAnnealingMessenger(scale=-0.1), ">= 0"),
-        (lambda: KLAnnealingMessenger(scale=float("nan")), "finite"),
+        (lambda: KLAnnealingMessenger(scale=-0.1), "^KLAnnealingMessenger: scale must be >= 0"),
+        (lambda: KLAnnealingMessenger(scale=float("nan")), "^KLAnnealingMessenger: scale must"),
         (lambda: KLAnnealingMessenger(scale="1"), "finite number"),
+        (lambda: KLAnnealingMessenger(scale=torch.tensor([0.5, 0.5])), "finite number, got"),
         (lambda: KLAnnealingMessenger(scale=lambda t: -1.0), "iteration 0"),
         (lambda: KLAnnealingMessenger(scale=lambda t: None), "iteration 0"),
         (lambda: setattr(KLAnnealingMessenger(), "scale", -2.0), ">= 0"),
