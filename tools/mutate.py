@@ -113,6 +113,9 @@ def main():
     parser.add_argument("--max-children", type=int, default=1, help="parallel workers")
     parser.add_argument("--resume", action="store_true",
                         help="keep the previous results in workdir; retest only what changed")
+    parser.add_argument("--mutants", nargs="+", default=[],
+                        help="retest only these mutants (names as printed), keeping the other "
+                             "results; implies --resume")
     parser.add_argument("--summary-only", action="store_true",
                         help="print the table of the last run without running mutmut")
     args = parser.parse_args()
@@ -122,7 +125,7 @@ def main():
             parser.error(f"{path} does not exist (paths are relative to {ROOT})")
 
     if not args.summary_only:
-        if not args.resume:
+        if not (args.resume or args.mutants):
             shutil.rmtree(args.workdir, ignore_errors=True)
         args.workdir.mkdir(parents=True, exist_ok=True)
         for name in ("pyro_vinit", "tests"):
@@ -136,7 +139,7 @@ def main():
         mutmut = Path(sys.executable).with_name("mutmut")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.pop("PYTHONPATH", None)  # mutmut puts its mutated copy first on the path
-        cmd = [str(mutmut), "run", "--max-children", str(args.max_children)]
+        cmd = [str(mutmut), "run", "--max-children", str(args.max_children)] + args.mutants
         subprocess.run(cmd, cwd=args.workdir, env=env, check=True)
 
     counts, survivors = summarize(args.workdir, args.modules)
