@@ -108,7 +108,8 @@ def main():
     parser.add_argument("--modules", nargs="+", required=True,
                         help="packages or .py files under pyro_vinit to mutate")
     parser.add_argument("--tests", nargs="+", required=True,
-                        help="test files, folders or pytest ids (file::test) to run against each mutant")
+                        help="test files, folders or pytest ids (file::test) to run against "
+                             "each mutant")
     parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "mutmut")
     parser.add_argument("--max-children", type=int, default=1, help="parallel workers")
     parser.add_argument("--resume", action="store_true",

@@ -90,7 +90,8 @@ def test_refinement_starts_at_the_rank_one_fit_and_closes_the_gap(k):
     singular_values = torch.linalg.svdvals(s)
     rank_one, bound = float(singular_values[1:].norm()), float(singular_values[k:].norm())
     # no sweeps: the rank-1 fit split into k components, with its error exactly
-    assert _error(s, *fit_positive_low_rank(s, k, num_iters=0)) == pytest.approx(rank_one, rel=1e-10)
+    start = fit_positive_low_rank(s, k, num_iters=0)
+    assert _error(s, *start) == pytest.approx(rank_one, rel=1e-10)
     # the sweeps close more than 99 % of the gap between the rank-1 fit and the bound
     error = _error(s, *fit_positive_low_rank(s, k))
     assert (error - bound) < 0.01 * (rank_one - bound)

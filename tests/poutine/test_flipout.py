@@ -158,3 +158,69 @@ def test_matmul_layer_moments(kind):
     a, b = outs[:, 0] - outs[:, 0].mean(0), outs[:, 2] - outs[:, 2].mean(0)
     corr = (a * b).mean(0) / (a.std(0) * b.std(0))
     assert corr.abs().max() < 5 / n**0.5
+
+
+@pytest.mark.parametrize("op", ["linear", "conv2d"])
+def test_each_output_is_the_layer_with_its_own_sign_flipped_weight(op, monkeypatch):
+    # The identity Flipout rests on: example n's output is exactly the layer at the weight
+    # mean + (W - mean) * r_n s_n^T, with one sign per output (channel) r_n and one per input
+    # (channel) s_n, shared over the spatial positions.
+    import pyro_vinit.poutine.flipout_messenger as flipout_messenger
+
+    signs = []
+
+    def recorded(shape, like):
+        signs.append(rademacher(shape, like))
+        return signs[-1]
+
+    rademacher = flipout_messenger.rademacher
+    monkeypatch.setattr(flipout_messenger, "rademacher", recorded)
+    fn_op = getattr(F, op)
+    if op == "linear":
+        shape, x = (4, 3), torch.randn(5, 3)
+    else:
+        shape, x = (4, 3, 2, 2), torch.randn(5, 3, 4, 4)
+    loc, scale, bias = torch.randn(shape), torch.rand(shape) + 0.5, torch.randn(4)
+
+    def model():
+        return fn_op(x, pyro.sample("w", dist.Normal(loc, scale).to_event(len(shape))), bias)
+
+    with flipout(strict=True):
+        tr = pyro.poutine.trace(model).get_trace()
+        out = tr.nodes["_RETURN"]["value"]
+    weight = torch.as_tensor(tr.nodes["w"]["value"]).detach()
+    s, r = signs
+    spatial = (1,) * (len(shape) - 2)
+    for n in range(x.shape[0]):
+        flips = r[n].reshape((4, 1) + spatial) * s[n].reshape((1, 3) + spatial)
+        flipped = loc + (weight - loc) * flips
+        assert_close(out[n], fn_op(x[n : n + 1], flipped, bias)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_fallback_message_says_why():
+    def model():
+        w = pyro.sample("w", dist.StudentT(3.0, torch.zeros(2, 4), 1.0).to_event(2))
+        return F.linear(torch.randn(2, 4), w)
+
+    with pytest.warns(UserWarning, match="not known to be symmetric under sign flips"):
+        with flipout():
+            model()
+
+
+def test_handler_function_wraps_a_callable():
+    # flipout(fn) returns fn run under a fresh FlipoutMessenger, with fn's return value
+    loc = torch.zeros(3, 5)
+    x = torch.randn(2, 5)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(loc, 1.0).to_event(2))
+        return F.linear(x, w)
+
+    wrapped = flipout(model, strict=True)
+    assert not isinstance(wrapped, pyro.poutine.messenger.Messenger)
+    out = wrapped()
+    assert out.shape == (2, 3)
+    # the two rows of one weight draw get different sign flips: with x's rows equal and the
+    # weight's mean 0, the outputs differ in sign pattern on some draw
+    x = torch.randn(1, 5).expand(2, 5)
+    assert any(not torch.equal(*wrapped().unbind(0)) for _ in range(10))

@@ -63,10 +63,22 @@ def test_parameters_are_the_elbo_modules():
     assert all(p.grad is not None for p in loss_fn.parameters())
 
 
+def test_keyword_arguments_reach_the_model():
+    elbo, x, y = _elbo_module()
+    loss_fn = HandledELBO(elbo, KLAnnealingMessenger(0.5))
+    pyro.set_rng_seed(2)
+    positional = loss_fn(x, y)
+    pyro.set_rng_seed(2)
+    assert torch.equal(loss_fn(x, y=y), positional)
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    ({"elbo_module": TraceMeanField_ELBO()}, "elbo_module must be an ELBO module"),
-    ({"annealing": 0.5}, "annealing must be a KLAnnealingMessenger"),
-    ({"weight_noise": local_reparam()}, "not local_reparam()"),
+    ({"elbo_module": TraceMeanField_ELBO()},
+     r"^HandledELBO: elbo_module must be an ELBO module, .* got TraceMeanField_ELBO$"),
+    ({"annealing": 0.5},
+     r"^HandledELBO: annealing must be a KLAnnealingMessenger or None, got float$"),
+    ({"weight_noise": local_reparam()},
+     r"^HandledELBO: weight_noise must be a function .*\), got LocalReparamMessenger$"),
 ])
 def test_bad_arguments(kwargs, match):
     elbo, _, _ = _elbo_module()

@@ -58,8 +58,11 @@ def test_handler_functions():
     assert isinstance(flipout(), FlipoutMessenger)
     wrapped = local_reparam(_model, strict=True)
     assert wrapped(torch.randn(5, 4)).shape == (5, 3)
-    with pytest.raises(ValueError, match="not callable"):
+    with pytest.raises(ValueError, match="^3 is not callable, did you mean to pass it as a key"):
         local_reparam(3)
+    # the options reach the messenger
+    assert local_reparam(low_rank=True).low_rank is True
+    assert local_reparam(low_rank=False).low_rank is False
     with pytest.raises(TypeError, match="low_rank"):
         LocalReparamMessenger(low_rank="yes")
     with pytest.raises(TypeError, match="strict"):
