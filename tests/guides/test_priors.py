@@ -7,6 +7,7 @@ import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, posterior_as_prior, set_priors
@@ -159,3 +160,41 @@ def _trained_classifier_guide():
     guide = AutoNormal(model)
     guide(torch.randn(2, 4), torch.zeros(2, dtype=torch.long))
     return guide
+
+
+def test_set_priors_error_messages_say_what_to_do():
+    model = _classifier()
+    with pytest.raises(KeyError) as error:
+        set_priors(model, {"net.9.weight": dist.Normal(0.0, 1.0)})
+    assert error.value.args[0] == (
+        "set_priors: 'net.9.weight' is not a PyroSample site of the model; bayesianize the "
+        "layer first, and use the model's site names (e.g. 'net.0.weight')"
+    )
+    with pytest.raises(TypeError, match=r"^set_priors: the prior of 'net.0.weight' must be a "
+                                        r"Distribution of pyro.distributions \(e.g. "
+                                        r"pyro.distributions.Normal\), got Tensor$"):
+        set_priors(model, {"net.0.weight": torch.zeros(6, 4)})
+
+
+class _Holder(PyroModule):
+    def __init__(self):
+        super().__init__()
+        # a prior held as a distribution, and one computed by a callable without a shape
+        self.w = PyroSample(dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2))
+        self.v = PyroSample(lambda self: dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+
+    def forward(self):
+        return self.w, self.v
+
+
+def test_set_priors_checks_shapes_of_distribution_priors_and_takes_callables():
+    model = _Holder()
+    with pytest.raises(ValueError, match=r"has shape \(2, 3\), but the site has shape \(3, 2\)"):
+        set_priors(model, {"w": dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2)})
+    # the event dims are part of the site's shape: (3,) batch + (2,) event is (3, 2)
+    set_priors(model, {"w": dist.Normal(torch.ones(3, 2), 1.0).to_event(1)})
+    # a callable prior records no shape: any distribution is taken
+    set_priors(model, {"v": dist.Normal(torch.full((4,), 2.0), 1.0).to_event(1)})
+    trace = poutine.trace(model).get_trace()
+    assert trace.nodes["w"]["fn"].mean.tolist() == [[1.0, 1.0]] * 3
+    assert trace.nodes["v"]["fn"].mean.tolist() == [2.0] * 4

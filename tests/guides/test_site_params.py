@@ -302,3 +302,54 @@ def test_write_params_checks_everything_before_writing():
     with pytest.raises(ValueError, match="nothing was written"):
         guide._write_params(writes)
     assert_same_state(guide, before)
+
+
+def test_unsupported_message_names_every_supported_family():
+    _, guide = set_up(AutoDelta)
+    with pytest.raises(TypeError) as error:
+        site_params.check_supported(guide)
+    # the user-facing families first, then the registered bases, each once
+    assert str(error.value) == (
+        "AutoDelta is not a supported guide: reading and writing per-site posteriors "
+        "supports AutoNormal, AutoDiagonalNormal, AutoKTiedNormal, AutoRadialNormal, "
+        "AutoLowRankMultivariateNormal, AutoSiteGuide and their subclasses (a third-party "
+        "AutoSiteGuide subclass is supported if it implements get_loc_and_scale and "
+        "set_loc_and_scale); build the guide with one of these, or register the class with "
+        "pyro_vinit.guides.site_params.get_loc_and_scale.register and "
+        "set_loc_and_scale.register"
+    )
+
+
+def test_not_set_up_message_says_what_to_do():
+    guide = AutoNormal(make_model(torch.float32))
+    with pytest.raises(RuntimeError, match=r"^AutoNormal is not set up yet: call the guide once "
+                                           r"with the model's arguments \(e\.g\. guide\(x, y\), "
+                                           r"or one svi\.step\) first\.$"):
+        site_params.latent_sites(guide)
+
+
+def test_scale_that_underflows_in_the_unconstrained_space_is_refused():
+    # AutoLowRankMultivariateNormal stores scale / sqrt(1 + |F_i|^2): a positive float32
+    # scale at the bottom of the range underflows to 0, whose softplus inverse is -inf.
+    _, guide = set_up(AutoLowRankMultivariateNormal)
+    with torch.no_grad():
+        # an inflation sqrt(1 + 4 rank) > 2: the smallest float32 scale halves to 0
+        guide.cov_factor.fill_(2.0)
+    before = state(guide)
+    with pytest.raises(ValueError, match=r"^cannot write scale: its unconstrained value is not "
+                                         r"finite \(a scale too close to 0 or too large for the "
+                                         r"dtype\); nothing was written$"):
+        site_params.set_loc_and_scale(guide, "w", torch.zeros(6, 5), torch.full((6, 5), 1e-45))
+    assert_same_state(guide, before)
+
+
+def test_flat_layout_mismatch_is_reported():
+    # A Pyro release that laid out AutoContinuous's latent differently must fail loudly.
+    _, guide = set_up(AutoDiagonalNormal)
+    guide.latent_dim += 1  # the sites hold 30 + 6 + 1 + 3 * 8 = 61 elements
+    with pytest.raises(RuntimeError, match=r"^AutoDiagonalNormal: the latent sites' "
+                                           r"unconstrained sizes add up to 61, not the guide's "
+                                           r"latent_dim 62; this Pyro version lays out "
+                                           r"AutoContinuous's latent differently: update "
+                                           r"pyro_vinit/guides/site_params\.py$"):
+        site_params.get_loc_and_scale(guide, "w")
