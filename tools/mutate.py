@@ -116,7 +116,8 @@ def main():
                         help="keep the previous results in workdir; retest only what changed")
     parser.add_argument("--mutants", nargs="+", default=[],
                         help="retest only these mutants (names as printed), keeping the other "
-                             "results; implies --resume")
+                             "results; implies --resume. Give the same --modules and --tests as "
+                             "the run before: mutmut starts afresh when its settings change")
     parser.add_argument("--summary-only", action="store_true",
                         help="print the table of the last run without running mutmut")
     args = parser.parse_args()
