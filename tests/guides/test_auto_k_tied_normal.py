@@ -4,7 +4,7 @@ import pyro.poutine as poutine
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoNormal, init_to_value
 from pyro.optim import Adam
 
 from pyro_vinit import AutoKTiedNormal
@@ -217,3 +217,115 @@ def test_from_guide_errors():
     existing()  # its parameters are in the param store under the same names
     with pytest.raises(ValueError, match="already holds"):
         AutoKTiedNormal.from_guide(existing, rank=1)
+
+
+def test_defaults_and_constructor_options_reach_the_guide():
+    # the defaults: rank 2 and init_scale 0.1 (the init is exact: U V^T = init_scale)
+    guide = AutoKTiedNormal(layer_model)
+    guide()
+    u, _ = guide.get_scale_factors("fc.weight")
+    assert guide.rank == 2 and u.shape == (30, 2)
+    _, scale = guide.get_loc_and_scale("fc.weight")
+    assert_close(scale, torch.full_like(scale, 0.1), rtol=1e-6, atol=0)
+    # init_loc_fn and create_plates are the ones given
+    pyro.clear_param_store()
+    wanted = torch.randn(30, 20)
+    calls = []
+
+    def create_plates(*args, **kwargs):
+        calls.append(args)
+        return pyro.plate("groups", 4)
+
+    guide = AutoKTiedNormal(layer_model, init_loc_fn=init_to_value(values={"fc.weight": wanted}),
+                            create_plates=create_plates)
+    guide()
+    assert_close(guide.get_loc_and_scale("fc.weight")[0], wanted)
+    assert calls
+    # from_guide: the default rank 2, the guide's create_plates unless others are given
+    calls.clear()
+    pyro.clear_param_store()
+    new = AutoKTiedNormal.from_guide(guide)
+    assert new.rank == 2 and new.get_scale_factors("fc.weight")[0].shape == (30, 2)
+    new()
+    assert calls
+    pyro.clear_param_store()
+    others = []
+    new = AutoKTiedNormal.from_guide(
+        guide, create_plates=lambda *args, **kwargs: others.append(1) or pyro.plate("groups", 4)
+    )
+    calls.clear()
+    new()
+    assert others and not calls
+
+
+def test_float64_model_gets_float64_factors():
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(5, 4, dtype=torch.float64), 1.0).to_event(2))
+
+    guide = AutoKTiedNormal(model)
+    guide()
+    assert all(f.dtype == torch.float64 for f in guide.get_scale_factors("w"))
+
+
+def test_one_element_matrix_site_is_tied():
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(1, 1), 1.0).to_event(2))
+
+    guide = AutoKTiedNormal(model, rank=2)
+    guide()
+    u, v = guide.get_scale_factors("w")
+    assert u.shape == (1, 2) and v.shape == (1, 2)
+
+
+def test_factors_are_subsampled_with_their_plate():
+    # The factors' leading dims are plate dims (event_dim 2 of the PyroParam): a subsampled
+    # plate draws the subsample's factors.
+    def model():
+        with pyro.plate("groups", 5, subsample_size=2):
+            pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+
+    guide = AutoKTiedNormal(model)
+    guide()
+    u, v = guide.get_scale_factors("w")
+    assert u.shape == (5, 3, 2) and v.shape == (5, 4, 2)
+    with torch.no_grad():  # a different scale per group, to see which groups are drawn
+        guide.scale_u.w_unconstrained.copy_(
+            torch.arange(1.0, 6.0)[:, None, None].expand(5, 3, 2).expm1().log()
+        )
+    guide_trace = poutine.trace(guide).get_trace()
+    index = guide_trace.nodes["groups"]["value"]
+    fn = guide_trace.nodes["w"]["fn"]
+    assert guide_trace.nodes["w"]["value"].shape == (2, 3, 4)
+    expected = (torch.arange(1.0, 6.0)[index, None, None] * v[index].sum(-1)[:, None, :]
+                * torch.ones(2, 3, 1))
+    assert_close(fn.base_dist.stddev, expected, rtol=1e-5, atol=0)
+
+
+def test_set_loc_and_scale_writes_both_and_refits_small_changes():
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(5, 4, dtype=torch.float64), 1.0).to_event(2))
+
+    guide = AutoKTiedNormal(model, rank=1)
+    guide()
+    loc = torch.randn(5, 4, dtype=torch.float64)
+    rank_one = (torch.rand(5, 1, dtype=torch.float64) + 0.1) @ (torch.rand(1, 4) + 0.1).double()
+    guide.set_loc_and_scale("w", loc, rank_one)
+    assert_close(guide.get_loc_and_scale("w")[0], loc)  # the loc is written with the factors
+    # A change of 5e-6 (relative), or of 5e-9 on tiny scales, is refitted, not ignored.
+    for scale in (rank_one * (1 + 5e-6), 1e-6 * rank_one, 1e-6 * rank_one * 1.005):
+        guide.set_loc_and_scale("w", loc, scale)
+        assert_close(guide.get_loc_and_scale("w")[1], scale, rtol=1e-9, atol=0)
+
+
+def test_from_guide_error_message():
+    existing = AutoKTiedNormal(layer_model)
+    existing()
+    with pytest.raises(ValueError) as error:
+        AutoKTiedNormal.from_guide(existing, rank=1)
+    taken = sorted(k for k in pyro.get_param_store().keys() if k.startswith("AutoKTiedNormal."))
+    assert str(error.value) == (
+        f"AutoKTiedNormal.from_guide: the param store already holds {taken[:3]}..., which a "
+        "new guide of this name would pick up at its first call instead of the values "
+        "from_guide computes; save them if needed, then remove them "
+        "(pyro.clear_param_store(), or del pyro.get_param_store()[name])"
+    )
