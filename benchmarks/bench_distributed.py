@@ -29,9 +29,9 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
+from contextlib import ExitStack
 
 import pyro
 import torch
@@ -46,8 +46,24 @@ from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger, local_reparam
 from pyro_vinit.schedules import LinearWarmup
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from distributed_mnist import HandledELBO  # noqa: E402
+
+class HandledELBO(torch.nn.Module):
+    """The loss module of ``examples/distributed_mnist.py``: an ``ELBOModule``
+    evaluated inside the KL annealing and weight-noise handlers, which see the
+    guide and the model because they wrap the whole loss (and stay inside DDP,
+    which wraps the module)."""
+
+    def __init__(self, elbo_module, annealing, weight_noise):
+        super().__init__()
+        self.elbo = elbo_module
+        self.annealing = annealing
+        self.weight_noise = weight_noise
+
+    def forward(self, *args, **kwargs):
+        with ExitStack() as stack:
+            stack.enter_context(self.annealing)
+            stack.enter_context(self.weight_noise())
+            return self.elbo(*args, **kwargs)
 
 # (name, layer sizes, global batch B, nominal training set size N)
 PROBLEMS = [

@@ -16,8 +16,8 @@ images. The script therefore also runs I-BLM with the KL weight warmed up
 linearly from 0 to 1 over the run (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`)
 and draws it as a dashed line.
 
-The problems (``--problems``) are also available to ``benchmarks/bench_iblm_svi.py``,
-which imports this module and adds the speed-up table and the I-BLM ablation:
+The problems (``--problems``; ``benchmarks/bench_iblm_svi.py`` runs the same
+ones and adds the speed-up table and the I-BLM ablation):
 
 * ``digits_mlp``: ReLU MLP 64-100×5-10;
 * ``digits_cnn``: digits as 8×8 images, conv(8, 3×3) → ReLU → conv(16, 3×3,

@@ -189,10 +189,10 @@ def cap_scales(guide, ratio: float) -> None:
     with torch.no_grad():
         for name, site in site_params.latent_sites(guide).items():
             fn = site["fn"]
-            while hasattr(fn, "base_dist"):
+            while isinstance(fn, dist.Independent):
                 fn = fn.base_dist
-            if not isinstance(fn, dist.Normal):
-                continue  # the noise site: the cap is on the layers' Normal priors
+            if type(fn) is not dist.Normal:
+                continue  # e.g. the HalfNormal noise: the cap is on the layers' Normal priors
             loc, scale = site_params.get_loc_and_scale(guide, name)
             cap = ratio * fn.scale.expand(loc.shape)
             site_params.set_loc_and_scale(guide, name, loc.detach().clone(),
@@ -313,10 +313,19 @@ def _final(runs, key):
     return [r["metrics"][-1][key] for r in runs]
 
 
+def _fmt(values):
+    """``common.fmt``, with three significant digits for the huge values of the
+    uninformative start."""
+    mean, sd = common.mean_sd(values)
+    if abs(mean) < 1000:
+        return common.fmt(values)
+    return f"{mean:.3g}" if len(values) < 2 else f"{mean:.3g} ± {sd:.2g}"
+
+
 def _cell(kind, runs, key):
     """``mean ± sd``, marked NC when no seed converged, or with the number that did not."""
     failed = sum(not converged(kind, r["metrics"][-1]) for r in runs)
-    text = common.fmt(_final(runs, key))
+    text = _fmt(_final(runs, key))
     if failed == len(runs):
         return f"NC ({text})"
     return text if failed == 0 else f"{text} ({failed} NC)"
@@ -340,7 +349,7 @@ def tables(report, args, results, kinds):
                 rs = runs[method]
                 row = [LABELS[method]]
                 for key in keys:
-                    row.append(common.fmt([r["metrics"][0][key] for r in rs]))
+                    row.append(_fmt([r["metrics"][0][key] for r in rs]))
                     row.append(_cell(kind, rs, key))
                     if task in PAPER:
                         row.append(_paper_cell(task, key, method))
@@ -355,8 +364,8 @@ def tables(report, args, results, kinds):
             report.table(
                 f"{task}, {protocol} protocol ({what}): test metrics right after "
                 f"initialization and after {steps} steps", header, rows,
-                note=f"(mean ± sd over {args.task_seeds[task]} seed(s); NC: did not converge; [1]: "
-                "the paper's final numbers on all of MNIST)")
+                note=f"(mean ± sd over {len(runs['iblm'])} seed(s); NC: did not converge"
+                + ("; [1]: the paper's final numbers on all of MNIST)" if task in PAPER else ")"))
 
 
 def plot(args, results, kinds):
@@ -385,6 +394,7 @@ def plot(args, results, kinds):
                 ax.set(xscale="log", yscale="log", xlabel="SVI step (0 plotted at 1)",
                        ylabel=f"test {key}", title=f"{task} ({protocol})")
             row[0].legend(fontsize=7)
+        fig.tight_layout()
         written.append(common.savefig(fig, args, f"iblm_{protocol}.png"))
     return written
 
