@@ -15,11 +15,8 @@ Two training set-ups, each applied alike to every initialization:
   (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`; with
   ``--kl-warmup T``, λ ramps linearly from 0 to it over T steps), and
   I-BLM's standard deviations capped at ``--scale-cap`` (0.1) times the
-  prior's. The cap is an initialization change: if ``init_guide_iblm``
-  accepts ``max_scale`` it is passed, else the benchmark caps the variances
-  after ``init_guide_iblm`` and re-projects them onto the guide's family with
-  the library's ``site_params.set_loc_and_scale`` (what the option would do). The
-  baselines keep the scales that define them.
+  prior's (``init_guide_iblm(..., max_scale_ratio=0.1)``). The baselines keep
+  the scales that define them.
 * **as-is**: the full ELBO from the first step, every guide as ``init_guide``
   wrote it.
 
@@ -41,7 +38,6 @@ with ``map500`` among the baselines.
 Usage::
 
     python benchmarks/bench_iblm_recipe.py                  # full run, 3 seeds
-    python benchmarks/bench_iblm_recipe.py --batch-size 64 --tag batch64
     python benchmarks/bench_iblm_recipe.py --local-reparam --tag lrt
     python benchmarks/bench_iblm_recipe.py --quick          # smoke run (< 1 min, no files)
 
@@ -64,9 +60,8 @@ from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 from tqdm import tqdm
 
-from pyro_vinit import AutoKTiedNormal, IBLMGuideInitializer, init_guide
+from pyro_vinit import AutoKTiedNormal, init_guide
 from pyro_vinit.data import load_digits
-from pyro_vinit.guides import site_params
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger, local_reparam
@@ -80,37 +75,6 @@ GUIDES = {
     "AutoKTiedNormal(rank=2)": lambda model: AutoKTiedNormal(model, rank=2),
 }
 ERROR_MARGIN = 0.03
-
-
-def _prior_scale(site) -> torch.Tensor:
-    fn = site["fn"]
-    while hasattr(fn, "base_dist"):
-        fn = fn.base_dist
-    return fn.scale.expand(site["value"].shape)
-
-
-def cap_scales(guide, ratio: float) -> None:
-    """Caps each site's standard deviation at ``ratio`` times its prior's and
-    writes it back with :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`
-    (for AutoKTiedNormal the capped matrix gets its rank-k refit): the
-    emulation of ``init_guide_iblm(..., max_scale=ratio)``."""
-    with torch.no_grad():
-        for name, site in guide.prototype_trace.iter_stochastic_nodes():
-            loc, scale = site_params.get_loc_and_scale(guide, name)
-            cap = ratio * _prior_scale(site)
-            site_params.set_loc_and_scale(guide, name, loc.detach().clone(),
-                                          torch.minimum(scale.detach(), cap))
-
-
-def _library_has_cap() -> bool:
-    try:
-        IBLMGuideInitializer(max_scale=0.1)
-    except TypeError:
-        return False
-    return True
-
-
-LIBRARY_CAP = _library_has_cap()
 
 
 def build(guide_name, seed, n):
@@ -135,10 +99,8 @@ def initialize(method, guide, data, args, *, recipe, map_steps):
     x, y = data[:2]
     start = time.process_time()
     if method == "iblm":
-        options = {"max_scale": args.scale_cap if recipe else None} if LIBRARY_CAP else {}
-        init_guide(guide, (x, y), method="iblm", batch_size=args.iblm_batch, **options)
-        if recipe and not LIBRARY_CAP:
-            cap_scales(guide, args.scale_cap)
+        init_guide(guide, (x, y), method="iblm", batch_size=args.iblm_batch,
+                   max_scale_ratio=args.scale_cap if recipe else None)
     elif method == "map500":
         init_guide(guide, (x, y), method="map")
     else:
@@ -242,7 +204,7 @@ def main(args):
     variants = ("recipe", "as-is")
     total = len(args.guides) * len(args.seeds) * len(methods) * len(variants)
     results = {
-        "setup": dict(vars(args), library_cap=LIBRARY_CAP, torch=torch.__version__,
+        "setup": dict(vars(args), torch=torch.__version__,
                       pyro=pyro.__version__, python=platform.python_version()),
         "guides": {},
     }
@@ -317,8 +279,7 @@ def tables(results, args):
         f"{args.batch_size}, {elbo}; mean of seeds {args.seeds}; test predictive from "
         f"{args.samples} draws.",
         f"recipe: KL weight {kl}; I-BLM (batches of {args.iblm_batch}) std capped at "
-        f"{args.scale_cap} x prior std "
-        f"({'library option' if LIBRARY_CAP else 'emulated after init_guide_iblm'}). "
+        f"{args.scale_cap} x prior std (max_scale_ratio). "
         "as-is: full ELBO, guide as initialized.",
         "",
     ]

@@ -34,19 +34,26 @@ def _python_blocks(text):
 
 
 def test_readme_usage_runs(tmp_path):
-    # The README's usage snippet, with fewer steps, must run as printed and learn.
+    # The README's usage snippet runs as printed and meets the head-start bar of the
+    # I-BLM recipe: the test error after 400 steps at most 0.03 above the error
+    # right after I-BLM (without the recipe it rises by ~0.15; tests/initialization/
+    # test_iblm_recipe.py has that control).
     with open(os.path.join(ROOT, "README.md")) as f:
         blocks = _python_blocks(f.read())
     assert blocks, "README.md has no python block"
     code = blocks[0]
-    assert "range(2000)" in code and "LinearWarmup(1000)" in code
-    code = code.replace("range(2000)", "range(300)")
-    code = code.replace("LinearWarmup(1000)", "LinearWarmup(100)")
-    code = code.replace("print(classification_metrics(", "metrics = (classification_metrics(")
-    code += "\nassert metrics['error_rate'] < 0.1, metrics\n"
+    assert code.count("print(classification_metrics(") == 2 and "range(400)" in code
+    code = "metrics = []\n" + code.replace("print(classification_metrics(",
+                                            "metrics.append(classification_metrics(")
+    code += (
+        "\nstart, end = (float(m['error_rate']) for m in metrics)\n"
+        "assert start < 0.08, metrics\n"
+        "assert end <= start + 0.03, metrics\n"
+        "assert float(metrics[1]['mnll']) < 0.25, metrics\n"
+    )
     script = tmp_path / "readme_usage.py"
     script.write_text(code)
     result = subprocess.run(
-        [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]

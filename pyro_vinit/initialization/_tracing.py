@@ -23,8 +23,8 @@ from torch.distributions import (
 )
 
 from pyro_vinit._pyro_compat import unwrap_init_messenger
+from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
-from pyro_vinit.initialization.projection import GuideWriter
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
     RecordedLayer,
@@ -335,9 +335,13 @@ class Prepared:
     """What every data-driven initializer starts from."""
 
     pool: DataPool
-    writer: GuideWriter
+    guide: Any  # a guide that pyro_vinit.guides.site_params supports, set up
+    sites: Dict[str, Any]  # the guide's latent sites (prototype-trace nodes), in model order
     structure: ModelStructure
     first: Tuple[Any, ...]  # the first pass's model arguments
+
+    def site_shape(self, name: str) -> torch.Size:
+        return self.sites[name]["value"].shape
 
     @property
     def layers(self) -> List[Layer]:
@@ -491,26 +495,25 @@ def prepare(
     """Checks the guide class, reads the data, sets the guide up if needed (after
     checking that the model has a likelihood on the data) and reads the model's
     structure."""
-    GuideWriter.family_of(guide)  # an unsupported guide fails before any work
+    site_params.check_supported(guide)  # an unsupported guide fails before any work
     pool = DataPool(data, max_rows)
     first = next(pool.chunks(min(chunk_rows, _STRUCTURE_ROWS)))
     if guide.prototype_trace is None:
         _check_has_likelihood(unwrap_init_messenger(guide.model), first)
         with torch.no_grad(), poutine.block():
             guide(*first)
-    writer = GuideWriter(guide)
-    latent = writer.latent_names
-    structure, first = trace_structure(guide, pool, latent, normal_priors)
+    sites = site_params.latent_sites(guide)
+    structure, first = trace_structure(guide, pool, list(sites), normal_priors)
     for layer in structure.layers:
         for name in layer.site_names:
-            site_shape = writer.shape(name)
+            site_shape = sites[name]["value"].shape
             expected = layer.weight_shape if name == layer.weight_name else (layer.num_units,)
             if site_shape.numel() != torch.Size(expected).numel():
                 raise ValueError(
                     f"site {name!r} has shape {tuple(site_shape)} in the guide but "
                     f"{tuple(expected)} in the layer call"
                 )
-    return Prepared(pool, writer, structure, first)
+    return Prepared(pool, guide, sites, structure, first)
 
 
 def capture(
@@ -556,7 +559,7 @@ def refresh_norm_statistics(prep: Prepared, values: Dict[str, torch.Tensor],
         return
     accumulated: Dict[int, list] = {}
     for args, rows, _ in iterate_rows(prep.pool, chunk_rows, prep.structure.block_size):
-        run_model(prep.writer.guide.model, values, args, prep.latent, plate_rows=rows,
+        run_model(prep.guide.model, values, args, prep.latent, plate_rows=rows,
                   norm_statistics=accumulated)
     for running_mean, running_var, mean, var in norm_statistics(accumulated):
         running_mean.copy_(mean)
