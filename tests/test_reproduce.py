@@ -185,33 +185,6 @@ def test_continual_priors_reach_the_model(local_params):
     assert_close(trace.nodes["net.heads.0.weight"]["fn"].stddev, torch.full((2, 4), 0.5))
 
 
-def test_iblm_cap_scales(local_params):
-    # each layer site's std becomes min(std, ratio × prior std), the means stay, and the
-    # noise site (HalfNormal prior, not a layer) is left alone
-    net = pyro_vinit.nn.bayesianize(pyro_vinit.nn.mlp((6, 5, 1)))  # priors N(0, 1/6), N(0, 1/5)
-    model = iblm.Regressor(net, num_data=10)
-    guide = common.MeanFieldNormal(model, init_scale=0.05)
-    x, y = torch.randn(4, 6), torch.randn(4)
-    guide(x, y)
-    scale = torch.tensor([0.01, 0.02, 0.03, 0.05, 0.2]).unsqueeze(-1).expand(5, 6)
-    loc = torch.randn(5, 6)
-    guide.set_loc_and_scale("net.0.weight", loc, scale)
-    guide.set_loc_and_scale("sigma", torch.tensor(0.3), torch.tensor(0.5))  # above any cap
-    before = {name: [t.detach().clone() for t in guide.get_loc_and_scale(name)]
-              for name in site_params.latent_sites(guide)}
-    iblm.cap_scales(guide, 0.1)
-    got_loc, got_scale = guide.get_loc_and_scale("net.0.weight")
-    assert_close(got_loc, loc)
-    cap = 0.1 / 6**0.5  # 0.0408: the two largest rows are capped, the others kept
-    expected = torch.tensor([0.01, 0.02, 0.03, cap, cap]).unsqueeze(-1).expand(5, 6)
-    assert_close(got_scale, expected, rtol=1e-4)
-    # the output layer's std 0.05 is above 0.1 / sqrt(5) = 0.0447
-    assert_close(guide.get_loc_and_scale("net.2.weight")[1], torch.full((1, 5), 0.1 / 5**0.5),
-                 rtol=1e-4)
-    for t, t0 in zip(guide.get_loc_and_scale("sigma"), before["sigma"]):
-        assert_close(t, t0)
-
-
 def test_iblm_checkpoints():
     assert iblm.checkpoints(600) == [0, 10, 20, 50, 100, 200, 500, 600]
     assert iblm.checkpoints(1000) == [0, 10, 20, 50, 100, 200, 500, 1000]

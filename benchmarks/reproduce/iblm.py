@@ -50,8 +50,7 @@ Two training protocols (``--protocols``), each applied to every method alike:
 - ``recipe``: the KL term weighted by 0.1 throughout
   (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`), and I-BLM's standard
   deviations capped at 0.1 times the prior's
-  (``init_guide_iblm(..., max_scale_ratio=0.1)``; emulated through
-  :mod:`~pyro_vinit.guides.site_params` on a library without the option);
+  (``init_guide_iblm(..., max_scale_ratio=0.1)``);
   the baselines keep the standard deviations that define them.
 
 A run *did not converge* (NC, as [1]'s tables) when its final test error is
@@ -67,7 +66,6 @@ Usage::
 Bayes for Deep Models"
 """
 
-import inspect
 import time
 
 import pyro
@@ -81,7 +79,6 @@ from tqdm import tqdm
 from benchmarks.reproduce import common
 from pyro_vinit import init_guide, init_guide_iblm
 from pyro_vinit.data import load_diabetes, load_mnist, load_mnist1d
-from pyro_vinit.guides import site_params
 from pyro_vinit.metrics import error_rate, mnll, rmse
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 
@@ -174,43 +171,14 @@ def make_task(name: str, args):
 # ----------------------------------------------------------------------------- initialization
 
 
-def _has_cap_option() -> bool:
-    """Whether ``init_guide_iblm`` takes ``max_scale_ratio`` (not in every version)."""
-    from pyro_vinit.initialization import IBLMGuideInitializer
-
-    return "max_scale_ratio" in inspect.signature(IBLMGuideInitializer).parameters
-
-
-def cap_scales(guide, ratio: float) -> None:
-    """Caps each layer site's standard deviation at ``ratio`` times its prior's,
-    written back through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`:
-    what ``init_guide_iblm(..., max_scale_ratio=ratio)`` does, for a library
-    without the option."""
-    with torch.no_grad():
-        for name, site in site_params.latent_sites(guide).items():
-            fn = site["fn"]
-            while isinstance(fn, dist.Independent):
-                fn = fn.base_dist
-            if type(fn) is not dist.Normal:
-                continue  # e.g. the HalfNormal noise: the cap is on the layers' Normal priors
-            loc, scale = site_params.get_loc_and_scale(guide, name)
-            cap = ratio * fn.scale.expand(loc.shape)
-            site_params.set_loc_and_scale(guide, name, loc.detach().clone(),
-                                          torch.minimum(scale.detach(), cap))
-
-
 def initialize(method: str, guide, data, *, iblm_batch: int, recipe: bool,
                map_seconds=None) -> float:
     """Initializes ``guide``; returns the wall-clock seconds it took."""
     x, y = data[:2]
     start = time.perf_counter()
     if method == "iblm":
-        if recipe and _has_cap_option():
-            init_guide_iblm(guide, (x, y), batch_size=iblm_batch, max_scale_ratio=RECIPE_CAP)
-        else:
-            init_guide_iblm(guide, (x, y), batch_size=iblm_batch)
-            if recipe:
-                cap_scales(guide, RECIPE_CAP)
+        init_guide_iblm(guide, (x, y), batch_size=iblm_batch,
+                        max_scale_ratio=RECIPE_CAP if recipe else None)
     elif method == "map":
         init_guide(guide, (x, y), method="map", map_steps=10**6, map_seconds=map_seconds)
     else:
@@ -305,7 +273,7 @@ def main(args):
     bar.close()
     tables(report, args, results, kinds)
     report.save({"results": results, "kinds": kinds, "paper": PAPER,
-                 "steps": args.steps, "library_cap_option": _has_cap_option()},
+                 "steps": args.steps},
                 lambda: plot(args, results, kinds))
 
 
