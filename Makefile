@@ -57,7 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_memory.py
 
 # The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
-# docs/_static/reproduce/. About 25 minutes of CPU time on one thread.
+# docs/_static/reproduce/. About 23 minutes of CPU time on one thread.
 reproduce: $(STAMP)
 	$(BIN)/python -m benchmarks.reproduce.ktied
 	$(BIN)/python -m benchmarks.reproduce.radial
