@@ -1,7 +1,10 @@
 """
 Data-parallel SVI on this machine: the time of one global SVI step with one
 process against two ``gloo`` processes (DistributedDataParallel, loopback),
-and, on paper, the bytes one DDP gradient all-reduce moves per step.
+and, on paper, the bytes one DDP gradient all-reduce moves per step; and the
+time of I-BLM (``init_guide_iblm``) on all the data in one process against
+two processes each passing its half with ``process_group``, with the
+elements its collectives move (counted).
 
 The step is the one of ``examples/distributed_mnist.py``: AutoKTiedNormal
 (k = 2) + ``local_reparam`` + KL annealing, ``TraceMeanField_ELBO`` as a
@@ -18,9 +21,17 @@ The 2-process set-up also times the all-reduce alone (a flat tensor of the
 gradient's size, as DDP's buckets send it), so the step's communication
 share is measured, not guessed.
 
+I-BLM (default options, AutoNormal, float32, synthetic data with a
+teacher's labels) runs in interleaved rounds too: 1 process, 1 thread,
+against 2 processes, 1 thread each; the median over rounds. Its
+communication is counted by wrapping the initializer's collectives: the
+elements each rank receives (an all-reduce's or broadcast's result, an
+all-gather's padded result).
+
 Usage::
 
     python benchmarks/bench_distributed.py            # full run (15 minutes on a loaded 2-core box)
+    python benchmarks/bench_distributed.py --part iblm  # only I-BLM (keeps the stored SVI results)
     python benchmarks/bench_distributed.py --quick    # smoke run
 """
 
@@ -31,7 +42,6 @@ import socket
 import statistics
 import tempfile
 import time
-from contextlib import ExitStack
 
 import pyro
 import torch
@@ -41,29 +51,11 @@ from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
 from torch.nn.parallel import DistributedDataParallel
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_iblm
+from pyro_vinit.initialization import _distributed
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import KLAnnealingMessenger, local_reparam
+from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, local_reparam
 from pyro_vinit.schedules import LinearWarmup
-
-
-class HandledELBO(torch.nn.Module):
-    """The loss module of ``examples/distributed_mnist.py``: an ``ELBOModule``
-    evaluated inside the KL annealing and weight-noise handlers, which see the
-    guide and the model because they wrap the whole loss (and stay inside DDP,
-    which wraps the module)."""
-
-    def __init__(self, elbo_module, annealing, weight_noise):
-        super().__init__()
-        self.elbo = elbo_module
-        self.annealing = annealing
-        self.weight_noise = weight_noise
-
-    def forward(self, *args, **kwargs):
-        with ExitStack() as stack:
-            stack.enter_context(self.annealing)
-            stack.enter_context(self.weight_noise())
-            return self.elbo(*args, **kwargs)
 
 # (name, layer sizes, global batch B, nominal training set size N)
 PROBLEMS = [
@@ -71,6 +63,12 @@ PROBLEMS = [
     ("MNIST MLP 784-400-400-10", (784, 400, 400, 10), 128, 60000),
     ("MNIST MLP 784-400-400-10", (784, 400, 400, 10), 1024, 60000),
 ]
+# (name, layer sizes, rows N of the data set)
+IBLM_PROBLEMS = [
+    ("digits-size MLP 64-100-10", (64, 100, 10), 1257),
+    ("MNIST-size MLP 784-400-400-10", (784, 400, 400, 10), 10000),
+]
+IBLM_SETUPS = [("1 process", 1), ("2 processes", 2)]
 SETUPS = [("1 process, 1 thread", 1, 1), ("1 process, 2 threads", 1, 2),
           ("2 processes (DDP), 1 thread each", 2, 1)]
 GUIDES = {
@@ -153,6 +151,90 @@ def worker(rank, world_size, threads, port, out_path, problems, steps, warmup):
         torch.save(results, out_path)
 
 
+def count_collectives():
+    """Wraps the initializer's collectives to count calls and received elements."""
+    tally = {"calls": 0, "elements": 0}
+
+    def wrap(method):
+        def counted(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            tally["calls"] += 1
+            tally["elements"] += out.numel() if isinstance(out, torch.Tensor) else 0
+            return out
+        return counted
+
+    for name in ("all_reduce", "broadcast", "all_gather", "gather_objects"):
+        setattr(_distributed.Shards, name, wrap(getattr(_distributed.Shards, name)))
+    return tally
+
+
+def time_iblm(rank, world_size, sizes, n):
+    """Seconds of init_guide_iblm on this rank's share of n rows (on rank 0)."""
+    pyro.set_rng_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, sizes[0], generator=g)
+    y = (x @ torch.randn(sizes[0], sizes[-1], generator=g)).argmax(-1)
+    model = BayesianClassifier(bayesianize(mlp(sizes)), num_data=n)
+    guide = AutoNormal(model)
+    guide(x[:2], y[:2])
+    lo, hi = n * rank // world_size, n * (rank + 1) // world_size
+    group = dist.group.WORLD if world_size > 1 else None
+    if world_size > 1:
+        dist.barrier()
+    begin = time.perf_counter()
+    init_guide_iblm(guide, (x[lo:hi], y[lo:hi]), process_group=group)
+    if world_size > 1:
+        dist.barrier()
+    return time.perf_counter() - begin
+
+
+def iblm_worker(rank, world_size, port, out_path, problems):
+    torch.set_num_threads(1)
+    pyro.enable_validation(False)
+    pyro.settings.set(module_local_params=True)
+    tally = count_collectives()
+    if world_size > 1:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()  # loopback only
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+    results = []
+    for _, sizes, n in problems:
+        tally.update(calls=0, elements=0)
+        seconds = time_iblm(rank, world_size, sizes, n)
+        results.append({"seconds": seconds, "collectives": tally["calls"],
+                        "elements_received": tally["elements"]})
+    if world_size > 1:
+        dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def run_iblm_setup(world_size, problems):
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "iblm.pt")
+        mp.spawn(iblm_worker, nprocs=world_size,
+                 args=(world_size, free_port(), out_path, problems))
+        return torch.load(out_path)
+
+
+def run_iblm(problems, rounds):
+    runs = {name: [] for name, _ in IBLM_SETUPS}
+    for r in range(rounds):
+        for name, world_size in IBLM_SETUPS:
+            runs[name].append(run_iblm_setup(world_size, problems))
+            print(f"I-BLM round {r + 1}/{rounds}: {name} done", flush=True)
+    rows = []
+    for i, (name, sizes, n) in enumerate(problems):
+        row = {"problem": name, "rows": n,
+               "parameters": 2 * sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))}
+        for setup, _ in IBLM_SETUPS:
+            row[setup] = statistics.median(run[i]["seconds"] for run in runs[setup])
+        two = runs[IBLM_SETUPS[1][0]][0][i]
+        row["collectives"], row["elements_received"] = two["collectives"], two["elements_received"]
+        rows.append(row)
+    return {"rounds": runs, "times": rows}
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -206,8 +288,35 @@ def report(results):
     return "\n".join(lines)
 
 
+def iblm_report(iblm):
+    lines = ["I-BLM (init_guide_iblm, default options, AutoNormal, float32): seconds, median "
+             "over rounds; 2 processes: each passes half the rows and process_group",
+             "", "| problem | N | " + " | ".join(s[0] for s in IBLM_SETUPS)
+             + " | speed-up | collective calls (2 processes) | elements received per rank "
+             "| as DDP gradient all-reduces of AutoNormal (2 x weights) |",
+             "|---|---|" + "---|" * len(IBLM_SETUPS) + "---|---|---|---|"]
+    for row in iblm["times"]:
+        cells = [f"{row[s[0]]:.2f} s" for s in IBLM_SETUPS]
+        speedup = row[IBLM_SETUPS[0][0]] / row[IBLM_SETUPS[1][0]]
+        lines.append(f"| {row['problem']} | {row['rows']} | " + " | ".join(cells)
+                     + f" | {speedup:.2f}x | {row['collectives']} | "
+                     f"{row['elements_received']:,} | "
+                     f"{row['elements_received'] / row['parameters']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(args):
     problems = PROBLEMS[:1] if args.quick else PROBLEMS
+    path = os.path.join(args.out, "bench_distributed.json")
+    if args.part == "iblm" and not args.quick:
+        with open(path) as f:  # the stored SVI results, kept
+            results = json.load(f)
+        results["iblm_config"] = vars(args)
+        results["iblm_load_average_before"] = os.getloadavg()
+        results["iblm"] = run_iblm(IBLM_PROBLEMS, args.rounds)
+        results["iblm_load_average_after"] = os.getloadavg()
+        write(args, results)
+        return
     results = {"config": vars(args), "cpu_count": os.cpu_count(),
                "load_average_before": os.getloadavg()}
     rounds = {s[0]: [] for s in SETUPS}
@@ -225,10 +334,28 @@ def main(args):
         results["times"].append(row)
     results["communication"] = communication_volume()
     results["load_average_after"] = os.getloadavg()
+    if args.part == "all":
+        results["iblm_load_average_before"] = os.getloadavg()
+        results["iblm"] = run_iblm(IBLM_PROBLEMS[:1] if args.quick else IBLM_PROBLEMS,
+                                   args.rounds)
+        results["iblm_load_average_after"] = os.getloadavg()
+    write(args, results)
+
+
+def _load(values):
+    return tuple(round(v, 2) for v in values)
+
+
+def write(args, results):
     text = report(results)
     text += "\n\nLoad average (1, 5, 15 min) before / after the run, on {} cores: {} / {}".format(
-        os.cpu_count(), tuple(round(v, 2) for v in results["load_average_before"]),
-        tuple(round(v, 2) for v in results["load_average_after"]))
+        os.cpu_count(), _load(results["load_average_before"]),
+        _load(results["load_average_after"]))
+    if "iblm" in results:
+        text += "\n\n" + iblm_report(results["iblm"])
+        text += "\n\nLoad average before / after the I-BLM runs, on {} cores: {} / {}".format(
+            os.cpu_count(), _load(results["iblm_load_average_before"]),
+            _load(results["iblm_load_average_after"]))
     print(text)
     if not args.quick:
         os.makedirs(args.out, exist_ok=True)
@@ -241,6 +368,8 @@ def main(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--part", choices=["all", "iblm"], default="all",
+                        help="iblm: time only I-BLM, keeping the stored SVI results")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=5)

@@ -8,12 +8,13 @@ with this library's guide, initializer and handlers:
 
 1. every rank builds the same model and guide from one seed, and the guide
    gets all its parameters up front: I-BLM
-   (:func:`~pyro_vinit.initialization.init_guide_iblm`) sets them, and rank
-   0's values are the ones every rank starts from;
+   (:func:`~pyro_vinit.initialization.init_guide_iblm`) sets them, each rank
+   passing its own shard of the training set and the process group, so that
+   every rank ends with the initialization of the whole training set;
 2. the ELBO is a module, ``TraceMeanField_ELBO()(model, guide)`` (Pyro's
    ``ELBOModule``), run inside a :class:`~pyro_vinit.poutine.KLAnnealingMessenger`
-   and :func:`~pyro_vinit.poutine.local_reparam` by a small wrapper module
-   (:class:`HandledELBO`), wrapped in
+   and :func:`~pyro_vinit.poutine.local_reparam` by
+   :class:`~pyro_vinit.poutine.HandledELBO`, wrapped in
    :class:`~torch.nn.parallel.DistributedDataParallel` and trained with
    :class:`torch.optim.Adam`;
 3. every global minibatch of ``--batch-size`` points is split into one
@@ -43,7 +44,6 @@ import argparse
 import inspect
 import os
 import time
-from contextlib import ExitStack
 
 import pyro
 import torch
@@ -56,37 +56,10 @@ import pyro_vinit.data
 from pyro_vinit import AutoKTiedNormal, init_guide_iblm
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import KLAnnealingMessenger, local_reparam
+from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, local_reparam
 from pyro_vinit.schedules import LinearWarmup
 
 from _outputs import save_results
-
-
-class HandledELBO(torch.nn.Module):
-    """
-    An ``ELBOModule`` evaluated inside effect handlers. The handlers must see
-    the guide *and* the model, so they wrap the whole loss; putting them in
-    ``forward`` keeps them inside whatever wraps the module (DDP, Lightning).
-
-    :param elbo_module: ``elbo(model, guide)``, e.g. ``TraceMeanField_ELBO()(model, guide)``.
-    :param annealing: A :class:`~pyro_vinit.poutine.KLAnnealingMessenger`, or None.
-    :param callable weight_noise: Returns a fresh weight-noise handler per
-        evaluation (e.g. :func:`~pyro_vinit.poutine.local_reparam`), or None.
-    """
-
-    def __init__(self, elbo_module, annealing=None, weight_noise=None):
-        super().__init__()
-        self.elbo = elbo_module
-        self.annealing = annealing
-        self.weight_noise = weight_noise
-
-    def forward(self, *args, **kwargs):
-        with ExitStack() as stack:
-            if self.annealing is not None:
-                stack.enter_context(self.annealing)
-            if self.weight_noise is not None:
-                stack.enter_context(self.weight_noise())
-            return self.elbo(*args, **kwargs)
 
 
 def setup_distributed(backend):
@@ -136,26 +109,13 @@ def load_data(args, dtype, device, rank=0):
 
 
 def initialize(guide, x_train, y_train, rank, world_size, args):
-    """I-BLM on the training set, the same result on every rank."""
-    supports_groups = "process_group" in inspect.signature(init_guide_iblm).parameters
-    if world_size > 1 and supports_groups:
-        # Each rank contributes its shard; I-BLM combines the ranks' statistics itself.
-        init_guide_iblm(guide, (x_train[rank::world_size], y_train[rank::world_size]),
-                        batch_size=args.iblm_batch_size,
-                        process_group=dist.group.WORLD)
-        return "iblm, sharded"
-    if rank == 0:
-        init_guide_iblm(guide, (x_train, y_train), batch_size=args.iblm_batch_size)
-    else:
-        guide(x_train[:1], y_train[:1])  # creates the parameters, overwritten just below
-    if world_size > 1:
-        # This init_guide_iblm has no process_group: I-BLM on each rank's shard would
-        # not give the full-data result, so rank 0 runs it on the whole training set
-        # and sends its parameters to the others.
-        with torch.no_grad():
-            for value in guide.state_dict().values():
-                dist.broadcast(value, src=0)
-    return "iblm on rank 0, broadcast" if world_size > 1 else "iblm"
+    """I-BLM on the training set, the same result on every rank: each rank
+    passes its shard and the process group, and the initializer combines the
+    ranks' statistics (one process: the whole training set)."""
+    group = dist.group.WORLD if world_size > 1 else None
+    init_guide_iblm(guide, (x_train[rank::world_size], y_train[rank::world_size]),
+                    batch_size=args.iblm_batch_size, process_group=group)
+    return "iblm, sharded" if world_size > 1 else "iblm"
 
 
 @torch.no_grad()

@@ -24,11 +24,16 @@ the installed Pyro.
 """
 
 from operator import attrgetter
+from typing import Any, Callable, Dict
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.util import scale_and_mask
+from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
+from pyro.poutine.indep_messenger import CondIndepStackFrame
+
+from pyro_vinit._typing import SampleSite
 
 __all__ = [
     "ScoreParts",
@@ -61,7 +66,7 @@ def unconstrained_param(module: torch.nn.Module, name: str) -> torch.nn.Paramete
     return param
 
 
-def unwrap_init_messenger(model):
+def unwrap_init_messenger(model: Callable[..., Any]) -> Callable[..., Any]:
     """The model an autoguide was built from, without the
     :class:`~pyro.infer.autoguide.initialization.InitMessenger` the guide
     wraps around it (Pyro keeps only the wrapped callable, ``guide.model``,
@@ -85,14 +90,14 @@ def unwrap_init_messenger(model):
         model = fn.args[1]
 
 
-def is_vectorized_particles(frame) -> bool:
+def is_vectorized_particles(frame: CondIndepStackFrame) -> bool:
     """Whether the ``CondIndepStackFrame`` ``frame`` is the plate of an ELBO's
     vectorized particles."""
     return frame.name == _PARTICLE_PLATE
 
 
 def prefill_log_prob(
-    msg: dict,
+    msg: SampleSite,
     unscaled: torch.Tensor,
     scaled: torch.Tensor,
     total: torch.Tensor,
@@ -111,10 +116,14 @@ def prefill_log_prob(
     msg["unscaled_log_prob"] = unscaled
     msg["log_prob"] = scaled
     msg["log_prob_sum"] = total
-    msg["score_parts"] = ScoreParts(log_prob=scaled, score_function=0, entropy_term=scaled)
+    msg["score_parts"] = ScoreParts(
+        log_prob=scaled,
+        score_function=0,  # type: ignore[arg-type]  # Pyro's own 0 for a reparameterized site
+        entropy_term=scaled,
+    )
 
 
-def share_prototype(source, target) -> None:
+def share_prototype(source: AutoGuide, target: AutoGuide) -> None:
     """Gives the autoguide ``target`` the prototype trace (and plate frames) of the
     set-up autoguide ``source`` of the same model, as if ``target`` had run the
     model itself (AutoGuide keeps the frames in ``_prototype_frames``)."""
@@ -129,7 +138,9 @@ def share_prototype(source, target) -> None:
     target._prototype_frames = dict(frames)
 
 
-def pyro_sample_priors(module: torch.nn.Module) -> dict:
+def pyro_sample_priors(
+    module: torch.nn.Module,
+) -> Dict[str, Any]:
     """The priors of the :class:`~pyro.nn.PyroSample` attributes of ``module``
     (not of its submodules), by attribute name; ``{}`` for a plain module
     (PyroModule keeps them in ``_pyro_samples``)."""

@@ -15,6 +15,7 @@ import importlib.util
 import math
 import os
 import random
+from types import ModuleType
 from typing import Optional, Tuple
 
 import numpy as np
@@ -34,14 +35,15 @@ _MNIST_EXTRA = 'pip install "pyro-vinit[mnist]"'
 Split = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _sklearn():
+def _sklearn() -> ModuleType:
     try:
         import sklearn.datasets
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "pyro_vinit.data needs scikit-learn: pip install 'pyro-vinit[examples]'"
         ) from e
-    return sklearn.datasets
+    datasets: ModuleType = sklearn.datasets
+    return datasets
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int) -> Split:
@@ -60,14 +62,14 @@ def _stratified_split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, se
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     g = torch.Generator().manual_seed(seed)
     labels = y.cpu()
-    train, test = [], []
-    for c in labels.unique():
+    train_parts, test_parts = [], []
+    for c in labels.unique():  # type: ignore[no-untyped-call]  # torch's is unannotated
         index = (labels == c).nonzero().squeeze(-1)
         index = index[torch.randperm(index.numel(), generator=g)]
         n_test = int(round(test_fraction * index.numel()))
-        test.append(index[:n_test])
-        train.append(index[n_test:])
-    train, test = torch.cat(train), torch.cat(test)
+        test_parts.append(index[:n_test])
+        train_parts.append(index[n_test:])
+    train, test = torch.cat(train_parts), torch.cat(test_parts)
     train = train[torch.randperm(train.numel(), generator=g)].to(y.device)
     test = test[torch.randperm(test.numel(), generator=g)].to(y.device)
     return x[train], y[train], x[test], y[test]
@@ -306,9 +308,9 @@ def load_mnist1d(
     ):
         raise ValueError(f"num_samples must be a positive multiple of 10, got {num_samples!r}")
     _check_options(test_fraction, dtype)
-    x, y = _mnist1d(num_samples, seed)
-    x = torch.tensor(x, dtype=dtype, device=device)
+    signals, labels = _mnist1d(num_samples, seed)
+    x = torch.tensor(signals, dtype=dtype, device=device)
     if image:
         x = x.unsqueeze(1)
-    y = torch.tensor(y, dtype=torch.long, device=device)
+    y = torch.tensor(labels, dtype=torch.long, device=device)
     return _stratified_split(x, y, test_fraction, seed)

@@ -34,7 +34,7 @@ Usage::
 """
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union, overload
 
 import torch
 
@@ -129,14 +129,28 @@ def _labels(y: torch.Tensor, samples: torch.Tensor, name: str) -> torch.Tensor:
     return y.long()
 
 
+@overload
+def _class_log_probs(
+    y: torch.Tensor, logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def _class_log_probs(
+    y: None, logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, None]: ...
+
+
 def _class_log_probs(
     y: Optional[torch.Tensor], logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     # Per-sample log class probabilities (S, N, C) and the labels as long.
-    if (logits is None) == (probs is None):
+    if logits is not None and probs is None:
+        samples, name = logits, "logits"
+    elif probs is not None and logits is None:
+        samples, name = probs, "probs"
+    else:
         raise ValueError("pass exactly one of logits= or probs= (shape (S, N, C))")
-    samples = logits if logits is not None else probs
-    name = "logits" if logits is not None else "probs"
     if isinstance(samples, torch.Tensor) and not samples.is_floating_point():
         raise ValueError(
             f"{name} must be floating point of shape (S, N, C), got dtype {samples.dtype} and "
@@ -179,12 +193,22 @@ def _class_log_probs(
                 "(the softmax does not change)"
             )
         return torch.log_softmax(logits, dim=-1), y
-    if (probs < 0).any() or not torch.allclose(probs.sum(-1), probs.new_ones(())):
+    if (samples < 0).any() or not torch.allclose(samples.sum(-1), samples.new_ones(())):
         raise ValueError(
             "probs must be non-negative and sum to 1 over the last dimension; "
             "pass logits or log-probabilities as logits="
         )
-    return probs.log(), y
+    return samples.log(), y
+
+
+@overload
+def _regression_inputs(
+    y: Optional[torch.Tensor], loc: torch.Tensor, scale: Union[float, torch.Tensor]
+) -> torch.Tensor: ...
+
+
+@overload
+def _regression_inputs(y: Optional[torch.Tensor], loc: torch.Tensor, scale: None) -> None: ...
 
 
 def _regression_inputs(
@@ -202,7 +226,8 @@ def _regression_inputs(
         # NaN fails the comparison too
         raise ValueError(f"scale must be positive (and not NaN), got min {scale.min().item()}")
     try:
-        shape = torch.broadcast_shapes(scale.shape, loc.shape)
+        # torch.broadcast_shapes is unannotated.
+        shape = torch.broadcast_shapes(scale.shape, loc.shape)  # type: ignore[no-untyped-call]
     except RuntimeError:
         shape = None
     if shape != loc.shape:
@@ -544,7 +569,10 @@ def ood_auroc(scores_in: torch.Tensor, scores_out: torch.Tensor) -> torch.Tensor
     pooled = torch.cat([scores_in.to(dtype), scores_out.to(dtype)])
     values, order = pooled.sort()
     # tied scores share the mean of the ranks they span (1-based)
-    _, group, counts = torch.unique_consecutive(values, return_inverse=True, return_counts=True)
+    runs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] = torch.unique_consecutive(
+        values, return_inverse=True, return_counts=True
+    )
+    _, group, counts = runs
     ends = counts.cumsum(0).double()
     mean_rank = ends - (counts.double() - 1) / 2
     rank_sum_out = mean_rank[group][order >= n_in].sum()
@@ -569,7 +597,8 @@ class Calibration(NamedTuple):
     bin_edges: torch.Tensor
     confidence: torch.Tensor
     accuracy: torch.Tensor
-    count: torch.Tensor
+    # The public field shadows tuple.count (a method), which a Calibration never needs.
+    count: torch.Tensor  # type: ignore[assignment]
 
 
 def calibration(

@@ -5,7 +5,7 @@ models.
 
 import math
 import warnings
-from typing import Iterable, Optional, Tuple, Type, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 
 import pyro
 import pyro.distributions as dist
@@ -16,9 +16,10 @@ from torch import nn
 __all__ = ["BayesianClassifier", "BayesianRegressor", "bayesianize", "mlp"]
 
 _LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_Layer = Union[nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d]
 
 
-def _fan_in(module: nn.Module) -> int:
+def _fan_in(module: _Layer) -> int:
     # in_features for Linear; in_channels / groups * prod(kernel_size) for Conv
     # (from the shape, so that a layer with no output units has one too)
     return module.weight.shape[1:].numel()
@@ -37,19 +38,19 @@ class _NormalPrior:
         self._cached: Optional[Tuple[torch.Tensor, int, dist.Independent]] = None
 
     def __call__(self, module: nn.Module) -> dist.Independent:
-        scale = module.prior_scale
+        scale = cast(torch.Tensor, module.prior_scale)  # the buffer bayesianize registered
         # The prior is rebuilt only when the buffer is replaced (.to(), .double(), a new
         # tensor) or changed in place (its version counter moves): not at every step.
         cached = self._cached
         if cached is not None and cached[0] is scale and cached[1] == scale._version:
             return cached[2]
-        prior = (
+        prior: dist.Independent = (
             dist.Normal(torch.zeros_like(scale), scale).expand(self.shape).to_event(len(self.shape))
         )
         self._cached = (scale, scale._version, prior)
         return prior
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> Dict[str, Any]:
         return {"shape": self.shape, "_cached": None}
 
 
@@ -80,7 +81,9 @@ def _check_exclude(
     return excluded_names, tuple(e for e in exclude if isinstance(e, type))
 
 
-def _is_excluded(name: str, sub: nn.Module, names: Tuple[str, ...], types: Tuple[type, ...]):
+def _is_excluded(
+    name: str, sub: nn.Module, names: Tuple[str, ...], types: Tuple[type, ...]
+) -> bool:
     # a name excludes the submodule and everything inside it ("" is the root)
     inside = any(name == e or name.startswith(e + ".") or e == "" for e in names)
     return inside or isinstance(sub, types)
@@ -212,11 +215,12 @@ def bayesianize(
             torch.tensor(scale, dtype=weight.dtype, device=weight.device),
             persistent=False,
         )
-        sub.weight = PyroSample(_NormalPrior(weight.shape))
+        # PyroModule's __setattr__ makes a PyroSample attribute a sample site.
+        sub.weight = PyroSample(_NormalPrior(weight.shape))  # type: ignore[assignment]
         if bias is not None:
-            sub.bias = PyroSample(_NormalPrior(bias.shape))
+            sub.bias = PyroSample(_NormalPrior(bias.shape))  # type: ignore[assignment]
     pyro.nn.module.to_pyro_module_(module)
-    return module
+    return cast(PyroModule, module)  # to_pyro_module_ changed its class in place
 
 
 def _check_num_data(cls: type, num_data: Optional[int]) -> None:
@@ -260,7 +264,7 @@ class BayesianClassifier(PyroModule):
         self.num_data = num_data
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-        logits = self.net(x)
+        logits: torch.Tensor = self.net(x)
         with _data_plate(x, self.num_data):
             pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
         return logits
@@ -298,7 +302,7 @@ class BayesianRegressor(PyroModule):
         self.num_data = num_data
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-        out = self.net(x)
+        out: torch.Tensor = self.net(x)
         mean = out.squeeze(-1) if out.dim() > 1 else out
         # leading dims beyond the batch are allowed (e.g. vectorized particles)
         if mean.dim() == 0 or mean.shape[-1] != x.shape[0]:
@@ -332,7 +336,7 @@ def mlp(sizes: Tuple[int, ...], activation: Type[nn.Module] = nn.ReLU) -> nn.Seq
         raise TypeError(
             f"mlp: activation must be an nn.Module class (e.g. nn.Tanh), got {activation!r}"
         )
-    layers = []
+    layers: List[nn.Module] = []
     for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(d_in, d_out))
         if i < len(sizes) - 2:

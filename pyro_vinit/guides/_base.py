@@ -2,7 +2,7 @@
 
 from contextlib import ExitStack
 from operator import attrgetter
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import pyro
 import pyro.distributions as dist
@@ -15,14 +15,16 @@ from pyro.infer.autoguide import AutoGuide, AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 from pyro.ops.tensor_utils import periodic_repeat
+from pyro.poutine.trace_struct import Trace
 from torch.distributions import biject_to, transform_to
 
 from pyro_vinit._pyro_compat import deep_setattr, helpful_support_errors, unconstrained_param
+from pyro_vinit._typing import stochastic_sites
 
 __all__ = ["AutoSiteGuide"]
 
 
-def is_real_support(support: constraints.Constraint) -> bool:
+def is_real_support(support: Optional[constraints.Constraint]) -> bool:
     """Whether ``support`` is (an independent product of) the real line."""
     while isinstance(support, constraints.independent):
         support = support.base_constraint
@@ -38,7 +40,9 @@ def check_init_scale(cls: type, init_scale: float) -> None:
         )
 
 
-def check_loc_and_scale(name: str, shape: torch.Size, loc, scale, like: torch.Tensor):
+def check_loc_and_scale(
+    name: str, shape: torch.Size, loc: object, scale: object, like: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Validated ``loc`` and ``scale`` in ``like``'s dtype and device."""
     values = []
     for what, value in (("loc", loc), ("scale", scale)):
@@ -86,18 +90,19 @@ class AutoSiteGuide(AutoNormal):
 
     def __init__(
         self,
-        model: Callable,
+        model: Callable[..., Any],
         *,
-        init_loc_fn: Callable = init_to_feasible,
+        init_loc_fn: Callable[[Dict[str, Any]], torch.Tensor] = init_to_feasible,
         init_scale: float = 0.1,
-        create_plates: Optional[Callable] = None,
-    ):
+        create_plates: Optional[Callable[..., Any]] = None,
+    ) -> None:
         check_init_scale(type(self), init_scale)
-        super().__init__(
+        # mypy attributes Pyro's unannotated __init__ to this class when reached via super().
+        super().__init__(  # type: ignore[no-untyped-call]
             model, init_loc_fn=init_loc_fn, init_scale=init_scale, create_plates=create_plates
         )
 
-    def _setup_prototype(self, *args, **kwargs) -> None:
+    def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
         # AutoGuide's set-up, not AutoNormal's: that one would create a full-size
         # scale for every site, which a subclass may not use (k-tied sites).
         AutoGuide._setup_prototype(self, *args, **kwargs)
@@ -105,9 +110,9 @@ class AutoSiteGuide(AutoNormal):
 
     def _setup_params(self) -> None:
         """Creates the parameters from ``self.prototype_trace``."""
-        self._event_dims = {}
+        self._event_dims: Dict[str, int] = {}
         self.locs = PyroModule()
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
+        for name, site in stochastic_sites(self._prototype()):
             with helpful_support_errors(site):
                 init_loc = biject_to(site["fn"].support).inv(site["value"].detach()).detach()
             # The unconstrained event dims may differ from the constrained ones (simplex).
@@ -126,7 +131,7 @@ class AutoSiteGuide(AutoNormal):
     def _setup_scales(self) -> None:
         raise NotImplementedError
 
-    def _setup_normal_scales(self, names) -> None:
+    def _setup_normal_scales(self, names: Iterable[str]) -> None:
         """AutoNormal's per-element scale parameter, at ``init_scale``, for each site in
         ``names``."""
         for name in names:
@@ -149,12 +154,18 @@ class AutoSiteGuide(AutoNormal):
             "parameters cannot be written"
         )
 
-    def _check_site(self, name: str) -> None:
-        if self.prototype_trace is None:
+    def _prototype(self) -> Trace:
+        """The prototype trace of the set-up guide."""
+        trace: Optional[Trace] = self.prototype_trace
+        if trace is None:
             raise RuntimeError(
                 f"{type(self).__name__} is not set up yet: call the guide once with the "
                 "model's arguments (e.g. guide(x, y), or one svi.step) first."
             )
+        return trace
+
+    def _check_site(self, name: str) -> None:
+        self._prototype()
         if name not in self._event_dims:
             raise KeyError(
                 f"{name!r} is not a latent site of this guide; its sites are "
@@ -172,6 +183,14 @@ class AutoSiteGuide(AutoNormal):
         """
         self._check_site(name)
         return self._get_loc_and_scale(name)
+
+    def _get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The location and marginal standard deviation of site ``name``, for
+        :meth:`get_loc_and_scale` (which has checked ``name``); AutoNormal's
+        per-element ``locs`` and ``scales`` unless a subclass overrides it."""
+        # Pyro's method is unannotated; mypy attributes it to this class via super().
+        loc, scale = super()._get_loc_and_scale(name)  # type: ignore[no-untyped-call]
+        return loc, scale
 
     def set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
         """
@@ -195,7 +214,7 @@ class AutoSiteGuide(AutoNormal):
         loc, scale = check_loc_and_scale(name, current.shape, loc, scale, current)
         self._set_loc_and_scale(name, loc, scale)
 
-    def _write_params(self, writes: List[Tuple[str, Constraint, torch.Tensor]]) -> None:
+    def _write_params(self, writes: Sequence[Tuple[str, Constraint, torch.Tensor]]) -> None:
         """Copies constrained values into PyroParams in place: ``writes`` holds
         ``(dotted attribute of self, constraint, value)``. Every unconstrained value
         is computed and checked before the first copy."""
@@ -215,7 +234,7 @@ class AutoSiteGuide(AutoNormal):
             for param, raw in staged:
                 param.copy_(raw)
 
-    def forward(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
+    def forward(self, *args: Any, **kwargs: Any) -> Dict[str, torch.Tensor]:
         """
         An automatic guide with the same ``*args, **kwargs`` as the base ``model``.
 
@@ -225,9 +244,10 @@ class AutoSiteGuide(AutoNormal):
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
 
-        plates = self._create_plates(*args, **kwargs)
+        # Pyro's method is unannotated; mypy attributes it to this class via self.
+        plates = self._create_plates(*args, **kwargs)  # type: ignore[no-untyped-call]
         result = {}
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
+        for name, site in stochastic_sites(self._prototype()):
             with ExitStack() as stack:
                 for frame in site["cond_indep_stack"]:
                     if frame.vectorized:

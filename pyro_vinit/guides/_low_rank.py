@@ -5,7 +5,7 @@ family :math:`S = UV^\top`, :math:`U, V > 0`.
 """
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -35,14 +35,18 @@ def _split(u: torch.Tensor, v: torch.Tensor, rank: int) -> Tuple[torch.Tensor, t
     return u, v
 
 
-def _rank_one(U: torch.Tensor, s: torch.Tensor, Vh: torch.Tensor):
+def _rank_one(
+    U: torch.Tensor, s: torch.Tensor, Vh: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     # The leading singular vectors of a positive matrix are positive (Perron),
     # and their product is the best rank-1 fit in Frobenius norm.
     root = s[0].sqrt()
     return (root * U[:, 0].abs())[:, None], (root * Vh[0].abs())[:, None]
 
 
-def _rank_two(U: torch.Tensor, s: torch.Tensor, Vh: torch.Tensor):
+def _rank_two(
+    U: torch.Tensor, s: torch.Tensor, Vh: torch.Tensor
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     r"""Exact positive factors of a positive rank-2 matrix :math:`S = AB^\top`.
 
     The rows of :math:`S` span a 2-d cone inside the positive orthant; two
@@ -69,7 +73,7 @@ def _rank_two(U: torch.Tensor, s: torch.Tensor, Vh: torch.Tensor):
     return u, v
 
 
-def _full_rank(matrix: torch.Tensor):
+def _full_rank(matrix: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     r"""Exact positive factors with :math:`\min(m, n)` components.
 
     For :math:`m \le n`, :math:`U = I + \epsilon \mathbf 1 \mathbf 1^\top` is
@@ -90,14 +94,16 @@ def _full_rank(matrix: torch.Tensor):
     return u * balance, v / balance
 
 
-def _hals(matrix, u, v, floor, num_iters):
+def _hals(
+    matrix: torch.Tensor, u: torch.Tensor, v: torch.Tensor, floor: float, num_iters: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Hierarchical alternating least squares (Cichocki and Phan, 2009): each
     column update is an exact, clamped least-squares step, so the error does
     not increase."""
     k = u.shape[-1]
     norm = matrix.norm()
 
-    def error(u, v):
+    def error(u: torch.Tensor, v: torch.Tensor) -> float:
         return float((matrix - u @ v.T).norm() / norm)
 
     best = (error(u, v), u, v)
@@ -119,7 +125,9 @@ def _hals(matrix, u, v, floor, num_iters):
     return best[1], best[2]
 
 
-def _fit_matrix(matrix: torch.Tensor, rank: int, num_iters: int):
+def _fit_matrix(
+    matrix: torch.Tensor, rank: int, num_iters: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     m, n = matrix.shape
     floor = 1e-8 * float(matrix.max().sqrt())
     U, s, Vh = torch.linalg.svd(matrix, full_matrices=False)

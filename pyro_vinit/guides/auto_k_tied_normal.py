@@ -2,12 +2,14 @@
 
 import math
 from operator import attrgetter
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
+from pyro.distributions.constraints import Constraint
+from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 
@@ -99,13 +101,13 @@ class AutoKTiedNormal(AutoSiteGuide):
 
     def __init__(
         self,
-        model: Callable,
+        model: Callable[..., Any],
         *,
         rank: int = 2,
-        init_loc_fn: Callable = init_to_feasible,
+        init_loc_fn: Callable[..., torch.Tensor] = init_to_feasible,
         init_scale: float = 0.1,
-        create_plates: Optional[Callable] = None,
-    ):
+        create_plates: Optional[Callable[..., Any]] = None,
+    ) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(
                 f"AutoKTiedNormal: rank must be a positive int (the number of tied "
@@ -156,7 +158,9 @@ class AutoKTiedNormal(AutoSiteGuide):
         return loc, scale.reshape(loc.shape)
 
     def _set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
-        writes = [(f"locs.{name}", constraints.real, loc)]
+        writes: List[Tuple[str, Constraint, torch.Tensor]] = [
+            (f"locs.{name}", constraints.real, loc)
+        ]
         if name not in self._tied_shapes:
             writes.append((f"scales.{name}", self.scale_constraint, scale))
             return self._write_params(writes)
@@ -179,16 +183,19 @@ class AutoKTiedNormal(AutoSiteGuide):
         loc = attrgetter(name)(self.locs)
         if name in self._tied_shapes:
             u, v = self._get_factors(name)
-            return KTiedNormal(loc, u, v, tied_dims=event_dim).to_event(event_dim)
-        return dist.Normal(loc, attrgetter(name)(self.scales)).to_event(event_dim)
+            base: dist.TorchDistribution = KTiedNormal(loc, u, v, tied_dims=event_dim)
+        else:
+            base = dist.Normal(loc, attrgetter(name)(self.scales))
+        posterior: dist.TorchDistribution = base.to_event(event_dim)
+        return posterior
 
     @classmethod
     def from_guide(
         cls,
-        guide,
+        guide: AutoGuide,
         *,
         rank: int = 2,
-        create_plates: Optional[Callable] = None,
+        create_plates: Optional[Callable[..., Any]] = None,
     ) -> "AutoKTiedNormal":
         r"""
         Returns a new, set-up k-tied guide for the model of ``guide`` (e.g. a
@@ -200,14 +207,9 @@ class AutoKTiedNormal(AutoSiteGuide):
         Usage::
 
             normal = AutoNormal(model)
-<<<<<<< HEAD
-            normal(x, y)  # set up (and train, e.g. with SVI)
-            tied = AutoKTiedNormal.from_guide(normal, rank=2)
-=======
             svi = SVI(model, normal, Adam({"lr": 1e-3}), TraceMeanField_ELBO())
             svi.step(x, y)  # train
             guide = AutoKTiedNormal.from_guide(normal, rank=2)
->>>>>>> h-guides
 
         The fit is exact at full rank (:math:`k \ge \min(m, n)`) and for std
         matrices of rank at most 2; at rank 1 it is the best rank-1 fit in

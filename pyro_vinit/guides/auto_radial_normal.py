@@ -2,13 +2,14 @@
 
 import math
 from operator import attrgetter
-from typing import Dict, List, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from torch.distributions import biject_to
 
+from pyro_vinit._typing import stochastic_sites
 from pyro_vinit.distributions import RadialNormal
 from pyro_vinit.guides._base import AutoSiteGuide
 
@@ -118,12 +119,13 @@ class AutoRadialNormal(AutoSiteGuide):
         loc, marginal_scale = self._get_loc_and_scale(name)
         event_dim = self._event_dims[name]
         if loc.numel() == 0:  # a zero-size site: nothing to sample, as in AutoNormal
-            return dist.Normal(loc, marginal_scale).to_event(event_dim)
+            empty: dist.TorchDistribution = dist.Normal(loc, marginal_scale).to_event(event_dim)
+            return empty
         return RadialNormal(loc, marginal_scale * self._radial_factors[name], event_dim)
 
     @torch.no_grad()
     def quantiles(
-        self, quantiles: Union[List[float], torch.Tensor], *args, **kwargs
+        self, quantiles: Union[List[float], torch.Tensor], *args: Any, **kwargs: Any
     ) -> Dict[str, torch.Tensor]:
         """
         Returns the exact marginal posterior quantiles of each latent variable.
@@ -138,7 +140,7 @@ class AutoRadialNormal(AutoSiteGuide):
         :rtype: dict
         """
         results = {}
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
+        for name, site in stochastic_sites(self._prototype()):
             loc, marginal_scale = self._get_loc_and_scale(name)
             q = torch.as_tensor(quantiles, dtype=loc.dtype, device=loc.device)
             q = q.reshape((-1,) + (1,) * loc.dim())

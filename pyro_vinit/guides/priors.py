@@ -3,25 +3,21 @@ A trained posterior as the prior of the next task (e.g. in continual learning).
 
 Usage::
 
-<<<<<<< HEAD
-    priors = posterior_as_prior(guide)          # after training on task 1
-    model2 = BayesianClassifier(bayesianize(mlp((64, 8, 10))))  # the same architecture
-    set_priors(model2, priors)                  # task 2's model starts from it
-=======
     from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 
     priors = posterior_as_prior(guide)  # after training on task 1
     model2 = BayesianClassifier(bayesianize(mlp((64, 8, 10))))  # the same network
     set_priors(model2, priors)  # task 2's model starts from task 1's posterior
->>>>>>> h-guides
     guide2 = AutoNormal(model2)
 """
 
 import functools
-from typing import Dict
+from typing import Dict, Mapping, Optional
 
 import pyro.distributions as dist
 import torch
+from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.infer.autoguide import AutoGuide
 from pyro.nn import PyroModule, PyroSample
 from torch.distributions import Distribution, biject_to
 
@@ -35,20 +31,23 @@ __all__ = ["posterior_as_prior", "set_priors"]
 
 
 @functools.singledispatch
-def _unconstrained_family(guide, name: str, loc: torch.Tensor, scale: torch.Tensor,
-                          event_dim: int) -> Distribution:
+def _unconstrained_family(guide: AutoGuide, name: str, loc: torch.Tensor, scale: torch.Tensor,
+                          event_dim: int) -> dist.TorchDistribution:
     # Every family but the radial one: the Normal of the guide's marginals.
-    return dist.Normal(loc, scale).to_event(event_dim)
+    normal: dist.TorchDistribution = dist.Normal(loc, scale).to_event(event_dim)
+    return normal
 
 
 @_unconstrained_family.register(AutoRadialNormal)
-def _(guide, name, loc, scale, event_dim):
+def _(guide: AutoRadialNormal, name: str, loc: torch.Tensor, scale: torch.Tensor,
+      event_dim: int) -> dist.TorchDistribution:
     if loc.numel() == 0:
-        return dist.Normal(loc, scale).to_event(event_dim)
+        empty: dist.TorchDistribution = dist.Normal(loc, scale).to_event(event_dim)
+        return empty
     return RadialNormal(loc, guide.get_radial_scale(name).detach().clone(), event_dim)
 
 
-def posterior_as_prior(guide) -> Dict[str, Distribution]:
+def posterior_as_prior(guide: AutoGuide) -> Dict[str, dist.TorchDistribution]:
     r"""
     Returns, for each latent site of a set-up ``guide``, its posterior as a
     distribution of fixed tensors, to be used as that site's prior in the next
@@ -86,7 +85,7 @@ def posterior_as_prior(guide) -> Dict[str, Distribution]:
     :return: A dict mapping site name to distribution.
     :rtype: dict
     """
-    priors = {}
+    priors: Dict[str, dist.TorchDistribution] = {}
     for name, site in site_params.latent_sites(guide).items():
         loc, scale = site_params.get_loc_and_scale(guide, name)
         loc, scale = loc.detach().clone(), scale.detach().clone()
@@ -98,7 +97,9 @@ def posterior_as_prior(guide) -> Dict[str, Distribution]:
     return priors
 
 
-def set_priors(model: PyroModule, priors: Dict[str, Distribution]) -> PyroModule:
+def set_priors(
+    model: PyroModule, priors: Mapping[str, TorchDistributionMixin]
+) -> PyroModule:
     """
     Replaces the priors of sample sites of a :class:`~pyro.nn.PyroModule` model
     (e.g. a :func:`~pyro_vinit.nn.bayesianize` d network inside a
@@ -106,11 +107,7 @@ def set_priors(model: PyroModule, priors: Dict[str, Distribution]) -> PyroModule
 
     Usage::
 
-<<<<<<< HEAD
         set_priors(model, posterior_as_prior(guide))  # guide: the last task's
-=======
-        set_priors(model, posterior_as_prior(guide))
->>>>>>> h-guides
 
     Site names are the model's (``"net.0.weight"``), i.e. the guide's. Every
     name must be a :class:`~pyro.nn.PyroSample` attribute of the model whose
@@ -119,7 +116,7 @@ def set_priors(model: PyroModule, priors: Dict[str, Distribution]) -> PyroModule
     or re-create the guide afterwards.
 
     :param PyroModule model: The model.
-    :param dict priors: Site name to distribution.
+    :param dict priors: Site name to distribution (of :mod:`pyro.distributions`).
     :rtype: PyroModule
     :raises KeyError: for a name that is not a PyroSample of the model.
     :raises ValueError: for a distribution of the wrong shape.
@@ -137,10 +134,13 @@ def set_priors(model: PyroModule, priors: Dict[str, Distribution]) -> PyroModule
                 f"set_priors: {name!r} is not a PyroSample site of the model; bayesianize "
                 "the layer first, and use the model's site names (e.g. 'net.0.weight')"
             )
-        if not isinstance(prior, Distribution):
-            raise TypeError(f"set_priors: the prior of {name!r} must be a Distribution, got "
+        # PyroSample calls its distribution, which a plain torch.distributions one cannot do.
+        if not isinstance(prior, TorchDistributionMixin):
+            raise TypeError(f"set_priors: the prior of {name!r} must be a Distribution of "
+                            "pyro.distributions (e.g. pyro.distributions.Normal), got "
                             f"{type(prior).__name__}")
         current = samples[leaf]
+        expected: Optional[torch.Size]
         if isinstance(current, Distribution):
             expected = current.batch_shape + current.event_shape
         else:

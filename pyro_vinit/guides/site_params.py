@@ -49,10 +49,11 @@ Further guide classes are added with ``get_loc_and_scale.register(cls)`` and
 import functools
 from contextlib import contextmanager
 from operator import attrgetter
-from typing import Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from pyro.distributions import constraints
+from pyro.distributions.constraints import Constraint
 from pyro.infer.autoguide import (
     AutoContinuous,
     AutoDiagonalNormal,
@@ -60,10 +61,15 @@ from pyro.infer.autoguide import (
     AutoLowRankMultivariateNormal,
     AutoNormal,
 )
+from pyro.poutine.trace_struct import Trace
 from torch.distributions import biject_to, transform_to
 
 from pyro_vinit._pyro_compat import unconstrained_param
+from pyro_vinit._typing import SampleSite, stochastic_sites
 from pyro_vinit.guides._base import AutoSiteGuide, check_loc_and_scale
+
+if TYPE_CHECKING:
+    from builtins import ellipsis  # the type of ..., for annotations only
 
 __all__ = [
     "check_supported",
@@ -83,7 +89,7 @@ def _supported_names() -> List[str]:
 
 
 @functools.singledispatch
-def get_loc_and_scale(guide, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def get_loc_and_scale(guide: AutoGuide, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """
     Returns the unconstrained-space location and the per-element marginal
     standard deviation of ``guide``'s posterior at site ``name``, at the
@@ -99,7 +105,9 @@ def get_loc_and_scale(guide, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.singledispatch
-def set_loc_and_scale(guide, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
+def set_loc_and_scale(
+    guide: AutoGuide, name: str, loc: torch.Tensor, scale: torch.Tensor
+) -> None:
     """
     Sets ``guide``'s posterior at site ``name`` to the unconstrained-space
     location ``loc`` and per-element marginal standard deviation ``scale``
@@ -119,7 +127,7 @@ def set_loc_and_scale(guide, name: str, loc: torch.Tensor, scale: torch.Tensor) 
     raise AssertionError("unreachable")
 
 
-def check_supported(guide) -> None:
+def check_supported(guide: object) -> None:
     """
     Raises a :class:`TypeError` naming the supported guide classes unless
     :func:`get_loc_and_scale` and :func:`set_loc_and_scale` support ``guide``.
@@ -139,15 +147,18 @@ def check_supported(guide) -> None:
             )
 
 
-def _require_setup(guide: AutoGuide) -> None:
-    if guide.prototype_trace is None:
+def _require_setup(guide: AutoGuide) -> Trace:
+    """The prototype trace of the set-up ``guide``."""
+    trace: Optional[Trace] = guide.prototype_trace
+    if trace is None:
         raise RuntimeError(
             f"{type(guide).__name__} is not set up yet: call the guide once with the "
             "model's arguments (e.g. guide(x, y), or one svi.step) first."
         )
+    return trace
 
 
-def latent_sites(guide) -> Dict[str, dict]:
+def latent_sites(guide: AutoGuide) -> Dict[str, SampleSite]:
     """
     Returns the latent sample sites of a set-up ``guide``'s model, in model
     order: site name to the site of the guide's prototype trace (with ``fn``,
@@ -157,8 +168,7 @@ def latent_sites(guide) -> Dict[str, dict]:
     :rtype: dict
     """
     check_supported(guide)
-    _require_setup(guide)
-    return dict(guide.prototype_trace.iter_stochastic_nodes())
+    return dict(stochastic_sites(_require_setup(guide)))
 
 
 @contextmanager
@@ -196,12 +206,12 @@ def rollback_on_error(guide: torch.nn.Module) -> Iterator[None]:
 
 
 @get_loc_and_scale.register(AutoSiteGuide)
-def _(guide, name):
+def _(guide: AutoSiteGuide, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     return guide.get_loc_and_scale(name)
 
 
 @set_loc_and_scale.register(AutoSiteGuide)
-def _(guide, name, loc, scale):
+def _(guide: AutoSiteGuide, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
     guide.set_loc_and_scale(name, loc, scale)
 
 
@@ -210,7 +220,7 @@ def _(guide, name, loc, scale):
 
 
 
-def _check_name(guide, name: str) -> None:
+def _check_name(guide: AutoGuide, name: str) -> None:
     sites = latent_sites(guide)
     if name not in sites:
         raise KeyError(
@@ -218,8 +228,10 @@ def _check_name(guide, name: str) -> None:
         )
 
 
-def _unconstrained(value: torch.Tensor, constraint, param: torch.Tensor, what: str):
-    raw = transform_to(constraint).inv(value).to(param)
+def _unconstrained(
+    value: torch.Tensor, constraint: Constraint, param: torch.Tensor, what: str
+) -> torch.Tensor:
+    raw: torch.Tensor = transform_to(constraint).inv(value).to(param)
     if not bool(torch.isfinite(raw).all()):
         raise ValueError(
             f"cannot write {what}: its unconstrained value is not finite (a scale too close "
@@ -228,20 +240,24 @@ def _unconstrained(value: torch.Tensor, constraint, param: torch.Tensor, what: s
     return raw
 
 
-def _copy(writes) -> None:
+# A parameter's part to write: all of it (...) or a slice of a flat one.
+_Index = Union[slice, "ellipsis"]
+
+
+def _copy(writes: Sequence[Tuple[torch.Tensor, _Index, torch.Tensor]]) -> None:
     with torch.no_grad():
         for param, index, raw in writes:
             param[index].copy_(raw)
 
 
 @get_loc_and_scale.register(AutoNormal)
-def _(guide, name):
+def _(guide: AutoNormal, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_name(guide, name)
     return attrgetter(name)(guide.locs), attrgetter(name)(guide.scales)
 
 
 @set_loc_and_scale.register(AutoNormal)
-def _(guide, name, loc, scale):
+def _(guide: AutoNormal, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
     _check_name(guide, name)
     loc_param = unconstrained_param(guide.locs, name)
     scale_param = unconstrained_param(guide.scales, name)
@@ -265,8 +281,9 @@ def _flat_slice(guide: AutoContinuous, name: str) -> Tuple[slice, torch.Size]:
     the total is checked against ``guide.latent_dim``.
     """
     _check_name(guide, name)
-    position, found = 0, None
-    for site_name, site in guide.prototype_trace.iter_stochastic_nodes():
+    position = 0
+    found: Optional[Tuple[slice, torch.Size]] = None
+    for site_name, site in stochastic_sites(_require_setup(guide)):
         shape = biject_to(site["fn"].support).inv(site["value"]).shape
         size = shape.numel()
         if site_name == name:
@@ -279,17 +296,24 @@ def _flat_slice(guide: AutoContinuous, name: str) -> Tuple[slice, torch.Size]:
             "lays out AutoContinuous's latent differently: update "
             "pyro_vinit/guides/site_params.py"
         )
+    assert found is not None  # _check_name found the site
     return found
 
 
+def _flat_scale(guide: Union[AutoDiagonalNormal, AutoLowRankMultivariateNormal]) -> torch.Tensor:
+    # PyroModule.__getattr__ is annotated with every kind of attribute it can return;
+    # these guides' scale is a PyroParam, so a tensor.
+    return cast(torch.Tensor, guide.scale)
+
+
 @get_loc_and_scale.register(AutoDiagonalNormal)
-def _(guide, name):
+def _(guide: AutoDiagonalNormal, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     index, shape = _flat_slice(guide, name)
-    return guide.loc[index].reshape(shape), guide.scale[index].reshape(shape)
+    return guide.loc[index].reshape(shape), _flat_scale(guide)[index].reshape(shape)
 
 
 @set_loc_and_scale.register(AutoDiagonalNormal)
-def _(guide, name, loc, scale):
+def _(guide: AutoDiagonalNormal, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
     index, shape = _flat_slice(guide, name)
     scale_param = unconstrained_param(guide, "scale")
     loc, scale = check_loc_and_scale(name, shape, loc, scale, guide.loc)
@@ -307,14 +331,16 @@ def _low_rank_inflation(guide: AutoLowRankMultivariateNormal, index: slice) -> t
 
 
 @get_loc_and_scale.register(AutoLowRankMultivariateNormal)
-def _(guide, name):
+def _(guide: AutoLowRankMultivariateNormal, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     index, shape = _flat_slice(guide, name)
-    scale = guide.scale[index] * _low_rank_inflation(guide, index)
+    scale = _flat_scale(guide)[index] * _low_rank_inflation(guide, index)
     return guide.loc[index].reshape(shape), scale.reshape(shape)
 
 
 @set_loc_and_scale.register(AutoLowRankMultivariateNormal)
-def _(guide, name, loc, scale):
+def _(
+    guide: AutoLowRankMultivariateNormal, name: str, loc: torch.Tensor, scale: torch.Tensor
+) -> None:
     index, shape = _flat_slice(guide, name)
     scale_param = unconstrained_param(guide, "scale")
     loc, scale = check_loc_and_scale(name, shape, loc, scale, guide.loc)

@@ -5,6 +5,7 @@ import warnings
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+from typing_extensions import TypeGuard
 
 Data = Union[Tuple[Any, ...], Iterable[Sequence[Any]]]
 
@@ -33,6 +34,13 @@ def _check_finite(args: Sequence[Any]) -> None:
             )
 
 
+def is_args_tuple(data: Data) -> TypeGuard[Tuple[Any, ...]]:
+    """Whether ``data`` is one tuple of model arguments (not an iterable of them)."""
+    return isinstance(data, tuple) and not (
+        data and all(isinstance(b, (tuple, list)) for b in data)
+    )
+
+
 class DataPool:
     """
     Up to ``max_rows`` rows of the data, held as model arguments, from which
@@ -46,12 +54,13 @@ class DataPool:
     rows are sliced; other arguments are passed unchanged.
     """
 
+    #: the ranks of a process group over which the rows are spread (None: one process)
+    shards: Any = None
+
     def __init__(self, data: Data, max_rows: Optional[int] = None):
         if data is None:
             raise ValueError("this initializer needs data: pass (x, y) or a DataLoader")
-        if isinstance(data, tuple) and not (
-            data and all(isinstance(b, (tuple, list)) for b in data)
-        ):
+        if is_args_tuple(data):
             if not data:
                 raise ValueError("the data is empty: pass a tuple of model arguments, e.g. (x, y)")
             args = data
@@ -68,8 +77,12 @@ class DataPool:
         self.args, self.num_rows, self._aligned = args, n, aligned
 
     @staticmethod
-    def _collect(batches: Iterable[Sequence[Any]], max_rows: Optional[int]):
-        first, parts, n = None, [], 0
+    def _collect(
+        batches: Iterable[Sequence[Any]], max_rows: Optional[int]
+    ) -> Tuple[Tuple[Any, ...], int, List[bool]]:
+        first: Optional[Tuple[Tuple[Any, ...], List[bool]]] = None
+        parts: List[Tuple[Any, ...]] = []
+        n = 0
         for batch in batches:
             if not isinstance(batch, (tuple, list)):
                 raise TypeError(
@@ -113,7 +126,8 @@ class DataPool:
         """The number of rows in ``args``, a chunk or selection of the pool's."""
         for a, al in zip(args, self._aligned):
             if al:
-                return a.shape[0]
+                rows: int = a.shape[0]
+                return rows
         return 0
 
     def features(self) -> Optional[torch.Tensor]:
@@ -121,8 +135,28 @@ class DataPool:
         model's input, as a rule), or None."""
         for a, al in zip(self.args, self._aligned):
             if al and a.is_floating_point():
-                return a
+                features: torch.Tensor = a
+                return features
         return None
+
+    def iterate(
+        self, chunk_rows: int, block_size: Optional[int]
+    ) -> Iterator[Tuple[Tuple[Any, ...], Optional[torch.Tensor], int]]:
+        """
+        ``(args, plate_rows, keep)`` covering every row once, in order:
+        chunks of ``chunk_rows``; for a model with a subsampled data plate,
+        each chunk walked in blocks of its ``subsample_size`` (``plate_rows``:
+        the block's row indices in the chunk, the last block wrapped around,
+        of which the first ``keep`` are new).
+        """
+        for args in self.chunks(chunk_rows):
+            n = self.rows_of(args)
+            if block_size is None:
+                yield args, None, n
+                continue
+            for start in range(0, n, block_size):
+                rows = torch.arange(start, start + block_size, device=self.device) % n
+                yield args, rows, min(block_size, n - start)
 
     def batch_indices(self, num_batches: int, batch_size: int) -> torch.Tensor:
         """

@@ -1,6 +1,7 @@
 """Leaving a guide (and the param store) exactly as it was when an initializer fails."""
 
-from typing import List, Tuple
+from types import TracebackType
+from typing import List, Optional, Tuple, Type
 
 import pyro
 import torch
@@ -19,7 +20,7 @@ class GuideRollback:
     memory of the work before it (nothing may be written before).
     """
 
-    def __init__(self, guide) -> None:
+    def __init__(self, guide: torch.nn.Module) -> None:
         self.guide = guide
 
     def __enter__(self) -> "GuideRollback":
@@ -46,7 +47,12 @@ class GuideRollback:
                 seen.add(id(param))
                 self._values.append((param, param.detach().clone()))
 
-    def __exit__(self, exc_type, exc_value, traceback) -> None:
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc_value: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
         if exc_type is None:
             return
         with torch.no_grad():

@@ -25,6 +25,7 @@ from torch.distributions import (
 from pyro_vinit._pyro_compat import unwrap_init_messenger
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
+from pyro_vinit.initialization._distributed import active_norm_sync
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
     RecordedLayer,
@@ -239,6 +240,7 @@ def run_model(
         plate_subsample=plate_rows,
         norm_statistics=norm_statistics,
         on_layer=on_layer,
+        norm_sync=active_norm_sync(),
     )
     fn = poutine.condition(model, data=values)
     if substitute:
@@ -288,22 +290,9 @@ def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> dict:
 def iterate_rows(
     pool: DataPool, chunk_rows: int, block_size: Optional[int]
 ) -> Iterator[Tuple[Tuple[Any, ...], Optional[torch.Tensor], int]]:
-    """
-    ``(args, plate_rows, keep)`` covering every row of the pool once, in order:
-    chunks of ``chunk_rows``; for a model with a subsampled data plate, each
-    chunk walked in blocks of its ``subsample_size`` (``plate_rows``: the
-    block's row indices in the chunk, the last block wrapped around, of which
-    the first ``keep`` are new).
-    """
-    for args in pool.chunks(chunk_rows):
-        n = pool.rows_of(args)
-        if block_size is None:
-            yield args, None, n
-            continue
-        device = pool.device
-        for start in range(0, n, block_size):
-            rows = torch.arange(start, start + block_size, device=device) % n
-            yield args, rows, min(block_size, n - start)
+    """``(args, plate_rows, keep)`` covering every row of the pool once, in
+    order (:meth:`DataPool.iterate`)."""
+    return pool.iterate(chunk_rows, block_size)
 
 
 def align_rows(tensor: torch.Tensor, what: str, *, n: int, rows: Optional[torch.Tensor],
@@ -315,7 +304,8 @@ def align_rows(tensor: torch.Tensor, what: str, *, n: int, rows: Optional[torch.
                 f"{what} has shape {tuple(tensor.shape)} for {n} data rows; I-BLM needs the "
                 "data rows along the leading dim"
             )
-        return tensor
+        # keep < n only for a run that a sharded pool makes to take part in collectives
+        return tensor if keep == n else tensor[:keep]
     if tensor.dim() and tensor.shape[0] == len(rows):
         return tensor[:keep]
     if tensor.dim() and tensor.shape[0] == n:
@@ -490,13 +480,15 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
 
 
 def prepare(
-    guide, data: Data, max_rows: int, chunk_rows: int, normal_priors: bool = True
+    guide, data: Data, max_rows: int, chunk_rows: int, normal_priors: bool = True,
+    pool: Optional[DataPool] = None,
 ) -> Prepared:
-    """Checks the guide class, reads the data, sets the guide up if needed (after
-    checking that the model has a likelihood on the data) and reads the model's
-    structure."""
+    """Checks the guide class, reads the data (unless a ``pool`` of it is
+    given), sets the guide up if needed (after checking that the model has a
+    likelihood on the data) and reads the model's structure."""
     site_params.check_supported(guide)  # an unsupported guide fails before any work
-    pool = DataPool(data, max_rows)
+    if pool is None:
+        pool = DataPool(data, max_rows)
     first = next(pool.chunks(min(chunk_rows, _STRUCTURE_ROWS)))
     if guide.prototype_trace is None:
         _check_has_likelihood(unwrap_init_messenger(guide.model), first)
@@ -558,9 +550,17 @@ def refresh_norm_statistics(prep: Prepared, values: Dict[str, torch.Tensor],
     if not prep.structure.batch_norm:
         return
     accumulated: Dict[int, list] = {}
-    for args, rows, _ in iterate_rows(prep.pool, chunk_rows, prep.structure.block_size):
+    for args, rows, keep in iterate_rows(prep.pool, chunk_rows, prep.structure.block_size):
+        # keep == 0: a run of a sharded pool's rank that has no rows in a chunk
         run_model(prep.guide.model, values, args, prep.latent, plate_rows=rows,
-                  norm_statistics=accumulated)
+                  norm_statistics=accumulated if keep else {})
+    shards = prep.pool.shards
+    if shards is not None:  # the sums over every rank's rows
+        for stats in accumulated.values():
+            total = shards.all_reduce(torch.cat([torch.as_tensor(stats[2]).to(stats[3]).reshape(1),
+                                                 stats[3], stats[4]]))
+            size = (len(total) - 1) // 2
+            stats[2], stats[3], stats[4] = total[0], total[1 : 1 + size], total[1 + size :]
     for running_mean, running_var, mean, var in norm_statistics(accumulated):
         running_mean.copy_(mean)
         if running_var is not None:

@@ -2,16 +2,18 @@
 
 import math
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, TypeVar
 
 import pyro.poutine as poutine
 import torch
+from pyro.infer.autoguide import AutoGuide
 
 from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.initialization._data import Data
 from pyro_vinit.initialization._tracing import (
     Layer,
+    Prepared,
     capture,
     guide_values,
     prepare,
@@ -24,9 +26,10 @@ __all__ = ["METHODS", "init_guide"]
 METHODS = ("uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map", "iblm")
 _DATA_METHODS = ("lsuv", "map", "iblm")
 _MAP_LOG_VAR = -5.5
+_G = TypeVar("_G", bound=AutoGuide)
 
 
-def _layers_by_name(guide) -> List[Layer]:
+def _layers_by_name(guide: AutoGuide) -> List[Layer]:
     """Without data: every real-support site with two or more dims is a weight
     ``<m>.weight``, paired with a real-support site ``<m>.bias`` of its output size
     if there is one. Other sites (e.g. a positive noise scale) are left alone."""
@@ -68,8 +71,8 @@ def _variance(method: str, layer: Layer) -> float:
     return 1.0 / layer.fan_in  # heuristic, orthogonal, lsuv
 
 
-def _lsuv(guide, prep, means: Dict[str, torch.Tensor], batch_size: int, tol: float,
-          max_iters: int):
+def _lsuv(guide: AutoGuide, prep: Prepared, means: Dict[str, torch.Tensor], batch_size: int,
+          tol: float, max_iters: int) -> None:
     """Rescales each layer's (orthogonal) mean so that its output on a data batch
     has unit variance, layer by layer (Mishkin and Matas, 2015)."""
     pool, model = prep.pool, guide.model
@@ -79,6 +82,7 @@ def _lsuv(guide, prep, means: Dict[str, torch.Tensor], batch_size: int, tol: flo
     for layer in prep.layers:
         for _ in range(max_iters):
             _, out = capture(model, {**values, **means}, args, prep.latent, layer, output=True)
+            assert out is not None  # output=True
             var = out.var().item()
             if not math.isfinite(var) or var <= 0:
                 raise ValueError(
@@ -89,7 +93,15 @@ def _lsuv(guide, prep, means: Dict[str, torch.Tensor], batch_size: int, tol: flo
             means[layer.weight_name] = means[layer.weight_name] / math.sqrt(var)
 
 
-def _map(guide, prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max_seconds, lr):
+def _map(
+    guide: AutoGuide,
+    prep: Prepared,
+    means: Dict[str, torch.Tensor],
+    batch_size: int,
+    num_steps: int,
+    max_seconds: Optional[float],
+    lr: float,
+) -> None:
     """Means minimizing the mean negative log-likelihood of the data with Adam."""
     pool = prep.pool
     batch_size = pool.effective_batch_size(batch_size, "init_guide(method='map')")
@@ -118,7 +130,7 @@ def _map(guide, prep, means: Dict[str, torch.Tensor], batch_size, num_steps, max
 
 
 def init_guide(
-    guide,
+    guide: _G,
     data: Optional[Data] = None,
     *,
     method: str,
@@ -129,8 +141,8 @@ def init_guide(
     map_steps: int = 500,
     map_seconds: Optional[float] = None,
     map_lr: float = 1e-2,
-    **iblm_options,
-):
+    **iblm_options: Any,
+) -> _G:
     r"""
     Initializes the layer sites of an autoguide with one of the methods
     compared in [1], in place, and returns the guide.
@@ -191,15 +203,17 @@ def init_guide(
     """
     if method not in METHODS:
         raise ValueError(f"unknown initialization method {method!r}; valid methods are {METHODS}")
+    if data is None and method in _DATA_METHODS:
+        raise ValueError(f"init_guide(method={method!r}) needs data: pass (x, y) or a loader")
     if method == "iblm":
-        return init_guide_iblm(
+        assert data is not None  # checked above
+        initialized: _G = init_guide_iblm(
             guide, data, batch_size=batch_size, max_pool_size=max_pool_size, **iblm_options
         )
+        return initialized
     if iblm_options:
         raise TypeError(f"init_guide: unexpected options {sorted(iblm_options)} for {method!r}")
     if data is None:
-        if method in _DATA_METHODS:
-            raise ValueError(f"init_guide(method={method!r}) needs data: pass (x, y) or a loader")
         site_params.check_supported(guide)
         if guide.prototype_trace is None:
             raise RuntimeError(
@@ -212,6 +226,7 @@ def init_guide(
         layers = prep.layers
 
     like = next(guide.parameters())
+    sites = site_params.latent_sites(guide)
     means: Dict[str, torch.Tensor] = {}
     shapes: Dict[str, Tuple[torch.Size, float]] = {}
     for layer in layers:
@@ -219,7 +234,7 @@ def init_guide(
         # means are made in the op's layout, stored in the site's (a matmul weight x @ w
         # is the transpose of its layer's (out, in) weight)
         name = layer.weight_name
-        site_shape = guide.prototype_trace.nodes[name]["value"].shape
+        site_shape = sites[name]["value"].shape
         shapes[name] = (site_shape, var)
         if method in ("orthogonal", "lsuv"):
             means[name] = layer.to_site(name, _orthogonal(layer, like), site_shape)
@@ -227,14 +242,16 @@ def init_guide(
             std = math.sqrt(2.0 / (layer.fan_in + layer.fan_out))
             means[name] = std * torch.randn(site_shape, dtype=like.dtype, device=like.device)
         if layer.bias_name is not None:
-            bias_shape = guide.prototype_trace.nodes[layer.bias_name]["value"].shape
+            bias_shape = sites[layer.bias_name]["value"].shape
             shapes[layer.bias_name] = (bias_shape, var)
             means[layer.bias_name] = like.new_zeros(bias_shape)
 
     if method == "lsuv":
+        assert prep is not None  # lsuv and map need data, checked above
         with torch.no_grad():
             _lsuv(guide, prep, means, batch_size, lsuv_tol, lsuv_max_iters)
     elif method == "map":
+        assert prep is not None
         _map(guide, prep, means, batch_size, map_steps, map_seconds, map_lr)
 
     with site_params.rollback_on_error(guide):

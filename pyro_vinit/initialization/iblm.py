@@ -1,6 +1,7 @@
 """I-BLM: layer-by-layer Bayesian-linear-model initialization of autoguides."""
 
 import math
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -11,7 +12,9 @@ import torch.nn.functional as F
 from torch.distributions import biject_to, transform_to
 
 from pyro_vinit.guides.site_params import check_supported, set_loc_and_scale
-from pyro_vinit.initialization._data import Data
+from pyro_vinit.initialization import _distributed
+from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
+from pyro_vinit.initialization._distributed import Shards
 from pyro_vinit.initialization._rollback import GuideRollback, write_param
 from pyro_vinit.initialization._tracing import (
     Layer,
@@ -129,16 +132,21 @@ def _unit_inputs(layer: Layer, x: torch.Tensor) -> torch.Tensor:
     return patches.reshape(patches.shape[0], patches.shape[1], kw["groups"], -1)
 
 
-def _local_batches(inputs: torch.Tensor, num_units: int, batch_size: int) -> torch.Tensor:
+def _local_batches(inputs: torch.Tensor, num_units: int, batch_size: int,
+                   pool: Optional["_distributed.ShardedPool"] = None) -> torch.Tensor:
     """
     Row indices ``(num_units, batch_size)``: unit :math:`j` gets ``batch_size``
     consecutive rows of the data sorted along a random direction :math:`u_j`
     of the space of ``inputs`` (one row per data row), from a random start:
-    a slab of that space, so that the unit's regression is a local fit.
+    a slab of that space, so that the unit's regression is a local fit. With
+    a sharded ``pool``, ``inputs`` are this rank's rows and the indices global.
     """
     flat = inputs.reshape(inputs.shape[0], -1)
-    n = flat.shape[0]
+    n = flat.shape[0] if pool is None else pool.num_rows
     directions = torch.randn(flat.shape[1], num_units, dtype=flat.dtype, device=flat.device)
+    if pool is not None:
+        start = torch.randint(0, n - batch_size + 1, (num_units,), device=flat.device)
+        return _distributed.local_window(pool, flat @ directions, start, batch_size)
     order = (flat @ directions).argsort(0)  # (n, units)
     start = torch.randint(0, n - batch_size + 1, (num_units,), device=flat.device)
     rows = start + torch.arange(batch_size, device=flat.device)[:, None]  # (batch, units)
@@ -415,6 +423,41 @@ class IBLMGuideInitializer:
     the model has a likelihood on them, and is returned to its not-set-up
     state on failure). The computation is batched over the units.
 
+    **Across processes.** With ``process_group`` (e.g.
+    ``torch.distributed.group.WORLD``), every rank of the group calls the
+    initializer with the same options and its own shard of the data (shards
+    of any sizes, each with at least one row; the same trailing shapes and
+    dtypes), and every rank ends with the same guide, equal, to float
+    rounding, to one process's initialization on the concatenated shards in
+    rank order (with the random state of rank 0; the other ranks get their
+    own back). The rows are numbered in that global order, and every random
+    draw (pool subsample, minibatches, slab directions, ``propagate="sample"``)
+    is made alike on every rank in that index space, so a shard smaller than
+    ``batch_size`` is no special case. Per layer the ranks exchange, in a few
+    collective calls whatever the number of units: for ``hidden_batches=
+    "local"``, a sparse set of each rank's sorted slab scores, then the
+    scores near each unit's window (never all scores); the selected rows of
+    every unit's minibatch (one all-gather of the distinct rows: at most
+    :math:`\min(N, h B)` rows of the layer's input, with their targets), each
+    rank then solving its share of the units, whose fits are all-gathered;
+    for the output layer's shared rows, the all-reduced statistics
+    :math:`X^\top L^{-1} X` and :math:`X^\top L^{-1} y` of every unit (solved
+    in the primal form, whatever ``solver``); the targets' mean and std, the
+    residual sums of squares of the noise estimate and, for batch
+    normalization, each call's input statistics per chunk of the global pool
+    (so ``F.batch_norm`` normalizes as it would in one process) and the
+    refreshed running statistics. An error on one rank (bad labels, a
+    non-finite input, ranks with different data layouts, options or models)
+    is raised, naming the rank, on every rank, before anything is written.
+    Not exact: a model with batch normalization *and* a subsampled data
+    plate (each rank normalizes its own blocks; warned), slab orders among
+    rows with identical scores (duplicated rows), and float32 rounding of the
+    slab scores; an iterable ``data`` is read up to ``max_pool_size`` rows on
+    each rank before the global subsample.
+
+    :param process_group: A :class:`torch.distributed.ProcessGroup` over
+        whose ranks the data is sharded, or None (one process; a group of one
+        rank is the same).
     :param int batch_size: Rows in each hidden unit's minibatch (images, for conv
         layers).
     :param int output_rows: Rows the output layer's units share (all rows if
@@ -461,8 +504,11 @@ class IBLMGuideInitializer:
     Gaussian Processes for Large-scale Calibrated Classification"
     """
 
-    def __init__(self, **options: Any):
+    def __init__(self, process_group: Optional[Any] = None, **options: Any):
         self.options = IBLMOptions(**options)
+        if Shards.size_of(process_group) == 0:
+            Shards(process_group)  # raises the reason
+        self.process_group = process_group
 
     # ---- the four steps -------------------------------------------------------------------
 
@@ -480,9 +526,15 @@ class IBLMGuideInitializer:
         """
         opts = self.options
         check_supported(guide)
-        with GuideRollback(guide) as rollback:
+        shards = None
+        if Shards.size_of(self.process_group) > 1:
+            shards = Shards(self.process_group)
+        with GuideRollback(guide) as rollback, ExitStack() as stack:
             # 1. trace: the layers, the likelihood and what feeds it
-            prep = prepare(guide, data, opts.max_pool_size, opts.chunk_rows)
+            if shards is None:
+                prep = prepare(guide, data, opts.max_pool_size, opts.chunk_rows)
+            else:
+                prep = self._prepare_sharded(guide, data, shards, stack)
             report_uncovered(prep.structure, opts.strict, "init_guide_iblm")
             prep.pool.effective_batch_size(opts.batch_size, "init_guide_iblm")
             values = guide_medians(guide, prep.first)
@@ -500,6 +552,42 @@ class IBLMGuideInitializer:
             refresh_norm_statistics(prep, values, opts.chunk_rows)
         return guide
 
+    def _prepare_sharded(self, guide, data: Data, shards: Shards, stack: ExitStack) -> Prepared:
+        """Step 1 when the data is spread over the ranks of a process group: the
+        ranks check that they agree (data layout, options, model structure),
+        enter rank 0's random state, and draw the pool in the global row space."""
+        opts = self.options
+        with shards.agree():
+            local = DataPool(data, None if is_args_tuple(data) else opts.max_pool_size)
+        reports = shards.gather_objects(
+            (local.num_rows, _distributed.data_signature(local), repr(opts)))
+        fix = ("call init_guide_iblm with the same options and a shard of the same data on "
+               "every rank")
+        for rank, (_, layout, options) in enumerate(reports):
+            for what, mine, first in (("their data arguments (per argument: trailing shape "
+                                       "and dtype of the rows)", layout, reports[0][1]),
+                                      ("their options", options, reports[0][2])):
+                if mine != first:
+                    raise ValueError(
+                        f"init_guide_iblm with a process_group: the ranks differ in {what}: "
+                        f"rank 0 has {first}, rank {rank} has {mine}; {fix}"
+                    )
+        pool = _distributed.ShardedPool(shards, local, [r[0] for r in reports])
+        stack.enter_context(shards.shared_rng(local.device))
+        pool.finish(opts.max_pool_size)
+        with shards.agree():
+            prep = prepare(guide, None, opts.max_pool_size, opts.chunk_rows, pool=pool)
+        shards.check_equal("the model's structure", _distributed.structure_signature(
+            prep.structure), "every rank must run the same model and guide")
+        if prep.structure.batch_norm:
+            if prep.structure.block_size is None:
+                pool.sync_norms = True
+            else:
+                _distributed.warn_not_exact(
+                    "the model has batch normalization and a subsampled data plate: each "
+                    "rank normalizes its own blocks while fitting")
+        return prep
+
     # ---- step 1: targets -------------------------------------------------------------------
 
     def _read_targets(self, prep: Prepared, values: Dict[str, torch.Tensor]) -> Targets:
@@ -507,18 +595,20 @@ class IBLMGuideInitializer:
         fixed = likelihood.noise == "fixed" and not self.options.estimate_noise
         fixed = fixed and self.options.noise_scale is None
         parts = []
-        for site, rows_of in self._observed(prep, values):
-            obs = rows_of(site["value"], "the observed site")
-            scale = None
-            if fixed:
-                scale = unwrap_likelihood(site).scale.expand(site["value"].shape)
-                scale = rows_of(scale, "the likelihood's scale")
-            parts.append(self._site_targets(site, likelihood.family, obs, scale))
+        with _agree(prep):
+            for site, rows_of in self._observed(prep, values):
+                obs = rows_of(site["value"], "the observed site")
+                scale = None
+                if fixed:
+                    scale = unwrap_likelihood(site).scale.expand(site["value"].shape)
+                    scale = rows_of(scale, "the likelihood's scale")
+                parts.append(self._site_targets(site, likelihood.family, obs, scale))
         y = torch.cat([p[0] for p in parts])
         noise_var = torch.cat([p[1] for p in parts])
         task = "regression" if likelihood.family == "normal" else "classification"
         if task == "regression" and not fixed:
-            noise = self.options.noise_scale or 0.1 * y.std().clamp_min(1e-6).item()
+            std = y.std() if prep.pool.shards is None else prep.pool.std(y)
+            noise = self.options.noise_scale or 0.1 * std.clamp_min(1e-6).item()
             noise_var.fill_(noise**2)
         softmax = likelihood.family in ("categorical", "onehot")
         output = prep.structure.output_layers[0]
@@ -536,6 +626,8 @@ class IBLMGuideInitializer:
                                              prep.structure.block_size):
             recorder = run_model(prep.guide.model, values, args, prep.latent,
                                  plate_rows=rows)
+            if not keep:  # a sharded pool's run for the collectives only
+                continue
             n = prep.pool.rows_of(args)
             yield observed_site(recorder), partial(align_rows, n=n, rows=rows, keep=keep)
 
@@ -580,14 +672,16 @@ class IBLMGuideInitializer:
     def _collect_inputs(self, prep: Prepared, values, layer: Layer) -> torch.Tensor:
         inputs = []
         model = prep.guide.model
-        for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
-                                             prep.structure.block_size):
-            x, _ = capture(model, values, args, prep.latent, layer, plate_rows=rows)
-            inputs.append(align_rows(x, f"the input of layer {layer.weight_name!r}",
-                                     n=prep.pool.rows_of(args), rows=rows, keep=keep))
-        inputs = torch.cat(inputs)
-        if not bool(torch.isfinite(inputs).all()):
-            raise ValueError(f"the input of layer {layer.weight_name!r} is not finite")
+        with _agree(prep):
+            for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
+                                                 prep.structure.block_size):
+                x, _ = capture(model, values, args, prep.latent, layer, plate_rows=rows)
+                if keep:  # (0: a sharded pool's run for the collectives only)
+                    inputs.append(align_rows(x, f"the input of layer {layer.weight_name!r}",
+                                             n=prep.pool.rows_of(args), rows=rows, keep=keep))
+            inputs = torch.cat(inputs)
+            if not bool(torch.isfinite(inputs).all()):
+                raise ValueError(f"the input of layer {layer.weight_name!r} is not finite")
         return inputs
 
     def _stage(self, prep: Prepared, values, fits: Dict[str, Fit], fit: Fit) -> None:
@@ -610,6 +704,7 @@ class IBLMGuideInitializer:
         """All units' Bayesian linear regressions of one layer; a scale head
         regresses onto the ``constant`` per output unit instead."""
         opts, pool = self.options, prep.pool
+        shards = pool.shards
         batch_size = min(opts.batch_size, pool.num_rows)  # __call__ warned if smaller
         output = layer.role != "hidden"
         classification = targets.task == "classification"
@@ -621,32 +716,62 @@ class IBLMGuideInitializer:
             y = constant.to(y).expand(y.shape[0], -1)
             noise_var = torch.full_like(y, _SCALE_HEAD_NOISE**2)
         elif output and center and targets.softmax:
-            y = y - y.mean()
-        h, d = layer.num_units, layer.fan_in
-        device, dtype = inputs.device, inputs.dtype
-        has_bias = layer.bias_name is not None
-        cols, signs = self._columns(h, y.shape[1], output, device)
+            y = y - (y.mean() if shards is None else pool.mean(y))
+        h = layer.num_units
+        cols, signs = self._columns(h, y.shape[1], output, inputs.device)
         if output and opts.output_rows is not None:
             # every output unit on the same rows, as many as allowed: the output layer has
             # few units, each with many rows to spare, and no reason to differ
             idx = pool.batch_indices(1, min(pool.num_rows, opts.output_rows))
             batch_size = idx.shape[1]
+            if shards is not None:
+                return self._solve_shared_rows(pool, layer, inputs, y, noise_var, idx[0], cols)
             idx = idx.expand(h, batch_size)
         elif output or opts.hidden_batches == "random":
             idx = pool.batch_indices(h, batch_size)
         else:
             space = pool.features()
-            idx = _local_batches(inputs if space is None else space, h, batch_size)
+            idx = _local_batches(inputs if space is None else space, h, batch_size,
+                                 None if shards is None else pool)
             # A slab where the unit's target column is constant (no example of its class)
             # or the layer's input mostly zero (a ReLU layer below silent there) would give
             # the unit zero weights, a dead feature: such a unit gets a random batch instead.
             active = inputs.reshape(inputs.shape[0], -1).ne(0).any(1)
-            spread = y[idx, cols[:, None]].std(1)
-            dead = (active[idx].sum(1) < batch_size / 2) | (
-                spread <= 1e-3 * y.std(0)[cols].clamp_min(1e-12)
+            if shards is None:
+                active_at, y_at, y_std = active[idx], y[idx, cols[:, None]], y.std(0)
+            else:
+                active_at, y_at = pool.at(active.to(y), idx), pool.at(y, idx, cols[:, None])
+                y_std = pool.column_std(y)
+            spread = y_at.std(1)
+            dead = (active_at.sum(1) < batch_size / 2) | (
+                spread <= 1e-3 * y_std[cols].clamp_min(1e-12)
             )
             if bool(dead.any()):
                 idx[dead] = pool.batch_indices(int(dead.sum()), batch_size)
+        if shards is None:
+            means, variances = self._solve_units(layer, inputs, y, noise_var, idx, cols, signs,
+                                                 (center, alternate, output), 0, h)
+            return Fit(layer, means, variances)
+        # the selected rows from their ranks; each rank solves a share of the units
+        (inputs, y, noise_var), idx = _distributed.gather_batches(pool, (inputs, y, noise_var),
+                                                                  idx)
+        lo, hi = _distributed.unit_share(shards, h)
+        with shards.agree():
+            means, variances = self._solve_units(layer, inputs, y, noise_var, idx, cols, signs,
+                                                 (center, alternate, output), lo, hi)
+        means, variances = _distributed.all_gather_units(shards, h, means, variances)
+        return Fit(layer, means, variances)
+
+    def _solve_units(self, layer: Layer, inputs, y, noise_var, idx, cols, signs, flags,
+                     lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The regressions of units ``lo, ..., hi - 1`` on their batches ``idx``
+        (rows of ``inputs``, ``y`` and ``noise_var``): their means and variances."""
+        opts = self.options
+        center, alternate, output = flags
+        h, d = layer.num_units, layer.fan_in
+        batch_size = idx.shape[1]
+        device, dtype = inputs.device, inputs.dtype
+        has_bias = layer.bias_name is not None
         positions, groups = _unit_inputs(layer, inputs[:1]).shape[1:3]
         group_of = torch.arange(h, device=device) // (h // groups)
         rows = batch_size * positions
@@ -655,10 +780,10 @@ class IBLMGuideInitializer:
         chunk = max(1, opts.max_chunk_elements // per_unit)
         # Filled in place chunk by chunk: many small chunks, concatenated, would leave the
         # allocator's heap fragmented (resident memory that is never given back).
-        means = torch.empty(h, width, dtype=dtype, device=device)
-        variances = torch.empty(h, width, dtype=dtype, device=device)
-        for start in range(0, h, chunk):
-            units = torch.arange(start, min(h, start + chunk), device=device)
+        means = torch.empty(hi - lo, width, dtype=dtype, device=device)
+        variances = torch.empty(hi - lo, width, dtype=dtype, device=device)
+        for start in range(lo, hi, chunk):
+            units = torch.arange(start, min(hi, start + chunk), device=device)
             c = len(units)
             batch = idx[units]  # (c, B)
             x = _unit_inputs(layer, inputs[batch.reshape(-1)])
@@ -684,9 +809,35 @@ class IBLMGuideInitializer:
                 x, t.to(dtype), noise.to(dtype), prior_loc.to(dtype), prior_scale.to(dtype),
                 solver=opts.solver, jitter=opts.jitter,
             )
-            means[start : start + c] = post.mean
-            torch.reciprocal(post.precision_diag, out=variances[start : start + c])
-        return Fit(layer, means, variances)
+            means[start - lo : start - lo + c] = post.mean
+            torch.reciprocal(post.precision_diag, out=variances[start - lo : start - lo + c])
+        return means, variances
+
+    def _solve_shared_rows(self, pool, layer: Layer, inputs, y, noise_var, rows, cols) -> Fit:
+        """Process group: the output layer's (or scale head's) regressions on the
+        rows ``rows`` (global positions) that all its units share, from the
+        ranks' all-reduced statistics :math:`X^\top L^{-1} X`,
+        :math:`X^\top L^{-1} y` (the primal form, whatever the solver)."""
+        shards, h = pool.shards, layer.num_units
+        dtype, device = inputs.dtype, inputs.device
+        with shards.agree():
+            local = pool.local_pos[rows[pool.owner[rows] == shards.rank]]
+            x = _unit_inputs(layer, inputs[local])
+            groups = x.shape[2]
+            t, noise = y[local][:, cols], noise_var[local][:, cols]
+            if layer.fixed_bias is not None:
+                t = t - layer.fixed_bias.to(t)
+            gram, rhs = _distributed.shared_rows_statistics(
+                x, t.to(dtype), noise.to(dtype),
+                torch.arange(h, device=device) // (h // groups), layer.bias_name is not None)
+        total = shards.all_reduce(torch.cat([gram.reshape(-1), rhs.reshape(-1)]))
+        gram, rhs = total[: gram.numel()].reshape(gram.shape), total[gram.numel() :].reshape(
+            rhs.shape)
+        with shards.agree():
+            prior_loc, prior_scale = _unit_priors(layer, torch.arange(h, device=device))
+            mean, precision = _distributed.solve_statistics(
+                gram, rhs, prior_loc.to(dtype), prior_scale.to(dtype), self.options.jitter)
+        return Fit(layer, mean, precision.reciprocal())
 
     def _hidden_targets(self, t, noise, signs, center: bool, alternate: bool):
         if center:
@@ -734,27 +885,39 @@ class IBLMGuideInitializer:
             sigma = self._residual_std(prep, values, targets)
         if likelihood.noise == "layer":
             head = next(layer for layer in prep.layers if layer.role == "scale")
-            level = self._link_inverse(prep, values, sigma, head=head)
+            level = self._shared_link_inverse(prep, values, sigma, head=head)
             inputs = self._collect_inputs(prep, values, head)
             self._stage(prep, values, fits,
                         self._solve(prep, head, inputs, targets, constant=level))
             return NoiseFit(sigma, None, None)
         if likelihood.noise in ("site", "param"):
-            level = self._link_inverse(prep, values, sigma)
+            level = self._shared_link_inverse(prep, values, sigma)
             return NoiseFit(sigma, likelihood.noise_name, level)
         return NoiseFit(sigma, None, None)
 
     def _residual_std(self, prep: Prepared, values, targets: Targets) -> torch.Tensor:
         """Root mean square residual of the network at ``values``, per target column."""
         squares, n = 0.0, 0
-        for site, rows_of in self._observed(prep, values):
-            loc = unwrap_likelihood(site).loc.expand(site["value"].shape)
-            loc = rows_of(loc, "the likelihood's mean")
-            obs = rows_of(site["value"], "the observed site")
-            resid = (obs - loc).reshape(obs.shape[0], -1)
-            squares = squares + resid.pow(2).sum(0)
-            n += resid.shape[0]
+        with _agree(prep):
+            for site, rows_of in self._observed(prep, values):
+                loc = unwrap_likelihood(site).loc.expand(site["value"].shape)
+                loc = rows_of(loc, "the likelihood's mean")
+                obs = rows_of(site["value"], "the observed site")
+                resid = (obs - loc).reshape(obs.shape[0], -1)
+                squares = squares + resid.pow(2).sum(0)
+                n += resid.shape[0]
+        if prep.pool.shards is not None:  # over every rank's rows
+            total = prep.pool.shards.all_reduce(torch.cat([squares, squares.new_tensor([n])]))
+            squares, n = total[:-1], total[-1]
         return (squares / n).sqrt().clamp_min(1e-6)
+
+    def _shared_link_inverse(self, prep: Prepared, values, sigma, head: Optional[Layer] = None):
+        """:meth:`_link_inverse`; with a process group, rank 0's (each rank runs
+        the model on its own first rows)."""
+        with _agree(prep):
+            level = self._link_inverse(prep, values, sigma, head=head)
+        shards = prep.pool.shards
+        return level if shards is None else shards.broadcast(level)
 
     def _link_inverse(self, prep: Prepared, values, sigma, head: Optional[Layer] = None):
         """The unconstrained value of the noise site or param (or the constant
@@ -847,19 +1010,30 @@ class IBLMGuideInitializer:
             else:
                 write_param(noise.name, noise.level)
 
-def init_guide_iblm(guide, data: Data, **options: Any):
+def _agree(prep: Prepared):
+    """Rank-local work whose failure every rank of a process group must hear of."""
+    shards = prep.pool.shards
+    return nullcontext() if shards is None else shards.agree()
+
+
+def init_guide_iblm(guide, data: Data, process_group: Optional[Any] = None, **options: Any):
     """
     Initializes ``guide`` in place with I-BLM and returns it; shorthand for
-    ``IBLMGuideInitializer(**options)(guide, data)``.
+    ``IBLMGuideInitializer(process_group, **options)(guide, data)``.
 
     Usage::
 
         guide = AutoNormal(model)
         init_guide_iblm(guide, (x_train, y_train))
+        # under torchrun: each rank its shard, every rank the same result
+        init_guide_iblm(guide, (x_shard, y_shard), process_group=dist.group.WORLD)
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
         AutoRadialNormal guide of the model.
     :param data: One tuple of model arguments, or an iterable of such tuples.
+    :param process_group: The :class:`torch.distributed.ProcessGroup` over
+        whose ranks the data is sharded (see :class:`IBLMGuideInitializer`),
+        or None.
     :param options: Keyword options of :class:`IBLMGuideInitializer`.
     """
-    return IBLMGuideInitializer(**options)(guide, data)
+    return IBLMGuideInitializer(process_group=process_group, **options)(guide, data)

@@ -16,12 +16,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from pyro_vinit._typing import SampleSite
+
 __all__ = ["LAYER_OPS", "MATMUL_OPS", "LayerCall", "parse_layer_call", "parse_matmul"]
 
 _T = torch.Tensor
 
 # op -> (name, positional parameter names after (input, weight, bias))
-LAYER_OPS: Dict[Callable, Tuple[str, Tuple[str, ...]]] = {
+LAYER_OPS: Dict[Callable[..., Any], Tuple[str, Tuple[str, ...]]] = {
     F.linear: ("linear", ()),
     F.conv1d: ("conv1d", ("stride", "padding", "dilation", "groups")),
     F.conv2d: ("conv2d", ("stride", "padding", "dilation", "groups")),
@@ -67,8 +69,8 @@ class LayerCall:
     kwargs: Dict[str, Any] = field(default_factory=dict)
     transposed: bool = False
     source: str = ""
-    weight_msgs: List[dict] = field(default_factory=list)
-    bias_msgs: List[dict] = field(default_factory=list)
+    weight_msgs: List[SampleSite] = field(default_factory=list)
+    bias_msgs: List[SampleSite] = field(default_factory=list)
 
     def __call__(
         self,
@@ -84,7 +86,8 @@ class LayerCall:
         input = self.input if input is None else input
         weight = self.weight if weight is None else weight
         bias = self.bias if bias is None else (None if bias is False else bias)
-        return getattr(F, self.op)(*unwrap((input, weight, bias)), **self.kwargs)
+        out: torch.Tensor = getattr(F, self.op)(*unwrap((input, weight, bias)), **self.kwargs)
+        return out
 
     @property
     def weight_name(self) -> Optional[str]:
@@ -97,7 +100,16 @@ class LayerCall:
         return self.bias_msgs[-1]["name"] if self.bias_msgs else None
 
 
-def parse_layer_call(func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]):
+#: ``(op, input, weight, bias, op_kwargs)`` of a layer call.
+ParsedLayer = Tuple[str, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Dict[str, Any]]
+#: ``(input, weight, transposed, bias)`` of a matrix product read as a linear layer.
+ParsedMatmul = Tuple[torch.Tensor, torch.Tensor, bool, Optional[torch.Tensor]]
+IsWeight = Callable[[torch.Tensor], bool]
+
+
+def parse_layer_call(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]
+) -> Optional[ParsedLayer]:
     """
     ``(op, input, weight, bias, op_kwargs)`` of an ``F.linear`` /
     ``F.conv*d`` call, with the conv defaults filled in, or None for any
@@ -119,7 +131,9 @@ def parse_layer_call(func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]
     return op, input, weight, bias, extra
 
 
-def _einsum_as_linear(equation: str, a: torch.Tensor, b: torch.Tensor, is_weight: Callable):
+def _einsum_as_linear(
+    equation: str, a: torch.Tensor, b: torch.Tensor, is_weight: IsWeight
+) -> Optional[Tuple[torch.Tensor, torch.Tensor, bool]]:
     # "...i,io->...o" style: one operand is a 2-d weight, exactly one index is contracted,
     # and the output is the input's free indices followed by the weight's free index.
     equation = equation.replace(" ", "")
@@ -152,8 +166,8 @@ def _einsum_as_linear(equation: str, a: torch.Tensor, b: torch.Tensor, is_weight
 
 
 def parse_matmul(
-    func: Callable, args: Sequence[Any], kwargs: Dict[str, Any], is_weight: Callable
-):
+    func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any], is_weight: IsWeight
+) -> Optional[ParsedMatmul]:
     """
     Reads a matrix product of an input and a 2-d weight (``is_weight(t)``
     true for the weight, not for the input) as a linear layer: returns

@@ -5,31 +5,63 @@ slowing down any other tensor operation.
 """
 
 import functools
-from typing import Any, Callable, List, Optional, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    List,
+    Optional,
+    Set,
+    Tuple,
+    TypeVar,
+    cast,
+)
 
 import torch
 from torch.distributions import Distribution
 
-__all__: list = []
+from pyro_vinit._typing import SampleSite
+
+if TYPE_CHECKING:
+    from pyro_vinit.poutine.layer_call_messenger import LayerCallMessenger
+
+__all__: List[str] = []
 
 # The active layer-call handler, if any (at most one: nesting is refused).
-ACTIVE: list = []
+ACTIVE: List["LayerCallMessenger"] = []
 
 _T = torch.Tensor
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def getter(name: str) -> Callable[..., Any]:
+    """The function that torch passes to ``__torch_function__`` when the
+    attribute ``name`` of a tensor is read (its descriptor's ``__get__``)."""
+    # getattr: the class attribute is the descriptor, which mypy types as the value.
+    getter: Callable[..., Any] = getattr(_T, name).__get__
+    return getter
+
+
+def eager(fn: _F) -> _F:
+    """:func:`torch.compiler.disable`, keeping ``fn``'s type."""
+    # torch's decorator is unannotated; it returns a function of the same signature.
+    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+
 
 # Functions that only read shape, dtype or device: answered from the stand-in itself,
 # so that a deferred value is not drawn just to learn its shape.
-_METADATA = {
-    _T.shape.__get__,
-    _T.dtype.__get__,
-    _T.device.__get__,
-    _T.ndim.__get__,
-    _T.layout.__get__,
-    _T.is_cuda.__get__,
-    _T.is_nested.__get__,  # read by torch.compile on every tensor it meets
-    _T.is_sparse.__get__,
-    _T.is_quantized.__get__,
-    _T.is_meta.__get__,
+_METADATA: Set[Callable[..., Any]] = {
+    getter("shape"),
+    getter("dtype"),
+    getter("device"),
+    getter("ndim"),
+    getter("layout"),
+    getter("is_cuda"),
+    getter("is_nested"),  # read by torch.compile on every tensor it meets
+    getter("is_sparse"),
+    getter("is_quantized"),
+    getter("is_meta"),
     _T.dim,
     _T.size,
     _T.numel,
@@ -48,7 +80,7 @@ _METADATA = {
 }
 
 #: A view op: ``(func, args, kwargs)``, applied as ``func(tensor, *args, **kwargs)``.
-ViewOp = Tuple[Callable, tuple, dict]
+ViewOp = Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]]
 
 
 @functools.lru_cache(maxsize=256)
@@ -141,7 +173,7 @@ class SiteValue(torch.Tensor):
     The handler sees, through :meth:`__torch_function__`, every operation
     with a stand-in among its arguments.
 
-    :ivar dist: The distribution that drew the value (of the drawn shape), or
+    :ivar site_dist: The distribution that drew the value (of the drawn shape), or
         None if unknown.
     :ivar list msgs: The sample-site messages holding this value, the one
         that drew it first.
@@ -156,8 +188,8 @@ class SiteValue(torch.Tensor):
         matrix products, shared by every stand-in of the draw.
     """
 
-    dist: Optional[Distribution]
-    msgs: List[dict]
+    site_dist: Optional[Distribution]
+    msgs: List[SampleSite]
     view_ops: Tuple[ViewOp, ...]
     derived: Optional[str]
     uses: Uses
@@ -166,9 +198,17 @@ class SiteValue(torch.Tensor):
     _grad_enabled: bool
 
     @classmethod
-    def _new(cls, placeholder, dist, msgs, view_ops=(), derived=None, uses=None) -> "SiteValue":
+    def _new(
+        cls,
+        placeholder: torch.Tensor,
+        dist: Optional[Distribution],
+        msgs: List[SampleSite],
+        view_ops: Tuple[ViewOp, ...] = (),
+        derived: Optional[str] = None,
+        uses: Optional[Uses] = None,
+    ) -> "SiteValue":
         self = torch.Tensor._make_subclass(cls, placeholder, False)
-        self.dist, self.msgs, self.view_ops, self.derived = dist, msgs, view_ops, derived
+        self.site_dist, self.msgs, self.view_ops, self.derived = dist, msgs, view_ops, derived
         self.uses = Uses(placeholder.shape) if uses is None else uses
         self._real, self._thunk = None, None
         return self
@@ -178,7 +218,7 @@ class SiteValue(torch.Tensor):
         cls,
         value: torch.Tensor,
         dist: Optional[Distribution],
-        msgs: List[dict],
+        msgs: List[SampleSite],
         view_ops: Tuple[ViewOp, ...] = (),
         derived: Optional[str] = None,
         uses: Optional[Uses] = None,
@@ -197,7 +237,7 @@ class SiteValue(torch.Tensor):
         shape: torch.Size,
         like: torch.Tensor,
         dist: Optional[Distribution] = None,
-        msgs: Optional[List[dict]] = None,
+        msgs: Optional[List[SampleSite]] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> "SiteValue":
         """A stand-in of ``shape`` (with the dtype and device of ``like``, or
@@ -215,11 +255,12 @@ class SiteValue(torch.Tensor):
         return self._real is None
 
     @property
-    @torch.compiler.disable
+    @eager
     def concrete(self) -> torch.Tensor:
         """The value as a plain tensor, computed now if it was deferred (not
         ``real``: that is :attr:`torch.Tensor.real`, which torch itself reads)."""
         if self._real is None:
+            assert self._thunk is not None  # defer() set it
             with torch.set_grad_enabled(self._grad_enabled):
                 self._real = unwrap(self._thunk())
             self._thunk = None
@@ -236,7 +277,12 @@ class SiteValue(torch.Tensor):
         a view of it (:attr:`view_ops`)."""
         return self.derived is None
 
-    def derive(self, func: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def derive(
+        self,
+        func: Callable[..., Any],
+        args: Tuple[Any, ...] = (),
+        kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Any:
         """
         ``func(self, *args, **kwargs)`` as a stand-in for the same draw: a
         view (:attr:`view_ops`) if ``func`` keeps each element a distinct
@@ -254,7 +300,7 @@ class SiteValue(torch.Tensor):
                     lambda: func(source.concrete, *args, **kwargs),
                     meta.shape, like=self, dtype=meta.dtype,
                 )
-                out.dist, out.msgs, out.uses = self.dist, list(self.msgs), self.uses
+                out.site_dist, out.msgs, out.uses = self.site_dist, list(self.msgs), self.uses
                 out.view_ops = self.view_ops + (view_op,)
                 return out
         out = func(self.concrete, *args, **kwargs)
@@ -264,21 +310,27 @@ class SiteValue(torch.Tensor):
             is_view = False  # repeated elements
         if is_view:
             return SiteValue.wrap(
-                out, self.dist, list(self.msgs), self.view_ops + (view_op,), None, self.uses
+                out, self.site_dist, list(self.msgs), self.view_ops + (view_op,), None, self.uses
             )
         name = getattr(func, "__name__", None) or str(func)
         return SiteValue.wrap(
-            out, self.dist, list(self.msgs), self.view_ops, self.derived or name, self.uses
+            out, self.site_dist, list(self.msgs), self.view_ops, self.derived or name, self.uses
         )
 
     @classmethod
-    @torch.compiler.disable
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
+    @eager
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: Tuple[Any, ...] = (),
+        kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func == _T.grad.__get__ and args[0].is_deferred:
+        if func == getter("grad") and args[0].is_deferred:
             return None  # e.g. torch.compile's hasattr(t, "grad")
         handler = ACTIVE[-1] if ACTIVE else None
         if handler is not None:
@@ -288,7 +340,9 @@ class SiteValue(torch.Tensor):
         return func(*unwrap(args), **unwrap(kwargs))
 
 
-def _meta_result(func, value: SiteValue, args, kwargs) -> Optional[torch.Tensor]:
+def _meta_result(
+    func: Callable[..., Any], value: SiteValue, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Optional[torch.Tensor]:
     # The shape and dtype of func's result, without drawing the value.
     try:
         out = func(torch.empty(value.shape, dtype=value.dtype, device="meta"), *args, **kwargs)
@@ -302,7 +356,7 @@ def _meta_result(func, value: SiteValue, args, kwargs) -> Optional[torch.Tensor]
 _VIEWS = {
     _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
     _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.clone,
-    _T.narrow, _T.movedim, _T.swapaxes, _T.T.__get__, _T.mT.__get__, torch.reshape,
+    _T.narrow, _T.movedim, _T.swapaxes, getter("T"), getter("mT"), torch.reshape,
     torch.transpose, torch.t, torch.permute, torch.flatten, torch.squeeze, torch.unsqueeze,
     torch.clone, torch.narrow, torch.movedim, torch.swapaxes,
 }
@@ -315,7 +369,7 @@ _OTHERS = {_T.__getitem__, _T.detach}
 DERIVING_OPS = _VIEWS | _CASTS | _EXPANDS | _OTHERS
 
 
-def _is_basic_index(index) -> bool:
+def _is_basic_index(index: object) -> bool:
     if isinstance(index, tuple):
         return all(_is_basic_index(i) for i in index)
     return index is None or index is Ellipsis or isinstance(index, slice) or (
@@ -323,7 +377,7 @@ def _is_basic_index(index) -> bool:
     )
 
 
-def _is_view_op(func, args) -> bool:
+def _is_view_op(func: Callable[..., Any], args: Tuple[Any, ...]) -> bool:
     if func in _VIEWS:
         # Tensor.view(dtype) reinterprets the bits
         return not (func is _T.view and args and isinstance(args[0], torch.dtype))
@@ -332,7 +386,7 @@ def _is_view_op(func, args) -> bool:
     return func in _CASTS or func in _EXPANDS  # expand: if it repeats nothing (checked after)
 
 
-_TRANSPOSES = {_T.t, torch.t, _T.T.__get__, _T.mT.__get__}
+_TRANSPOSES = {_T.t, torch.t, getter("T"), getter("mT")}
 
 
 def is_transpose(view_ops: Tuple[ViewOp, ...], shape: torch.Size) -> bool:

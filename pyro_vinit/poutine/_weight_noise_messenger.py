@@ -1,17 +1,19 @@
 """Shared base of the handlers that give each example its own weight noise."""
 
 import warnings
-from typing import Dict, Optional, Set, Tuple
+from types import TracebackType
+from typing import Dict, List, Optional, Set, Tuple, Type
 
 import torch
 from pyro.distributions import constraints
 from torch.distributions import Distribution
 
 from pyro_vinit._pyro_compat import is_vectorized_particles
-from pyro_vinit.poutine._site_value import SiteValue, replay
+from pyro_vinit._typing import SampleSite
+from pyro_vinit.poutine._site_value import SiteValue, eager, replay
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
 
-__all__: list = []
+__all__: List[str] = []
 
 _NEVER_REACHED = (
     "it never reached a layer call the handler sees (F.linear, F.conv1d/2d/3d or a "
@@ -36,7 +38,7 @@ def view_of(value: SiteValue, param: torch.Tensor) -> torch.Tensor:
     return replay(value.view_ops, param.expand(value.uses.shape))
 
 
-def _is_weight_like(msg: dict) -> bool:
+def _is_weight_like(msg: SampleSite) -> bool:
     # A real-valued site with at least two dims of its own (not plate dims).
     fn, value = msg["fn"], msg["value"]
     support = getattr(fn, "support", None)
@@ -77,8 +79,8 @@ class _WeightNoiseMessenger(LayerCallMessenger):
         self._untreated: Dict[str, str] = {}
         self._reached: Set[str] = set()
 
-    @torch.compiler.disable
-    def _pyro_sample(self, msg: dict) -> None:
+    @eager
+    def _pyro_sample(self, msg: SampleSite) -> None:
         if any(is_vectorized_particles(frame) for frame in msg["cond_indep_stack"]):
             # Every weight would get a particle dim, which F.linear / F.conv*d do not take
             # and the handlers do not treat: refuse before the model runs.
@@ -92,8 +94,13 @@ class _WeightNoiseMessenger(LayerCallMessenger):
             )
         super()._pyro_sample(msg)
 
-    @torch.compiler.disable
-    def __exit__(self, exc_type, exc_value, traceback):
+    @eager
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc_value: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
         report = self._report() if exc_type is None else None
         super().__exit__(exc_type, exc_value, traceback)
         if report is not None:
@@ -121,8 +128,10 @@ class _WeightNoiseMessenger(LayerCallMessenger):
             f"sample, shared by the whole minibatch:\n{sites}.\n{end}"
         )
 
-    def _weight_distribution(self, call: LayerCall) -> Optional[Distribution]:
-        """The distribution that drew the call's weight (whose
+    def _weight_distribution(
+        self, call: LayerCall
+    ) -> Optional[Tuple[SiteValue, Distribution]]:
+        """The call's weight and the distribution that drew it (whose
         :func:`view_of` gives the weight's parameters), or None if the call is
         to run unchanged (a plain weight, or a fallback recorded for the report)."""
         weight = call.weight
@@ -155,7 +164,7 @@ class _WeightNoiseMessenger(LayerCallMessenger):
                 "to the layer as drawn, or transposed, reshaped or sliced",
             )
             return None
-        if weight.dist is None:
+        if weight.site_dist is None:
             self._fallback(
                 weight,
                 "its value was set by an effect handler outside this one (e.g. a guide trace "
@@ -163,7 +172,7 @@ class _WeightNoiseMessenger(LayerCallMessenger):
                 "apply the handler to the whole step (e.g. to svi.step), not to the model",
             )
             return None
-        return weight.dist
+        return weight, weight.site_dist
 
     def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
         # A later layer call on the same sample must use it as drawn, too.
@@ -176,4 +185,6 @@ class _WeightNoiseMessenger(LayerCallMessenger):
         )
 
     def _fallback(self, value: SiteValue, reason: str) -> None:
-        self._untreated.setdefault(value.site, reason)
+        site = value.site
+        assert site is not None  # every caller passes a value with messages
+        self._untreated.setdefault(site, reason)

@@ -75,23 +75,25 @@ class FlipoutMessenger(_WeightNoiseMessenger):
     """
 
     def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
-        fn = self._weight_distribution(call)
-        if fn is None:
+        found = self._weight_distribution(call)
+        if found is None:
             return None
+        site_value, fn = found
         base = base_distribution(fn)
         if not isinstance(base, _SIGN_SYMMETRIC):
             self._fallback(
-                call.weight,
+                site_value,
                 f"its distribution is {type(base).__name__}, whose perturbations are not "
                 "known to be symmetric under sign flips",
             )
             return None
-        weight = call.weight.concrete
-        mean = view_of(call.weight, base.mean)
+        weight = site_value.concrete
+        mean = view_of(site_value, base.mean)
         x, bias = unwrap(call.input), unwrap(call.bias)
         op = getattr(F, call.op)
-        out = op(x, mean, bias, **call.kwargs)
+        out: torch.Tensor = op(x, mean, bias, **call.kwargs)
         nsp = spatial_dims(call)
         s = rademacher(x.shape[: x.dim() - nsp] + (1,) * nsp, x)
         r = rademacher(out.shape[: out.dim() - nsp] + (1,) * nsp, out)
-        return out + op(x * s, weight - mean, None, **call.kwargs) * r
+        noise: torch.Tensor = op(x * s, weight - mean, None, **call.kwargs)
+        return out + noise * r

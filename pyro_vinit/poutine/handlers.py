@@ -3,17 +3,20 @@ Handler functions in the style of :mod:`pyro.poutine`: ``local_reparam(fn)``
 wraps a callable, ``local_reparam()`` is a context manager.
 """
 
-from typing import Callable, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Optional, TypeVar, Union, overload
+
+from pyro.poutine.messenger import Messenger
 
 from pyro_vinit.poutine.flipout_messenger import FlipoutMessenger
 from pyro_vinit.poutine.local_reparam_messenger import LocalReparamMessenger
 
 __all__ = ["flipout", "local_reparam"]
 
-_F = TypeVar("_F", bound=Callable)
+_F = TypeVar("_F", bound=Callable[..., Any])
+_M = TypeVar("_M", bound=Messenger)
 
 
-def _apply(messenger, fn):
+def _apply(messenger: _M, fn: Optional[Callable[..., Any]]) -> Union[_M, Callable[..., Any]]:
     if fn is None:
         return messenger
     if not callable(fn):
@@ -34,8 +37,11 @@ def local_reparam(
 
 
 def local_reparam(
-    fn: Optional[Callable] = None, *, strict: bool = False, low_rank: Optional[bool] = None
-) -> Union[LocalReparamMessenger, Callable]:
+    fn: Optional[Callable[..., Any]] = None,
+    *,
+    strict: bool = False,
+    low_rank: Optional[bool] = None,
+) -> Union[LocalReparamMessenger, Callable[..., Any]]:
     """
     Convenient wrapper of :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
 
@@ -62,8 +68,8 @@ def flipout(fn: _F, *, strict: bool = False) -> _F: ...
 
 
 def flipout(
-    fn: Optional[Callable] = None, *, strict: bool = False
-) -> Union[FlipoutMessenger, Callable]:
+    fn: Optional[Callable[..., Any]] = None, *, strict: bool = False
+) -> Union[FlipoutMessenger, Callable[..., Any]]:
     """
     Convenient wrapper of :class:`~pyro_vinit.poutine.FlipoutMessenger`.
 

@@ -3,7 +3,7 @@ KL annealing: weighting the KL term of the ELBO by a factor λ.
 """
 
 import math
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union, overload
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union, overload
 
 import torch
 from pyro.poutine.messenger import Messenger
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KLAnnealingMessenger", "kl_annealing"]
 
-_F = TypeVar("_F", bound=Callable)
+_F = TypeVar("_F", bound=Callable[..., Any])
 ScaleType = Union[float, Callable[[int], float]]
 
 
@@ -128,7 +128,7 @@ class KLAnnealingMessenger(Messenger):
         self.iteration = self._iteration + 1
         return self._scale
 
-    def _pyro_sample(self, msg: "Message") -> None:
+    def _pyro_sample(self, msg: "Message[..., Any]") -> None:
         # a plate's subsample site carries no density
         if not msg["is_observed"] and not site_is_subsample(msg):
             msg["scale"] = self._scale * msg["scale"]
@@ -139,12 +139,16 @@ def kl_annealing(fn: None = None, scale: ScaleType = 1.0) -> KLAnnealingMessenge
 
 
 @overload
+def kl_annealing(fn: Union[float, Schedule], scale: ScaleType = 1.0) -> KLAnnealingMessenger: ...
+
+
+@overload
 def kl_annealing(fn: _F, scale: ScaleType = 1.0) -> _F: ...
 
 
 def kl_annealing(
-    fn: Optional[Callable] = None, scale: ScaleType = 1.0
-) -> Union[KLAnnealingMessenger, Callable]:
+    fn: Union[None, float, Schedule, Callable[..., Any]] = None, scale: ScaleType = 1.0
+) -> Union[KLAnnealingMessenger, Callable[..., Any]]:
     """
     Handler function of :class:`KLAnnealingMessenger`: scales the log
     densities of the latent sites of ``fn`` by ``scale``, or, without ``fn``,
@@ -165,6 +169,7 @@ def kl_annealing(
     """
     if fn is not None and (isinstance(fn, (int, float, Schedule, torch.Tensor))):
         # kl_annealing(0.1) or kl_annealing(SigmoidSchedule(...)) as in poutine.scale(0.1)
-        fn, scale = None, fn
+        scale = fn
+        fn = None
     messenger = KLAnnealingMessenger(scale=scale)
     return messenger if fn is None else messenger(fn)

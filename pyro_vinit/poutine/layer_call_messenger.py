@@ -36,14 +36,17 @@ pays a Python call on every torch function of the step, too much for a
 per-step handler. Only one layer-call handler may be active at a time.
 """
 
-from typing import Any, Callable, Dict, List, Optional
+from types import TracebackType
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, cast
 
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, Independent
+from typing_extensions import Self, TypeGuard
 
+from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._layer_ops import (
     LAYER_OPS,
     MATMUL_OPS,
@@ -57,6 +60,8 @@ from pyro_vinit.poutine._site_value import (
     SiteValue,
     Uses,
     contains_site_value,
+    eager,
+    getter,
     unwrap,
 )
 
@@ -72,7 +77,7 @@ _CUSTOM_LAYER_OPS = MATMUL_OPS | {
 }
 
 
-def base_distribution(fn: Any) -> Any:
+def base_distribution(fn: object) -> object:
     """``fn`` without its ``Independent`` and mask wrappers (which change
     neither the values nor their element-wise distribution)."""
     while isinstance(fn, (Independent, dist.MaskedDistribution)):
@@ -80,16 +85,16 @@ def base_distribution(fn: Any) -> Any:
     return fn
 
 
-def _is_latent(value: Any) -> bool:
+def _is_latent(value: object) -> TypeGuard[SiteValue]:
     return isinstance(value, SiteValue) and bool(value.msgs)
 
 
-def _msgs_of(value: Any) -> List[dict]:
+def _msgs_of(value: Any) -> List[SampleSite]:
     return value.msgs if _is_latent(value) and value.is_view else []
 
 
-def _site_values(items) -> List[SiteValue]:
-    found = []
+def _site_values(items: Iterable[Any]) -> List[SiteValue]:
+    found: List[SiteValue] = []
     for item in items:
         if isinstance(item, SiteValue):
             found.append(item)
@@ -98,23 +103,30 @@ def _site_values(items) -> List[SiteValue]:
     return found
 
 
-def _layer_call(func, args, kwargs) -> LayerCall:
-    op, input, weight, bias, extra = parse_layer_call(func, args, kwargs)
+def _layer_call(
+    func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> LayerCall:
+    parsed = parse_layer_call(func, args, kwargs)
+    assert parsed is not None  # func is one of LAYER_OPS
+    op, input, weight, bias, extra = parsed
     return LayerCall(
         op, input, weight, bias, extra, source=op,
         weight_msgs=_msgs_of(weight), bias_msgs=_msgs_of(bias),
     )
 
 
-def _matmul_call(func, args, kwargs) -> Optional[LayerCall]:
+def _matmul_call(
+    func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Optional[LayerCall]:
     # A matrix product as an F.linear call whose weight is a view of the site value.
     found = parse_matmul(func, args, kwargs, _is_latent)
     if found is None:
         return None
     x, w, transposed, bias = found
+    w = cast(SiteValue, w)  # the operand _is_latent picked
     name = getattr(func, "__name__", str(func)).strip("_").replace("rmatmul", "matmul")
     return LayerCall(
-        "linear", unwrap(x), w.derive(_T.mT.__get__) if transposed else w, bias,
+        "linear", unwrap(x), w.derive(getter("mT")) if transposed else w, bias,
         transposed=transposed, source=name, weight_msgs=_msgs_of(w), bias_msgs=_msgs_of(bias),
     )
 
@@ -136,17 +148,17 @@ class LayerCallMessenger(Messenger):
     def _start_run(self) -> None:
         # name -> the latest message that drew the site's value in this context;
         # id(msg) -> the value this handler drew for it, until post-processing.
-        self._draws: Dict[str, dict] = {}
+        self._draws: Dict[str, SampleSite] = {}
         self._pending: Dict[int, SiteValue] = {}
         # name -> the latest message holding a site value drawn by a distribution (not an
         # auxiliary site of a guide): the latent sites of the run, for reports.
-        self._latent: Dict[str, dict] = {}
+        self._latent: Dict[str, SampleSite] = {}
         self._busy = False
 
     # torch.compile runs the handler's own code eagerly: Dynamo would trace into the
     # deferred draws and run them out of order (issue 13).
-    @torch.compiler.disable
-    def __enter__(self):
+    @eager
+    def __enter__(self) -> Self:
         if ACTIVE:
             raise RuntimeError(
                 f"{type(self).__name__} cannot be entered while "
@@ -159,8 +171,13 @@ class LayerCallMessenger(Messenger):
         ACTIVE.append(self)
         return result
 
-    @torch.compiler.disable
-    def __exit__(self, exc_type, exc_value, traceback):
+    @eager
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc_value: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
         self._start_run()
         if ACTIVE and ACTIVE[-1] is self:
             ACTIVE.pop()
@@ -168,8 +185,8 @@ class LayerCallMessenger(Messenger):
 
     # ----------------------------------------------------------------- messages
 
-    @torch.compiler.disable
-    def _pyro_sample(self, msg: dict) -> None:
+    @eager
+    def _pyro_sample(self, msg: SampleSite) -> None:
         if (
             msg["value"] is not None
             or msg["is_observed"]
@@ -185,7 +202,7 @@ class LayerCallMessenger(Messenger):
             msg["value"] = value
             self._pending[id(msg)] = value
 
-    def _draw(self, msg: dict) -> Optional[SiteValue]:
+    def _draw(self, msg: SampleSite) -> Optional[SiteValue]:
         """
         Draws the value of a sample site that nothing has set, as the default
         would (``msg["fn"]()``), and returns it as a :class:`SiteValue` whose
@@ -199,8 +216,8 @@ class LayerCallMessenger(Messenger):
             return None
         return SiteValue.wrap(value, msg["fn"], [])
 
-    @torch.compiler.disable
-    def _pyro_post_sample(self, msg: dict) -> None:
+    @eager
+    def _pyro_post_sample(self, msg: SampleSite) -> None:
         value = msg["value"]
         if not isinstance(value, torch.Tensor):
             return
@@ -213,7 +230,7 @@ class LayerCallMessenger(Messenger):
                 if followed is not None:
                     msg["value"] = value = followed
             value.msgs.append(msg)
-            if value.dist is not None and not msg["infer"].get("is_auxiliary"):
+            if value.site_dist is not None and not msg["infer"].get("is_auxiliary"):
                 self._latent[msg["name"]] = msg
             self._post_site_value(msg, value)
         elif value.is_floating_point():
@@ -222,9 +239,10 @@ class LayerCallMessenger(Messenger):
                 if draw is not None and draw["value"].shape == value.shape:
                     # Conditioned on a draw of the guide (Predictive): a new value with
                     # the distribution of the draw, seen as the draw was (view_ops).
-                    d = draw["value"]
+                    # _draws holds the messages whose value this handler drew.
+                    d = cast(SiteValue, draw["value"])
                     msg["value"] = SiteValue.wrap(
-                        value, d.dist, [draw, msg], d.view_ops, d.derived, Uses(d.uses.shape)
+                        value, d.site_dist, [draw, msg], d.view_ops, d.derived, Uses(d.uses.shape)
                     )
                     self._latent[msg["name"]] = msg
             elif drawn is not None:
@@ -232,10 +250,10 @@ class LayerCallMessenger(Messenger):
                 # of a guide trace drawn outside it): where it came from is unknown.
                 msg["value"] = SiteValue.wrap(value, None, [msg])
 
-    def _post_site_value(self, msg: dict, value: SiteValue) -> None:
+    def _post_site_value(self, msg: SampleSite, value: SiteValue) -> None:
         """Hook called after ``msg`` took the site value ``value`` (its last message)."""
 
-    def _follow_delta(self, msg: dict, value: SiteValue) -> Optional[SiteValue]:
+    def _follow_delta(self, msg: SampleSite, value: SiteValue) -> Optional[SiteValue]:
         # Pyro's AutoNormal puts Delta(v) at the site, v the auxiliary Normal's value mapped
         # to the support (itself for real support): the site value is then v's value.
         fn = base_distribution(msg["fn"])
@@ -243,12 +261,14 @@ class LayerCallMessenger(Messenger):
         if not (isinstance(source, SiteValue) and source.is_view and source.shape == value.shape):
             return None
         return SiteValue.wrap(
-            value.concrete, source.dist, list(source.msgs), source.view_ops, None, source.uses
+            value.concrete, source.site_dist, list(source.msgs), source.view_ops, None, source.uses
         )
 
     # -------------------------------------------------------------- layer calls
 
-    def _site_value_op(self, func, args, kwargs) -> Any:
+    def _site_value_op(
+        self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> Any:
         # Called by SiteValue.__torch_function__ for every operation on a site value
         # while this handler is active; NotImplemented means "run it as usual".
         if self._busy:

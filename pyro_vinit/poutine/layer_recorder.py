@@ -4,45 +4,71 @@ into the likelihood: the tracer behind the data-driven initializers.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Dict, FrozenSet, List, Optional, Tuple
+from types import TracebackType
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Optional,
+    Set,
+    Tuple,
+    Type,
+    Union,
+)
 
 import torch
 import torch.nn.functional as F
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch.overrides import TorchFunctionMode
+from typing_extensions import Self
 
+from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit.poutine._layer_ops import LayerCall, parse_layer_call, parse_matmul
+from pyro_vinit.poutine._site_value import getter
+
+if TYPE_CHECKING:
+    from pyro.poutine.runtime import Message
 
 __all__ = ["LayerRecorderMessenger", "RecordedLayer", "StopModel", "norm_statistics"]
 
 _T = torch.Tensor
 
 # Functions that only read metadata: passed straight through.
-_METADATA = {
-    _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__,
-    _T.requires_grad.__get__, _T.is_leaf.__get__, _T.grad_fn.__get__, _T.layout.__get__,
+_METADATA: Set[Callable[..., Any]] = {
+    getter("shape"), getter("dtype"), getter("device"), getter("ndim"),
+    getter("requires_grad"), getter("is_leaf"), getter("grad_fn"), getter("layout"),
     _T.dim, _T.size, _T.numel, _T.__len__, _T.is_floating_point, _T.data_ptr,
     _T.__hash__, _T.__bool__, _T.item, _T.tolist, _T.stride, _T.storage_offset,
-    _T.is_contiguous, _T.element_size, _T.get_device, _T._version.__get__,
+    _T.is_contiguous, _T.element_size, _T.get_device, getter("_version"),
 }
 
 # Operations after which a tensor holds the same elements in another layout
 # (or dtype): a site value passed through them is still "the weight".
-_RELAYOUT = {
+_RELAYOUT: Set[Callable[..., Any]] = {
     _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
-    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.T.__get__,
-    _T.mT.__get__, _T.movedim, torch.reshape, torch.transpose, torch.t, torch.permute,
+    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, getter("T"),
+    getter("mT"), _T.movedim, torch.reshape, torch.transpose, torch.t, torch.permute,
     torch.flatten, torch.squeeze, torch.unsqueeze, torch.movedim, torch.swapaxes,
     _T.swapaxes,
 }
-_SAME_VALUES = {
+_SAME_VALUES: Set[Callable[..., Any]] = {
     _T.to, _T.float, _T.double, _T.half, _T.bfloat16, _T.type, _T.clone, _T.detach,
     _T.contiguous, torch.clone,
 }
-_ADDS = {_T.__add__, _T.__radd__, _T.add, torch.add}
-_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-             F.feature_alpha_dropout}
+_ADDS: Set[Callable[..., Any]] = {_T.__add__, _T.__radd__, _T.add, torch.add}
+_DROPOUTS: Set[Callable[..., Any]] = {
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout
+}
+
+
+#: A data-flow token: ("layer", index), ("site", name) or ("param", name).
+Token = Tuple[str, Union[int, str]]
 
 
 class StopModel(Exception):
@@ -89,7 +115,9 @@ class RecordedLayer:
         return (self.weight_name,) + ((self.bias_name,) if self.bias_name else ())
 
 
-def _relayout_index(derived: _Derived, func, args, kwargs) -> Optional[torch.Tensor]:
+def _relayout_index(
+    derived: _Derived, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Optional[torch.Tensor]:
     # Replaying the op on the flat indices of the site value tells where each element went.
     shape = derived.root_shape
     base = torch.arange(shape.numel()).reshape(shape) if derived.index is None else derived.index
@@ -98,11 +126,17 @@ def _relayout_index(derived: _Derived, func, args, kwargs) -> Optional[torch.Ten
 
 
 class _Mode(TorchFunctionMode):
-    def __init__(self, recorder: "LayerRecorderMessenger"):
+    def __init__(self, recorder: "LayerRecorderMessenger") -> None:
         super().__init__()
         self.recorder = recorder
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Tuple[Any, ...] = (),
+        kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Any:
         if func in _METADATA:
             return func(*args, **(kwargs or {}))
         return self.recorder._torch_function(func, args, kwargs or {})
@@ -156,6 +190,10 @@ class LayerRecorderMessenger(Messenger):
     :param dict norm_statistics: If given, the input statistics of every
         ``F.batch_norm`` call are accumulated in it, across runs (see
         :func:`norm_statistics`).
+    :param callable norm_sync: If given, ``F.batch_norm`` normalizes with the
+        ``(mean, biased variance)`` that ``norm_sync(input, dims)`` returns
+        (e.g. statistics over the shards of several processes) instead of
+        the batch's own.
     """
 
     def __init__(
@@ -164,9 +202,10 @@ class LayerRecorderMessenger(Messenger):
         *,
         track_flow: bool = False,
         plate_subsample: Optional[torch.Tensor] = None,
-        norm_statistics: Optional[Dict[int, list]] = None,
+        norm_statistics: Optional[Dict[int, List[Any]]] = None,
         on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
-    ):
+        norm_sync: Optional[Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]] = None,
+    ) -> None:
         super().__init__()
         self.latent = set(latent)
         self.track_flow = track_flow
@@ -176,26 +215,33 @@ class LayerRecorderMessenger(Messenger):
         self.on_layer = on_layer
         self.layers: List[RecordedLayer] = []
         #: distribution parameter name -> tokens ("layer", i) / ("site", name) / ("param", name)
-        self.likelihood_flow: Dict[str, FrozenSet[tuple]] = {}
-        self.observed: List[dict] = []
+        self.likelihood_flow: Dict[str, FrozenSet[Token]] = {}
+        self.observed: List[SampleSite] = []
         self._sites: Dict[int, Tuple[torch.Tensor, _Derived]] = {}
-        self._flow: Dict[int, Tuple[torch.Tensor, FrozenSet[tuple]]] = {}
+        self._flow: Dict[int, Tuple[torch.Tensor, FrozenSet[Token]]] = {}
         self._open_matmuls: Dict[int, Tuple[torch.Tensor, RecordedLayer]] = {}
         self._norm_stats = norm_statistics
+        self.norm_sync = norm_sync
         self._mode: Optional[_Mode] = None
 
     # ------------------------------------------------------------ context
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         result = super().__enter__()
         self._mode = _Mode(self)
-        self._mode.__enter__()
+        self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch's is unannotated
         return result
 
-    def __exit__(self, exc_type, exc_value, traceback):
+    def __exit__(  # type: ignore[override]  # True swallows StopModel, as documented
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc_value: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> bool:
         try:
             if self._mode is not None:
-                self._mode.__exit__(exc_type, exc_value, traceback)
+                # torch's TorchFunctionMode.__exit__ is unannotated.
+                self._mode.__exit__(exc_type, exc_value, traceback)  # type: ignore[no-untyped-call]
         finally:
             self._mode = None
             super().__exit__(exc_type, exc_value, traceback)
@@ -203,41 +249,44 @@ class LayerRecorderMessenger(Messenger):
 
     # ------------------------------------------------------------ pyro messages
 
-    def _pyro_sample(self, msg: dict) -> None:
+    def _pyro_sample(self, msg: "Message[..., Any]") -> None:
         if not site_is_subsample(msg) or msg["value"] is not None:
             return
-        fn = msg["fn"]
+        # a plate's subsample site: fn is Pyro's (private) _Subsample, whose sizes are read
+        fn: Any = msg["fn"]
         if fn.subsample_size is not None and fn.subsample_size < fn.size:
-            self.subsampled_plates[msg["name"]] = (fn.size, fn.subsample_size)
+            self.subsampled_plates[sample_site(msg)["name"]] = (fn.size, fn.subsample_size)
             rows = self.plate_subsample
             if rows is not None and len(rows) == fn.subsample_size and len(rows) and (
                 int(rows.max()) < fn.size
             ):
                 msg["value"] = rows.to(fn.device) if fn.device is not None else rows
 
-    def _pyro_post_sample(self, msg: dict) -> None:
-        value = msg["value"]
+    def _pyro_post_sample(self, msg: "Message[..., Any]") -> None:
+        site = sample_site(msg)
+        value = site["value"]
         if not isinstance(value, torch.Tensor) or site_is_subsample(msg):
             return
-        if msg["infer"].get("_deterministic"):
+        if site["infer"].get("_deterministic"):
             return
-        name = msg["name"]
-        if msg["is_observed"] and name not in self.latent:
-            self.observed.append(msg)
+        name = site["name"]
+        if site["is_observed"] and name not in self.latent:
+            self.observed.append(site)
             if self.track_flow:
-                self._record_likelihood_flow(msg)
+                self._record_likelihood_flow(site)
             return
         if name in self.latent:
             self._sites[id(value)] = (value, _Derived(name, value.shape, None))
             if self.track_flow:
                 self._set_flow(value, frozenset({("site", name)}))
 
-    def _pyro_post_param(self, msg: dict) -> None:
-        if self.track_flow and isinstance(msg["value"], torch.Tensor):
-            self._set_flow(msg["value"], frozenset({("param", msg["name"])}))
+    def _pyro_post_param(self, msg: "Message[..., Any]") -> None:
+        name = msg["name"]
+        if self.track_flow and isinstance(msg["value"], torch.Tensor) and name is not None:
+            self._set_flow(msg["value"], frozenset({("param", name)}))
 
-    def _record_likelihood_flow(self, msg: dict) -> None:
-        fn = msg["fn"]
+    def _record_likelihood_flow(self, msg: SampleSite) -> None:
+        fn: object = msg["fn"]
         while hasattr(fn, "base_dist"):
             fn = fn.base_dist
         fn = getattr(fn, "_categorical", fn)  # OneHotCategorical
@@ -248,15 +297,15 @@ class LayerRecorderMessenger(Messenger):
 
     # ------------------------------------------------------------ flow
 
-    def _set_flow(self, tensor: torch.Tensor, tokens: FrozenSet[tuple]) -> None:
+    def _set_flow(self, tensor: torch.Tensor, tokens: FrozenSet[Token]) -> None:
         self._flow[id(tensor)] = (tensor, tokens)
 
-    def _get_flow(self, tensor: Any) -> FrozenSet[tuple]:
+    def _get_flow(self, tensor: object) -> FrozenSet[Token]:
         entry = self._flow.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else frozenset()
 
-    def _union_flow(self, items) -> FrozenSet[tuple]:
-        tokens: frozenset = frozenset()
+    def _union_flow(self, items: Iterable[Any]) -> FrozenSet[Token]:
+        tokens: FrozenSet[Token] = frozenset()
         for item in items:
             if isinstance(item, torch.Tensor):
                 tokens = tokens | self._get_flow(item)
@@ -266,7 +315,7 @@ class LayerRecorderMessenger(Messenger):
                 tokens = tokens | self._union_flow(item.values())
         return tokens
 
-    def _tag_outputs(self, out: Any, tokens: FrozenSet[tuple]) -> None:
+    def _tag_outputs(self, out: object, tokens: FrozenSet[Token]) -> None:
         if not tokens:
             return
         if isinstance(out, torch.Tensor):
@@ -277,13 +326,16 @@ class LayerRecorderMessenger(Messenger):
 
     # ------------------------------------------------------------ torch functions
 
-    def _site_of(self, tensor: Any) -> Optional[_Derived]:
+    def _site_of(self, tensor: object) -> Optional[_Derived]:
         entry = self._sites.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else None
 
-    def _torch_function(self, func, args, kwargs):
+    def _torch_function(
+        self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> Any:
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
+        out: Any  # whatever the torch function returns
         if func is F.batch_norm:
             out = self._batch_norm(args, kwargs)
         else:
@@ -296,7 +348,9 @@ class LayerRecorderMessenger(Messenger):
             self._tag_outputs(out, self._union_flow(args) | self._union_flow(kwargs.values()))
         return out
 
-    def _after(self, func, args, kwargs, out) -> None:
+    def _after(
+        self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any
+    ) -> None:
         source = args[0] if args else None
         derived = self._site_of(source) if isinstance(source, torch.Tensor) else None
         if derived is not None and isinstance(out, torch.Tensor):
@@ -317,7 +371,9 @@ class LayerRecorderMessenger(Messenger):
         else:
             self._tag_outputs(out, self._union_flow(args) | self._union_flow(kwargs.values()))
 
-    def _layer(self, func, args, kwargs) -> Optional[torch.Tensor]:
+    def _layer(
+        self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> Optional[torch.Tensor]:
         parsed = parse_layer_call(func, args, kwargs)
         if parsed is not None:
             op, x, program_weight, bias, extra = parsed
@@ -331,6 +387,7 @@ class LayerRecorderMessenger(Messenger):
             x, program_weight, transposed, bias = found
             op, extra = "linear", {}
         derived = self._site_of(program_weight)
+        assert derived is not None  # both branches checked it
         weight = program_weight.t() if transposed else program_weight
         index = self._layer_index(derived, transposed)
         source = getattr(func, "__name__", str(func))
@@ -375,7 +432,7 @@ class LayerRecorderMessenger(Messenger):
                 index = None
         return index
 
-    def _matmul_bias(self, args, out) -> None:
+    def _matmul_bias(self, args: Tuple[Any, ...], out: Any) -> None:
         # x @ w + b: a latent vector b added to an open matrix product is its bias.
         for a, b in (args, args[::-1]):
             entry = self._open_matmuls.get(id(a))
@@ -394,7 +451,7 @@ class LayerRecorderMessenger(Messenger):
                     self._set_flow(out, self._get_flow(a))
                 return
 
-    def _batch_norm(self, args, kwargs) -> torch.Tensor:
+    def _batch_norm(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.Tensor:
         names = ("input", "running_mean", "running_var", "weight", "bias", "training",
                  "momentum", "eps")
         params = dict(zip(names, args))
@@ -411,17 +468,21 @@ class LayerRecorderMessenger(Messenger):
             stats[2] += n
             stats[3] = stats[3] + x.sum(dims)
             stats[4] = stats[4] + (x * x).sum(dims)
+        if self.norm_sync is not None:
+            mean, var = self.norm_sync(x, [0] + list(range(2, x.dim())))
+            return F.batch_norm(x, mean, var, params.get("weight"), params.get("bias"), False,
+                                0.0, params.get("eps", 1e-5))
         return F.batch_norm(
             x, None, None, params.get("weight"), params.get("bias"), True, 0.0,
             params.get("eps", 1e-5),
         )
 
 
-def norm_statistics(accumulated: Dict[int, list]) -> List[Tuple[torch.Tensor, ...]]:
+def norm_statistics(accumulated: Dict[int, List[Any]]) -> List[Tuple[torch.Tensor, ...]]:
     """``(running_mean, running_var, mean, var)`` for each ``F.batch_norm`` call
     whose statistics a :class:`LayerRecorderMessenger` accumulated: the
     module's buffers and the mean and unbiased variance of their inputs."""
-    found = []
+    found: List[Tuple[torch.Tensor, ...]] = []
     for running_mean, running_var, n, total, squares in accumulated.values():
         mean = total / n
         var = (squares / n - mean * mean).clamp_min(0) * (n / max(n - 1, 1))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.distributions import Normal
 
 from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
+from pyro_vinit._typing import SampleSite
 from pyro_vinit.distributions import KTiedNormal
 from pyro_vinit.poutine._site_value import SiteValue, is_transpose, unwrap
 from pyro_vinit.poutine._weight_noise_messenger import (
@@ -20,7 +21,7 @@ from pyro_vinit.poutine.layer_call_messenger import LayerCall, base_distribution
 __all__ = ["LocalReparamMessenger"]
 
 
-def _factorized_normal(fn, shape: torch.Size) -> Optional[Normal]:
+def _factorized_normal(fn: object, shape: torch.Size) -> Optional[Normal]:
     base = base_distribution(fn)
     if isinstance(base, Normal) and base.batch_shape == shape:
         return base
@@ -136,7 +137,7 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
         super().__init__(strict=strict)
         self.low_rank = low_rank
 
-    def _draw(self, msg: dict) -> Optional[SiteValue]:
+    def _draw(self, msg: SampleSite) -> Optional[SiteValue]:
         fn = msg["fn"]
         shape = fn.batch_shape + fn.event_shape
         normal = _factorized_normal(fn, shape)
@@ -144,7 +145,7 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             return super()._draw(msg)
         return SiteValue.defer(fn, shape, like=normal.loc, dist=fn)
 
-    def _post_site_value(self, msg: dict, value: SiteValue) -> None:
+    def _post_site_value(self, msg: SampleSite, value: SiteValue) -> None:
         # Defer the site's log density with its value, in the form Trace.compute_log_prob
         # and compute_score_parts would store it (both skip sites that have it).
         if not value.is_deferred or msg["is_observed"]:
@@ -152,10 +153,13 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
         fn, scale, mask = msg["fn"], msg["scale"], msg["mask"]
         shape = fn.batch_shape
         if value.shape != fn.batch_shape + fn.event_shape:
-            shape = torch.broadcast_shapes(shape, value.shape[: value.dim() - fn.event_dim])
+            # torch.broadcast_shapes is unannotated.
+            shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+                shape, value.shape[: value.dim() - fn.event_dim]
+            )
         unscaled = scaled = SiteValue.defer(lambda: fn.log_prob(value), shape, like=value)
         if not (isinstance(scale, (int, float)) and scale == 1.0 and mask is None):
-            scaled_shape = torch.broadcast_shapes(
+            scaled_shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
                 shape, *(t.shape for t in (scale, mask) if isinstance(t, torch.Tensor))
             )
             scaled = SiteValue.defer(
@@ -165,22 +169,23 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
         prefill_log_prob(msg, unscaled, scaled, total)
 
     def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
-        fn = self._weight_distribution(call)
-        if fn is None:
+        found = self._weight_distribution(call)
+        if found is None:
             return None
-        normal = _factorized_normal(fn, call.weight.uses.shape)
+        weight, fn = found
+        normal = _factorized_normal(fn, weight.uses.shape)
         if normal is None:
             name = type(base_distribution(fn)).__name__
             self._fallback(
-                call.weight,
+                weight,
                 f"its distribution is {name}, not a factorized Normal (FlipoutMessenger "
                 "gives per-example noise for sign-symmetric ones such as RadialNormal)",
             )
             return None
-        weight_loc = view_of(call.weight, normal.loc)
+        weight_loc = view_of(weight, normal.loc)
         bias, bias_var = call.bias, None
         if isinstance(bias, SiteValue) and bias.msgs and bias.is_view:
-            bias_normal = _factorized_normal(bias.dist, bias.uses.shape)
+            bias_normal = _factorized_normal(bias.site_dist, bias.uses.shape)
             if bias_normal is not None:
                 bias_var = view_of(bias, bias_normal.scale).pow(2)
                 bias = view_of(bias, bias_normal.loc)
@@ -189,7 +194,7 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
 
         op = getattr(F, call.op)
         mean = op(x, weight_loc, bias, **call.kwargs)
-        var = self._variance(call, x * x, normal)
+        var = self._variance(call, weight, x * x, normal)
         if bias_var is not None:
             # A positive bias variance keeps sqrt away from 0, where its gradient is infinite.
             std = (var + bias_var.reshape(bias_var.shape + (1,) * spatial_dims(call))).sqrt()
@@ -198,12 +203,15 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
         return torch.addcmul(mean, std, torch.randn_like(mean))
 
-    def _variance(self, call: LayerCall, x2: torch.Tensor, normal: Normal) -> torch.Tensor:
+    def _variance(
+        self, call: LayerCall, weight: SiteValue, x2: torch.Tensor, normal: Normal
+    ) -> torch.Tensor:
         """:math:`f(x^2, \\sigma^2)`, through the low-rank factors where chosen."""
-        factors = self._low_rank_factors(call, normal)
+        factors = self._low_rank_factors(call, weight, normal)
         op = getattr(F, call.op)
         if factors is None:
-            return op(x2, view_of(call.weight, normal.scale).pow(2), None, **call.kwargs)
+            var: torch.Tensor = op(x2, view_of(weight, normal.scale).pow(2), None, **call.kwargs)
+            return var
         u2, v2 = factors  # (m, r), (n, r)
         if call.op == "linear":
             return F.linear(F.linear(x2, v2.t()), u2)
@@ -213,9 +221,8 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
         return torch.movedim(torch.movedim(thin, channel, -1) @ u2.t(), -1, channel)
 
     def _low_rank_factors(
-        self, call: LayerCall, normal: Normal
+        self, call: LayerCall, weight: SiteValue, normal: Normal
     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        weight = call.weight
         transposed = is_transpose(weight.view_ops, weight.uses.shape)
         if (
             self.low_rank is False
@@ -236,7 +243,9 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
 
 
 @functools.lru_cache(maxsize=64)
-def _pairs(k: int, dtype: torch.dtype, device: torch.device):
+def _pairs(
+    k: int, dtype: torch.dtype, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The pairs a <= b of k components, and their multiplicity in (sum_a u_a v_a^T)^2.
     a, b = torch.triu_indices(k, k, device=device)
     return a, b, torch.where(a == b, 1.0, 2.0).to(dtype)

@@ -12,7 +12,7 @@ package (no download), so that tests and benchmarks can run it end to end.
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import pyro
 import pyro.distributions as dist
@@ -47,9 +47,9 @@ class UserModel:
 
     name: str
     task: str
-    make: Callable[[int], Callable]
+    make: Callable[[int], Callable[..., Any]]
     data: Callable[[], Split]
-    predict: Optional[Callable] = None
+    predict: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None
 
 
 def blobs(num_classes: int = 3, dim: int = 10, n: int = 600, seed: int = 0) -> Split:
@@ -82,15 +82,18 @@ def _standardized_diabetes() -> Split:
     return x, (y - mean) / std, xt, (yt - mean) / std
 
 
-def _weight(d_in: int, d_out: int) -> dist.Distribution:
-    return dist.Normal(0.0, 1.0 / math.sqrt(d_in)).expand([d_out, d_in]).to_event(2)
+def _weight(d_in: int, d_out: int) -> dist.TorchDistribution:
+    prior: dist.TorchDistribution = (
+        dist.Normal(0.0, 1.0 / math.sqrt(d_in)).expand([d_out, d_in]).to_event(2)
+    )
+    return prior
 
 
-def functional_tanh(depth: int, width: int = 100) -> Callable:
+def functional_tanh(depth: int, width: int = 100) -> Callable[..., torch.Tensor]:
     """A functional model, ``pyro.sample`` + ``F.linear`` with ``pyro.deterministic``
     records of the hidden activations and logits (3 classes)."""
 
-    def model(x, y=None):
+    def model(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = x
         sizes = [x.shape[-1]] + [width] * depth + [3]
         for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -112,19 +115,36 @@ class MatmulRegressor(PyroModule):
     weights of shape ``(in, out)``, and the noise ``sigma ~ Uniform(0, 10)`` of
     Pyro's regression tutorial."""
 
-    def __init__(self, d_in: int, hidden: int = 50, noise: str = "uniform"):
+    # Read as tensors: PyroModule draws a PyroSample attribute's value (and
+    # constrains a PyroParam's) when it is read.
+    w1: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+    sigma: torch.Tensor
+
+    def __init__(self, d_in: int, hidden: int = 50, noise: str = "uniform") -> None:
         super().__init__()
-        self.w1 = PyroSample(dist.Normal(0.0, 1.0 / math.sqrt(d_in)).expand([d_in, hidden])
-                             .to_event(2))
-        self.b1 = PyroSample(dist.Normal(0.0, 1.0).expand([hidden]).to_event(1))
-        self.w2 = PyroSample(dist.Normal(0.0, 1.0 / math.sqrt(hidden)).expand([hidden, 1])
-                             .to_event(2))
-        self.b2 = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        # PyroModule's __setattr__ turns these into sample sites / a constrained param.
+        self.w1 = PyroSample(  # type: ignore[assignment]
+            dist.Normal(0.0, 1.0 / math.sqrt(d_in)).expand([d_in, hidden]).to_event(2)
+        )
+        self.b1 = PyroSample(  # type: ignore[assignment]
+            dist.Normal(0.0, 1.0).expand([hidden]).to_event(1)
+        )
+        self.w2 = PyroSample(  # type: ignore[assignment]
+            dist.Normal(0.0, 1.0 / math.sqrt(hidden)).expand([hidden, 1]).to_event(2)
+        )
+        self.b2 = PyroSample(  # type: ignore[assignment]
+            dist.Normal(0.0, 1.0).expand([1]).to_event(1)
+        )
         self.noise = noise
         if noise == "param":
-            self.sigma = PyroParam(torch.tensor(1.0), constraint=constraints.positive)
+            self.sigma = PyroParam(  # type: ignore[assignment]
+                torch.tensor(1.0), constraint=constraints.positive
+            )
 
-    def forward(self, x, y=None):
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = torch.relu(x @ self.w1 + self.b1)
         mean = (h @ self.w2 + self.b2).squeeze(-1)
         if self.noise == "uniform":
@@ -142,15 +162,15 @@ class HeteroscedasticRegressor(PyroModule):
     """Shared Bayesian layers, a mean head and a scale head:
     ``Normal(mean, softplus(s))``."""
 
-    def __init__(self, d_in: int, hidden: int = 50):
+    def __init__(self, d_in: int, hidden: int = 50) -> None:
         super().__init__()
         self.body = bayesianize(nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU()))
         self.mean_head = bayesianize(nn.Linear(hidden, 1))
         self.scale_head = bayesianize(nn.Linear(hidden, 1))
 
-    def forward(self, x, y=None):
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.body(x)
-        mean = self.mean_head(h).squeeze(-1)
+        mean: torch.Tensor = self.mean_head(h).squeeze(-1)
         scale = F.softplus(self.scale_head(h)).squeeze(-1)
         with pyro.plate("data", x.shape[0]):
             pyro.sample("obs", dist.Normal(mean, scale), obs=y)
@@ -158,14 +178,14 @@ class HeteroscedasticRegressor(PyroModule):
 
 
 class _Block(nn.Module):
-    def __init__(self, channels: int):
+    def __init__(self, channels: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(channels)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.bn1(self.conv1(x)))
         return F.relu(x + self.bn2(self.conv2(h)))
 
@@ -189,13 +209,16 @@ class Classifier(PyroModule):
     """``Categorical(logits=net(x))`` over a plate (subsampled with
     ``subsample_size``: the model indexes its own logits and labels)."""
 
-    def __init__(self, net: nn.Module, num_data: int, subsample_size: Optional[int] = None):
+    def __init__(
+        self, net: nn.Module, num_data: int, subsample_size: Optional[int] = None
+    ) -> None:
         super().__init__()
         self.net = net
         self.num_data = num_data
         self.subsample_size = subsample_size
 
-    def forward(self, x, y=None):
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits: torch.Tensor
         if self.subsample_size is None:
             logits = self.net(x)
             with pyro.plate("data", x.shape[0]):
@@ -212,8 +235,8 @@ def _digits_images() -> Split:
     return load_digits(image=True)
 
 
-def _mlp(sizes, activation=nn.ReLU) -> nn.Sequential:
-    layers = []
+def _mlp(sizes: Sequence[int], activation: Type[nn.Module] = nn.ReLU) -> nn.Sequential:
+    layers: List[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2:
@@ -222,20 +245,22 @@ def _mlp(sizes, activation=nn.ReLU) -> nn.Sequential:
 
 
 class _TokenTransformer(nn.Module):
-    def __init__(self, classes: int = 10):
+    def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.embed = nn.Linear(8, 16)
         self.layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0,
                                                 batch_first=True)
         self.head = nn.Linear(16, classes)
 
-    def forward(self, x):  # digits rows as 8 tokens of 8 pixels
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # digits rows as 8 tokens of 8 pixels
         h = self.layer(self.embed(x.reshape(x.shape[0], 8, 8)))
-        return self.head(h.mean(1))
+        logits: torch.Tensor = self.head(h.mean(1))
+        return logits
 
 
 def _net(model: Classifier, x: torch.Tensor) -> torch.Tensor:
-    return model.net(x)
+    logits: torch.Tensor = model.net(x)
+    return logits
 
 
 USER_MODELS: Dict[str, UserModel] = {

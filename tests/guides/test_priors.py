@@ -146,6 +146,10 @@ def test_set_priors_errors_change_nothing():
         set_priors(model, {"net.0.weight": good["net.2.weight"]})
     with pytest.raises(TypeError, match="must be a Distribution"):
         set_priors(model, {"net.0.weight": torch.zeros(6, 4)})
+    # A torch.distributions one passes the isinstance(Distribution) test, but PyroSample
+    # cannot call it: refused up front rather than at the model's first run.
+    with pytest.raises(TypeError, match="of pyro.distributions"):
+        set_priors(model, {"net.0.weight": torch.distributions.Normal(0.0, 1.0).expand([6, 4])})
     trace = poutine.trace(model).get_trace(torch.randn(2, 4))
     assert trace.nodes["net.0.weight"]["fn"] is not good["net.0.weight"]
 

@@ -77,6 +77,9 @@ def test_site_values_behave_like_tensors():
         assert not w.is_deferred and type(total) is torch.Tensor
     torch.testing.assert_close(total, w.concrete.sum())
     assert torch.equal(w + 1, w.concrete + 1)  # still usable after the context
+    # Tensor.dist (a p-norm distance) is not shadowed by the handler's own attributes.
+    other = torch.randn(3, 4)
+    torch.testing.assert_close(w.dist(other), (w.concrete - other).norm())
 
 
 class _Recorder(LayerCallMessenger):

@@ -1,0 +1,114 @@
+"""
+Distributed I-BLM: two ``gloo`` processes, each passing its own shard (of
+unequal sizes, one smaller than ``batch_size``), end with identical guide
+parameters equal to one process's on the concatenated shards, with the
+default options (see ``_iblm_harness.py``).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.common import assert_close
+from tests.distributed import _harness, _iblm_harness
+from tests.distributed._iblm_harness import CASES, ERROR_CASES
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available()
+    or _harness.loopback_interface() is None,
+    reason="needs torch.distributed with the gloo backend and a loopback network interface",
+)
+
+# float64: the statistics are summed over the ranks in another order than in one process
+TOL = dict(rtol=1e-5, atol=1e-9)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The one-process references are tiny: a second intra-op thread only makes
+    them wait for each other on a shared machine (seconds instead of
+    milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """All cases in one spawn of two processes (starting them costs seconds)."""
+    out_dir = tmp_path_factory.mktemp("iblm")
+    try:
+        return _iblm_harness.run_ranks(str(out_dir), list(CASES))
+    except Exception as e:  # pragma: no cover - only where gloo cannot start
+        if "gloo" in str(e).lower() or "connect" in str(e).lower():
+            pytest.skip(f"gloo processes could not start here: {e}")
+        raise
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ranks_hold_identical_parameters(ranks, name):
+    first = ranks[0][name]["params"]
+    for other in ranks[1:]:
+        assert other[name]["params"].keys() == first.keys()
+        for key, value in first.items():
+            assert torch.equal(other[name]["params"][key], value), key
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_process_on_concatenated_shards(ranks, name):
+    expected = _iblm_harness.reference(name)
+    actual = ranks[0][name]["params"]
+    assert actual.keys() == expected.keys()
+    # and the initialization did something: every guide tensor moved from its set-up value
+    case = CASES[name]
+    model, guide, x, y = _iblm_harness.build(case)
+    guide(x[:2], y[:2])
+    start = _iblm_harness.snapshot(model, guide)
+    for key, value in expected.items():
+        if key.startswith("guide."):
+            assert not torch.allclose(value, start[key]), f"{key} was not initialized"
+        assert_close(actual[key], value, **TOL, msg=key)
+
+
+def test_batchnorm_statistics_are_global(ranks):
+    """The refreshed running statistics are those of all ranks' rows (here of the
+    pool: 160 rows drawn from the 187), not of a shard."""
+    params = ranks[0]["batchnorm_chunks_subsample"]["params"]
+    assert params["model.net.1.running_var"].gt(0).all()
+    expected = _iblm_harness.reference("batchnorm_chunks_subsample")
+    for key in ("model.net.1.running_mean", "model.net.4.running_var"):
+        assert_close(params[key], expected[key], **TOL)
+
+
+@pytest.mark.parametrize("name", list(ERROR_CASES))
+def test_errors_are_raised_alike_on_every_rank(ranks, name):
+    """A rank's bad input makes every rank raise the same clear error (none is left
+    waiting in a collective), before anything is written."""
+    results = [r[name] for r in ranks]
+    assert all("error" in r for r in results), results
+    kinds = {r["error"] for r in results}
+    assert len(kinds) == 1, kinds
+    kind, message = kinds.pop()
+    assert kind == "ValueError"
+    if name == "mismatched_features":
+        assert "differ in their data arguments" in message and "rank 1" in message
+    else:
+        assert "failed on rank 1 of 2" in message and "labels out of range" in message
+    assert all(r["unchanged"] for r in results)
+
+
+
+@pytest.mark.parametrize("group, match", [
+    (object(), "torch.distributed is not initialized"),
+])
+def test_bad_process_group_is_refused_when_built(group, match):
+    """Outside an initialized process group (here, this test process), a
+    process_group is refused at once, with what to do."""
+    from pyro_vinit import IBLMGuideInitializer
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=match):
+        IBLMGuideInitializer(process_group=group)
+    # None, and dist.group.WORLD before init_process_group (which is None), mean one process
+    assert IBLMGuideInitializer(process_group=dist.group.WORLD).process_group is None
