@@ -375,6 +375,8 @@ def peer_times(args, x, y, validate):
         svi.step(xb, yb)
     configs["Pyro AutoNormal"] = lambda: an.step(xb, yb)
     configs["Pyro AutoNormal, Trace_ELBO"] = lambda: an_trace.step(xb, yb)
+    an_lrt = LocalReparamMessenger()(an.step)
+    configs["Pyro AutoNormal + LRT"] = lambda: an_lrt(xb, yb)
     configs["AutoKTiedNormal"] = lambda: kt.step(xb, yb)
     lrt = LocalReparamMessenger()(kt.step)
     configs["AutoKTiedNormal + LRT"] = lambda: lrt(xb, yb)
@@ -398,6 +400,14 @@ KT_LRT = "AutoKTiedNormal + LRT"
 
 
 def report(results):
+    lines = []
+    if "variance" in results:
+        lines += _report_variance(results)
+    lines += _report_peers(results)
+    return "\n".join(lines)
+
+
+def _report_variance(results):
     lines = ["## Gradient variance (mean over elements of the variance over draws)", ""]
     lines.append(
         "| epochs | train acc. | batch | layer | ordinary | LRT | Flipout | no weight noise "
@@ -423,6 +433,11 @@ def report(results):
     for batch, v in results["variance_term"].items():
         ratio = v["low-rank"] / v["dense"]
         lines.append(f"| {batch} | {v['dense']:.3f} | {v['low-rank']:.3f} | {ratio:.2f} |")
+    return lines
+
+
+def _report_peers(results):
+    lines = []
     bt = "bayesian-torch LinearReparameterization"
     for validate in ("validation off", "validation on"):
         p = results["peers"][validate]
@@ -445,7 +460,7 @@ def report(results):
             for ref in references:
                 ratios = ", ".join(f"{t[KT_LRT] / t[ref]:.2f}" for t in repeats)
                 lines.append(f"{KT_LRT} / {ref}, per repeat: {ratios}")
-    return "\n".join(lines)
+    return lines
 
 
 def main(args):
@@ -458,9 +473,10 @@ def main(args):
     x, y, _, _ = load_digits()
     results = {"config": vars(args), "bayesian_torch": LinearReparameterization is not None}
     results["load_average_before"] = os.getloadavg()
-    results["step_times"] = step_times(args, x, y)
-    print("  step times done", flush=True)
-    results["variance_term"] = variance_term_times(args)
+    if not args.peers_only:
+        results["step_times"] = step_times(args, x, y)
+        print("  step times done", flush=True)
+        results["variance_term"] = variance_term_times(args)
     # The peers' ratios move by ±10 % from one measurement to the next on this machine
     # (more than within one): repeat it and report the median and the range.
     repeats = [peer_times(args, x, y, False) for _ in range(args.peer_repeats)]
@@ -470,13 +486,14 @@ def main(args):
         "validation on": peer_times(args, x, y, True),
     }
     print("  peers done", flush=True)
-    pyro.enable_validation(False)
-    results["kl_weight"] = len(x) / MNIST_SIZE
-    results["variance"] = gradient_variance(
-        x, y, epochs=args.epochs, draws=args.draws, kl_weight=results["kl_weight"],
-        guide_kwargs=dict(init_loc_fn=init_to_sample), handlers=ESTIMATORS,
-        evaluate=train_accuracy(x, y), log=lambda m: print(m, flush=True),
-    )
+    if not args.peers_only:
+        pyro.enable_validation(False)
+        results["kl_weight"] = len(x) / MNIST_SIZE
+        results["variance"] = gradient_variance(
+            x, y, epochs=args.epochs, draws=args.draws, kl_weight=results["kl_weight"],
+            guide_kwargs=dict(init_loc_fn=init_to_sample), handlers=ESTIMATORS,
+            evaluate=train_accuracy(x, y), log=lambda m: print(m, flush=True),
+        )
     results["load_average_after"] = os.getloadavg()
     text = report(results)
     text += "\n\nLoad average (1, 5, 15 min) before / after the run, on {} cores: {} / {}".format(
@@ -501,10 +518,13 @@ if __name__ == "__main__":
     parser.add_argument("--peer-repeats", type=int, default=3,
                         help="measurements of the peers (validation off)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only the peers' step times (parts 3), e.g. before/after a change")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per timing")
     args = parser.parse_args()
     args.epochs = [1, 2] if args.quick else [10, 100]
     args.draws = 5 if args.quick else 100
-    args.rounds = 2 if args.quick else 15
+    args.rounds = args.rounds or (2 if args.quick else 15)
     args.block = 3 if args.quick else 20
     if args.quick:
         args.peer_repeats = 1
