@@ -106,8 +106,8 @@ class DataPool:
         )
         return args, min(n, max_rows) if max_rows is not None else n, aligned
 
-    def select(self, rows: torch.Tensor) -> Tuple[Any, ...]:
-        """The model arguments of the given rows."""
+    def select(self, rows: Union[torch.Tensor, slice]) -> Tuple[Any, ...]:
+        """The model arguments of the given rows (an index tensor or a slice)."""
         return tuple(a[rows] if al else a for a, al in zip(self.args, self._aligned))
 
     def chunks(self, rows_per_chunk: int) -> Iterator[Tuple[Any, ...]]:
