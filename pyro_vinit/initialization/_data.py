@@ -57,7 +57,7 @@ class DataPool:
     #: the ranks of a process group over which the rows are spread (None: one process)
     shards: Any = None
 
-    def __init__(self, data: Data, max_rows: Optional[int] = None):
+    def __init__(self, data: Optional[Data], max_rows: Optional[int] = None):
         if data is None:
             raise ValueError("this initializer needs data: pass (x, y) or a DataLoader")
         if is_args_tuple(data):

@@ -487,8 +487,8 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
 
 
 def prepare(
-    guide: AutoGuide, data: Data, max_rows: int, chunk_rows: int, normal_priors: bool = True,
-    pool: Optional[DataPool] = None,
+    guide: AutoGuide, data: Optional[Data], max_rows: int, chunk_rows: int,
+    normal_priors: bool = True, pool: Optional[DataPool] = None,
 ) -> Prepared:
     """Checks the guide class, reads the data (unless a ``pool`` of it is
     given), sets the guide up if needed (after checking that the model has a
