@@ -55,12 +55,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_memory.py
 
 # The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
-# docs/_static/reproduce/. About 12 minutes of CPU time on one thread.
+# docs/_static/reproduce/. About 23 minutes of CPU time on one thread.
 reproduce: $(STAMP)
 	$(BIN)/python -m benchmarks.reproduce.ktied
 	$(BIN)/python -m benchmarks.reproduce.radial
 	$(BIN)/python -m benchmarks.reproduce.lrt
 	$(BIN)/python -m benchmarks.reproduce.ood
+	$(BIN)/python -m benchmarks.reproduce.iblm
 
 clean:
 	rm -rf $(VENV) docs/_build build *.egg-info .mypy_cache

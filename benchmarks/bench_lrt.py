@@ -64,7 +64,7 @@ from torch.overrides import TorchFunctionMode
 
 from pyro_vinit import AutoKTiedNormal, FlipoutMessenger, LocalReparamMessenger
 from pyro_vinit.data import load_digits
-from pyro_vinit.guides._base import AutoSiteGuide
+from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger
 
@@ -121,13 +121,11 @@ class AutoMeanFieldNormal(AutoSiteGuide):
 
 
 def make_svi(
-    guide_cls, sizes, num_data, name, lr=1e-3, prior_scale=None, elbo=TraceMeanField_ELBO,
-    **kwargs
+    guide_cls, sizes, num_data, lr=1e-3, prior_scale=None, elbo=TraceMeanField_ELBO, **kwargs
 ):
     net = bayesianize(mlp(sizes), prior_scale=prior_scale)
     model = BayesianClassifier(net, num_data=num_data)
     guide = guide_cls(model, **kwargs)
-    guide._pyro_name = name  # separate param-store names per guide
     return model, guide, SVI(model, guide, pyro.optim.Adam({"lr": lr}), elbo())
 
 
@@ -150,8 +148,8 @@ def gradient_variance(
     handlers=None, evaluate=None, log=print,
 ):
     """
-    The gradient-variance measurement of part 1, shared with
-    ``examples/gradient_variance.py``.
+    The gradient-variance measurement of part 1 (``examples/gradient_variance.py``
+    makes the same measurement).
 
     Fits a mean-field Normal guide of ``mlp(sizes)`` (N(0, 1/D_in) priors by
     default) with LRT and Adam on minibatches of ``train_batch_size``; at each
@@ -179,7 +177,7 @@ def gradient_variance(
         mean wall time of one draw.
     """
     handlers = HANDLERS if handlers is None else handlers
-    model, guide, svi = make_svi(AutoMeanFieldNormal, sizes, len(x), "mf", lr=lr,
+    model, guide, svi = make_svi(AutoMeanFieldNormal, sizes, len(x), lr=lr,
                                  prior_scale=prior_scale, **(guide_kwargs or {}))
     svi.step(x[:train_batch_size], y[:train_batch_size])
     params = dict(guide.named_parameters())
@@ -263,8 +261,8 @@ def step_times(args, x, y):
     sizes = SIZES
     xb, yb = x[:128], y[:128]
     configs = {}
-    _, _, mf = make_svi(AutoMeanFieldNormal, sizes, len(x), "t_mf")
-    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), "t_kt", rank=2)
+    _, _, mf = make_svi(AutoMeanFieldNormal, sizes, len(x))
+    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), rank=2)
     for svi in (mf, kt):
         svi.step(xb, yb)
     configs["mean-field ordinary"] = lambda: mf.step(xb, yb)
@@ -321,11 +319,11 @@ def bayesian_torch_step(layer_cls, sizes, x, y, num_data):
     return step
 
 
-def native_step(sizes, num_data, x, y, tag):
+def native_step(sizes, num_data, x, y):
     """AutoKTiedNormal + LRT trained the PyTorch way that Pyro documents: the ELBO
     as an ``nn.Module`` and one ``torch.optim.Adam`` over all its parameters,
     instead of SVI with one Pyro-managed optimizer per parameter."""
-    model, guide, _ = make_svi(AutoKTiedNormal, sizes, num_data, "p_ktn" + tag, rank=2)
+    model, guide, _ = make_svi(AutoKTiedNormal, sizes, num_data, rank=2)
     loss_fn = TraceMeanField_ELBO()(model, guide)
     with LocalReparamMessenger():
         loss_fn(x, y)  # creates the parameters
@@ -369,11 +367,10 @@ def peer_times(args, x, y, validate):
         configs["bayesian-torch LinearFlipout"] = bayesian_torch_step(
             LinearFlipout, sizes, xb, yb, len(x)
         )
-    tag = "v" if validate else "n"
-    _, _, an = make_svi(AutoNormal, sizes, len(x), "p_an" + tag)
+    _, _, an = make_svi(AutoNormal, sizes, len(x))
     # Pyro's default ELBO too: AutoNormal has no closed-form KL to gain from the mean-field one.
-    _, _, an_trace = make_svi(AutoNormal, sizes, len(x), "p_ant" + tag, elbo=Trace_ELBO)
-    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), "p_kt" + tag, rank=2)
+    _, _, an_trace = make_svi(AutoNormal, sizes, len(x), elbo=Trace_ELBO)
+    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), rank=2)
     for svi in (an, an_trace, kt):
         svi.step(xb, yb)
     configs["Pyro AutoNormal"] = lambda: an.step(xb, yb)
@@ -381,7 +378,7 @@ def peer_times(args, x, y, validate):
     configs["AutoKTiedNormal"] = lambda: kt.step(xb, yb)
     lrt = LocalReparamMessenger()(kt.step)
     configs["AutoKTiedNormal + LRT"] = lambda: lrt(xb, yb)
-    configs["AutoKTiedNormal + LRT, PyTorch-native loop"] = native_step(sizes, len(x), xb, yb, tag)
+    configs["AutoKTiedNormal + LRT, PyTorch-native loop"] = native_step(sizes, len(x), xb, yb)
 
     def under_mode():
         with _NoOpMode():
@@ -453,6 +450,10 @@ def report(results):
 
 def main(args):
     torch.set_num_threads(args.threads)
+    # Many guides live side by side (those of one class would share parameter names in
+    # Pyro's global param store): with module-local parameters each guide owns its own,
+    # as an nn.Module does; SVI and its optimizer work the same.
+    pyro.settings.set(module_local_params=True)
     pyro.set_rng_seed(0)
     x, y, _, _ = load_digits()
     results = {"config": vars(args), "bayesian_torch": LinearReparameterization is not None}
