@@ -49,7 +49,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from pyro_vinit.testing.paper_problems import METHODS, PROBLEMS, compare, plot_curves
+from pyro_vinit.testing.paper_problems import INITIALIZERS as METHODS
+from pyro_vinit.testing.paper_problems import PROBLEMS, compare, plot_curves
 
 from _outputs import save_results
 

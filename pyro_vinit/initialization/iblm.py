@@ -1091,8 +1091,8 @@ def init_guide_iblm(guide: _G, data: Data, process_group: Optional[Any] = None,
 
         guide = AutoNormal(model)
         init_guide_iblm(guide, (x_train, y_train))
-        # under torchrun: each rank its shard, every rank the same result
-        init_guide_iblm(guide, (x_shard, y_shard), process_group=dist.group.WORLD)
+        # under torchrun, each rank passes its shard and gets the same result:
+        # init_guide_iblm(guide, (x_shard, y_shard), process_group=dist.group.WORLD)
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
         AutoRadialNormal guide of the model.
