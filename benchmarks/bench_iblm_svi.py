@@ -60,8 +60,8 @@ import time
 import torch
 
 from pyro_vinit import init_guide
+from pyro_vinit.testing.paper_problems import INITIALIZERS as METHODS
 from pyro_vinit.testing.paper_problems import (
-    METHODS,
     PROBLEMS,
     compare,
     evaluate,

@@ -49,7 +49,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from pyro_vinit.testing.paper_problems import METHODS, PROBLEMS, compare, plot_curves
+from pyro_vinit.testing.paper_problems import INITIALIZERS as METHODS
+from pyro_vinit.testing.paper_problems import PROBLEMS, compare, plot_curves
 
 from _outputs import save_results
 
@@ -113,7 +114,7 @@ def main(args):
     def plot():
         curves = {p: r["curves"] for p, r in results["problems"].items()}
         title = (f"mean of {args.repeats} seeds; AutoNormal, Trace_ELBO, minibatches of "
-                 f"{args.batch_size}; dashed: I-BLM with the KL weight warmed up from 0 to 1; "
+                 f"{args.batch_size}\ndashed: I-BLM with the KL weight warmed up from 0 to 1; "
                  "dotted: I-BLM with the recipe (KL weight 0.1, stds capped)")
         written = [plot_curves(curves, os.path.join(args.out_dir, "initializer_comparison.png"),
                                title=title, styles=EXTRA_STYLES)]

@@ -22,8 +22,8 @@ sample.
 Usage::
 
     data = PROBLEMS["digits_mlp"]["data"]()
-    curves, seconds = compare("digits_mlp", data, repeats=1, steps=20, eval_every=10,
-                              num_samples=4)
+    curves, seconds = compare("digits_mlp", data, methods=["iblm", "xavier"], repeats=1,
+                              steps=10, eval_every=5, num_samples=2)
 
 [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
 Bayes for Deep Models"
@@ -48,7 +48,7 @@ from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.schedules import LinearWarmup
 
 __all__ = [
-    "METHODS",
+    "INITIALIZERS",
     "PROBLEMS",
     "compare",
     "evaluate",
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 #: The initializations compared, I-BLM first (MAP's budget is I-BLM's time).
-METHODS = ["iblm", "uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map"]
+INITIALIZERS = ["iblm", "uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map"]
 
 Curve = Dict[str, List[float]]
 Data = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -197,7 +197,7 @@ def _warm_up(problem: str, data: Data) -> None:
 
 
 def compare(
-    problem: str, data: Data, *, methods: Sequence[str] = METHODS, repeats: int, steps: int,
+    problem: str, data: Data, *, methods: Sequence[str] = INITIALIZERS, repeats: int, steps: int,
     eval_every: int, num_samples: int, batch_size: int = 64, kl_warmup: int = 0,
     kl_weight: float = 1.0, iblm_options: Optional[Dict[str, Any]] = None,
     progress: Optional[Any] = None,
@@ -253,7 +253,7 @@ def plot_curves(
 
     problems = list(curves_by_problem)
     # tab10 is a ListedColormap, whose colors the Colormap base type does not declare
-    colors = dict(zip(METHODS[1:], plt.get_cmap("tab10").colors))  # type: ignore[attr-defined]
+    colors = dict(zip(INITIALIZERS[1:], plt.get_cmap("tab10").colors))  # type: ignore[attr-defined]
     fig, axes = plt.subplots(2, len(problems), figsize=(4.6 * len(problems), 6.8), squeeze=False)
     extra: Dict[str, Dict[str, Any]] = styles or {}
     for j, problem in enumerate(problems):
