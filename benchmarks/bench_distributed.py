@@ -52,7 +52,6 @@ from pyro.infer.autoguide import AutoNormal, init_to_sample
 from torch.nn.parallel import DistributedDataParallel
 
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_iblm
-from pyro_vinit.initialization import _distributed
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, local_reparam
 from pyro_vinit.schedules import LinearWarmup
@@ -152,19 +151,28 @@ def worker(rank, world_size, threads, port, out_path, problems, steps, warmup):
 
 
 def count_collectives():
-    """Wraps the initializer's collectives to count calls and received elements."""
+    """Wraps torch.distributed's collectives to count the calls and the
+    elements each rank receives (an all-gather's whole result, an
+    all-reduce's or broadcast's tensor)."""
     tally = {"calls": 0, "elements": 0}
 
-    def wrap(method):
-        def counted(self, *args, **kwargs):
-            out = method(self, *args, **kwargs)
+    def received(name, args):
+        if name == "all_gather":  # (output list, input)
+            return sum(t.numel() for t in args[0])
+        if name == "all_gather_object":
+            return 0
+        return args[0].numel()
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            out = fn(*args, **kwargs)
             tally["calls"] += 1
-            tally["elements"] += out.numel() if isinstance(out, torch.Tensor) else 0
+            tally["elements"] += received(name, args)
             return out
         return counted
 
-    for name in ("all_reduce", "broadcast", "all_gather", "gather_objects"):
-        setattr(_distributed.Shards, name, wrap(getattr(_distributed.Shards, name)))
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object"):
+        setattr(dist, name, wrap(name, getattr(dist, name)))
     return tally
 
 

@@ -4,8 +4,9 @@ SVI iteration after each of the seven initializations, plus an ablation of
 I-BLM's calibrated defaults against the literal recipe, right after init.
 
 Problems (AutoNormal guide, N(0, 1/D_in) priors; the problems, the SVI runs and
-the figure come from ``examples/initializer_comparison.py``, this script adds
-the speed-up, the ablation and the result files):
+the figure are :mod:`pyro_vinit.testing.paper_problems`, shared with
+``examples/initializer_comparison.py``; this script adds the speed-up, the
+ablation and the result files):
 
 * ``digits_mlp``: scikit-learn digits, ReLU MLP 64-100×5-10;
 * ``digits_cnn``: digits as 8×8 images, conv(8, 3×3) → ReLU → conv(16, 3×3,
@@ -54,19 +55,13 @@ Bayes for Deep Models"
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# The problems, the SVI runs and the figure live in the user-facing example.
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-
-from pyro_vinit import init_guide  # noqa: E402
-
-from initializer_comparison import (  # noqa: E402
-    METHODS,
+from pyro_vinit import init_guide
+from pyro_vinit.testing.paper_problems import INITIALIZERS as METHODS
+from pyro_vinit.testing.paper_problems import (
     PROBLEMS,
     compare,
     evaluate,
@@ -74,6 +69,8 @@ from initializer_comparison import (  # noqa: E402
     make,
     plot_curves,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 _PAPER = dict(hidden_batches="random", propagate="sample")
 ABLATION = {

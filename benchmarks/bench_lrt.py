@@ -64,7 +64,7 @@ from torch.overrides import TorchFunctionMode
 
 from pyro_vinit import AutoKTiedNormal, FlipoutMessenger, LocalReparamMessenger
 from pyro_vinit.data import load_digits
-from pyro_vinit.guides._base import AutoSiteGuide
+from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger
 
@@ -121,13 +121,11 @@ class AutoMeanFieldNormal(AutoSiteGuide):
 
 
 def make_svi(
-    guide_cls, sizes, num_data, name, lr=1e-3, prior_scale=None, elbo=TraceMeanField_ELBO,
-    **kwargs
+    guide_cls, sizes, num_data, lr=1e-3, prior_scale=None, elbo=TraceMeanField_ELBO, **kwargs
 ):
     net = bayesianize(mlp(sizes), prior_scale=prior_scale)
     model = BayesianClassifier(net, num_data=num_data)
     guide = guide_cls(model, **kwargs)
-    guide._pyro_name = name  # separate param-store names per guide
     return model, guide, SVI(model, guide, pyro.optim.Adam({"lr": lr}), elbo())
 
 
@@ -150,8 +148,8 @@ def gradient_variance(
     handlers=None, evaluate=None, log=print,
 ):
     """
-    The gradient-variance measurement of part 1, shared with
-    ``examples/gradient_variance.py``.
+    The gradient-variance measurement of part 1 (``examples/gradient_variance.py``
+    makes the same measurement).
 
     Fits a mean-field Normal guide of ``mlp(sizes)`` (N(0, 1/D_in) priors by
     default) with LRT and Adam on minibatches of ``train_batch_size``; at each
@@ -179,7 +177,7 @@ def gradient_variance(
         mean wall time of one draw.
     """
     handlers = HANDLERS if handlers is None else handlers
-    model, guide, svi = make_svi(AutoMeanFieldNormal, sizes, len(x), "mf", lr=lr,
+    model, guide, svi = make_svi(AutoMeanFieldNormal, sizes, len(x), lr=lr,
                                  prior_scale=prior_scale, **(guide_kwargs or {}))
     svi.step(x[:train_batch_size], y[:train_batch_size])
     params = dict(guide.named_parameters())
@@ -263,8 +261,8 @@ def step_times(args, x, y):
     sizes = SIZES
     xb, yb = x[:128], y[:128]
     configs = {}
-    _, _, mf = make_svi(AutoMeanFieldNormal, sizes, len(x), "t_mf")
-    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), "t_kt", rank=2)
+    _, _, mf = make_svi(AutoMeanFieldNormal, sizes, len(x))
+    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), rank=2)
     for svi in (mf, kt):
         svi.step(xb, yb)
     configs["mean-field ordinary"] = lambda: mf.step(xb, yb)
@@ -321,11 +319,11 @@ def bayesian_torch_step(layer_cls, sizes, x, y, num_data):
     return step
 
 
-def native_step(sizes, num_data, x, y, tag):
+def native_step(sizes, num_data, x, y):
     """AutoKTiedNormal + LRT trained the PyTorch way that Pyro documents: the ELBO
     as an ``nn.Module`` and one ``torch.optim.Adam`` over all its parameters,
     instead of SVI with one Pyro-managed optimizer per parameter."""
-    model, guide, _ = make_svi(AutoKTiedNormal, sizes, num_data, "p_ktn" + tag, rank=2)
+    model, guide, _ = make_svi(AutoKTiedNormal, sizes, num_data, rank=2)
     loss_fn = TraceMeanField_ELBO()(model, guide)
     with LocalReparamMessenger():
         loss_fn(x, y)  # creates the parameters
@@ -369,19 +367,20 @@ def peer_times(args, x, y, validate):
         configs["bayesian-torch LinearFlipout"] = bayesian_torch_step(
             LinearFlipout, sizes, xb, yb, len(x)
         )
-    tag = "v" if validate else "n"
-    _, _, an = make_svi(AutoNormal, sizes, len(x), "p_an" + tag)
+    _, _, an = make_svi(AutoNormal, sizes, len(x))
     # Pyro's default ELBO too: AutoNormal has no closed-form KL to gain from the mean-field one.
-    _, _, an_trace = make_svi(AutoNormal, sizes, len(x), "p_ant" + tag, elbo=Trace_ELBO)
-    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), "p_kt" + tag, rank=2)
+    _, _, an_trace = make_svi(AutoNormal, sizes, len(x), elbo=Trace_ELBO)
+    _, _, kt = make_svi(AutoKTiedNormal, sizes, len(x), rank=2)
     for svi in (an, an_trace, kt):
         svi.step(xb, yb)
     configs["Pyro AutoNormal"] = lambda: an.step(xb, yb)
     configs["Pyro AutoNormal, Trace_ELBO"] = lambda: an_trace.step(xb, yb)
+    an_lrt = LocalReparamMessenger()(an.step)
+    configs["Pyro AutoNormal + LRT"] = lambda: an_lrt(xb, yb)
     configs["AutoKTiedNormal"] = lambda: kt.step(xb, yb)
     lrt = LocalReparamMessenger()(kt.step)
     configs["AutoKTiedNormal + LRT"] = lambda: lrt(xb, yb)
-    configs["AutoKTiedNormal + LRT, PyTorch-native loop"] = native_step(sizes, len(x), xb, yb, tag)
+    configs["AutoKTiedNormal + LRT, PyTorch-native loop"] = native_step(sizes, len(x), xb, yb)
 
     def under_mode():
         with _NoOpMode():
@@ -401,6 +400,14 @@ KT_LRT = "AutoKTiedNormal + LRT"
 
 
 def report(results):
+    lines = []
+    if "variance" in results:
+        lines += _report_variance(results)
+    lines += _report_peers(results)
+    return "\n".join(lines)
+
+
+def _report_variance(results):
     lines = ["## Gradient variance (mean over elements of the variance over draws)", ""]
     lines.append(
         "| epochs | train acc. | batch | layer | ordinary | LRT | Flipout | no weight noise "
@@ -426,6 +433,11 @@ def report(results):
     for batch, v in results["variance_term"].items():
         ratio = v["low-rank"] / v["dense"]
         lines.append(f"| {batch} | {v['dense']:.3f} | {v['low-rank']:.3f} | {ratio:.2f} |")
+    return lines
+
+
+def _report_peers(results):
+    lines = []
     bt = "bayesian-torch LinearReparameterization"
     for validate in ("validation off", "validation on"):
         p = results["peers"][validate]
@@ -448,18 +460,23 @@ def report(results):
             for ref in references:
                 ratios = ", ".join(f"{t[KT_LRT] / t[ref]:.2f}" for t in repeats)
                 lines.append(f"{KT_LRT} / {ref}, per repeat: {ratios}")
-    return "\n".join(lines)
+    return lines
 
 
 def main(args):
     torch.set_num_threads(args.threads)
+    # Many guides live side by side (those of one class would share parameter names in
+    # Pyro's global param store): with module-local parameters each guide owns its own,
+    # as an nn.Module does; SVI and its optimizer work the same.
+    pyro.settings.set(module_local_params=True)
     pyro.set_rng_seed(0)
     x, y, _, _ = load_digits()
     results = {"config": vars(args), "bayesian_torch": LinearReparameterization is not None}
     results["load_average_before"] = os.getloadavg()
-    results["step_times"] = step_times(args, x, y)
-    print("  step times done", flush=True)
-    results["variance_term"] = variance_term_times(args)
+    if not args.peers_only:
+        results["step_times"] = step_times(args, x, y)
+        print("  step times done", flush=True)
+        results["variance_term"] = variance_term_times(args)
     # The peers' ratios move by ±10 % from one measurement to the next on this machine
     # (more than within one): repeat it and report the median and the range.
     repeats = [peer_times(args, x, y, False) for _ in range(args.peer_repeats)]
@@ -469,13 +486,14 @@ def main(args):
         "validation on": peer_times(args, x, y, True),
     }
     print("  peers done", flush=True)
-    pyro.enable_validation(False)
-    results["kl_weight"] = len(x) / MNIST_SIZE
-    results["variance"] = gradient_variance(
-        x, y, epochs=args.epochs, draws=args.draws, kl_weight=results["kl_weight"],
-        guide_kwargs=dict(init_loc_fn=init_to_sample), handlers=ESTIMATORS,
-        evaluate=train_accuracy(x, y), log=lambda m: print(m, flush=True),
-    )
+    if not args.peers_only:
+        pyro.enable_validation(False)
+        results["kl_weight"] = len(x) / MNIST_SIZE
+        results["variance"] = gradient_variance(
+            x, y, epochs=args.epochs, draws=args.draws, kl_weight=results["kl_weight"],
+            guide_kwargs=dict(init_loc_fn=init_to_sample), handlers=ESTIMATORS,
+            evaluate=train_accuracy(x, y), log=lambda m: print(m, flush=True),
+        )
     results["load_average_after"] = os.getloadavg()
     text = report(results)
     text += "\n\nLoad average (1, 5, 15 min) before / after the run, on {} cores: {} / {}".format(
@@ -500,10 +518,13 @@ if __name__ == "__main__":
     parser.add_argument("--peer-repeats", type=int, default=3,
                         help="measurements of the peers (validation off)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only the peers' step times (parts 3), e.g. before/after a change")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per timing")
     args = parser.parse_args()
     args.epochs = [1, 2] if args.quick else [10, 100]
     args.draws = 5 if args.quick else 100
-    args.rounds = 2 if args.quick else 15
+    args.rounds = args.rounds or (2 if args.quick else 15)
     args.block = 3 if args.quick else 20
     if args.quick:
         args.peer_repeats = 1

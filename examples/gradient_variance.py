@@ -7,9 +7,8 @@ experiments of Wen et al. [2]: how much noise does each way of sampling the
 weights put into a stochastic gradient, and how much of it is left once
 there is none?
 
-Setup (the measurement is ``gradient_variance`` of
-``benchmarks/bench_lrt.py``, imported from there so that the example and the
-benchmark measure the same thing):
+Setup (the measurement of part 1 of ``benchmarks/bench_lrt.py``, written
+out here on the public API):
 
 - a 64-400-400-400-10 ReLU MLP on scikit-learn's digits with the N(0,
   1/D_in) priors of ``bayesianize`` and a fully factorized Normal guide
@@ -59,23 +58,125 @@ Pseudo-Independent Weight Perturbations on Mini-Batches"
 
 import argparse
 import os
-import sys
 import time
 
 import pyro
+import pyro.distributions as dist
 import torch
-from pyro.infer import Predictive
+from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
 from pyro.infer.autoguide import init_to_sample
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
 from tqdm import tqdm
 
+from pyro_vinit import FlipoutMessenger, LocalReparamMessenger
 from pyro_vinit.data import load_digits
+from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.metrics import classification_metrics
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.poutine import KLAnnealingMessenger
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from _outputs import save_results  # noqa: E402
-from bench_lrt import ESTIMATORS, MNIST_SIZE, SIZES, gradient_variance  # noqa: E402
+from _outputs import save_results
 
 LAYERS = ("bottom", "top")
+SIZES = (64, 400, 400, 400, 10)
+# The KL weight per training example of [1]'s MNIST runs: KL / 60 000 per datum.
+MNIST_SIZE = 60000
+
+
+class MeanFieldNormal(AutoSiteGuide):
+    """AutoNormal's fully factorized Normal, placed at each site itself (AutoNormal
+    puts a Delta there), so that TraceMeanField_ELBO uses the closed-form KL."""
+
+    def _setup_scales(self):
+        self._setup_normal_scales(self._event_dims)
+
+    def _unconstrained_posterior(self, name):
+        loc, scale = self._get_loc_and_scale(name)
+        return dist.Normal(loc, scale).to_event(self._event_dims[name])
+
+
+class PosteriorMeanMessenger(Messenger):
+    """Sets every latent site the guide samples to the mean of its distribution
+    (the model replays it): the gradient keeps the closed-form KL and loses all
+    weight noise, so what varies is the minibatch only."""
+
+    def _pyro_sample(self, msg):
+        # ``done``: a value is already set (e.g. the ELBO replaying the guide into
+        # the model); a plate's subsample site has no mean
+        if msg["is_observed"] or msg["done"] or site_is_subsample(msg):
+            return
+        msg["value"] = msg["fn"].mean
+        msg["done"] = True
+
+
+# The estimators (None: one weight sample per minibatch) and the floor.
+ESTIMATORS = {
+    "ordinary": None,
+    "LRT": LocalReparamMessenger,
+    "Flipout": FlipoutMessenger,
+    "no weight noise": PosteriorMeanMessenger,
+}
+
+
+def gradient_variance(x, y, *, sizes=SIZES, epochs=(10, 100), batch_sizes=(128, 1000),
+                      draws=100, train_batch_size=128, lr=1e-3, prior_scale=None,
+                      kl_weight=1.0, guide_kwargs=None, evaluate=None, log=None):
+    """
+    Trains a mean-field guide of ``mlp(sizes)`` with LRT; at each checkpoint in
+    ``epochs`` (cumulative) draws ``draws`` gradients of the loss with respect to
+    the means of the bottom and top weights, for every estimator and batch size,
+    each draw with a new minibatch (without replacement) and new weight noise.
+
+    :return: Rows ``{"epochs", "batch", ["metrics",] <estimator>: {"bottom", "top",
+        "ms_per_draw"}}``: the variance over draws averaged over the matrix.
+    """
+    model = BayesianClassifier(bayesianize(mlp(sizes), prior_scale=prior_scale),
+                               num_data=len(x))
+    guide = MeanFieldNormal(model, **(guide_kwargs or {}))
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), TraceMeanField_ELBO())
+    svi.step(x[:train_batch_size], y[:train_batch_size])
+    params = dict(guide.named_parameters())
+    bottom = params["locs.net.0.weight_unconstrained"]
+    top = params[f"locs.net.{2 * (len(sizes) - 2)}.weight_unconstrained"]
+    elbo = TraceMeanField_ELBO()
+    kl = KLAnnealingMessenger(kl_weight)
+    step = kl(LocalReparamMessenger()(svi.step))
+    steps_per_epoch = max(1, len(x) // train_batch_size)
+    rows, done = [], 0
+    for epoch in epochs:
+        for _ in range((epoch - done) * steps_per_epoch):
+            idx = torch.randint(0, len(x), (train_batch_size,))
+            step(x[idx], y[idx])
+        done = epoch
+        metrics = None if evaluate is None else evaluate(model, guide)
+        for batch in batch_sizes:
+            row = {"epochs": epoch, "batch": batch}
+            if metrics is not None:
+                row["metrics"] = metrics
+            for name, handler_cls in ESTIMATORS.items():
+                grads_b, grads_t = [], []
+                start = time.perf_counter()
+                for _ in range(draws):
+                    idx = torch.randperm(len(x))[:batch]
+                    with kl:
+                        if handler_cls is None:
+                            loss = elbo.differentiable_loss(model, guide, x[idx], y[idx])
+                        else:
+                            with handler_cls():
+                                loss = elbo.differentiable_loss(model, guide, x[idx], y[idx])
+                    g_b, g_t = torch.autograd.grad(loss, [bottom, top])
+                    grads_b.append(g_b)
+                    grads_t.append(g_t)
+                row[name] = {
+                    "bottom": torch.stack(grads_b).var(0).mean().item(),
+                    "top": torch.stack(grads_t).var(0).mean().item(),
+                    "ms_per_draw": (time.perf_counter() - start) / draws * 1e3,
+                }
+            rows.append(row)
+            if log is not None:
+                log(f"{epoch} epochs, batch {batch} done")
+    return rows
 
 
 def make_evaluate(x_test, y_test, num_samples):
@@ -189,7 +290,6 @@ def main(args):
         draws=args.draws, lr=args.lr, prior_scale=args.prior_scale or None,
         kl_weight=len(x) / MNIST_SIZE if args.kl_weight is None else args.kl_weight,
         guide_kwargs=dict(init_loc_fn=init_to_sample, init_scale=args.init_scale),
-        handlers=ESTIMATORS,
         evaluate=make_evaluate(x_test, y_test, args.num_samples), log=lambda _: bar.update(),
     )
     bar.close()

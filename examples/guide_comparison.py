@@ -56,7 +56,7 @@ def make_model(sizes, num_data):
     return BayesianClassifier(bayesianize(mlp(sizes), prior_scale=1.0), num_data=num_data)
 
 
-def make_guide(name, model, init_scale, tag):
+def make_guide(name, model, init_scale):
     # init_to_sample draws the weight means from the prior: the default
     # init_to_feasible would set them all to 0 and the hidden units would stay
     # interchangeable.
@@ -69,9 +69,6 @@ def make_guide(name, model, init_scale, tag):
         guide = AutoRadialNormal(model, **kwargs)
     else:
         raise ValueError(f"unknown guide {name!r}, expected one of {GUIDES}")
-    # Guides of the same class would share parameter names in Pyro's global
-    # param store: give each instance its own prefix before its first call.
-    guide._pyro_name = tag
     return guide
 
 
@@ -191,7 +188,7 @@ def compare(args, data):
             pyro.clear_param_store()
             pyro.set_rng_seed(seed)
             model = make_model(sizes, len(data[0]))
-            guide = make_guide(name, model, args.init_scale, f"{name}/seed{seed}")
+            guide = make_guide(name, model, args.init_scale)
             run = train(
                 model, guide, data, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                 eval_every=args.eval_every,
@@ -218,7 +215,7 @@ def robustness(args, data):
             pyro.clear_param_store()
             pyro.set_rng_seed(0)
             model = make_model(sizes, len(data[0]))
-            guide = make_guide(name, model, init_scale, f"{name}/grid")
+            guide = make_guide(name, model, init_scale)
             train(model, guide, data, steps=args.grid_steps, lr=lr, batch_size=args.batch_size)
             final = evaluate(model, guide, data[2], data[3], args.num_samples)
             results[name].append({"init_scale": init_scale, "lr": lr, **final})

@@ -11,7 +11,7 @@ import torch
 from torch.distributions import Normal, kl_divergence
 
 import pyro_vinit
-from benchmarks.reproduce import common, ktied, ood, radial
+from benchmarks.reproduce import common, iblm, ktied, ood, radial
 from pyro_vinit.guides import site_params
 from pyro_vinit.nn import BayesianClassifier
 from tests.common import assert_close
@@ -22,6 +22,7 @@ SCRIPTS = {
     "radial": ("robustness", "continual", "robustness_summary"),
     "lrt": ("rows", "paper"),
     "ood": ("runs", "sizes"),
+    "iblm": ("results", "kinds", "paper", "steps"),
 }
 
 
@@ -182,3 +183,21 @@ def test_continual_priors_reach_the_model(local_params):
         assert_close(fn.mean, loc.detach())
         assert_close(fn.stddev, scale.detach())
     assert_close(trace.nodes["net.heads.0.weight"]["fn"].stddev, torch.full((2, 4), 0.5))
+
+
+def test_iblm_checkpoints():
+    assert iblm.checkpoints(600) == [0, 10, 20, 50, 100, 200, 500, 600]
+    assert iblm.checkpoints(1000) == [0, 10, 20, 50, 100, 200, 500, 1000]
+    assert iblm.checkpoints(5) == [0, 5]
+
+
+def test_iblm_regressor_scales_the_likelihood(local_params):
+    # the minibatch log-likelihood is scaled by num_data / batch, as BayesianClassifier's
+    net = pyro_vinit.nn.bayesianize(pyro_vinit.nn.mlp((3, 1)))
+    model = iblm.Regressor(net, num_data=12)
+    x, y = torch.randn(4, 3), torch.randn(4)
+    trace = pyro.poutine.trace(model).get_trace(x, y)
+    trace.compute_log_prob()
+    site = trace.nodes["obs"]
+    expected = site["fn"].log_prob(y).sum() * 3.0
+    assert_close(site["log_prob_sum"], expected)

@@ -57,7 +57,7 @@ class DataPool:
     #: the ranks of a process group over which the rows are spread (None: one process)
     shards: Any = None
 
-    def __init__(self, data: Data, max_rows: Optional[int] = None):
+    def __init__(self, data: Optional[Data], max_rows: Optional[int] = None):
         if data is None:
             raise ValueError("this initializer needs data: pass (x, y) or a DataLoader")
         if is_args_tuple(data):
@@ -106,8 +106,8 @@ class DataPool:
         )
         return args, min(n, max_rows) if max_rows is not None else n, aligned
 
-    def select(self, rows: torch.Tensor) -> Tuple[Any, ...]:
-        """The model arguments of the given rows."""
+    def select(self, rows: Union[torch.Tensor, slice]) -> Tuple[Any, ...]:
+        """The model arguments of the given rows (an index tensor or a slice)."""
         return tuple(a[rows] if al else a for a, al in zip(self.args, self._aligned))
 
     def chunks(self, rows_per_chunk: int) -> Iterator[Tuple[Any, ...]]:

@@ -14,13 +14,16 @@ owns each global position and where the row is in that rank's shard.
 import math
 import warnings
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from pyro_vinit.initialization._data import DataPool
 from pyro_vinit.initialization.bayesian_linear_regression import _cholesky
+
+if TYPE_CHECKING:  # _tracing imports this module
+    from pyro_vinit.initialization._tracing import ModelStructure
 
 # exception classes re-raised by name on every rank (others become RuntimeError)
 _ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, KeyError,
@@ -177,7 +180,7 @@ class Shards:
 def data_signature(pool: DataPool) -> List[Any]:
     """What must agree across ranks: per argument, the trailing shape and dtype
     of a row-indexed tensor, or the type of another argument."""
-    out = []
+    out: List[Tuple[Any, ...]] = []
     for a, aligned in zip(pool.args, pool._aligned):
         if aligned:
             out.append(("rows", tuple(a.shape[1:]), str(a.dtype)))
@@ -216,6 +219,8 @@ class ShardedPool(DataPool):
     ``local_rows`` this rank's; ``owner`` and ``local_pos`` map each global
     position to its rank and its row there.
     """
+
+    shards: Shards
 
     def __init__(self, shards: Shards, local: DataPool, counts: Sequence[int]):
         self.shards = shards
@@ -264,7 +269,7 @@ class ShardedPool(DataPool):
         del self.local_args
 
     @staticmethod
-    def device_of(args) -> torch.device:
+    def device_of(args: Sequence[Any]) -> torch.device:
         return next((a.device for a in args if isinstance(a, torch.Tensor)),
                     torch.device("cpu"))
 
@@ -272,7 +277,9 @@ class ShardedPool(DataPool):
         for start in range(0, self.local_rows, rows_per_chunk):
             yield self.select(slice(start, start + rows_per_chunk))
 
-    def iterate(self, chunk_rows: int, block_size: Optional[int]):
+    def iterate(
+        self, chunk_rows: int, block_size: Optional[int]
+    ) -> Iterator[Tuple[Tuple[Any, ...], Optional[torch.Tensor], int]]:
         """As :meth:`DataPool.iterate` over this rank's rows; with
         ``sync_norms``, in the chunks of the global pool (every rank runs the
         model once per global chunk, on its rows of it, or on one row with
@@ -400,14 +407,15 @@ def local_window(pool: ShardedPool, scores: torch.Tensor, start: torch.Tensor,
 # ---------------------------------------------------------------------- the regressions
 
 
-def gather_batches(pool: ShardedPool, tensors: Sequence[torch.Tensor], idx: torch.Tensor):
+def gather_batches(pool: ShardedPool, tensors: Sequence[torch.Tensor],
+                   idx: torch.Tensor) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """
     The rows of ``tensors`` (this rank's, rows along dim 0) that the minibatches
     ``idx`` (global positions) select, from their ranks: ``(compact tensors,
     idx into them)``; one all-gather of only the selected rows.
     """
     shards = pool.shards
-    selected = idx.unique()  # sorted global positions
+    selected = idx.unique()  # type: ignore[no-untyped-call]  # torch's is unannotated; sorted
     owner = pool.owner[selected]
     mine = selected[owner == shards.rank]
     sizes = [int((owner == r).sum()) for r in range(shards.size)]
@@ -423,7 +431,8 @@ def gather_batches(pool: ShardedPool, tensors: Sequence[torch.Tensor], idx: torc
         where = owner == r
         rank_in_owner[where] = torch.arange(int(where.sum()), device=owner.device)
     compact = gathered[owner, rank_in_owner]
-    out, at = [], 0
+    out: List[torch.Tensor] = []
+    at = 0
     for t in tensors:
         width = t[:1].numel()
         out.append(compact[:, at : at + width].reshape((len(selected),) + t.shape[1:]).to(t.dtype))
@@ -437,7 +446,8 @@ def unit_share(shards: Shards, num_units: int) -> Tuple[int, int]:
             num_units * (shards.rank + 1) // shards.size)
 
 
-def all_gather_units(shards: Shards, num_units: int, *tensors: torch.Tensor):
+def all_gather_units(shards: Shards, num_units: int,
+                     *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """The ranks' shares (:func:`unit_share`) of per-unit tensors, concatenated."""
     sizes = [num_units * (r + 1) // shards.size - num_units * r // shards.size
              for r in range(shards.size)]
@@ -447,7 +457,8 @@ def all_gather_units(shards: Shards, num_units: int, *tensors: torch.Tensor):
 
 
 def shared_rows_statistics(x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
-                           group_of: torch.Tensor, has_bias: bool):
+                           group_of: torch.Tensor,
+                           has_bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """
     ``(X^T L^{-1} X, X^T L^{-1} t)`` per unit, for the rows ``x`` ``(rows,
     positions, groups, d)`` that every unit shares, targets and noise
@@ -471,7 +482,8 @@ def shared_rows_statistics(x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
 
 
 def solve_statistics(gram: torch.Tensor, rhs: torch.Tensor, prior_loc: torch.Tensor,
-                     prior_scale: torch.Tensor, jitter: float):
+                     prior_scale: torch.Tensor,
+                     jitter: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """The posterior mean and precision diagonal of Bayesian linear
     regressions given their statistics (the primal form of
     :func:`~pyro_vinit.initialization.bayesian_linear_regression`)."""
@@ -492,7 +504,7 @@ def warn_not_exact(what: str) -> None:
     )
 
 
-def structure_signature(structure) -> Dict[str, Any]:
+def structure_signature(structure: "ModelStructure") -> Dict[str, Any]:
     """What the ranks' traces of the model must agree on."""
     likelihood = structure.likelihood
     return {

@@ -7,10 +7,11 @@ with some latent sites set (with
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
 
 import pyro.poutine as poutine
 import torch
+from pyro.infer.autoguide import AutoGuide
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import (
     Bernoulli,
@@ -23,6 +24,7 @@ from torch.distributions import (
 )
 
 from pyro_vinit._pyro_compat import unwrap_init_messenger
+from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
 from pyro_vinit.initialization._distributed import active_norm_sync
@@ -133,15 +135,17 @@ def _unwrap(fn: Distribution) -> Distribution:
         "ExpandedDistribution",
         "MaskedDistribution",
     ):
-        fn = fn.base_dist
+        # Independent and Pyro's ExpandedDistribution / MaskedDistribution all
+        # wrap the distribution they transform as base_dist
+        fn = fn.base_dist  # type: ignore[attr-defined]
     return fn
 
 
-def unwrap_likelihood(site: dict) -> Distribution:
+def unwrap_likelihood(site: SampleSite) -> Distribution:
     return _unwrap(site["fn"])
 
 
-def likelihood_family(site: dict) -> str:
+def likelihood_family(site: SampleSite) -> str:
     fn = unwrap_likelihood(site)
     if isinstance(fn, (Normal, StudentT)):
         return "normal"
@@ -159,7 +163,7 @@ def likelihood_family(site: dict) -> str:
     )
 
 
-def normal_prior(msg: dict, shape: torch.Size) -> Tuple[torch.Tensor, torch.Tensor]:
+def normal_prior(msg: SampleSite, shape: torch.Size) -> Tuple[torch.Tensor, torch.Tensor]:
     """The loc and scale, broadcast to ``shape`` (views), of the Normal prior at a site."""
     fn = _unwrap(msg["fn"])
     if not isinstance(fn, Normal):
@@ -172,7 +176,8 @@ def normal_prior(msg: dict, shape: torch.Size) -> Tuple[torch.Tensor, torch.Tens
     return fn.loc.expand(shape), fn.scale.expand(shape)
 
 
-def _to_layout(tensor: torch.Tensor, index: Optional[torch.Tensor], shape: torch.Size):
+def _to_layout(tensor: torch.Tensor, index: Optional[torch.Tensor],
+               shape: torch.Size) -> torch.Tensor:
     """A site-layout tensor (possibly an expanded view) in the op's layout."""
     if index is None:
         return tensor.reshape(shape)  # a view (no copy) when the layouts agree
@@ -181,7 +186,7 @@ def _to_layout(tensor: torch.Tensor, index: Optional[torch.Tensor], shape: torch
     return tensor.reshape(-1)[index.reshape(-1)].reshape(shape)
 
 
-def _layer_from_record(record: RecordedLayer, sites: Dict[str, dict], priors: bool) -> Layer:
+def _layer_from_record(record: RecordedLayer, sites: Dict[str, SampleSite], priors: bool) -> Layer:
     call = record.call
     layer = Layer(call.op, record.weight_name, call.weight.shape, dict(call.kwargs),
                   call.source, record.weight_index)
@@ -206,21 +211,22 @@ def _layer_from_record(record: RecordedLayer, sites: Dict[str, dict], priors: bo
 # ---------------------------------------------------------------------- running the model
 
 
-def guide_values(guide, args: Sequence[Any], latent: Sequence[str]) -> Dict[str, torch.Tensor]:
+def guide_values(guide: AutoGuide, args: Sequence[Any],
+                 latent: Sequence[str]) -> Dict[str, torch.Tensor]:
     """A draw of every latent site from the guide (in the model's constrained space)."""
     with poutine.block():
         trace = poutine.trace(guide).get_trace(*args)
-    return {name: trace.nodes[name]["value"] for name in latent}
+    return {name: sample_site(trace.nodes[name])["value"] for name in latent}
 
 
-def guide_medians(guide, args: Sequence[Any]) -> Dict[str, torch.Tensor]:
+def guide_medians(guide: AutoGuide, args: Sequence[Any]) -> Dict[str, torch.Tensor]:
     """The guide's median of every latent site (in the model's constrained space)."""
     with poutine.block():
         return dict(guide.median(*args))
 
 
 def run_model(
-    model: Callable,
+    model: Callable[..., Any],
     values: Dict[str, torch.Tensor],
     args: Sequence[Any],
     latent: Sequence[str],
@@ -228,7 +234,7 @@ def run_model(
     plate_rows: Optional[torch.Tensor] = None,
     track_flow: bool = False,
     on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
-    norm_statistics: Optional[Dict[int, list]] = None,
+    norm_statistics: Optional[Dict[int, List[Any]]] = None,
     substitute: Optional[Dict[str, torch.Tensor]] = None,
 ) -> LayerRecorderMessenger:
     """Runs ``model(*args)`` with the latent sites set to ``values`` (hidden from
@@ -250,7 +256,7 @@ def run_model(
     return recorder
 
 
-def observed_site(recorder: LayerRecorderMessenger) -> dict:
+def observed_site(recorder: LayerRecorderMessenger) -> SampleSite:
     """The single observed sample site of a recorded run (``pyro.deterministic``
     sites and plate subsamples are not observations)."""
     sites = recorder.observed
@@ -268,16 +274,16 @@ def observed_site(recorder: LayerRecorderMessenger) -> dict:
     return sites[0]
 
 
-def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> dict:
+def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> SampleSite:
     """The single observed sample site of a model trace."""
     sites = [
-        site
+        sample_site(site)
         for name, site in trace.nodes.items()
         if site["type"] == "sample"
         and site["is_observed"]
         and name not in latent
         and not site_is_subsample(site)
-        and not site["infer"].get("_deterministic")
+        and not sample_site(site)["infer"].get("_deterministic")
     ]
     if len(sites) != 1:
         raise ValueError(
@@ -326,7 +332,7 @@ class Prepared:
 
     pool: DataPool
     guide: Any  # a guide that pyro_vinit.guides.site_params supports, set up
-    sites: Dict[str, Any]  # the guide's latent sites (prototype-trace nodes), in model order
+    sites: Dict[str, SampleSite]  # the guide's latent sites (prototype-trace nodes), in model order
     structure: ModelStructure
     first: Tuple[Any, ...]  # the first pass's model arguments
 
@@ -342,7 +348,7 @@ class Prepared:
         return self.structure.latent
 
 
-def _check_has_likelihood(model: Callable, args: Sequence[Any]) -> None:
+def _check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
     # Before a fresh guide is set up: a model run without its targets would make the
     # observed site a latent one of the guide.
     with torch.no_grad(), poutine.block():
@@ -353,7 +359,7 @@ def _check_has_likelihood(model: Callable, args: Sequence[Any]) -> None:
         if site["type"] == "sample"
         and site["is_observed"]
         and not site_is_subsample(site)
-        and not site["infer"].get("_deterministic")
+        and not sample_site(site)["infer"].get("_deterministic")
     ]
     if not observed:
         raise ValueError(
@@ -363,13 +369,14 @@ def _check_has_likelihood(model: Callable, args: Sequence[Any]) -> None:
 
 
 def _roles(
-    recorder: LayerRecorderMessenger, layers: List[Layer], site: dict
+    recorder: LayerRecorderMessenger, layers: List[Layer], site: SampleSite
 ) -> Likelihood:
     family = likelihood_family(site)
     flow = recorder.likelihood_flow
     mean_keys = ("loc",) if family == "normal" else ("logits", "probs")
     mean_tokens = frozenset().union(*(flow.get(k, frozenset()) for k in mean_keys))
-    outputs = sorted(i for kind, i in mean_tokens if kind == "layer")
+    # a "layer" token carries the layer's index, a "site" or "param" token its name
+    outputs = sorted(cast(int, i) for kind, i in mean_tokens if kind == "layer")
     if not outputs:
         what = "mean" if family == "normal" else "logits or probs"
         raise ValueError(
@@ -388,8 +395,9 @@ def _roles(
     if family != "normal":
         return likelihood
     tokens = flow.get("scale", frozenset())
-    scale_layers = sorted(i for kind, i in tokens if kind == "layer")
-    sources = sorted((kind, name) for kind, name in tokens if kind in ("site", "param"))
+    scale_layers = sorted(cast(int, i) for kind, i in tokens if kind == "layer")
+    sources = sorted((kind, cast(str, name)) for kind, name in tokens
+                     if kind in ("site", "param"))
     if scale_layers and (len(scale_layers) > 1 or sources or scale_layers == outputs):
         names = [layers[i].weight_name for i in scale_layers]
         raise ValueError(
@@ -415,18 +423,17 @@ def _roles(
 
 
 def trace_structure(
-    guide, pool: DataPool, latent: List[str], normal_priors: bool
+    guide: AutoGuide, pool: DataPool, latent: List[str], normal_priors: bool
 ) -> Tuple[ModelStructure, Tuple[Any, ...]]:
     """The first pass: the model on up to 256 rows with the guide's medians."""
     first = next(pool.chunks(_STRUCTURE_ROWS))
     values = guide_medians(guide, first)
     recorder = run_model(guide.model, values, first, latent, track_flow=True)
-    sites: Dict[str, dict] = {}
     with torch.no_grad(), poutine.block():
         trace = poutine.trace(poutine.condition(guide.model, data=values)).get_trace(*first)
-    sites = {name: trace.nodes[name] for name in latent if name in trace.nodes}
+    sites = {name: sample_site(trace.nodes[name]) for name in latent if name in trace.nodes}
     layers = [_layer_from_record(r, sites, normal_priors) for r in recorder.layers]
-    seen = set()
+    seen: Set[str] = set()
     for layer in layers:
         for name in layer.site_names:
             if name in seen:
@@ -480,8 +487,8 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
 
 
 def prepare(
-    guide, data: Data, max_rows: int, chunk_rows: int, normal_priors: bool = True,
-    pool: Optional[DataPool] = None,
+    guide: AutoGuide, data: Optional[Data], max_rows: int, chunk_rows: int,
+    normal_priors: bool = True, pool: Optional[DataPool] = None,
 ) -> Prepared:
     """Checks the guide class, reads the data (unless a ``pool`` of it is
     given), sets the guide up if needed (after checking that the model has a
@@ -509,7 +516,7 @@ def prepare(
 
 
 def capture(
-    model: Callable,
+    model: Callable[..., Any],
     values: Dict[str, torch.Tensor],
     args: Sequence[Any],
     latent: Sequence[str],
@@ -549,7 +556,7 @@ def refresh_norm_statistics(prep: Prepared, values: Dict[str, torch.Tensor],
     while fitting)."""
     if not prep.structure.batch_norm:
         return
-    accumulated: Dict[int, list] = {}
+    accumulated: Dict[int, List[Any]] = {}
     for args, rows, keep in iterate_rows(prep.pool, chunk_rows, prep.structure.block_size):
         # keep == 0: a run of a sharded pool's rank that has no rows in a chunk
         run_model(prep.guide.model, values, args, prep.latent, plate_rows=rows,

@@ -123,7 +123,7 @@ def _map(
         if not torch.isfinite(loss):
             raise ValueError(f"MAP: the negative log-likelihood is {loss.item()} at step {step}")
         optim.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's is unannotated
         optim.step()
     for name, value in params.items():
         means[name] = value.detach()

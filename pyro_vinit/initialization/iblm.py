@@ -4,13 +4,29 @@ import math
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Type,
+    TypeVar,
+    Union,
+    cast,
+)
 
 import pyro
 import torch
 import torch.nn.functional as F
-from torch.distributions import biject_to, transform_to
+from pyro.infer.autoguide import AutoGuide
+from torch.distributions import Categorical, Normal, StudentT, biject_to, transform_to
 
+from pyro_vinit._typing import SampleSite
 from pyro_vinit.guides.site_params import check_supported, set_loc_and_scale
 from pyro_vinit.initialization import _distributed
 from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
@@ -18,6 +34,7 @@ from pyro_vinit.initialization._distributed import Shards
 from pyro_vinit.initialization._rollback import GuideRollback, write_param
 from pyro_vinit.initialization._tracing import (
     Layer,
+    Likelihood,
     Prepared,
     align_rows,
     capture,
@@ -31,6 +48,7 @@ from pyro_vinit.initialization._tracing import (
     unwrap_likelihood,
 )
 from pyro_vinit.initialization.bayesian_linear_regression import bayesian_linear_regression
+from pyro_vinit.poutine.layer_recorder import RecordedLayer
 
 __all__ = [
     "IBLMGuideInitializer",
@@ -39,6 +57,8 @@ __all__ = [
     "extract_patches",
     "init_guide_iblm",
 ]
+
+_G = TypeVar("_G", bound=AutoGuide)
 
 # Unconstrained range searched for the noise level, and the noise of a scale head's fit.
 _LINK_RANGE = 15.0
@@ -72,7 +92,7 @@ def dirichlet_transform(y: torch.Tensor, alpha: float = 0.01) -> Tuple[torch.Ten
 
 
 def _ntuple(value: Union[int, Sequence[int]], n: int) -> Tuple[int, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+    return tuple(value) if isinstance(value, (tuple, list)) else (cast(int, value),) * n
 
 
 def extract_patches(
@@ -156,12 +176,14 @@ def _local_batches(inputs: torch.Tensor, num_units: int, batch_size: int,
 def _unit_priors(layer: Layer, units: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The prior loc and scale ``(c, fan_in [+ 1])`` of some units, read from the
     (possibly expanded) prior tensors without materializing the whole layer's."""
+    # I-BLM reads the layers with their priors (prepare's normal_priors=True), a
+    # latent bias's too
     c = len(units)
-    loc = layer.prior_loc[units].reshape(c, -1)
-    scale = layer.prior_scale[units].reshape(c, -1)
+    loc = cast(torch.Tensor, layer.prior_loc)[units].reshape(c, -1)
+    scale = cast(torch.Tensor, layer.prior_scale)[units].reshape(c, -1)
     if layer.bias_name is not None:
-        loc = torch.cat([loc, layer.bias_prior_loc[units, None]], 1)
-        scale = torch.cat([scale, layer.bias_prior_scale[units, None]], 1)
+        loc = torch.cat([loc, cast(torch.Tensor, layer.bias_prior_loc)[units, None]], 1)
+        scale = torch.cat([scale, cast(torch.Tensor, layer.bias_prior_scale)[units, None]], 1)
     return loc, scale
 
 
@@ -244,7 +266,9 @@ class IBLMOptions:
             )
 
 
-def _check_positive(name: str, value: Any, kind=(int, float)) -> None:
+def _check_positive(
+    name: str, value: Any, kind: Union[Type[Any], Tuple[Type[Any], ...]] = (int, float)
+) -> None:
     if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
         raise ValueError(f"IBLMGuideInitializer: {name} must be positive, got {value!r}")
 
@@ -269,7 +293,9 @@ class Fit:
     mean: torch.Tensor
     var: torch.Tensor
 
-    def site_values(self, site_shape) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    def site_values(
+        self, site_shape: Callable[[str], torch.Size]
+    ) -> Dict[str, Tuple[torch.Tensor, ...]]:
         layer, d = self.layer, self.layer.fan_in
         out = {
             layer.weight_name: tuple(
@@ -512,7 +538,7 @@ class IBLMGuideInitializer:
 
     # ---- the four steps -------------------------------------------------------------------
 
-    def __call__(self, guide, data: Data):
+    def __call__(self, guide: _G, data: Data) -> _G:
         """
         Initializes ``guide`` in place from ``data`` and returns it.
 
@@ -552,7 +578,8 @@ class IBLMGuideInitializer:
             refresh_norm_statistics(prep, values, opts.chunk_rows)
         return guide
 
-    def _prepare_sharded(self, guide, data: Data, shards: Shards, stack: ExitStack) -> Prepared:
+    def _prepare_sharded(self, guide: AutoGuide, data: Data, shards: Shards,
+                         stack: ExitStack) -> Prepared:
         """Step 1 when the data is spread over the ranks of a process group: the
         ranks check that they agree (data layout, options, model structure),
         enter rank 0's random state, and draw the pool in the global row space."""
@@ -591,23 +618,24 @@ class IBLMGuideInitializer:
     # ---- step 1: targets -------------------------------------------------------------------
 
     def _read_targets(self, prep: Prepared, values: Dict[str, torch.Tensor]) -> Targets:
-        likelihood = prep.structure.likelihood
+        likelihood = _likelihood(prep)
         fixed = likelihood.noise == "fixed" and not self.options.estimate_noise
         fixed = fixed and self.options.noise_scale is None
-        parts = []
+        parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
         with _agree(prep):
             for site, rows_of in self._observed(prep, values):
                 obs = rows_of(site["value"], "the observed site")
                 scale = None
                 if fixed:
-                    scale = unwrap_likelihood(site).scale.expand(site["value"].shape)
+                    fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # "fixed": normal
+                    scale = fn.scale.expand(site["value"].shape)
                     scale = rows_of(scale, "the likelihood's scale")
                 parts.append(self._site_targets(site, likelihood.family, obs, scale))
         y = torch.cat([p[0] for p in parts])
         noise_var = torch.cat([p[1] for p in parts])
         task = "regression" if likelihood.family == "normal" else "classification"
         if task == "regression" and not fixed:
-            std = y.std() if prep.pool.shards is None else prep.pool.std(y)
+            std = y.std() if prep.pool.shards is None else _sharded(prep.pool).std(y)
             noise = self.options.noise_scale or 0.1 * std.clamp_min(1e-6).item()
             noise_var.fill_(noise**2)
         softmax = likelihood.family in ("categorical", "onehot")
@@ -619,7 +647,9 @@ class IBLMGuideInitializer:
             )
         return Targets(task, y, noise_var, softmax, fixed)
 
-    def _observed(self, prep: Prepared, values):
+    def _observed(
+        self, prep: Prepared, values: Dict[str, torch.Tensor]
+    ) -> Iterator[Tuple[SampleSite, Callable[[torch.Tensor, str], torch.Tensor]]]:
         """The observed site of a run of the model over each chunk (or block) of the
         data, with a function picking a tensor's rows of that chunk, in order."""
         for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
@@ -631,7 +661,8 @@ class IBLMGuideInitializer:
             n = prep.pool.rows_of(args)
             yield observed_site(recorder), partial(align_rows, n=n, rows=rows, keep=keep)
 
-    def _site_targets(self, site: dict, family: str, obs: torch.Tensor, scale):
+    def _site_targets(self, site: SampleSite, family: str, obs: torch.Tensor,
+                      scale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """(targets (rows, k), noise variances (rows, k)) of an observed site's rows."""
         fn = unwrap_likelihood(site)
         rows = obs.shape[0] if obs.dim() else 0
@@ -640,7 +671,8 @@ class IBLMGuideInitializer:
             var = scale.reshape(rows, -1).pow(2) if scale is not None else torch.empty_like(y)
             return y, var
         if family == "categorical":
-            k = fn.logits.shape[-1]
+            logits = cast(Categorical, fn).logits
+            k = logits.shape[-1]
             if obs.is_floating_point() and not bool((obs == obs.round()).all()):
                 raise ValueError("Categorical labels must be integers")
             labels = obs.reshape(rows, -1)
@@ -650,7 +682,7 @@ class IBLMGuideInitializer:
                     f"labels must be integers in [0, {k - 1}]; got values in "
                     f"[{labels.min().item()}, {labels.max().item()}]"
                 )
-            onehot = F.one_hot(labels[:, 0].long(), k).to(fn.logits.dtype)
+            onehot = F.one_hot(labels[:, 0].long(), k).to(logits.dtype)
             return dirichlet_transform(onehot, self.options.alpha)
         y = obs.reshape(rows, -1)
         ok = ((y == 0) | (y == 1)).all()
@@ -669,22 +701,24 @@ class IBLMGuideInitializer:
 
     # ---- step 2: each layer's inputs ---------------------------------------------------------
 
-    def _collect_inputs(self, prep: Prepared, values, layer: Layer) -> torch.Tensor:
-        inputs = []
+    def _collect_inputs(self, prep: Prepared, values: Dict[str, torch.Tensor],
+                        layer: Layer) -> torch.Tensor:
+        chunks: List[torch.Tensor] = []
         model = prep.guide.model
         with _agree(prep):
             for args, rows, keep in iterate_rows(prep.pool, self.options.chunk_rows,
                                                  prep.structure.block_size):
                 x, _ = capture(model, values, args, prep.latent, layer, plate_rows=rows)
                 if keep:  # (0: a sharded pool's run for the collectives only)
-                    inputs.append(align_rows(x, f"the input of layer {layer.weight_name!r}",
+                    chunks.append(align_rows(x, f"the input of layer {layer.weight_name!r}",
                                              n=prep.pool.rows_of(args), rows=rows, keep=keep))
-            inputs = torch.cat(inputs)
+            inputs = torch.cat(chunks)
             if not bool(torch.isfinite(inputs).all()):
                 raise ValueError(f"the input of layer {layer.weight_name!r} is not finite")
         return inputs
 
-    def _stage(self, prep: Prepared, values, fits: Dict[str, Fit], fit: Fit) -> None:
+    def _stage(self, prep: Prepared, values: Dict[str, torch.Tensor], fits: Dict[str, Fit],
+               fit: Fit) -> None:
         """Records a fit and sets the layer's sites for the passes that follow."""
         fits[fit.layer.weight_name] = fit
         for name, (mean, var) in fit.site_values(prep.site_shape).items():
@@ -716,7 +750,7 @@ class IBLMGuideInitializer:
             y = constant.to(y).expand(y.shape[0], -1)
             noise_var = torch.full_like(y, _SCALE_HEAD_NOISE**2)
         elif output and center and targets.softmax:
-            y = y - (y.mean() if shards is None else pool.mean(y))
+            y = y - (y.mean() if shards is None else _sharded(pool).mean(y))
         h = layer.num_units
         cols, signs = self._columns(h, y.shape[1], output, inputs.device)
         if output and opts.output_rows is not None:
@@ -725,14 +759,15 @@ class IBLMGuideInitializer:
             idx = pool.batch_indices(1, min(pool.num_rows, opts.output_rows))
             batch_size = idx.shape[1]
             if shards is not None:
-                return self._solve_shared_rows(pool, layer, inputs, y, noise_var, idx[0], cols)
+                return self._solve_shared_rows(_sharded(pool), layer, inputs, y, noise_var,
+                                               idx[0], cols)
             idx = idx.expand(h, batch_size)
         elif output or opts.hidden_batches == "random":
             idx = pool.batch_indices(h, batch_size)
         else:
             space = pool.features()
             idx = _local_batches(inputs if space is None else space, h, batch_size,
-                                 None if shards is None else pool)
+                                 None if shards is None else _sharded(pool))
             # A slab where the unit's target column is constant (no example of its class)
             # or the layer's input mostly zero (a ReLU layer below silent there) would give
             # the unit zero weights, a dead feature: such a unit gets a random batch instead.
@@ -740,8 +775,10 @@ class IBLMGuideInitializer:
             if shards is None:
                 active_at, y_at, y_std = active[idx], y[idx, cols[:, None]], y.std(0)
             else:
-                active_at, y_at = pool.at(active.to(y), idx), pool.at(y, idx, cols[:, None])
-                y_std = pool.column_std(y)
+                sharded = _sharded(pool)
+                active_at = sharded.at(active.to(y), idx)
+                y_at = sharded.at(y, idx, cols[:, None])
+                y_std = sharded.column_std(y)
             spread = y_at.std(1)
             dead = (active_at.sum(1) < batch_size / 2) | (
                 spread <= 1e-3 * y_std[cols].clamp_min(1e-12)
@@ -753,8 +790,8 @@ class IBLMGuideInitializer:
                                                  (center, alternate, output), 0, h)
             return Fit(layer, means, variances)
         # the selected rows from their ranks; each rank solves a share of the units
-        (inputs, y, noise_var), idx = _distributed.gather_batches(pool, (inputs, y, noise_var),
-                                                                  idx)
+        (inputs, y, noise_var), idx = _distributed.gather_batches(
+            _sharded(pool), (inputs, y, noise_var), idx)
         lo, hi = _distributed.unit_share(shards, h)
         with shards.agree():
             means, variances = self._solve_units(layer, inputs, y, noise_var, idx, cols, signs,
@@ -762,7 +799,9 @@ class IBLMGuideInitializer:
         means, variances = _distributed.all_gather_units(shards, h, means, variances)
         return Fit(layer, means, variances)
 
-    def _solve_units(self, layer: Layer, inputs, y, noise_var, idx, cols, signs, flags,
+    def _solve_units(self, layer: Layer, inputs: torch.Tensor, y: torch.Tensor,
+                     noise_var: torch.Tensor, idx: torch.Tensor, cols: torch.Tensor,
+                     signs: torch.Tensor, flags: Tuple[bool, bool, bool],
                      lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The regressions of units ``lo, ..., hi - 1`` on their batches ``idx``
         (rows of ``inputs``, ``y`` and ``noise_var``): their means and variances."""
@@ -813,7 +852,9 @@ class IBLMGuideInitializer:
             torch.reciprocal(post.precision_diag, out=variances[start - lo : start - lo + c])
         return means, variances
 
-    def _solve_shared_rows(self, pool, layer: Layer, inputs, y, noise_var, rows, cols) -> Fit:
+    def _solve_shared_rows(self, pool: "_distributed.ShardedPool", layer: Layer,
+                           inputs: torch.Tensor, y: torch.Tensor, noise_var: torch.Tensor,
+                           rows: torch.Tensor, cols: torch.Tensor) -> Fit:
         """Process group: the output layer's (or scale head's) regressions on the
         rows ``rows`` (global positions) that all its units share, from the
         ranks' all-reduced statistics :math:`X^\top L^{-1} X`,
@@ -839,7 +880,8 @@ class IBLMGuideInitializer:
                 gram, rhs, prior_loc.to(dtype), prior_scale.to(dtype), self.options.jitter)
         return Fit(layer, mean, precision.reciprocal())
 
-    def _hidden_targets(self, t, noise, signs, center: bool, alternate: bool):
+    def _hidden_targets(self, t: torch.Tensor, noise: torch.Tensor, signs: torch.Tensor,
+                        center: bool, alternate: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         if center:
             t = t - t.mean(-1, keepdim=True)
         if alternate:
@@ -853,7 +895,8 @@ class IBLMGuideInitializer:
             t, noise = t * factor, noise * factor.pow(2)
         return t, noise
 
-    def _columns(self, h: int, k: int, output: bool, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _columns(self, h: int, k: int, output: bool,
+                 device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         """Target column of each unit and the sign of its targets."""
         units = torch.arange(h, device=device)
         if output or self.options.hidden_columns == "cyclic":
@@ -866,10 +909,11 @@ class IBLMGuideInitializer:
 
     # ---- the observation noise ---------------------------------------------------------------
 
-    def _fit_noise(self, prep: Prepared, values, targets: Targets, fits: Dict[str, Fit]):
+    def _fit_noise(self, prep: Prepared, values: Dict[str, torch.Tensor], targets: Targets,
+                   fits: Dict[str, Fit]) -> Optional[NoiseFit]:
         """Regression: the residual std of the fitted network, used in a second fit of
         the output layer and written into the noise site, param or scale head."""
-        likelihood = prep.structure.likelihood
+        likelihood = _likelihood(prep)
         if targets.task != "regression" or targets.fixed_noise:
             return None
         output = prep.structure.output_layers[0]
@@ -895,23 +939,29 @@ class IBLMGuideInitializer:
             return NoiseFit(sigma, likelihood.noise_name, level)
         return NoiseFit(sigma, None, None)
 
-    def _residual_std(self, prep: Prepared, values, targets: Targets) -> torch.Tensor:
+    def _residual_std(self, prep: Prepared, values: Dict[str, torch.Tensor],
+                      targets: Targets) -> torch.Tensor:
         """Root mean square residual of the network at ``values``, per target column."""
-        squares, n = 0.0, 0
+        squares: Union[float, torch.Tensor] = 0.0
+        n: Union[int, torch.Tensor] = 0
         with _agree(prep):
             for site, rows_of in self._observed(prep, values):
-                loc = unwrap_likelihood(site).loc.expand(site["value"].shape)
+                fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # regression
+                loc = fn.loc.expand(site["value"].shape)
                 loc = rows_of(loc, "the likelihood's mean")
                 obs = rows_of(site["value"], "the observed site")
                 resid = (obs - loc).reshape(obs.shape[0], -1)
                 squares = squares + resid.pow(2).sum(0)
                 n += resid.shape[0]
+        squares = cast(torch.Tensor, squares)  # the pool has rows: some chunk kept them
         if prep.pool.shards is not None:  # over every rank's rows
-            total = prep.pool.shards.all_reduce(torch.cat([squares, squares.new_tensor([n])]))
+            total: torch.Tensor = prep.pool.shards.all_reduce(
+                torch.cat([squares, squares.new_tensor([n])]))
             squares, n = total[:-1], total[-1]
         return (squares / n).sqrt().clamp_min(1e-6)
 
-    def _shared_link_inverse(self, prep: Prepared, values, sigma, head: Optional[Layer] = None):
+    def _shared_link_inverse(self, prep: Prepared, values: Dict[str, torch.Tensor],
+                             sigma: torch.Tensor, head: Optional[Layer] = None) -> torch.Tensor:
         """:meth:`_link_inverse`; with a process group, rank 0's (each rank runs
         the model on its own first rows)."""
         with _agree(prep):
@@ -919,11 +969,14 @@ class IBLMGuideInitializer:
         shards = prep.pool.shards
         return level if shards is None else shards.broadcast(level)
 
-    def _link_inverse(self, prep: Prepared, values, sigma, head: Optional[Layer] = None):
+    def _link_inverse(self, prep: Prepared, values: Dict[str, torch.Tensor],
+                      sigma: torch.Tensor, head: Optional[Layer] = None) -> torch.Tensor:
         """The unconstrained value of the noise site or param (or the constant
         output of the scale head) at which the likelihood's scale is ``sigma``,
         by bisection (the map is taken to be monotone and element-wise)."""
-        likelihood = prep.structure.likelihood
+        likelihood = _likelihood(prep)
+        # the noise site's or param's name (or the scale head's): set whenever the noise is fitted
+        noise_name = cast(str, likelihood.noise_name)
         args, rows = prep.first, None
         if prep.structure.block_size is not None:
             n = prep.pool.rows_of(args)
@@ -933,33 +986,34 @@ class IBLMGuideInitializer:
             shape = torch.Size([head.num_units])
             what = f"the scale head {head.weight_name!r}"
         elif likelihood.noise == "site":
-            site = prep.guide.prototype_trace.nodes[likelihood.noise_name]
+            site = prep.guide.prototype_trace.nodes[noise_name]
             shape, support = site["value"].shape, site["fn"].support
-            what = f"the noise site {likelihood.noise_name!r}"
+            what = f"the noise site {noise_name!r}"
         else:
             store = pyro.get_param_store()
-            shape = store[likelihood.noise_name].shape
-            support = store.get_state()["constraints"][likelihood.noise_name]
-            what = f"the noise param {likelihood.noise_name!r}"
+            shape = store[noise_name].shape
+            support = store.get_state()["constraints"][noise_name]
+            what = f"the noise param {noise_name!r}"
         target = sigma if sigma.numel() == shape.numel() else sigma.pow(2).mean().sqrt()
 
         def scale_at(u: torch.Tensor) -> torch.Tensor:
             kwargs: Dict[str, Any] = {}
             run_values = values
             if head is not None:
-                def on_layer(record):
+                def on_layer(record: RecordedLayer) -> Optional[torch.Tensor]:
                     if record.weight_name != head.weight_name:
                         return None
                     return u.to(record.call.input).expand(record.call.input.shape[:-1] + shape)
 
                 kwargs["on_layer"] = on_layer
             elif likelihood.noise == "site":
-                run_values = {**values, likelihood.noise_name: biject_to(support)(u)}
+                run_values = {**values, noise_name: biject_to(support)(u)}
             else:
-                kwargs["substitute"] = {likelihood.noise_name: transform_to(support)(u)}
+                kwargs["substitute"] = {noise_name: transform_to(support)(u)}
             recorder = run_model(model, run_values, args, latent, plate_rows=rows, **kwargs)
             site = observed_site(recorder)
-            scale = unwrap_likelihood(site).scale.expand(site["value"].shape)
+            fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # regression
+            scale = fn.scale.expand(site["value"].shape)
             scale = scale.reshape(scale.shape[0], -1) if scale.dim() else scale.reshape(1, 1)
             per_column = scale.mean(0)
             if per_column.numel() == u.numel():
@@ -1002,21 +1056,33 @@ class IBLMGuideInitializer:
             for name, (mean, var) in fit.site_values(prep.site_shape).items():
                 set_loc_and_scale(guide, name, mean, var.sqrt_())
         if noise is not None and noise.name is not None:
-            if prep.structure.likelihood.noise == "site":
+            level = cast(torch.Tensor, noise.level)  # set with the noise site's or param's name
+            if _likelihood(prep).noise == "site":
                 # the posterior std of log sigma from n residuals is about 1 / sqrt(2 n)
                 spread = min(0.1, (2.0 * prep.pool.num_rows) ** -0.5)
-                set_loc_and_scale(guide, noise.name, noise.level,
-                                  torch.full_like(noise.level, spread))
+                set_loc_and_scale(guide, noise.name, level, torch.full_like(level, spread))
             else:
-                write_param(noise.name, noise.level)
+                write_param(noise.name, level)
 
-def _agree(prep: Prepared):
+
+def _likelihood(prep: Prepared) -> Likelihood:
+    """The model's likelihood, which I-BLM's :func:`prepare` (with normal priors) always reads."""
+    return cast(Likelihood, prep.structure.likelihood)
+
+
+def _sharded(pool: DataPool) -> "_distributed.ShardedPool":
+    """``pool``, which has ``shards``: only a sharded pool has."""
+    return cast(_distributed.ShardedPool, pool)
+
+
+def _agree(prep: Prepared) -> ContextManager[None]:
     """Rank-local work whose failure every rank of a process group must hear of."""
     shards = prep.pool.shards
     return nullcontext() if shards is None else shards.agree()
 
 
-def init_guide_iblm(guide, data: Data, process_group: Optional[Any] = None, **options: Any):
+def init_guide_iblm(guide: _G, data: Data, process_group: Optional[Any] = None,
+                    **options: Any) -> _G:
     """
     Initializes ``guide`` in place with I-BLM and returns it; shorthand for
     ``IBLMGuideInitializer(process_group, **options)(guide, data)``.
@@ -1025,8 +1091,8 @@ def init_guide_iblm(guide, data: Data, process_group: Optional[Any] = None, **op
 
         guide = AutoNormal(model)
         init_guide_iblm(guide, (x_train, y_train))
-        # under torchrun: each rank its shard, every rank the same result
-        init_guide_iblm(guide, (x_shard, y_shard), process_group=dist.group.WORLD)
+        # under torchrun, each rank passes its shard and gets the same result:
+        # init_guide_iblm(guide, (x_shard, y_shard), process_group=dist.group.WORLD)
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
         AutoRadialNormal guide of the model.

@@ -79,6 +79,8 @@ _METADATA: Set[Callable[..., Any]] = {
     torch.full_like,
 }
 
+_GRAD = getter("grad")
+
 #: A view op: ``(func, args, kwargs)``, applied as ``func(tensor, *args, **kwargs)``.
 ViewOp = Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]]
 
@@ -330,7 +332,7 @@ class SiteValue(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func == getter("grad") and args[0].is_deferred:
+        if func == _GRAD and args[0].is_deferred:
             return None  # e.g. torch.compile's hasattr(t, "grad")
         handler = ACTIVE[-1] if ACTIVE else None
         if handler is not None:

@@ -29,9 +29,9 @@ class HandledELBO(torch.nn.Module):
 
         annealing = KLAnnealingMessenger(LinearWarmup(1000))
         loss_fn = HandledELBO(TraceMeanField_ELBO()(model, guide), annealing, local_reparam)
-        ddp = DistributedDataParallel(loss_fn)
+        ddp = loss_fn  # under torchrun: DistributedDataParallel(loss_fn)
         optim = torch.optim.Adam(ddp.parameters(), lr=1e-2)
-        for x, y in batches:
+        for step in range(num_steps):
             optim.zero_grad()
             ddp(x, y).backward()
             optim.step()

@@ -157,7 +157,11 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
             shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
                 shape, value.shape[: value.dim() - fn.event_dim]
             )
-        unscaled = scaled = SiteValue.defer(lambda: fn.log_prob(value), shape, like=value)
+        # On the plain tensor: a log density is never a layer call, and each of its ops on
+        # the stand-in would pay a __torch_function__ round trip through the handler.
+        unscaled = scaled = SiteValue.defer(
+            lambda: fn.log_prob(value.concrete), shape, like=value
+        )
         if not (isinstance(scale, (int, float)) and scale == 1.0 and mask is None):
             scaled_shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
                 shape, *(t.shape for t in (scale, mask) if isinstance(t, torch.Tensor))

@@ -254,3 +254,26 @@ def run_ranks(out_dir: str, names: List[str], world_size: int = WORLD_SIZE) -> L
 
     mp.spawn(worker, args=(world_size, free_port(), out_dir, names), nprocs=world_size)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def spawn_or_skip(run_ranks: Callable[[str, List[str]], List[dict]], out_dir: str,
+                  cases: List[str]) -> List[dict]:
+    """``run_ranks(out_dir, cases)``, or a pytest skip naming the reason where
+    ``gloo`` processes cannot start."""
+    import pytest
+
+    try:
+        return run_ranks(out_dir, cases)
+    except Exception as e:  # pragma: no cover - only where gloo cannot start
+        if "gloo" in str(e).lower() or "connect" in str(e).lower():
+            pytest.skip(f"gloo processes could not start here: {e}")
+        raise
+
+
+def assert_ranks_identical(ranks: List[dict], name: str) -> None:
+    """Every rank's parameters of case ``name`` equal rank 0's, bit for bit."""
+    first = ranks[0][name]["params"]
+    for other in ranks[1:]:
+        assert other[name]["params"].keys() == first.keys()
+        for key, value in first.items():
+            assert torch.equal(other[name]["params"][key], value), key

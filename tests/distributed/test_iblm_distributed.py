@@ -38,21 +38,12 @@ def one_thread():
 def ranks(tmp_path_factory):
     """All cases in one spawn of two processes (starting them costs seconds)."""
     out_dir = tmp_path_factory.mktemp("iblm")
-    try:
-        return _iblm_harness.run_ranks(str(out_dir), list(CASES))
-    except Exception as e:  # pragma: no cover - only where gloo cannot start
-        if "gloo" in str(e).lower() or "connect" in str(e).lower():
-            pytest.skip(f"gloo processes could not start here: {e}")
-        raise
+    return _harness.spawn_or_skip(_iblm_harness.run_ranks, str(out_dir), list(CASES))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ranks_hold_identical_parameters(ranks, name):
-    first = ranks[0][name]["params"]
-    for other in ranks[1:]:
-        assert other[name]["params"].keys() == first.keys()
-        for key, value in first.items():
-            assert torch.equal(other[name]["params"][key], value), key
+    _harness.assert_ranks_identical(ranks, name)
 
 
 @pytest.mark.parametrize("name", list(CASES))

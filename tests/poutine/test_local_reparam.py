@@ -524,3 +524,77 @@ def test_k_tied_low_rank_transposed_weight():
             outs.append(model())
     assert outs[0].shape == (6, 4)
     assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+
+
+def _loss_and_grads(guide_cls, elbo, seed, **handler_kwargs):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = BayesianClassifier(bayesianize(mlp((4, 6, 3))), num_data=40).double()
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+    guide = guide_cls(model)
+    guide(x, y)
+    params = list(guide.parameters())
+    pyro.set_rng_seed(seed)
+    with local_reparam(strict=True, **handler_kwargs):
+        loss = elbo().differentiable_loss(model, guide, x, y)
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoKTiedNormal])
+def test_deferred_log_prob_equals_pyros(guide_cls, monkeypatch):
+    # The deferred log densities (a fast path: on the plain tensor, computed only if
+    # used) give Pyro's own loss and gradients, same seed, float64; Trace_ELBO uses them
+    # all. AutoNormal is the control: its auxiliary sites are drawn, never deferred.
+    fast = _loss_and_grads(guide_cls, Trace_ELBO, seed=1)
+    intercepted = []
+    op = LocalReparamMessenger._site_value_op
+    monkeypatch.setattr(
+        LocalReparamMessenger, "_site_value_op",
+        lambda self, func, *a: intercepted.append(func) or op(self, func, *a),
+    )
+    # Plain path: no prefilled log densities; Pyro computes them from the site values.
+    monkeypatch.setattr(LocalReparamMessenger, "_post_site_value", lambda *a: None)
+    plain = _loss_and_grads(guide_cls, Trace_ELBO, seed=1)
+    assert_close(fast[0], plain[0], rtol=1e-10, atol=0)
+    for g_fast, g_plain in zip(fast[1], plain[1]):
+        assert_close(g_fast, g_plain, rtol=1e-10, atol=1e-14)
+    assert plain[1][0].abs().sum() > 0
+    assert intercepted  # the plain path ran the log densities on the stand-ins
+
+
+def test_deferred_log_prob_skips_the_handler(monkeypatch):
+    # The deferred log density runs on the plain tensor: none of its ops reaches the
+    # handler (each would pay a __torch_function__ round trip).
+    intercepted = []
+    op = LocalReparamMessenger._site_value_op
+    monkeypatch.setattr(
+        LocalReparamMessenger, "_site_value_op",
+        lambda self, func, *a: intercepted.append(func) or op(self, func, *a),
+    )
+    monkeypatch.setattr(
+        torch.distributions.Normal, "log_prob",
+        _counting(torch.distributions.Normal.log_prob, intercepted),
+    )
+    _loss_and_grads(AutoKTiedNormal, Trace_ELBO, seed=1)
+    # the log densities ran, and no op on a stand-in happened between their start and end
+    # 4 sites (2 weights, 2 biases), each in the guide and the model
+    assert intercepted.count("log_prob start") == 8
+    inside = False
+    for item in intercepted:
+        if item == "log_prob start":
+            inside = True
+        elif item == "log_prob end":
+            inside = False
+        else:
+            assert not inside, f"{item} of a log density went through the handler"
+
+
+def _counting(log_prob, record):
+    def wrapper(self, value):
+        record.append("log_prob start")
+        try:
+            return log_prob(self, value)
+        finally:
+            record.append("log_prob end")
+
+    return wrapper
