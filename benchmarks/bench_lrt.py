@@ -58,8 +58,6 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
 from torch.overrides import TorchFunctionMode
 
 from pyro_vinit import AutoKTiedNormal, FlipoutMessenger, LocalReparamMessenger
@@ -67,6 +65,8 @@ from pyro_vinit.data import load_digits
 from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger
+from pyro_vinit.testing.gradient_variance import ESTIMATORS as GRADIENT_ESTIMATORS
+from pyro_vinit.testing.gradient_variance import gradient_variance as gradient_variance_draws
 
 try:
     from bayesian_torch.layers import LinearFlipout, LinearReparameterization
@@ -80,26 +80,8 @@ HANDLERS = {
 }
 
 
-class PosteriorMeanMessenger(Messenger):
-    """
-    Sets every latent site the guide samples to the mean of its
-    distribution; the model then replays those values. The gradient keeps
-    the closed-form KL and loses all weight noise: what varies is the
-    minibatch only (the noise-free reference row of [1]'s Table 1).
-    """
-
-    def _pyro_sample(self, msg):
-        # ``done`` marks sites already given a value, e.g. by the ELBO's replay
-        # of the guide's trace into the model; a plate's subsample site has no
-        # mean to take.
-        if msg["is_observed"] or msg["done"] or site_is_subsample(msg):
-            return
-        msg["value"] = msg["fn"].mean
-        msg["done"] = True
-
-
 # The three estimators and the floor no weight-sampling scheme goes below.
-ESTIMATORS = {**HANDLERS, "no weight noise": PosteriorMeanMessenger}
+ESTIMATORS = dict(GRADIENT_ESTIMATORS)
 
 # The KL weight per training example of [1]'s MNIST runs (KL / 60 000 per
 # datum): on 1437 digits the full KL of 370k weights keeps the posterior at
@@ -198,22 +180,10 @@ def gradient_variance(
             row = {"epochs": epoch, "batch": batch}
             if metrics is not None:
                 row["metrics"] = metrics
-            for name, handler in handlers.items():
-                grads_b, grads_t = [], []
-                start = time.perf_counter()
-                for _ in range(draws):
-                    idx = torch.randperm(len(x))[:batch]
-                    with kl:
-                        loss = run(handler, elbo.differentiable_loss, model, guide,
-                                   x[idx], y[idx])
-                    g_b, g_t = torch.autograd.grad(loss, [bottom, top])
-                    grads_b.append(g_b)
-                    grads_t.append(g_t)
-                row[name] = {
-                    "bottom": torch.stack(grads_b).var(0).mean().item(),
-                    "top": torch.stack(grads_t).var(0).mean().item(),
-                    "ms_per_draw": (time.perf_counter() - start) / draws * 1e3,
-                }
+            row.update(gradient_variance_draws(
+                lambda xb, yb: elbo.differentiable_loss(model, guide, xb, yb),
+                {"bottom": bottom, "top": top}, x, y, batch=batch, draws=draws,
+                estimators=handlers, context=lambda: kl))
             rows.append(row)
             if log is not None:
                 log(f"  variance: {epoch} epochs, batch {batch} done")

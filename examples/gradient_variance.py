@@ -65,16 +65,16 @@ import pyro.distributions as dist
 import torch
 from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
 from pyro.infer.autoguide import init_to_sample
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
 from tqdm import tqdm
 
-from pyro_vinit import FlipoutMessenger, LocalReparamMessenger
+from pyro_vinit import LocalReparamMessenger
 from pyro_vinit.data import load_digits
 from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger
+from pyro_vinit.testing.gradient_variance import ESTIMATORS
+from pyro_vinit.testing.gradient_variance import gradient_variance as measure_variance
 
 from _outputs import save_results
 
@@ -94,29 +94,6 @@ class MeanFieldNormal(AutoSiteGuide):
     def _unconstrained_posterior(self, name):
         loc, scale = self._get_loc_and_scale(name)
         return dist.Normal(loc, scale).to_event(self._event_dims[name])
-
-
-class PosteriorMeanMessenger(Messenger):
-    """Sets every latent site the guide samples to the mean of its distribution
-    (the model replays it): the gradient keeps the closed-form KL and loses all
-    weight noise, so what varies is the minibatch only."""
-
-    def _pyro_sample(self, msg):
-        # ``done``: a value is already set (e.g. the ELBO replaying the guide into
-        # the model); a plate's subsample site has no mean
-        if msg["is_observed"] or msg["done"] or site_is_subsample(msg):
-            return
-        msg["value"] = msg["fn"].mean
-        msg["done"] = True
-
-
-# The estimators (None: one weight sample per minibatch) and the floor.
-ESTIMATORS = {
-    "ordinary": None,
-    "LRT": LocalReparamMessenger,
-    "Flipout": FlipoutMessenger,
-    "no weight noise": PosteriorMeanMessenger,
-}
 
 
 def gradient_variance(x, y, *, sizes=SIZES, epochs=(10, 100), batch_sizes=(128, 1000),
@@ -154,25 +131,11 @@ def gradient_variance(x, y, *, sizes=SIZES, epochs=(10, 100), batch_sizes=(128, 
             row = {"epochs": epoch, "batch": batch}
             if metrics is not None:
                 row["metrics"] = metrics
-            for name, handler_cls in ESTIMATORS.items():
-                grads_b, grads_t = [], []
-                start = time.perf_counter()
-                for _ in range(draws):
-                    idx = torch.randperm(len(x))[:batch]
-                    with kl:
-                        if handler_cls is None:
-                            loss = elbo.differentiable_loss(model, guide, x[idx], y[idx])
-                        else:
-                            with handler_cls():
-                                loss = elbo.differentiable_loss(model, guide, x[idx], y[idx])
-                    g_b, g_t = torch.autograd.grad(loss, [bottom, top])
-                    grads_b.append(g_b)
-                    grads_t.append(g_t)
-                row[name] = {
-                    "bottom": torch.stack(grads_b).var(0).mean().item(),
-                    "top": torch.stack(grads_t).var(0).mean().item(),
-                    "ms_per_draw": (time.perf_counter() - start) / draws * 1e3,
-                }
+            variances = measure_variance(
+                lambda xb, yb: elbo.differentiable_loss(model, guide, xb, yb),
+                {"bottom": bottom, "top": top}, x, y, batch=batch, draws=draws,
+                context=lambda: kl)
+            row.update(variances)
             rows.append(row)
             if log is not None:
                 log(f"{epoch} epochs, batch {batch} done")

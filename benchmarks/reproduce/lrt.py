@@ -41,18 +41,16 @@ Usage::
 Reparameterization Trick"
 """
 
-import time
 
 import pyro
 import torch
 from pyro.infer import TraceMeanField_ELBO
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
 from tqdm import tqdm
 
 from benchmarks.reproduce import common
 from pyro_vinit.data import load_mnist
-from pyro_vinit.poutine import FlipoutMessenger, KLAnnealingMessenger, LocalReparamMessenger
+from pyro_vinit.poutine import KLAnnealingMessenger, LocalReparamMessenger
+from pyro_vinit.testing.gradient_variance import ESTIMATORS, gradient_variance
 
 MNIST_SIZE = 60000
 LAYERS = ("bottom", "top")
@@ -65,49 +63,14 @@ PAPER = {
 }
 
 
-class PosteriorMeanMessenger(Messenger):
-    """Sets each latent site to the mean of the distribution that samples it
-    (the guide's), so the model replays the posterior mean: no weight noise."""
-
-    def _pyro_sample(self, msg):
-        if msg["is_observed"] or msg["done"] or site_is_subsample(msg):
-            return
-        msg["value"] = msg["fn"].mean
-        msg["done"] = True
-
-
-ESTIMATORS = {
-    "ordinary": None,
-    "LRT": LocalReparamMessenger,
-    "Flipout": FlipoutMessenger,
-    "no weight noise": PosteriorMeanMessenger,
-}
-
-
-@torch.no_grad()
 def accuracy(model, guide, x, y, num_samples):
     logits = common.predict_logits(model, guide, x, num_samples)
     return (logits.softmax(-1).mean(0).argmax(-1) == y).float().mean().item()
 
 
 def measure(args, loss_fn, kl, params, x, y):
-    out = {}
-    for name, handler_cls in ESTIMATORS.items():
-        grads = {layer: [] for layer in LAYERS}
-        start = time.perf_counter()
-        for _ in range(args.draws):
-            idx = torch.randperm(len(x))[: args.batch]
-            with kl:
-                if handler_cls is None:
-                    loss = loss_fn(x[idx], y[idx])
-                else:
-                    with handler_cls():
-                        loss = loss_fn(x[idx], y[idx])
-            for layer, g in zip(LAYERS, torch.autograd.grad(loss, [params[k] for k in LAYERS])):
-                grads[layer].append(g)
-        out[name] = {layer: torch.stack(g).var(0).mean().item() for layer, g in grads.items()}
-        out[name]["ms_per_draw"] = (time.perf_counter() - start) / args.draws * 1e3
-    return out
+    return gradient_variance(loss_fn, {k: params[k] for k in LAYERS}, x, y, batch=args.batch,
+                             draws=args.draws, context=lambda: kl)
 
 
 def run_seed(args, seed, data):
