@@ -97,6 +97,24 @@ class Timings:
         self.per_step = {name: list(v) for name, v in per_step.items()}
         self.block = dict(block) if block is not None else {name: 1 for name in per_step}
 
+    @classmethod
+    def combine(cls, runs: Sequence["Timings"]) -> "Timings":
+        """
+        The rounds of several measurements of the same configurations (e.g.
+        repeats with fresh models) as one :class:`Timings`.
+
+        :param list runs: Timings of the same configurations and blocks.
+        """
+        if not runs:
+            raise ValueError("combine needs at least one Timings")
+        first = runs[0]
+        for run in runs[1:]:
+            if run.names != first.names or run.block != first.block:
+                raise ValueError("combine needs the same configurations and blocks in every "
+                                 f"run, got {first.block} and {run.block}")
+        return cls({name: [t for run in runs for t in run.per_step[name]] for name in first.names},
+                   first.block)
+
     @property
     def names(self) -> List[str]:
         return list(self.per_step)

@@ -120,6 +120,21 @@ def test_ratio_is_per_round():
         timings.ratio("a", "c")
 
 
+def test_combine():
+    a = Timings({"x": [1.0, 2.0], "y": [1.0, 1.0]}, {"x": 2, "y": 2})
+    b = Timings({"x": [4.0], "y": [2.0]}, {"x": 2, "y": 2})
+    both = Timings.combine([a, b])
+    assert both.per_step == {"x": [1.0, 2.0, 4.0], "y": [1.0, 1.0, 2.0]}
+    assert both.ratio("x", "y").per_round == (1.0, 2.0, 2.0)
+    assert both.block == {"x": 2, "y": 2}
+    with pytest.raises(ValueError, match="same configurations and blocks"):
+        Timings.combine([a, Timings({"x": [1.0], "y": [1.0]}, {"x": 1, "y": 2})])
+    with pytest.raises(ValueError, match="same configurations and blocks"):
+        Timings.combine([a, Timings({"x": [1.0]}, {"x": 2})])
+    with pytest.raises(ValueError, match="at least one"):
+        Timings.combine([])
+
+
 def test_timings_to_dict_and_rejects_ragged():
     timings = Timings({"a": [0.001, 0.003, 0.002]}, {"a": 5})
     d = timings.to_dict()
