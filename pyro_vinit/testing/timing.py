@@ -34,6 +34,7 @@ __all__ = [
     "Ratio",
     "Timings",
     "fit_exponent",
+    "fit_fixed_and_rate",
     "host_info",
     "markdown_table",
     "schedule",
@@ -312,3 +313,40 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
     lx, ly = [math.log(v) for v in xs], [math.log(v) for v in ys]
     mx, my = statistics.fmean(lx), statistics.fmean(ly)
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def fit_fixed_and_rate(work: Sequence[float], seconds: Sequence[float]) -> Tuple[float, float]:
+    r"""
+    The fixed cost :math:`a` and the cost per unit of work :math:`b` of
+
+    .. math:: t \approx a + b\,w,
+
+    by least squares on relative residuals :math:`(a + b w_i - t_i) / t_i`
+    (so that small and large steps count alike), with :math:`a, b \ge 0`:
+    if the unconstrained fit makes one negative, it is zero and the other is
+    refitted alone. For a training step, ``a`` is the per-step overhead that
+    does not grow with the arithmetic, and ``a / b`` the work at which the
+    arithmetic overtakes it.
+
+    :param list work: The work of each measurement (e.g. FLOPs per step), >= 0.
+    :param list seconds: The time of each measurement, > 0.
+    :return: ``(a, b)``.
+    """
+    if len(work) != len(seconds) or len(set(work)) < 2:
+        raise ValueError(f"need as many times as works, at least two works distinct; got "
+                         f"{len(work)} works ({len(set(work))} distinct), {len(seconds)} times")
+    if min(work) < 0 or min(seconds) <= 0:
+        raise ValueError("work must be >= 0 and times > 0")
+    # rows (1/t, w/t) against the target 1: the normal equations of a 2-parameter fit
+    u = [1.0 / t for t in seconds]
+    v = [w / t for w, t in zip(work, seconds)]
+    suu, suv, svv = sum(x * x for x in u), sum(x * y for x, y in zip(u, v)), sum(y * y for y in v)
+    su, sv = sum(u), sum(v)
+    det = suu * svv - suv * suv
+    a = (su * svv - sv * suv) / det
+    b = (sv * suu - su * suv) / det
+    if a < 0:
+        return 0.0, sv / svv
+    if b < 0:
+        return su / suu, 0.0
+    return a, b

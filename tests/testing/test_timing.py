@@ -12,6 +12,7 @@ from pyro_vinit.testing.timing import (
     Ratio,
     Timings,
     fit_exponent,
+    fit_fixed_and_rate,
     host_info,
     markdown_table,
     schedule,
@@ -193,3 +194,23 @@ def test_fit_exponent():
                    ([1.0, 2.0], [0.0, 1.0])]:
         with pytest.raises(ValueError):
             fit_exponent(xs, ys)
+
+
+def test_fit_fixed_and_rate():
+    work = [1e6, 4e6, 1.6e7, 6.4e7]
+    a, b = fit_fixed_and_rate(work, [2e-3 + 1e-10 * w for w in work])
+    assert a == pytest.approx(2e-3, rel=1e-9) and b == pytest.approx(1e-10, rel=1e-9)
+    # relative residuals: a 10 % error at the smallest step weighs as much as one at the
+    # largest, so the intercept is not swamped by the large steps' absolute errors
+    times = [2e-3 + 1e-10 * w for w in work]
+    times[-1] *= 1.1
+    a, _ = fit_fixed_and_rate(work, times)
+    assert a == pytest.approx(2e-3, rel=0.05)
+    # the constrained fits: a time falling with work has no rate, a pure rate no fixed cost
+    assert fit_fixed_and_rate([1.0, 2.0, 3.0], [3.0, 2.0, 1.5]) == (
+        pytest.approx((1 / 3 + 1 / 2 + 1 / 1.5) / (1 / 9 + 1 / 4 + 1 / 2.25)), 0.0)
+    assert fit_fixed_and_rate([1.0, 2.0, 4.0], [1.0, 2.2, 4.0])[0] == 0.0
+    for work, times in [([1.0], [1.0]), ([1.0, 1.0], [1.0, 2.0]), ([1.0, 2.0], [1.0, 0.0]),
+                        ([-1.0, 2.0], [1.0, 1.0])]:
+        with pytest.raises(ValueError):
+            fit_fixed_and_rate(work, times)
