@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_guides.py
 	$(BIN)/python benchmarks/bench_lrt_step.py
 	$(BIN)/python benchmarks/bench_gradient_variance.py
+	$(BIN)/python benchmarks/bench_scaling.py
 	$(BIN)/python benchmarks/bench_iblm_time.py
 	$(BIN)/python benchmarks/bench_iblm_memory.py
 	$(BIN)/python benchmarks/bench_memory.py
