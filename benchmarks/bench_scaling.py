@@ -253,9 +253,13 @@ def _upper_half(xs):
     return slice(min(len(xs) // 2, len(xs) - 2), None)
 
 
-def analyse(axis, points, configs, args):
+def analyse(axis, points, configs, args, host_fixed=None):
     """Exponents over the upper half of the grid, the fixed-plus-rate fit, its
-    crossover, and the GPU model, per configuration."""
+    crossover, and the GPU model, per configuration. The model's host time is
+    ``host_fixed[name]`` (seconds; default: this sweep's own fixed cost) plus
+    the launches: pass the width sweep's, whose fixed cost is what remains as
+    the arithmetic goes to zero, while the batch sweep's also holds the
+    per-weight work of its layers, which a GPU would do on the device."""
     xs = [p[axis] for p in points]
     upper = _upper_half(xs)
     out = {}
@@ -266,8 +270,9 @@ def analyse(axis, points, configs, args):
         fixed, rate = fit_fixed_and_rate(flops, [t / 1e3 for t in ms])
         crossover_flops = fixed / rate if rate > 0 else float("inf")
         memory = [max(r["increment_mb"], 1e-3) for r in rows]
-        gpu_ms = [1e3 * max(fixed + r["ops"] * args.launch_us * 1e-6, r["gpu_device_seconds"])
-                  for r in rows]
+        host = fixed if host_fixed is None else host_fixed[name]
+        host_ms = [1e3 * (host + r["ops"] * args.launch_us * 1e-6) for r in rows]
+        device_ms = [1e3 * r["gpu_device_seconds"] for r in rows]
         out[name] = {
             "time_exponent": fit_exponent(xs[upper], ms[upper]),
             "memory_exponent": fit_exponent(xs[upper], memory[upper]),
@@ -275,11 +280,23 @@ def analyse(axis, points, configs, args):
             "gflops_per_second": rate and 1e-9 / rate,
             "crossover_flops": crossover_flops,
             "crossover": crossover(xs, flops, crossover_flops),
-            "gpu_model_ms": gpu_ms,
-            "gpu_model_bound": ["device" if 1e3 * r["gpu_device_seconds"] >= g else "host"
-                                for r, g in zip(rows, gpu_ms)],
+            "gpu_model_host_ms": host_ms,
+            "gpu_model_device_ms": device_ms,
+            "gpu_model_ms": [max(h, d) for h, d in zip(host_ms, device_ms)],
+            "gpu_model_bound": ["device" if d >= h else "host"
+                                for h, d in zip(host_ms, device_ms)],
+            # FLOPs a step needs before the device, at its peak rate, outlasts the host
+            "gpu_crossover_flops": host * args.gpu_tflops * 1e12,
         }
     return out
+
+
+def analyse_steps(results, configs, args):
+    """:func:`analyse` of both sweeps, the GPU model's host cost from the width sweep."""
+    steps = results["steps"]
+    steps["width"]["fits"] = analyse("width", steps["width"]["points"], configs, args)
+    host = {name: fit["fixed_ms"] / 1e3 for name, fit in steps["width"]["fits"].items()}
+    steps["batch"]["fits"] = analyse("batch", steps["batch"]["points"], configs, args, host)
 
 
 def crossover(xs, flops, target):
@@ -342,19 +359,19 @@ def report(results):
         lines.append(markdown_table(["configuration", *map(str, xs), "exponent (upper half)"],
                                     rows))
         lines += ["", f"## Fixed cost, arithmetic rate and crossover against {axis}; "
-                  "GPU model (ms)", ""]
+                  f"counts and GPU model at {axis} {xs[-1]}", ""]
         rows = []
         for name, f in fits.items():
             top = points[-1]["configs"][name]
             rows.append([name, f"{f['fixed_ms']:.2f}", f"{f['gflops_per_second']:.1f}",
                          _fmt_x(f["crossover"], axis), f"{top['ops']}",
                          f"{top['flops'] / 1e9:.2f}", f"{top['bytes'] / 1e6:.0f}",
-                         " / ".join(f"{g:.2f}{'d' if b == 'device' else ''}" for g, b in
-                                    zip(f["gpu_model_ms"], f["gpu_model_bound"]))])
+                         f"{f['gpu_model_host_ms'][-1]:.2f} / {f['gpu_model_device_ms'][-1]:.2f}",
+                         f"{f['gpu_crossover_flops'] / 1e9:.0f}"])
         lines.append(markdown_table(
-            ["configuration", "fixed a (ms)", "rate (GFLOP/s)", "crossover",
-             f"ops at {xs[-1]}", f"GFLOP at {xs[-1]}", f"MB moved at {xs[-1]}",
-             f"GPU model at {', '.join(map(str, xs))} (d: device-bound)"], rows))
+            ["configuration", "fixed a (ms)", "rate (GFLOP/s)", "crossover", "operators",
+             "GFLOP", "MB read + written", "GPU model: host / device (ms)",
+             "GPU crossover (GFLOP per step)"], rows))
     for axis, r in results["iblm"].items():
         label = "h" if axis == "width" else "rows"
         cfg = results["config"]
@@ -453,9 +470,8 @@ def main(args):
         print(BAYESIAN_TORCH_MISSING)
     results = {"config": vars(args), "bayesian_torch": BAYESIAN_TORCH, "steps": {}}
     for axis, grid in (("width", args.widths), ("batch", args.batches)):
-        points = sweep(axis, grid, configs, args, ctx)
-        results["steps"][axis] = {"points": points,
-                                  "fits": analyse(axis, points, configs, args)}
+        results["steps"][axis] = {"points": sweep(axis, grid, configs, args, ctx)}
+    analyse_steps(results, configs, args)
     results["iblm"] = iblm_sweeps(args, ctx)
     text = report(results)
     end = host_info()["load_average"]
