@@ -69,6 +69,10 @@ def test_scaling_quick(tmp_path):
                 # a fresh process per point: its own start, a peak above it
                 assert row["peak_mb"] >= row["start_mb"] > 0, (name, row)
                 assert row["ms"] > 0 and row["ops"] > 0 and row["flops"] > 0, (name, row)
+        # every configuration and point in its own process forked from one clean server:
+        # they all start from the same resident memory (in one process they would not)
+        starts = {row["start_mb"] for point in points for row in point["configs"].values()}
+        assert max(starts) - min(starts) < 1.0, starts
         # the counted matrix-product FLOPs grow with the grid
         flops = [p["configs"]["nn (deterministic)"]["flops"] for p in points]
         assert flops == sorted(flops) and flops[0] < flops[-1]
