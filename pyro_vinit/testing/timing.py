@@ -11,10 +11,10 @@ round, then summarized by its median and range. Shared by the scripts under
 
 Usage::
 
-    set_threads(1)
-    timings = time_interleaved({"a": step_a, "b": step_b}, rounds=9, block=20)
-    timings.median_ms("a"), timings.ratio("a", "b").median
-    write_json("results/bench.json", {"times": timings.to_dict()}, host_start=host)
+    lrt_step = local_reparam(svi.step)
+    configs = {"plain": lambda: svi.step(x, y), "LRT": lambda: lrt_step(x, y)}
+    timings = time_interleaved(configs, rounds=3, block=2)
+    timings.median_ms("LRT"), timings.ratio("LRT", "plain").median
 """
 
 import datetime
