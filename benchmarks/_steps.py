@@ -15,6 +15,7 @@ bayesian-torch==0.5.0``, which ``make bench`` runs); without it,
 """
 
 import contextlib
+import math
 from importlib import metadata
 
 import pyro
@@ -134,3 +135,64 @@ def bayesian_torch_step(layer_cls, sizes, x, y, num_data, lr=1e-3):
 
     step()
     return step
+
+
+def pure_ktied_lrt_step(model, guide, x, y, num_data, lr=1e-3):
+    """The estimator of ``AutoKTiedNormal`` + ``local_reparam()`` +
+    ``TraceMeanField_ELBO`` on ``model`` (an MLP from :func:`make_model`),
+    written out in plain PyTorch from copies of ``guide``'s current parameters:
+    the same arithmetic (the low-rank variance path, the closed-form k-tied KL,
+    the bias KL, the scaled likelihood) without Pyro's per-site machinery.
+    Returns ``(step, loss_fn, leaves)``: ``loss_fn()`` gives the loss, which
+    under the same seed equals the native loop's (tests/test_benchmarks.py
+    checks it and its gradients), and ``leaves`` maps each weight site to its
+    tensors ``(weight loc, bias loc, raw U, raw V, raw bias scale)``."""
+    from pyro import poutine
+    from torch.distributions import transform_to
+
+    from pyro_vinit.poutine.local_reparam_messenger import _pairs
+
+    prior = poutine.trace(model).get_trace(x, y)
+    positive = transform_to(guide.scale_constraint)
+    layers, params, by_site = [], [], {}
+    names = [n for n in guide.prototype_trace.nodes if n.endswith(".weight")]
+    for name in names:
+        bias = name[: -len("weight")] + "bias"
+        w_loc, b_loc = (guide.get_loc_and_scale(n)[0].detach().clone() for n in (name, bias))
+        u, v = guide.get_scale_factors(name)
+        raw = [positive.inv(t.detach()).clone() for t in (u, v, guide.get_loc_and_scale(bias)[1])]
+        leaves = [p.requires_grad_() for p in (w_loc, b_loc, *raw)]
+        params += leaves
+        by_site[name] = leaves
+        s_w = prior.nodes[name]["fn"].base_dist.scale.reshape(-1)[0].item()
+        s_b = prior.nodes[bias]["fn"].base_dist.scale.reshape(-1)[0].item()
+        layers.append((leaves, s_w, s_b))
+    k = guide.rank
+    a, b, coef = _pairs(k, x.dtype, x.device)
+    opt = torch.optim.Adam(params, lr=lr)
+
+    def loss_fn():
+        h, kl = x, 0.0
+        for i, ((w_loc, b_loc, u_raw, v_raw, bs_raw), s_w, s_b) in enumerate(layers):
+            u, v, bs = positive(u_raw), positive(v_raw), positive(bs_raw)
+            ut, vt = u.t(), v.t()
+            var = F.linear(h * h, vt[a] * vt[b]) @ (ut[a] * ut[b] * coef.unsqueeze(-1))
+            mean = F.linear(h, w_loc, b_loc)
+            h = torch.addcmul(mean, (var + bs.pow(2)).sqrt(), torch.randn_like(mean))
+            if i < len(layers) - 1:
+                h = torch.relu(h)
+            s = torch.matmul(u, vt.contiguous())
+            d = w_loc.flatten()
+            kl = kl + (w_loc.numel() * (math.log(s_w) - 0.5) - s.log().sum()
+                       + ((ut @ u) * (vt @ v)).sum() / (2 * s_w ** 2)
+                       + torch.linalg.vecdot(d, d) / (2 * s_w ** 2))
+            kl = kl + (math.log(s_b) - bs.log() + (bs.pow(2) + b_loc.pow(2)) / (2 * s_b ** 2)
+                       - 0.5).sum()
+        return F.cross_entropy(h, y, reduction="sum") * (num_data / len(x)) + kl
+
+    def step():
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+
+    return step, loss_fn, by_site
