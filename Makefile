@@ -53,6 +53,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q --no-deps bayesian-torch==0.5.0
 	$(BIN)/python benchmarks/bench_targets.py
+	$(BIN)/python benchmarks/bench_floor.py
 	$(BIN)/python benchmarks/bench_guides.py
 	$(BIN)/python benchmarks/bench_lrt_step.py
 	$(BIN)/python benchmarks/bench_gradient_variance.py
