@@ -47,9 +47,17 @@ demo: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/sphinx-build -W -b html docs docs/_build/html
 
+# bayesian-torch is the peer of the speed targets (benchmarks only, not an extra); --no-deps: its
+# declared requirements (torchvision, tensorboard) are not used by its layers, and torchvision
+# could pull another torch build than the CPU one above.
 bench: $(STAMP)
+	$(BIN)/pip install -q --no-deps bayesian-torch==0.5.0
+	$(BIN)/python benchmarks/bench_targets.py
+	$(BIN)/python benchmarks/bench_floor.py
 	$(BIN)/python benchmarks/bench_guides.py
-	$(BIN)/python benchmarks/bench_lrt.py
+	$(BIN)/python benchmarks/bench_lrt_step.py
+	$(BIN)/python benchmarks/bench_gradient_variance.py
+	$(BIN)/python benchmarks/bench_scaling.py
 	$(BIN)/python benchmarks/bench_iblm_time.py
 	$(BIN)/python benchmarks/bench_iblm_memory.py
 	$(BIN)/python benchmarks/bench_memory.py

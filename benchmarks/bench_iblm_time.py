@@ -23,7 +23,6 @@ Usage::
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
@@ -36,6 +35,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_vinit import init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.testing.timing import fit_exponent
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,12 +60,6 @@ def one_round(width, depth, x, y, batch_size, svi_steps):
         times.append(time.perf_counter() - start)
     num_weights = sum(v.numel() for v in guide.median().values())
     return init_seconds, statistics.median(times), num_weights
-
-
-def fit_exponent(xs, ys):
-    lx, ly = [math.log(v) for v in xs], [math.log(v) for v in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
 def main(args):

@@ -7,7 +7,7 @@ experiments of Wen et al. [2]: how much noise does each way of sampling the
 weights put into a stochastic gradient, and how much of it is left once
 there is none?
 
-Setup (the measurement of part 1 of ``benchmarks/bench_lrt.py``, written
+Setup (the measurement of ``benchmarks/bench_gradient_variance.py``, written
 out here on the public API):
 
 - a 64-400-400-400-10 ReLU MLP on scikit-learn's digits with the N(0,

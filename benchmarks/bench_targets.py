@@ -1,0 +1,238 @@
+"""
+Issue 16's target table: the step-time ratios of our fastest configurations
+to bayesian-torch and to Pyro's AutoNormal, each measured through ``SVI``
+and through Pyro's PyTorch-native loop, side by side in one run.
+
+Bayesian ReLU MLP 64→400→400→10 (N(0, 1/D_in) priors) on scikit-learn
+digits, TraceMeanField_ELBO, Adam (lr 1e-3), CPU. The configurations of one
+setting (batch 128 with Pyro's validation off; batch 1000, off; batch 128,
+on) are timed in interleaved rounds (:mod:`pyro_vinit.testing.timing`), so
+that machine noise hits all alike, and each ratio is computed within each
+round. The batch-128, validation-off setting is measured ``--repeats``
+times, each with fresh models; a ratio's value is the median over all its
+rounds, and the range is over the rounds.
+
+Targets (numerator ÷ denominator ≤ target), judged in the faster of the two
+loops (the one where the numerator's own step takes less time); the plain
+``SVI`` path has its own bound against bayesian-torch:
+
+* ``AutoKTiedNormal(rank=2)`` + ``local_reparam()`` ÷ bayesian-torch
+  ``LinearReparameterization``: ≤ 1.0 at batch 128 and ≤ 0.9 at batch
+  1000 with validation off, ≤ 1.3 with validation on; ≤ 1.2 through
+  ``SVI`` alone (batch 128, off);
+* ``AutoNormal`` + ``local_reparam()`` ÷ ``AutoNormal``: ≤ 1.1;
+* ``AutoRadialNormal`` ÷ ``AutoNormal``: ≤ 1.0;
+* ``AutoKTiedNormal(rank=2)`` ÷ ``AutoNormal``: ≤ 0.8.
+
+bayesian-torch is a benchmark-only dependency (``pip install --no-deps
+bayesian-torch==0.5.0``, run by ``make bench``); without it its rows are
+skipped, with a note.
+
+Usage::
+
+    python benchmarks/bench_targets.py --threads 1      # full run (about 2 minutes)
+    python benchmarks/bench_targets.py --quick          # smoke run, no files
+"""
+
+import argparse
+import os
+
+import pyro
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, LocalReparamMessenger
+from pyro_vinit.data import load_digits
+from pyro_vinit.testing.timing import (
+    Timings,
+    host_info,
+    markdown_table,
+    set_threads,
+    time_interleaved,
+    write_json,
+)
+
+from _steps import (
+    BAYESIAN_TORCH,
+    BAYESIAN_TORCH_MISSING,
+    LOOPS,
+    LinearFlipout,
+    LinearReparameterization,
+    bayesian_torch_step,
+    deterministic_step,
+    make_model,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = (64, 400, 400, 10)
+
+DETERMINISTIC = "nn (deterministic)"
+BT = "bayesian-torch LinearReparameterization"
+BT_FLIPOUT = "bayesian-torch LinearFlipout"
+KT_LRT = "AutoKTiedNormal(2) + LRT"
+
+# name: (guide class, guide kwargs, under local_reparam())
+GUIDES = {
+    "AutoNormal": (AutoNormal, {}, False),
+    "AutoNormal + LRT": (AutoNormal, {}, True),
+    "AutoRadialNormal": (AutoRadialNormal, {}, False),
+    "AutoKTiedNormal(2)": (AutoKTiedNormal, {"rank": 2}, False),
+    KT_LRT: (AutoKTiedNormal, {"rank": 2}, True),
+}
+
+# setting: (batch, Pyro validation, Pyro configurations timed)
+SETTINGS = {
+    "batch 128, validation off": (128, False, list(GUIDES)),
+    "batch 1000, validation off": (1000, False, [KT_LRT]),
+    "batch 128, validation on": (128, True, [KT_LRT]),
+}
+
+# (numerator, denominator, setting, target, loops): the loops whose faster one must
+# meet the target; a denominator without a loop (bayesian-torch) is the same for both.
+TARGETS = [
+    (KT_LRT, BT, "batch 128, validation off", 1.0, ("SVI", "native")),
+    (KT_LRT, BT, "batch 1000, validation off", 0.9, ("SVI", "native")),
+    (KT_LRT, BT, "batch 128, validation on", 1.3, ("SVI", "native")),
+    (KT_LRT, BT, "batch 128, validation off", 1.2, ("SVI",)),
+    ("AutoNormal + LRT", "AutoNormal", "batch 128, validation off", 1.1, ("SVI", "native")),
+    ("AutoRadialNormal", "AutoNormal", "batch 128, validation off", 1.0, ("SVI", "native")),
+    ("AutoKTiedNormal(2)", "AutoNormal", "batch 128, validation off", 0.8, ("SVI", "native")),
+]
+
+
+def pyro_name(name, loop):
+    return f"{name}, {loop}"
+
+
+def configurations(batch, names, x, y):
+    """One step of every configuration of a setting, by name."""
+    xb, yb = x[:batch], y[:batch]
+    configs = {DETERMINISTIC: deterministic_step(SIZES, xb, yb)}
+    if BAYESIAN_TORCH is not None:
+        configs[BT] = bayesian_torch_step(LinearReparameterization, SIZES, xb, yb, len(x))
+        configs[BT_FLIPOUT] = bayesian_torch_step(LinearFlipout, SIZES, xb, yb, len(x))
+    for name in names:
+        guide_cls, kwargs, lrt = GUIDES[name]
+        for loop, make_step in LOOPS.items():
+            model = make_model(SIZES, len(x))
+            handler = LocalReparamMessenger() if lrt else None
+            configs[pyro_name(name, loop)] = make_step(model, guide_cls(model, **kwargs), xb, yb,
+                                                       handler=handler)
+    return configs
+
+
+def measure(setting, x, y, args):
+    batch, validate, names = SETTINGS[setting]
+    repeats = args.repeats if setting == "batch 128, validation off" else 1
+    runs = []
+    with pyro.validation_enabled(validate):
+        for _ in range(repeats):
+            configs = configurations(batch, names, x, y)
+            runs.append(time_interleaved(configs, rounds=args.rounds, block=args.block,
+                                         warmup=args.warmup))
+    print(f"  {setting} done", flush=True)
+    return Timings.combine(runs)
+
+
+def target_rows(timings):
+    """One row per target: the ratio through each loop, and whether it meets the
+    target in the loop where the numerator's step is faster."""
+    rows = []
+    for num, den, setting, target, loops in TARGETS:
+        t = timings[setting]
+        row = {"numerator": num, "denominator": den, "setting": setting, "target": target,
+               "loops": list(loops)}
+        if den == BT and BT not in t.names:
+            row["skipped"] = BAYESIAN_TORCH_MISSING
+            rows.append(row)
+            continue
+        for loop in loops:
+            d = den if den == BT else pyro_name(den, loop)
+            row[loop] = t.ratio(pyro_name(num, loop), d).to_dict()
+        # the loop in which the numerator's own step is faster (the one the docs
+        # recommend), not the one that happens to give the better ratio
+        best = min(loops, key=lambda loop: t.median(pyro_name(num, loop)))
+        row["best"] = best
+        row["met"] = row[best]["median"] <= target
+        rows.append(row)
+    return rows
+
+
+def _fmt(r):
+    return f"{r['median']:.2f} ({r['low']:.2f}–{r['high']:.2f})"
+
+
+def report(results, host, load_end):
+    lines = ["## Targets (median of per-round ratios, range over rounds)", ""]
+    table = []
+    for row in results["targets"]:
+        name = f"{row['numerator']} ÷ {row['denominator']}, {row['setting']}"
+        if len(row["loops"]) == 1:
+            name += f" ({row['loops'][0]} only)"
+        if "skipped" in row:
+            table.append([name, f"≤ {row['target']}", "—", "—", "skipped"])
+            continue
+        cells = [_fmt(row[loop]) if loop in row else "—" for loop in ("SVI", "native")]
+        verdict = "met" if row["met"] else "not met"
+        table.append([name, f"≤ {row['target']}", *cells, f"{verdict} ({row['best']})"])
+    lines.append(markdown_table(["ratio", "target", "SVI", "native loop", "faster loop"],
+                                table))
+    if results["bayesian_torch"] is None:
+        lines += ["", BAYESIAN_TORCH_MISSING]
+    for setting, t in results["times"].items():
+        ms = t["median_ms"]
+        lines += ["", f"## {setting}: step time (ms, median over rounds)", ""]
+        rows = [[name, f"{v:.2f}", f"{v / ms[DETERMINISTIC]:.2f}"] for name, v in ms.items()]
+        lines.append(markdown_table(["configuration", "ms", "÷ deterministic"], rows))
+    lines += ["", f"MLP {'→'.join(map(str, SIZES))}, TraceMeanField_ELBO, "
+              f"{results['config']['threads']} thread(s), {results['config']['rounds']} rounds × "
+              f"{results['config']['block']} steps ({results['config']['repeats']} repeats at "
+              f"batch 128, validation off); torch {host['torch']}, Pyro {host['pyro']}, "
+              f"bayesian-torch {results['bayesian_torch'] or 'not installed'}; load average "
+              f"(1, 5, 15 min) at the start {tuple(host['load_average'])}, at the end "
+              f"{tuple(load_end)}, on {host['cpu_count']} cores."]
+    return "\n".join(lines)
+
+
+def main(args):
+    set_threads(args.threads)
+    # Many guides of one class live side by side: with module-local parameters each
+    # owns its own, as an nn.Module does (SVI and its optimizer work the same).
+    pyro.settings.set(module_local_params=True)
+    pyro.set_rng_seed(0)
+    host = host_info()
+    x, y, _, _ = load_digits()
+    timings = {setting: measure(setting, x, y, args) for setting in SETTINGS}
+    results = {
+        "config": vars(args),
+        "sizes": SIZES,
+        "bayesian_torch": BAYESIAN_TORCH,
+        "targets": target_rows(timings),
+        "times": {setting: t.to_dict() for setting, t in timings.items()},
+    }
+    text = report(results, host, host_info()["load_average"])
+    print(text)
+    if args.quick:
+        return results
+    path = os.path.join(args.out, f"bench_targets{args.tag}")
+    write_json(path + ".json", results, host_start=host)
+    with open(path + ".md", "w") as f:
+        f.write(text + "\n")
+    print(f"\nwrote {path}.json and .md")
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per setting")
+    parser.add_argument("--block", type=int, default=10, help="steps per block")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="fresh measurements of batch 128, validation off")
+    parser.add_argument("--tag", default="", help="suffix of the result files")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.block, args.warmup, args.repeats = 2, 1, 1, 1
+    main(args)
