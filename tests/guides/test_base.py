@@ -1,0 +1,172 @@
+"""AutoSiteGuide as a subclass sees it: the default hooks, what reaches them, and the
+complete text of the errors the base raises for every guide."""
+
+import re
+
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import pytest
+import torch
+from pyro.distributions import constraints
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit.guides import AutoSiteGuide
+from tests.common import assert_close
+
+
+class AutoPlainNormal(AutoSiteGuide):
+    """The smallest subclass: AutoNormal's scales and the base's default hooks."""
+
+    def _setup_scales(self):
+        self._setup_normal_scales(self._event_dims)
+
+    def _unconstrained_posterior(self, name):
+        loc, scale = self._get_loc_and_scale(name)
+        return dist.Normal(loc, scale).to_event(self._event_dims[name])
+
+
+class AutoRecordingNormal(AutoPlainNormal):
+    """Records what set_loc_and_scale hands to the hook, then writes it."""
+
+    def _set_loc_and_scale(self, name, loc, scale):
+        self.received = loc, scale
+        self._write_params([(f"locs.{name}", constraints.real, loc),
+                            (f"scales.{name}", self.scale_constraint, scale)])
+
+
+def model():
+    pyro.sample("w", dist.Normal(torch.zeros(6, 5), 1.0).to_event(2))
+    pyro.sample("noise", dist.HalfNormal(1.0))
+    with pyro.plate("plate", 3):
+        pyro.sample("local", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+
+
+def test_default_hooks_are_autonormals():
+    # A subclass that keeps the default _get_loc_and_scale reads AutoNormal's locs and
+    # scales: with the same seed it has AutoNormal's parameters and draws the same values.
+    guides = {}
+    for Guide in (AutoNormal, AutoPlainNormal):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(3)
+        guides[Guide] = guide = Guide(model, init_scale=0.2)
+        pyro.set_rng_seed(4)
+        guide.draws = guide()
+    normal, plain = guides[AutoNormal], guides[AutoPlainNormal]
+    for name in ["w", "noise", "local"]:
+        for actual, expected in zip(plain.get_loc_and_scale(name),
+                                    normal._get_loc_and_scale(name)):
+            assert_close(actual, expected, atol=0, rtol=0)
+        assert_close(plain.draws[name], normal.draws[name], atol=1e-6, rtol=0)
+    assert_close(plain.get_loc_and_scale("local")[1], torch.full((3, 4), 0.2))
+
+
+def test_missing_set_hook_is_reported():
+    guide = AutoPlainNormal(model)
+    guide()
+    before = {k: v.clone() for k, v in guide.state_dict().items()}
+    with pytest.raises(NotImplementedError, match=r"^AutoPlainNormal does not implement "
+                                                  r"_set_loc_and_scale, so its parameters "
+                                                  r"cannot be written$"):
+        guide.set_loc_and_scale("w", torch.zeros(6, 5), torch.ones(6, 5))
+    assert all(torch.equal(v, before[k]) for k, v in guide.state_dict().items())
+
+
+def test_set_hook_receives_values_in_the_guides_dtype():
+    # As documented for _set_loc_and_scale: validated, detached, the guide's dtype.
+    guide = AutoRecordingNormal(model)
+    guide()
+    loc = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    scale = torch.full((6, 5), 3, dtype=torch.int64)
+    guide.set_loc_and_scale("w", loc, scale)
+    received_loc, received_scale = guide.received
+    assert received_loc.dtype == received_scale.dtype == torch.float32
+    assert not received_loc.requires_grad
+    assert_close(received_loc, loc.detach().float(), atol=0, rtol=0)
+    assert_close(received_scale, torch.full((6, 5), 3.0), atol=0, rtol=0)
+
+
+def test_write_params_checks_the_value_in_the_parameters_dtype():
+    # 1e39 is finite in float64 and overflows a float32 parameter: refused, not written
+    # as inf.
+    guide = AutoRecordingNormal(model)
+    guide()
+    before = guide.locs.w.detach().clone()
+    too_large = torch.full((6, 5), 1e39, dtype=torch.float64)
+    with pytest.raises(ValueError) as error:
+        guide._write_params([("locs.w", constraints.real, too_large)])
+    assert str(error.value) == (
+        "AutoRecordingNormal: cannot write 'locs.w': the unconstrained value has shape "
+        "(6, 5) (expected (6, 5)) or non-finite entries (a scale too close to 0 or too "
+        "large for the dtype); nothing was written"
+    )
+    assert torch.equal(guide.locs.w.detach(), before)
+
+
+@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
+def test_bad_init_scale_message(Guide):
+    with pytest.raises(ValueError) as error:
+        Guide(model, init_scale=-1.0)
+    assert str(error.value) == (
+        f"{Guide.__name__}: init_scale must be a positive float (the initial standard "
+        "deviation of each unconstrained latent element), but got -1.0; pass e.g. "
+        "init_scale=0.1"
+    )
+
+
+@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
+def test_not_set_up_message(Guide):
+    guide = Guide(model)
+    with pytest.raises(RuntimeError) as error:
+        guide.get_loc_and_scale("w")
+    assert str(error.value) == (
+        f"{Guide.__name__} is not set up yet: call the guide once with the model's "
+        "arguments (e.g. guide(x, y), or one svi.step) first."
+    )
+
+
+@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
+def test_bad_value_messages(Guide):
+    guide = Guide(model)
+    guide()
+    loc, scale = torch.zeros(6, 5), torch.ones(6, 5)
+    nan = torch.full((6, 5), float("nan"))
+    cases = [
+        ((1.0, scale), TypeError, "site 'w': loc must be a torch.Tensor, got float"),
+        ((loc, [1.0]), TypeError, "site 'w': scale must be a torch.Tensor, got list"),
+        ((torch.zeros(5, 6), scale), ValueError,
+         "site 'w': loc must have the site's full unconstrained shape (6, 5), got (5, 6)"),
+        ((loc, torch.ones(30)), ValueError,
+         "site 'w': scale must have the site's full unconstrained shape (6, 5), got (30,)"),
+        ((nan, scale), ValueError, "site 'w': loc has non-finite entries; nothing was written"),
+        ((loc, -scale), ValueError,
+         "site 'w': scale must be finite and positive (a marginal standard deviation), but "
+         "has entries that are not; nothing was written"),
+    ]
+    for args, error_type, message in cases:
+        with pytest.raises(error_type, match=f"^{re.escape(message)}$"):
+            guide.set_loc_and_scale("w", *args)
+
+
+def test_default_init_scale_is_autonormals():
+    # AutoRadialNormal takes the base's defaults; AutoNormal is the control.
+    for Guide in (AutoNormal, AutoRadialNormal):
+        guide = Guide(model)
+        guide()
+        _, scale = guide._get_loc_and_scale("w")
+        assert_close(scale, torch.full((6, 5), 0.1))
+
+
+def test_masked_site_adds_no_log_density():
+    # Under mask(False), as in AutoNormal, a constrained site's Delta carries no
+    # log-density (the Jacobian is not even computed), before any masking.
+    for Guide in (AutoNormal, AutoPlainNormal, AutoKTiedNormal, AutoRadialNormal):
+        guide = Guide(model)
+        with poutine.mask(mask=False):
+            trace = poutine.trace(guide).get_trace()
+        site = trace.nodes["noise"]
+        assert_close(site["fn"].log_prob(site["value"]), 0.0, atol=0, rtol=0)
+        unmasked = poutine.trace(guide).get_trace().nodes["noise"]
+        # without the mask: log |d log(x) / dx| = -log(x)
+        assert_close(unmasked["fn"].log_prob(unmasked["value"]), -unmasked["value"].log())
