@@ -19,12 +19,10 @@ import math
 from importlib import metadata
 
 import pyro
-import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro.infer import SVI, TraceMeanField_ELBO
 
-from pyro_vinit.guides import AutoSiteGuide
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 
 try:
@@ -39,18 +37,6 @@ BAYESIAN_TORCH_MISSING = (
     "bayesian-torch is not installed: its rows are skipped "
     "(benchmark-only: pip install --no-deps bayesian-torch==0.5.0, as `make bench` does)."
 )
-
-
-class AutoMeanFieldNormal(AutoSiteGuide):
-    """AutoNormal's fully factorized Normal, placed at the site itself (so
-    TraceMeanField_ELBO uses the closed-form KL)."""
-
-    def _setup_scales(self):
-        self._setup_normal_scales(self._event_dims)
-
-    def _unconstrained_posterior(self, name):
-        loc, scale = self._get_loc_and_scale(name)
-        return dist.Normal(loc, scale).to_event(self._event_dims[name])
 
 
 def make_model(sizes, num_data, prior_scale=None):

@@ -35,14 +35,14 @@ import torch
 from pyro.infer import SVI, TraceMeanField_ELBO
 from pyro.infer.autoguide import init_to_sample
 
-from pyro_vinit import LocalReparamMessenger
+from pyro_vinit import AutoMeanFieldNormal, LocalReparamMessenger
 from pyro_vinit.data import load_digits
 from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.testing.gradient_variance import ESTIMATORS
 from pyro_vinit.testing.gradient_variance import gradient_variance as gradient_variance_draws
 from pyro_vinit.testing.timing import host_info, markdown_table, set_threads, write_json
 
-from _steps import AutoMeanFieldNormal, make_model
+from _steps import make_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 400, 10)

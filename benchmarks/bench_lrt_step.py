@@ -31,7 +31,7 @@ import pyro
 import torch
 import torch.nn.functional as F
 
-from pyro_vinit import AutoKTiedNormal, FlipoutMessenger, LocalReparamMessenger
+from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, FlipoutMessenger, LocalReparamMessenger
 from pyro_vinit.data import load_digits
 from pyro_vinit.testing.timing import (
     host_info,
@@ -41,7 +41,7 @@ from pyro_vinit.testing.timing import (
     write_json,
 )
 
-from _steps import AutoMeanFieldNormal, make_model, svi_step
+from _steps import make_model, svi_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 400, 10)

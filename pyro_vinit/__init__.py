@@ -13,7 +13,13 @@ from pyro_vinit import (
     poutine,
     schedules,
 )
-from pyro_vinit.guides import AutoKTiedNormal, AutoRadialNormal, posterior_as_prior, set_priors
+from pyro_vinit.guides import (
+    AutoKTiedNormal,
+    AutoMeanFieldNormal,
+    AutoRadialNormal,
+    posterior_as_prior,
+    set_priors,
+)
 from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_guide_iblm
 from pyro_vinit.poutine import FlipoutMessenger, LocalReparamMessenger, flipout, local_reparam
 
@@ -21,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoKTiedNormal",
+    "AutoMeanFieldNormal",
     "AutoRadialNormal",
     "FlipoutMessenger",
     "IBLMGuideInitializer",

@@ -30,7 +30,7 @@ def test_public_modules_have_all():
 
 
 def test_top_level_api():
-    for name in ["AutoKTiedNormal", "AutoRadialNormal", "distributions"]:
+    for name in ["AutoKTiedNormal", "AutoMeanFieldNormal", "AutoRadialNormal", "distributions"]:
         assert name in pyro_vinit.__all__
     assert pyro_vinit.distributions.RadialNormal is importlib.import_module(
         "pyro_vinit.distributions.radial_normal"

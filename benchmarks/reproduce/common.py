@@ -16,11 +16,9 @@ import json
 import math
 import os
 import time
-from operator import attrgetter
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyro
-import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 import torch.nn.functional as F
@@ -29,8 +27,7 @@ from pyro.infer.autoguide import init_to_sample
 from torch import nn
 from tqdm import tqdm
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
-from pyro_vinit.guides import AutoSiteGuide
+from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger
 
@@ -74,22 +71,13 @@ def make_model(sizes: Sequence[int], num_data: int, prior_scale: Optional[float]
                               num_data=num_data)
 
 
-class MeanFieldNormal(AutoSiteGuide):
-    r"""
-    A fully factorized Normal placed at each latent site of the model, the
-    mean-field guide of the papers, written on the library's public
-    :class:`~pyro_vinit.guides.AutoSiteGuide` base.
-
-    Pyro's :class:`~pyro.infer.autoguide.AutoNormal` has the same family but
-    puts a ``Delta`` at each site and the Normal behind it, so
-    :class:`~pyro.infer.TraceMeanField_ELBO` estimates its KL by Monte Carlo,
-    while :class:`~pyro_vinit.AutoKTiedNormal` and
-    :class:`~pyro_vinit.AutoRadialNormal` get it in closed form. The papers'
-    mean-field baselines use the closed form; so does this guide, so that
-    the comparisons measure the families and not the KL estimators. Its
-    scales are AutoNormal's (softplus), and as an AutoSiteGuide it works with
-    :mod:`~pyro_vinit.guides.site_params`, I-BLM,
-    ``AutoKTiedNormal.from_guide`` and ``posterior_as_prior``.
+class MeanFieldNormal(AutoMeanFieldNormal):
+    """
+    The mean-field guide of the papers: :class:`~pyro_vinit.AutoMeanFieldNormal`
+    (AutoNormal's family with the Normal at the site, so that the KL is in
+    closed form, as for :class:`~pyro_vinit.AutoKTiedNormal` and
+    :class:`~pyro_vinit.AutoRadialNormal`: the comparisons measure the families,
+    not the KL estimators), with the means drawn from the prior by default.
     """
 
     def __init__(self, model: Callable, *, init_loc_fn: Callable = init_to_sample,
@@ -98,20 +86,6 @@ class MeanFieldNormal(AutoSiteGuide):
         # weight mean to 0, where the hidden units of a ReLU net are interchangeable or dead
         super().__init__(model, init_loc_fn=init_loc_fn, init_scale=init_scale,
                          create_plates=create_plates)
-
-    def _setup_scales(self) -> None:
-        self._setup_normal_scales(self._event_dims)
-
-    def _get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        return attrgetter(name)(self.locs), attrgetter(name)(self.scales)
-
-    def _set_loc_and_scale(self, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
-        self._write_params([(f"locs.{name}", dist.constraints.real, loc),
-                            (f"scales.{name}", self.scale_constraint, scale)])
-
-    def _unconstrained_posterior(self, name: str) -> dist.TorchDistribution:
-        loc, scale = self._get_loc_and_scale(name)
-        return dist.Normal(loc, scale).to_event(self._event_dims[name])
 
 
 GUIDE_FAMILIES = ("mean-field", "k-tied k=1", "k-tied k=2", "k-tied k=3", "radial")

@@ -83,7 +83,7 @@ __all__ = [
 def _supported_names() -> List[str]:
     # The families users pick from first, then the bases and any registered later.
     names = ["AutoNormal", "AutoDiagonalNormal", "AutoKTiedNormal", "AutoRadialNormal",
-             "AutoLowRankMultivariateNormal"]
+             "AutoMeanFieldNormal", "AutoLowRankMultivariateNormal"]
     registered = sorted(cls.__name__ for cls in get_loc_and_scale.registry if cls is not object)
     return names + [name for name in registered if name not in names]
 

@@ -27,10 +27,10 @@ from pyro.infer.autoguide import (
 from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal
 from tests.common import assert_close
 
-GUIDES = [AutoNormal, AutoKTiedNormal, AutoRadialNormal]
+GUIDES = [AutoNormal, AutoKTiedNormal, AutoRadialNormal, AutoMeanFieldNormal]
 ELBOS = [Trace_ELBO, TraceMeanField_ELBO]
 
 
@@ -62,7 +62,7 @@ def test_shapes_and_sites(Guide):
         assert site["fn"].support.check(site["value"]).all()
 
 
-@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
+@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal, AutoMeanFieldNormal])
 def test_real_sites_carry_the_posterior(Guide):
     # No Delta and no auxiliary site at real-support sites, so the KL is closed form.
     guide_trace = poutine.trace(Guide(assorted_model)).get_trace()
@@ -303,7 +303,7 @@ def test_conjugate_posterior(Guide):
     assert_close(scale, torch.full((2,), 21**-0.5), atol=0.03, rtol=0)
 
 
-@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
+@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal, AutoMeanFieldNormal])
 @pytest.mark.parametrize("init_scale", [0.0, -0.1, 1, "0.1", True])
 def test_bad_init_scale(Guide, init_scale):
     with pytest.raises(ValueError, match="init_scale must be a positive float"):
@@ -339,7 +339,7 @@ def test_no_latent_sites(Guide, shared_subsample):
     assert guide.median() == {} and guide.quantiles([0.5]) == {}
 
 
-@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
+@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal, AutoMeanFieldNormal])
 def test_discrete_latent_site(Guide):
     def model():
         pyro.sample("z", dist.Bernoulli(0.5))
@@ -348,7 +348,7 @@ def test_discrete_latent_site(Guide):
         Guide(model)()
 
 
-@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal])
+@pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal, AutoMeanFieldNormal])
 def test_get_loc_and_scale_errors(Guide):
     guide = Guide(assorted_model)
     with pytest.raises(RuntimeError, match="not set up yet"):

@@ -16,7 +16,7 @@ from pyro.nn import PyroModule, PyroParam
 from pyro.optim import Adam
 from torch.distributions import biject_to, constraints
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide
+from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal, init_guide
 from pyro_vinit._pyro_compat import deep_setattr
 from pyro_vinit.guides import AutoSiteGuide, site_params
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
@@ -52,7 +52,7 @@ def getattr_dotted(module, name):
 
 
 GUIDES = [AutoNormal, AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoKTiedNormal,
-          AutoRadialNormal, AutoExpNormal]
+          AutoRadialNormal, AutoMeanFieldNormal, AutoExpNormal]
 
 
 def make_model(dtype):
@@ -312,10 +312,10 @@ def test_unsupported_message_names_every_supported_family():
     assert str(error.value) == (
         "AutoDelta is not a supported guide: reading and writing per-site posteriors "
         "supports AutoNormal, AutoDiagonalNormal, AutoKTiedNormal, AutoRadialNormal, "
-        "AutoLowRankMultivariateNormal, AutoSiteGuide and their subclasses (a third-party "
-        "AutoSiteGuide subclass is supported if it implements get_loc_and_scale and "
-        "set_loc_and_scale); build the guide with one of these, or register the class with "
-        "pyro_vinit.guides.site_params.get_loc_and_scale.register and "
+        "AutoMeanFieldNormal, AutoLowRankMultivariateNormal, AutoSiteGuide and their "
+        "subclasses (a third-party AutoSiteGuide subclass is supported if it implements "
+        "get_loc_and_scale and set_loc_and_scale); build the guide with one of these, or "
+        "register the class with pyro_vinit.guides.site_params.get_loc_and_scale.register and "
         "set_loc_and_scale.register"
     )
 
