@@ -47,7 +47,7 @@ from pyro_vinit.testing.timing import (
     markdown_table,
     set_threads,
     time_interleaved,
-    write_json,
+    write_report,
 )
 
 from _steps import (
@@ -191,10 +191,7 @@ def main(args):
                "bayesian_torch": BAYESIAN_TORCH, "median_ms": medians, "analysis": analysis}
     if not args.quick:
         path = os.path.join(args.out, f"bench_floor{args.tag}")
-        write_json(path + ".json", results, host_start=host)
-        with open(path + ".md", "w") as f:
-            f.write(text + "\n")
-        print(f"\nwrote {path}.json and .md")
+        write_report(path, results, text, host_start=host)
     return results
 
 

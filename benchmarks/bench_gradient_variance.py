@@ -32,17 +32,11 @@ import os
 
 import pyro
 import torch
-from pyro.infer import SVI, TraceMeanField_ELBO
 from pyro.infer.autoguide import init_to_sample
 
-from pyro_vinit import AutoMeanFieldNormal, LocalReparamMessenger
 from pyro_vinit.data import load_digits
-from pyro_vinit.poutine import KLAnnealingMessenger
-from pyro_vinit.testing.gradient_variance import ESTIMATORS
-from pyro_vinit.testing.gradient_variance import gradient_variance as gradient_variance_draws
-from pyro_vinit.testing.timing import host_info, markdown_table, set_threads, write_json
-
-from _steps import make_model
+from pyro_vinit.testing.gradient_variance import ESTIMATORS, train_and_measure
+from pyro_vinit.testing.timing import host_info, markdown_table, set_threads, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 400, 10)
@@ -52,71 +46,6 @@ SIZES = (64, 400, 400, 400, 10)
 # the prior and the network at chance accuracy, which is no regime to
 # compare gradient estimators in.
 MNIST_SIZE = 60000
-
-
-def gradient_variance(
-    x, y, *, sizes=SIZES, epochs=(10, 100), batch_sizes=(128, 1000), draws=100,
-    train_batch_size=128, lr=1e-3, prior_scale=None, kl_weight=1.0, guide_kwargs=None,
-    estimators=None, evaluate=None, log=print,
-):
-    """
-    Fits a mean-field Normal guide of ``mlp(sizes)`` (N(0, 1/D_in) priors by
-    default) with LRT and Adam on minibatches of ``train_batch_size``; at each
-    checkpoint in ``epochs`` (cumulative), draws ``draws`` gradients of the
-    TraceMeanField_ELBO loss with respect to the means of the bottom and top
-    weights for every estimator and batch size in ``batch_sizes`` (each draw a
-    new minibatch without replacement and new weight noise), at the fixed
-    parameters.
-
-    :param float prior_scale: A N(0, prior_scale²) prior for every weight
-        instead of N(0, 1/D_in).
-    :param float kl_weight: A factor on the KL term, in training and in the
-        gradient draws (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`
-        with a constant scale).
-    :param dict guide_kwargs: Keyword arguments of the guide (e.g.
-        ``init_loc_fn``, ``init_scale``).
-    :param dict estimators: The estimators, by name: a messenger class, or
-        None for ordinary sampling (default:
-        :data:`pyro_vinit.testing.gradient_variance.ESTIMATORS`).
-    :param callable evaluate: Optional ``evaluate(model, guide) -> dict``,
-        called at each checkpoint; its result is stored as ``"metrics"``.
-    :param callable log: Progress messages (None: silent).
-    :return: A list of rows ``{"epochs", "batch", "ordinary": {"bottom",
-        "top", "ms_per_draw"}, "LRT": {...}, ...}``, one entry per estimator:
-        the variance over draws averaged over the weight's elements, and the
-        mean wall time of one draw.
-    """
-    estimators = ESTIMATORS if estimators is None else estimators
-    model = make_model(sizes, len(x), prior_scale=prior_scale)
-    guide = AutoMeanFieldNormal(model, **(guide_kwargs or {}))
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), TraceMeanField_ELBO())
-    svi.step(x[:train_batch_size], y[:train_batch_size])
-    params = dict(guide.named_parameters())
-    bottom = params["locs.net.0.weight_unconstrained"]
-    top = params[f"locs.net.{2 * (len(sizes) - 2)}.weight_unconstrained"]
-    elbo = TraceMeanField_ELBO()
-    rows, done = [], 0
-    steps_per_epoch = max(1, len(x) // train_batch_size)
-    kl = KLAnnealingMessenger(kl_weight)
-    step = kl(LocalReparamMessenger()(svi.step))
-    for epoch in epochs:
-        for _ in range((epoch - done) * steps_per_epoch):
-            idx = torch.randint(0, len(x), (train_batch_size,))
-            step(x[idx], y[idx])
-        done = epoch
-        metrics = None if evaluate is None else evaluate(model, guide)
-        for batch in batch_sizes:
-            row = {"epochs": epoch, "batch": batch}
-            if metrics is not None:
-                row["metrics"] = metrics
-            row.update(gradient_variance_draws(
-                lambda xb, yb: elbo.differentiable_loss(model, guide, xb, yb),
-                {"bottom": bottom, "top": top}, x, y, batch=batch, draws=draws,
-                estimators=estimators, context=lambda: kl))
-            rows.append(row)
-            if log is not None:
-                log(f"  variance: {epoch} epochs, batch {batch} done")
-    return rows
 
 
 def train_accuracy(x, y, num_samples=16):
@@ -157,8 +86,8 @@ def main(args):
     x, y, _, _ = load_digits()
     kl_weight = len(x) / MNIST_SIZE
     with pyro.validation_enabled(False):
-        rows = gradient_variance(
-            x, y, epochs=args.epochs, draws=args.draws, kl_weight=kl_weight,
+        rows = train_and_measure(
+            x, y, sizes=SIZES, epochs=args.epochs, draws=args.draws, kl_weight=kl_weight,
             guide_kwargs=dict(init_loc_fn=init_to_sample), evaluate=train_accuracy(x, y),
             log=lambda m: print(m, flush=True),
         )
@@ -167,11 +96,8 @@ def main(args):
     if args.quick:
         return
     path = os.path.join(args.out, f"bench_gradient_variance{args.tag}")
-    write_json(path + ".json", {"config": vars(args), "sizes": SIZES, "kl_weight": kl_weight,
-                                "variance": rows}, host_start=host)
-    with open(path + ".md", "w") as f:
-        f.write(text + "\n")
-    print(f"\nwrote {path}.json and .md")
+    write_report(path, {"config": vars(args), "sizes": SIZES, "kl_weight": kl_weight,
+                        "variance": rows}, text, host_start=host)
 
 
 if __name__ == "__main__":

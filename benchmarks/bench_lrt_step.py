@@ -38,7 +38,7 @@ from pyro_vinit.testing.timing import (
     markdown_table,
     set_threads,
     time_interleaved,
-    write_json,
+    write_report,
 )
 
 from _steps import make_model, svi_step
@@ -147,10 +147,7 @@ def main(args):
                                 for batch, t in term.items()},
     }
     path = os.path.join(args.out, f"bench_lrt_step{args.tag}")
-    write_json(path + ".json", results, host_start=host)
-    with open(path + ".md", "w") as f:
-        f.write(text + "\n")
-    print(f"\nwrote {path}.json and .md")
+    write_report(path, results, text, host_start=host)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from pyro_vinit.testing.timing import (
     markdown_table,
     set_threads,
     time_interleaved,
-    write_json,
+    write_report,
 )
 
 from _steps import (
@@ -228,10 +228,7 @@ def main(args):
     if args.quick:
         return results
     path = os.path.join(args.out, f"bench_targets{args.tag}")
-    write_json(path + ".json", results, host_start=host)
-    with open(path + ".md", "w") as f:
-        f.write(text + "\n")
-    print(f"\nwrote {path}.json and .md")
+    write_report(path, results, text, host_start=host)
     return results
 
 

@@ -12,10 +12,11 @@ out here on the public API):
 
 - a 64-400-400-400-10 ReLU MLP on scikit-learn's digits with the N(0,
   1/D_in) priors of ``bayesianize`` and a fully factorized Normal guide
-  placed at each site (:class:`~pyro_vinit.AutoMeanFieldNormal`), so that :class:`~pyro.infer.TraceMeanField_ELBO`
-  uses the closed-form KL and all the gradient noise comes from the
-  likelihood term; the guide's means start at a draw from the prior and its
-  standard deviations at 0.1 (AutoNormal's default);
+  placed at each site (:class:`~pyro_vinit.AutoMeanFieldNormal`), so that
+  :class:`~pyro.infer.TraceMeanField_ELBO` uses the closed-form KL and all
+  the gradient noise comes from the likelihood term; the guide's means
+  start at a draw from the prior and its standard deviations at 0.1
+  (AutoNormal's default);
 - the KL weighted by N/60 000, the per-example KL weight of [1]'s MNIST
   runs: with the full KL, 1257 images cannot pull 370k weights off their
   prior, the network stays at chance and its gradients are those of noise;
@@ -62,17 +63,13 @@ import time
 
 import pyro
 import torch
-from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
+from pyro.infer import Predictive
 from pyro.infer.autoguide import init_to_sample
 from tqdm import tqdm
 
-from pyro_vinit import AutoMeanFieldNormal, LocalReparamMessenger
 from pyro_vinit.data import load_digits
 from pyro_vinit.metrics import classification_metrics
-from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import KLAnnealingMessenger
-from pyro_vinit.testing.gradient_variance import ESTIMATORS
-from pyro_vinit.testing.gradient_variance import gradient_variance as measure_variance
+from pyro_vinit.testing.gradient_variance import ESTIMATORS, train_and_measure
 
 from _outputs import save_results
 
@@ -80,52 +77,6 @@ LAYERS = ("bottom", "top")
 SIZES = (64, 400, 400, 400, 10)
 # The KL weight per training example of [1]'s MNIST runs: KL / 60 000 per datum.
 MNIST_SIZE = 60000
-
-
-def gradient_variance(x, y, *, sizes=SIZES, epochs=(10, 100), batch_sizes=(128, 1000),
-                      draws=100, train_batch_size=128, lr=1e-3, prior_scale=None,
-                      kl_weight=1.0, guide_kwargs=None, evaluate=None, log=None):
-    """
-    Trains a mean-field guide of ``mlp(sizes)`` with LRT; at each checkpoint in
-    ``epochs`` (cumulative) draws ``draws`` gradients of the loss with respect to
-    the means of the bottom and top weights, for every estimator and batch size,
-    each draw with a new minibatch (without replacement) and new weight noise.
-
-    :return: Rows ``{"epochs", "batch", ["metrics",] <estimator>: {"bottom", "top",
-        "ms_per_draw"}}``: the variance over draws averaged over the matrix.
-    """
-    model = BayesianClassifier(bayesianize(mlp(sizes), prior_scale=prior_scale),
-                               num_data=len(x))
-    guide = AutoMeanFieldNormal(model, **(guide_kwargs or {}))
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), TraceMeanField_ELBO())
-    svi.step(x[:train_batch_size], y[:train_batch_size])
-    params = dict(guide.named_parameters())
-    bottom = params["locs.net.0.weight_unconstrained"]
-    top = params[f"locs.net.{2 * (len(sizes) - 2)}.weight_unconstrained"]
-    elbo = TraceMeanField_ELBO()
-    kl = KLAnnealingMessenger(kl_weight)
-    step = kl(LocalReparamMessenger()(svi.step))
-    steps_per_epoch = max(1, len(x) // train_batch_size)
-    rows, done = [], 0
-    for epoch in epochs:
-        for _ in range((epoch - done) * steps_per_epoch):
-            idx = torch.randint(0, len(x), (train_batch_size,))
-            step(x[idx], y[idx])
-        done = epoch
-        metrics = None if evaluate is None else evaluate(model, guide)
-        for batch in batch_sizes:
-            row = {"epochs": epoch, "batch": batch}
-            if metrics is not None:
-                row["metrics"] = metrics
-            variances = measure_variance(
-                lambda xb, yb: elbo.differentiable_loss(model, guide, xb, yb),
-                {"bottom": bottom, "top": top}, x, y, batch=batch, draws=draws,
-                context=lambda: kl)
-            row.update(variances)
-            rows.append(row)
-            if log is not None:
-                log(f"{epoch} epochs, batch {batch} done")
-    return rows
 
 
 def make_evaluate(x_test, y_test, num_samples):
@@ -234,7 +185,7 @@ def main(args):
     checkpoints = len(args.epochs) * len(args.batch_sizes)
     bar = tqdm(total=checkpoints, desc="gradient variance")
     start = time.perf_counter()
-    rows = gradient_variance(
+    rows = train_and_measure(
         x, y, sizes=tuple(args.sizes), epochs=args.epochs, batch_sizes=args.batch_sizes,
         draws=args.draws, lr=args.lr, prior_scale=args.prior_scale or None,
         kl_weight=len(x) / MNIST_SIZE if args.kl_weight is None else args.kl_weight,

@@ -18,18 +18,33 @@ Reparameterization Trick"
 
 import time
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Mapping, Optional, Type
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Type,
+)
 
 import torch
+from pyro.infer import SVI, TraceMeanField_ELBO
+from pyro.optim import Adam  # type: ignore[attr-defined]  # wrapped from torch at import
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-from pyro_vinit.poutine import FlipoutMessenger, LocalReparamMessenger
+from pyro_vinit.guides import AutoMeanFieldNormal
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.poutine import FlipoutMessenger, KLAnnealingMessenger, LocalReparamMessenger
 
 if TYPE_CHECKING:
     from pyro.poutine.runtime import Message
 
-__all__ = ["ESTIMATORS", "PosteriorMeanMessenger", "gradient_variance"]
+__all__ = ["ESTIMATORS", "PosteriorMeanMessenger", "gradient_variance", "train_and_measure"]
 
 
 class PosteriorMeanMessenger(Messenger):
@@ -106,3 +121,73 @@ def gradient_variance(
         row["ms_per_draw"] = (time.perf_counter() - start) / draws * 1e3
         out[estimator] = row
     return out
+
+
+def train_and_measure(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    sizes: Sequence[int],
+    epochs: Sequence[int] = (10, 100),
+    batch_sizes: Sequence[int] = (128, 1000),
+    draws: int = 100,
+    train_batch_size: int = 128,
+    lr: float = 1e-3,
+    prior_scale: Optional[float] = None,
+    kl_weight: float = 1.0,
+    guide_kwargs: Optional[Dict[str, Any]] = None,
+    estimators: Optional[Mapping[str, Optional[Type[Messenger]]]] = None,
+    evaluate: Optional[Callable[[Any, Any], Dict[str, float]]] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> List[Dict[str, Any]]:
+    """
+    [1]'s protocol: fits an :class:`~pyro_vinit.AutoMeanFieldNormal` guide of
+    the Bayesian classifier ``mlp(sizes)`` (``bayesianize``'s N(0, 1/D_in)
+    priors, or N(0, ``prior_scale``²)) with LRT, SVI and Adam on minibatches
+    of ``train_batch_size``; at each checkpoint in ``epochs`` (cumulative)
+    measures :func:`gradient_variance` of the TraceMeanField_ELBO loss with
+    respect to the means of the bottom and the top weight matrix, for every
+    batch size in ``batch_sizes``, at the fixed parameters.
+
+    :param float kl_weight: A factor on the KL term, in training and in the
+        gradient draws (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`).
+    :param dict guide_kwargs: Keyword arguments of the guide (e.g.
+        ``init_loc_fn``, ``init_scale``).
+    :param callable evaluate: Optional ``evaluate(model, guide) -> dict``,
+        called at each checkpoint; its result is stored as ``"metrics"``.
+    :param callable log: Progress messages, or None.
+    :return: Rows ``{"epochs", "batch", ["metrics",] <estimator>: {"bottom",
+        "top", "ms_per_draw"}}``.
+    """
+    model = BayesianClassifier(bayesianize(mlp(tuple(sizes)), prior_scale=prior_scale),
+                               num_data=len(x))
+    guide = AutoMeanFieldNormal(model, **(guide_kwargs or {}))
+    svi = SVI(model, guide, Adam({"lr": lr}), TraceMeanField_ELBO())
+    svi.step(x[:train_batch_size], y[:train_batch_size])
+    params = dict(guide.named_parameters())
+    bottom = params["locs.net.0.weight_unconstrained"]
+    top = params[f"locs.net.{2 * (len(sizes) - 2)}.weight_unconstrained"]
+    elbo = TraceMeanField_ELBO()
+    kl = KLAnnealingMessenger(kl_weight)
+    step = kl(LocalReparamMessenger()(svi.step))
+    steps_per_epoch = max(1, len(x) // train_batch_size)
+    rows: List[Dict[str, Any]] = []
+    done = 0
+    for epoch in epochs:
+        for _ in range((epoch - done) * steps_per_epoch):
+            idx = torch.randint(0, len(x), (train_batch_size,))
+            step(x[idx], y[idx])
+        done = epoch
+        metrics = None if evaluate is None else evaluate(model, guide)
+        for batch in batch_sizes:
+            row: Dict[str, Any] = {"epochs": epoch, "batch": batch}
+            if metrics is not None:
+                row["metrics"] = metrics
+            row.update(gradient_variance(
+                lambda xb, yb: elbo.differentiable_loss(model, guide, xb, yb),
+                {"bottom": bottom, "top": top}, x, y, batch=batch, draws=draws,
+                estimators=estimators, context=lambda: kl))
+            rows.append(row)
+            if log is not None:
+                log(f"{epoch} epochs, batch {batch} done")
+    return rows

@@ -41,6 +41,7 @@ __all__ = [
     "set_threads",
     "time_interleaved",
     "write_json",
+    "write_report",
 ]
 
 
@@ -280,6 +281,23 @@ def write_json(path: str, results: Mapping[str, Any],
         json.dump({**results, "host": host}, f, indent=2)
         f.write("\n")
     return path
+
+
+def write_report(stem: str, results: Mapping[str, Any], text: str,
+                 host_start: Optional[Mapping[str, Any]] = None) -> None:
+    """
+    Writes a benchmark's results to ``stem + ".json"`` (:func:`write_json`)
+    and its printed report ``text`` to ``stem + ".md"``, and says so.
+
+    :param str stem: The path of both files, without the suffix.
+    :param dict results: As for :func:`write_json`.
+    :param str text: The report, Markdown.
+    :param dict host_start: :func:`host_info` at the start of the run.
+    """
+    write_json(stem + ".json", results, host_start=host_start)
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    print(f"\nwrote {stem}.json and .md")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -19,6 +19,7 @@ from pyro_vinit.testing.timing import (
     set_threads,
     time_interleaved,
     write_json,
+    write_report,
 )
 
 
@@ -174,6 +175,17 @@ def test_write_json(tmp_path):
     with pytest.raises(ValueError, match="host_start"):
         write_json(str(tmp_path / "s.json"), {"host": 1})
     assert not os.path.exists(tmp_path / "s.json")
+
+
+def test_write_report(tmp_path, capsys):
+    stem = str(tmp_path / "out" / "bench_x")
+    write_report(stem, {"rows": [3]}, "## table\n| a |", host_start=host_info())
+    with open(stem + ".json") as f:
+        written = json.load(f)
+    assert written["rows"] == [3] and "load_average_end" in written["host"]
+    with open(stem + ".md") as f:
+        assert f.read() == "## table\n| a |\n"
+    assert f"wrote {stem}.json and .md" in capsys.readouterr().out
 
 
 def test_markdown_table():
