@@ -181,7 +181,8 @@ def parse_matmul(
     if func is torch.einsum:
         if len(args) == 3 and isinstance(args[0], str) and not kwargs:
             equation, a, b = args
-        elif len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], (list, tuple)):
+        elif (len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], (list, tuple))
+              and len(args[1]) == 2):
             equation, (a, b) = args[0], args[1]
         else:
             return None

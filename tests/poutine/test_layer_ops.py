@@ -1,0 +1,165 @@
+"""Which matrix products are read as a linear layer, and that the reading is exact:
+whenever :func:`parse_matmul` accepts a call, ``F.linear`` with what it returns gives
+the call's own output."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyro_vinit.poutine._layer_ops import parse_layer_call, parse_matmul
+
+_T = torch.Tensor
+torch.manual_seed(0)
+X = torch.randn(5, 4, dtype=torch.float64)
+X3 = torch.randn(2, 5, 4, dtype=torch.float64)
+X1 = torch.randn(4, dtype=torch.float64)
+XT = X.t().contiguous()  # (in, batch)
+W = torch.randn(4, 3, dtype=torch.float64)  # (in, out), as x @ w takes it
+WT = W.t().contiguous()  # (out, in), as F.linear takes it
+B = torch.randn(3, dtype=torch.float64)
+W3 = torch.randn(4, 3, 2, dtype=torch.float64)
+WEIGHTS = (W, WT, W3)
+
+
+def is_weight(t):
+    return any(t is w for w in WEIGHTS)
+
+
+# name: (func, args, kwargs)
+ACCEPTED = {
+    "matmul": (torch.matmul, (X, W), {}),
+    "Tensor.matmul": (_T.matmul, (X, W), {}),
+    "x @ w": (_T.__matmul__, (X, W), {}),
+    "w.__rmatmul__(x)": (_T.__rmatmul__, (W, X), {}),
+    "mm": (torch.mm, (X, W), {}),
+    "Tensor.mm": (_T.mm, (X, W), {}),
+    "addmm": (torch.addmm, (B, X, W), {}),
+    "Tensor.addmm": (_T.addmm, (B, X, W), {}),
+    "addmm, unit alpha and beta": (torch.addmm, (B, X, W), {"alpha": 1, "beta": 1}),
+    "1-d input": (torch.matmul, (X1, W), {}),
+    "batched input": (torch.matmul, (X3, W), {}),
+    "einsum": (torch.einsum, ("bi,io->bo", X, W), {}),
+    "einsum, spaces": (torch.einsum, ("b i , i o -> b o", X, W), {}),
+    "einsum, operand list": (torch.einsum, ("bi,io->bo", [X, W]), {}),
+    "einsum, operand tuple": (torch.einsum, ("bi,io->bo", (X, W)), {}),
+    "einsum, weight first": (torch.einsum, ("io,bi->bo", W, X), {}),
+    "einsum, (out, in) weight": (torch.einsum, ("bi,oi->bo", X, WT), {}),
+    "einsum, ellipsis": (torch.einsum, ("...i,io->...o", X3, W), {}),
+    "einsum, batched": (torch.einsum, ("bti,io->bto", X3, W), {}),
+    "einsum, contracted index first": (torch.einsum, ("ib,io->bo", XT, W), {}),
+}
+
+REFUSED = {
+    "not a product": (torch.bmm, (X3, X3.transpose(1, 2)), {}),
+    "matmul with out=": (torch.matmul, (X, W), {"out": torch.empty(5, 3)}),
+    "matmul, three arguments": (torch.matmul, (X, W, W), {}),
+    "matmul, two weights": (torch.matmul, (WT, W), {}),
+    "matmul, input not a weight's partner": (torch.matmul, (X, X.t()), {}),
+    "matmul, 3-d weight": (torch.matmul, (X, W3), {}),
+    "matmul, 0-d input": (torch.matmul, (torch.tensor(2.0), W), {}),
+    "matmul, not a tensor": (torch.matmul, (2.0, W), {}),
+    "matmul, weight first": (torch.matmul, (W, X.t()), {}),
+    "rmatmul, three arguments": (_T.__rmatmul__, (W, X, X), {}),
+    "addmm, beta": (torch.addmm, (B, X, W), {"beta": 2}),
+    "addmm, alpha": (torch.addmm, (B, X, W), {"alpha": 0.5}),
+    "addmm, two arguments": (torch.addmm, (X, W), {}),
+    "addmm, matrix bias": (torch.addmm, (torch.zeros(5, 3), X, W), {}),
+    "addmm, bias not a tensor": (torch.addmm, (1.0, X, W), {}),
+    "einsum, no output": (torch.einsum, ("bi,io", X, W), {}),
+    "einsum, three operands": (torch.einsum, ("bi,io,o->bo", X, W, B), {}),
+    "einsum, keyword argument": (torch.einsum, ("bi,io->bo", X, W), {"optimize": None}),
+    "einsum, one operand": (torch.einsum, ("bi->b", X), {}),
+    "einsum, one operand in a list": (torch.einsum, ("bi->b", [X]), {}),
+    "einsum, three operands in a list": (torch.einsum, ("bi,io,o->bo", [X, W, B]), {}),
+    "einsum, second argument not a list": (torch.einsum, ("bi,io->bo", X), {}),
+    "einsum, operand not a tensor": (torch.einsum, ("bi,io->bo", [X, 2.0]), {}),
+    "einsum, first operand not a tensor": (torch.einsum, ("bi,io->bo", [2.0, W]), {}),
+    "einsum, equation not a string": (torch.einsum, (1, X, W), {}),
+    "einsum, two weights": (torch.einsum, ("oi,io->oo", WT, W), {}),
+    "einsum, no weight": (torch.einsum, ("bi,ci->bc", X, X), {}),
+    "einsum, 3-d weight": (torch.einsum, ("bi,iop->bop", X, W3), {}),
+    "einsum, ellipsis in the weight": (torch.einsum, ("bi,...o->bo", X, W), {}),
+    "einsum, nothing contracted": (torch.einsum, ("bi,jo->bijo", X, W), {}),
+    "einsum, contracted index kept": (torch.einsum, ("bi,io->bio", X, W), {}),
+    "einsum, repeated input index": (torch.einsum, ("ii,io->io", X[:4], W), {}),
+    "einsum, output reordered": (torch.einsum, ("bi,io->ob", X, W), {}),
+    "einsum, output index also in the input": (torch.einsum, ("oi,io->oo", X[:4], W), {}),
+    "einsum, ellipsis, contracted index not last": (torch.einsum, ("...ib,io->...bo", X3, W),
+                                                    {}),
+}
+
+
+def _as_linear(parsed):
+    x, w, transposed, bias = parsed
+    return F.linear(x, w.t() if transposed else w, bias)
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_accepted_products_are_exact(name):
+    func, args, kwargs = ACCEPTED[name]
+    parsed = parse_matmul(func, args, kwargs, is_weight)
+    assert parsed is not None, name
+    x, w, transposed, bias = parsed
+    assert w is W or w is WT  # the program's own tensor, not a copy
+    assert transposed == (w is W)
+    expected = func(*args, **kwargs) if func is not torch.einsum or len(args) == 3 else \
+        torch.einsum(args[0], *args[1])
+    torch.testing.assert_close(_as_linear(parsed), expected, rtol=1e-12, atol=1e-12)
+    assert (bias is B) == (func in (torch.addmm, _T.addmm))
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_calls(name):
+    func, args, kwargs = REFUSED[name]
+    assert parse_matmul(func, args, kwargs, is_weight) is None
+
+
+def test_is_weight_decides_which_operand_is_the_layer():
+    # The same product is a layer or not depending on which operand is a weight.
+    assert parse_matmul(torch.matmul, (X, W), {}, lambda t: False) is None
+    assert parse_matmul(torch.matmul, (X, W), {}, lambda t: True) is None  # both
+    parsed = parse_matmul(torch.einsum, ("bi,io->bo", X, W), {}, lambda t: t is W)
+    assert parsed is not None and parsed[1] is W
+    parsed = parse_matmul(torch.einsum, ("io,bi->bo", W, X), {}, lambda t: t is W)
+    assert parsed is not None and parsed[1] is W and torch.equal(parsed[0], X)
+
+
+def test_parse_layer_call_fills_conv_defaults_and_keywords():
+    x, w, b = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3), torch.randn(3)
+    op, inp, weight, bias, extra = parse_layer_call(F.conv2d, (x, w), {})
+    assert (op, inp is x, weight is w, bias) == ("conv2d", True, True, None)
+    assert extra == {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+    op, inp, weight, bias, extra = parse_layer_call(F.conv2d, (x, w, b, 2, 1), {"groups": 1})
+    assert (op, inp is x, weight is w, bias is b) == ("conv2d", True, True, True)
+    assert extra == {"stride": 2, "padding": 1, "dilation": 1, "groups": 1}
+    x2, w2 = x[0, 0], w[0, 0]
+    op, inp, weight, bias, extra = parse_layer_call(
+        F.linear, (), {"input": x2, "weight": w2, "bias": b})
+    assert (op, inp is x2, weight is w2, bias is b, extra) == ("linear", True, True, True, {})
+    assert parse_layer_call(F.linear, (x2, w2), {})[3] is None
+    assert parse_layer_call(torch.matmul, (x, w), {}) is None
+
+
+def test_iblm_traces_a_model_with_a_one_operand_einsum():
+    # Regression: the list form of a one-operand einsum (here an identity between
+    # the layers) crashed the layer recorder with "not enough values to unpack".
+    import pyro
+    import pyro.distributions as dist
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro_vinit import init_guide_iblm
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([3, 4]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([1, 3]).to_event(2))
+        h = torch.einsum("bi->bi", [torch.tanh(F.linear(x, w1))])
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(h, w2).squeeze(-1), 1.0), obs=y)
+
+    x = torch.randn(20, 4)
+    y = x.sum(-1) + 0.1 * torch.randn(20)
+    guide = AutoNormal(model)
+    guide(x, y)
+    before = guide.locs.w2.detach().clone()
+    init_guide_iblm(guide, (x, y))
+    assert not torch.equal(guide.locs.w2.detach(), before)
