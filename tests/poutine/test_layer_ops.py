@@ -163,3 +163,18 @@ def test_iblm_traces_a_model_with_a_one_operand_einsum():
     before = guide.locs.w2.detach().clone()
     init_guide_iblm(guide, (x, y))
     assert not torch.equal(guide.locs.w2.detach(), before)
+
+
+def test_layer_call_reruns_with_replaced_arguments():
+    from pyro_vinit.poutine._layer_ops import LayerCall
+
+    x, w, b = torch.randn(2, 2, 7, 7), torch.randn(3, 2, 3, 3), torch.randn(3)
+    kwargs = {"stride": 2, "padding": 1, "dilation": 1, "groups": 1}
+    call = LayerCall("conv2d", x, w, b, dict(kwargs))
+    torch.testing.assert_close(call(), F.conv2d(x, w, b, **kwargs))
+    x2, w2, b2 = torch.randn_like(x), torch.randn_like(w), torch.randn_like(b)
+    torch.testing.assert_close(call(input=x2), F.conv2d(x2, w, b, **kwargs))
+    torch.testing.assert_close(call(weight=w2), F.conv2d(x, w2, b, **kwargs))
+    torch.testing.assert_close(call(bias=b2), F.conv2d(x, w, b2, **kwargs))
+    torch.testing.assert_close(call(bias=False), F.conv2d(x, w, None, **kwargs))
+    torch.testing.assert_close(call(x2, w2, b2), F.conv2d(x2, w2, b2, **kwargs))
