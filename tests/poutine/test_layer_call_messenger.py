@@ -211,3 +211,75 @@ def test_matrix_products_are_layer_calls(product):
     assert rec.calls[0][2:] == ("w", True)
     assert torch.equal(out, product(x, w))
     assert_close(rec.canonical, out, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "product, source",
+    [
+        (lambda x, w, b: x @ w, "matmul"),
+        (lambda x, w, b: w.__rmatmul__(x), "matmul"),
+        (lambda x, w, b: torch.matmul(x, w), "matmul"),
+        (lambda x, w, b: x.mm(w), "mm"),
+        (lambda x, w, b: torch.einsum("bi,io->bo", x, w), "einsum"),
+        (lambda x, w, b: torch.addmm(b, x, w), "addmm"),
+        (lambda x, w, b: b.addmm(x, w), "addmm"),
+    ],
+)
+def test_matrix_product_calls_name_their_source_and_sites(product, source):
+    # What a handler learns of a product: the function that was called, the weight's
+    # and the bias's sites (a bias only through addmm), and that the weight is (in, out).
+    x = torch.randn(5, 4, dtype=torch.float64)
+    seen = []
+
+    class Sites(_Recorder):
+        def _process_layer_call(self, call):
+            seen.append((call.source, call.weight_name, call.bias_name, call.transposed))
+            return None
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, 3, dtype=torch.float64), 1.0)
+                        .to_event(2))
+        b = pyro.sample("b", dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0)
+                        .to_event(1))
+        return product(x, w, b)
+
+    with Sites():
+        model()
+    bias = "b" if source == "addmm" else None
+    assert seen == [(source, "w", bias, True)]
+
+
+def test_autonormal_weight_is_traced_through_its_delta():
+    # AutoNormal samples the Normal at "w_unconstrained" and puts Delta(value) at "w":
+    # the layer call's weight is that Normal's draw, seen through the guide's Delta and
+    # the model's replayed site, in that order.
+    from pyro.infer import TraceMeanField_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    seen = []
+
+    class Sites(_Recorder):
+        def _process_layer_call(self, call):
+            seen.append(([m["name"] for m in call.weight_msgs], call.weight_name))
+            return None
+
+    def model(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+        return F.linear(x, w)
+
+    x = torch.randn(5, 4)
+    guide = AutoNormal(model)
+    guide(x)
+    with Sites():
+        TraceMeanField_ELBO().differentiable_loss(model, guide, x)
+    assert seen == [(["w_unconstrained", "w", "w"], "w")]
+    # a Delta whose value is not a draw of the handler (a plain tensor) is not followed
+    seen.clear()
+
+    def delta_model(x):
+        w = pyro.sample("w", dist.Delta(torch.ones(3, 4)).to_event(2))
+        return F.linear(x, w)
+
+    with Sites():
+        delta_model(x)
+    assert seen == [(["w"], "w")]
