@@ -164,3 +164,64 @@ def test_compiled_loss_equals_eager(handler, elbo):
     (value, grads), (eager_value, eager_grads) = results
     assert torch.equal(value, eager_value)
     assert all(torch.equal(g, e) for g, e in zip(grads, eager_grads))
+
+
+_HEAD = ("LocalReparamMessenger: 1 latent site(s) kept their ordinary sample, shared by the "
+         "whole minibatch:\n  'w': ")
+_WARN_END = "\nEach site is named once per handler. Pass strict=True to make this an error."
+_STRICT_END = "\n(strict=True: pass strict=False to only warn about them.)"
+_REUSED = ("this sample was already used by an earlier layer call or matrix product in this "
+           "run (a shared or tied weight); the uses are then not jointly exact. Give each "
+           "layer its own sample site, or run such models without the handler.")
+_NOT_DISTINCT = ("its value is transformed (by __getitem__) before the layer call into one "
+                 "whose elements are not distinct drawn elements; pass the sample to the layer "
+                 "as drawn, or transposed, reshaped or sliced.")
+
+
+def _tied(x):
+    w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+    return F.linear(F.linear(x, w), w)
+
+
+def _gathered(x):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+    return F.linear(x, w[[0, 0, 1]])
+
+
+@pytest.mark.parametrize("model, reason", [(_tied, _REUSED), (_gathered, _NOT_DISTINCT)],
+                         ids=["tied weight", "repeated elements"])
+def test_fallback_reports_in_full(model, reason):
+    # The complete text users see, as a warning and under strict=True as an error.
+    from pyro_vinit import LocalReparamMessenger
+
+    x = torch.randn(5, 4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with LocalReparamMessenger():
+            model(x)
+    assert [str(w.message) for w in record] == [_HEAD + reason + _WARN_END]
+    with pytest.raises(ValueError) as error, LocalReparamMessenger(strict=True):
+        model(x)
+    assert str(error.value) == _HEAD + reason + _STRICT_END
+
+
+def test_strict_must_be_a_bool():
+    from pyro_vinit import FlipoutMessenger, LocalReparamMessenger
+
+    for cls in (LocalReparamMessenger, FlipoutMessenger):
+        with pytest.raises(TypeError) as error:
+            cls(strict=1)
+        assert str(error.value) == f"{cls.__name__}: strict must be a bool, got 1"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rademacher_signs_follow_like(dtype):
+    from pyro_vinit.poutine._weight_noise_messenger import rademacher
+
+    like = torch.zeros(2, dtype=dtype)
+    signs = rademacher((1000,), like)
+    assert signs.dtype == dtype and signs.shape == (1000,)
+    assert set(signs.unique().tolist()) == {-1.0, 1.0}
+    assert abs(signs.mean().item()) < 0.15  # 1000 fair signs: sd of the mean 0.032
+    meta = rademacher((3,), torch.zeros(2, dtype=dtype, device="meta"))
+    assert meta.device.type == "meta" and meta.dtype == dtype
