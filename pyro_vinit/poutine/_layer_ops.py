@@ -37,6 +37,8 @@ MATMUL_OPS = {
     torch.addmm, _T.addmm, torch.einsum,
 }
 
+_MATRIX_ONLY = {torch.mm, _T.mm, torch.addmm, _T.addmm}
+
 
 @dataclass
 class LayerCall:
@@ -213,4 +215,6 @@ def parse_matmul(
         return None
     if not is_weight(w) or is_weight(x) or w.dim() != 2 or x.dim() < 1:
         return None
+    if func in _MATRIX_ONLY and x.dim() != 2:
+        return None  # mm and addmm take matrices only: the program's own error, not a layer
     return x, w, True, bias

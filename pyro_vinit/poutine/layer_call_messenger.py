@@ -93,6 +93,12 @@ def _msgs_of(value: Any) -> List[SampleSite]:
     return value.msgs if _is_latent(value) and value.is_view else []
 
 
+def _op_name(func: Callable[..., Any]) -> str:
+    # As users spell it: "mm", Tensor.__matmul__ and __rmatmul__ (x @ w) -> "matmul".
+    name: str = func.__name__
+    return name.removeprefix("__").removesuffix("__").replace("rmatmul", "matmul")
+
+
 def _site_values(items: Iterable[Any]) -> List[SiteValue]:
     found: List[SiteValue] = []
     for item in items:
@@ -124,10 +130,10 @@ def _matmul_call(
         return None
     x, w, transposed, bias = found
     w = cast(SiteValue, w)  # the operand _is_latent picked
-    name = getattr(func, "__name__", str(func)).strip("_").replace("rmatmul", "matmul")
     return LayerCall(
         "linear", unwrap(x), w.derive(getter("mT")) if transposed else w, bias,
-        transposed=transposed, source=name, weight_msgs=_msgs_of(w), bias_msgs=_msgs_of(bias),
+        transposed=transposed, source=_op_name(func),
+        weight_msgs=_msgs_of(w), bias_msgs=_msgs_of(bias),
     )
 
 
@@ -284,10 +290,9 @@ class LayerCallMessenger(Messenger):
                 return self._handle_layer_call(
                     call, lambda: func(*unwrap(args), **unwrap(kwargs))
                 )
-            name = getattr(func, "__name__", str(func)).strip("_")
             for value in _site_values(args) + _site_values(list(kwargs.values())):
                 if value.msgs:
-                    self._on_custom_op(value, name)
+                    self._on_custom_op(value, _op_name(func))
         return NotImplemented
 
     def _handle_layer_call(

@@ -231,10 +231,11 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
         self, call: LayerCall, weight: SiteValue, normal: Normal
     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         transposed = is_transpose(weight.view_ops, weight.uses.shape)
+        # A weight that is the whole tied matrix (as drawn or transposed): then no batch dims,
+        # so U and V are plain (m, k) and (n, k) matrices.
         if (
             self.low_rank is False
             or not isinstance(normal, KTiedNormal)
-            or normal.scale_u.dim() != 2
             or normal.tied_dims != weight.dim()
             or call.kwargs.get("groups", 1) != 1
             or (weight.view_ops and not transposed)

@@ -1,3 +1,5 @@
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -63,8 +65,9 @@ def test_handler_functions():
     # the options reach the messenger
     assert local_reparam(low_rank=True).low_rank is True
     assert local_reparam(low_rank=False).low_rank is False
-    with pytest.raises(TypeError, match="low_rank"):
+    with pytest.raises(TypeError) as error:
         LocalReparamMessenger(low_rank="yes")
+    assert str(error.value) == "LocalReparamMessenger: low_rank must be None or a bool, got 'yes'"
     with pytest.raises(TypeError, match="strict"):
         FlipoutMessenger(strict="yes")
 
@@ -283,3 +286,182 @@ def test_autonormal_weight_is_traced_through_its_delta():
     with Sites():
         delta_model(x)
     assert seen == [(["w"], "w")]
+
+
+def _sources_seen(model, *args):
+    seen = []
+
+    class Sources(_Recorder):
+        def _process_layer_call(self, call):
+            seen.append((call.op, call.source, call.weight_name))
+            return None
+
+    with Sources():
+        model(*args)
+    return seen
+
+
+def test_layer_function_calls_name_their_source():
+    def model(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, 3, 3), 1.0).to_event(3))
+        v = pyro.sample("v", dist.Normal(torch.zeros(4, 2), 1.0).to_event(2))
+        h = F.conv1d(x, w, padding=1).mean(-1)
+        return F.linear(input=h, weight=v)
+
+    assert _sources_seen(model, torch.randn(5, 3, 6)) == [
+        ("conv1d", "conv1d", "w"), ("linear", "linear", "v"),
+    ]
+
+
+def _w(shape):
+    return pyro.sample("w", dist.Normal(torch.zeros(shape), 1.0).to_event(len(shape)))
+
+
+# Uses of a weight that are not layer calls the handlers treat: (use, reported op name).
+CUSTOM_USES = {
+    "batched weight": (lambda x: x.unsqueeze(0) @ _w((2, 4, 3)), "matmul"),
+    "weight on the left": (lambda x: _w((3, 5)) @ x, "matmul"),
+    "rmatmul, batched": (lambda x: _w((2, 4, 3)).__rmatmul__(x), "matmul"),
+    "bmm": (lambda x: torch.bmm(x.expand(2, 5, 4), _w((2, 4, 3))), "bmm"),
+    "einsum of three, in a list": (
+        lambda x: torch.einsum("bi,ij,jk->bk", [x, _w((4, 3)), torch.ones(3, 2)]), "einsum"),
+    "einsum, nested list": (
+        lambda x: torch.einsum("bi,ij,jk->bk", x, [_w((4, 3))][0], torch.ones(3, 2)), "einsum"),
+    "bilinear": (lambda x: F.bilinear(x, x, _w((2, 4, 4))), "bilinear"),
+}
+
+
+@pytest.mark.parametrize("use", sorted(CUSTOM_USES))
+def test_custom_uses_are_reported_by_their_name(use):
+    fn, name = CUSTOM_USES[use]
+    x = torch.randn(5, 4)
+    with pytest.raises(ValueError) as error:
+        with LocalReparamMessenger(strict=True):
+            fn(x)
+    assert f"  'w': it is used by {name}, which the handler does not treat" in str(error.value)
+    # the program's own result, with the drawn value
+    with pyro.poutine.trace() as tr, pytest.warns(UserWarning, match="used by " + name):
+        with LocalReparamMessenger():
+            out = fn(x)
+    w = tr.trace.nodes["w"]["value"] * 1.0
+    with pyro.poutine.condition(data={"w": w}):
+        assert torch.equal(out, fn(x))
+
+
+def test_weight_in_a_list_of_operands_is_reported():
+    # An einsum whose operands come as one list (of other than two) is not a layer: each
+    # site value in the list is reported, not only those passed directly.
+    x = torch.randn(5, 4)
+
+    def model():
+        return torch.einsum("bi,ij,jk->bk", [x, _w((4, 3)), _v((3, 2))])
+
+    with pytest.raises(ValueError) as error:
+        with LocalReparamMessenger(strict=True):
+            model()
+    assert "2 latent site(s)" in str(error.value)
+    assert "'w': it is used by einsum" in str(error.value)
+    assert "'v': it is used by einsum" in str(error.value)
+
+
+def _v(shape):
+    return pyro.sample("v", dist.Normal(torch.zeros(shape), 1.0).to_event(len(shape)))
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_discrete_site_values_are_left_alone(handler):
+    # Only floating-point values become stand-ins: integer draws index and count as usual.
+    table = torch.randn(4, 3)
+
+    def model():
+        k = pyro.sample("k", dist.Categorical(logits=torch.zeros(5, 4)).to_event(1))
+        return k, table[k]
+
+    with handler():
+        k, rows = model()
+    assert type(k) is torch.Tensor and k.dtype == torch.int64
+    assert type(rows) is torch.Tensor and torch.equal(rows, table[k])
+
+
+def test_process_layer_call_may_run_the_call_on_site_values():
+    # A subclass that computes with the call's own site values inside the hook is not
+    # handed its own layer call again.
+    seen = []
+
+    class Doubling(LayerCallMessenger):
+        def _process_layer_call(self, call):
+            seen.append(call.weight_name)
+            return 2 * F.linear(call.input, call.weight, call.bias)
+
+    x = torch.randn(5, 4)
+    with pyro.poutine.trace() as tr, Doubling():
+        out = _model(x)
+    assert seen == ["w"]
+    assert torch.equal(out, 2 * F.linear(x, tr.trace.nodes["w"]["value"] * 1.0))
+    # and a later layer call is seen again
+    with Doubling():
+        _model(x)
+    assert seen == ["w", "w"]
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_invalid_matrix_products_fail_as_without_the_handler(handler):
+    # torch.mm takes matrices only; under a handler it must not become an F.linear that
+    # runs on a batch.
+    x = torch.randn(2, 5, 4)
+
+    def model():
+        return torch.mm(x, pyro.sample("w", dist.Normal(torch.zeros(4, 3), 1.0).to_event(2)))
+
+    with pytest.raises(RuntimeError, match="self must be a matrix"):
+        model()
+    with pytest.raises(RuntimeError, match="self must be a matrix"), handler():
+        model()
+
+
+PLAIN_WITH_SITE_ARGUMENT = {
+    "to": lambda x, w: x.to(w),
+    "expand_as": lambda x, w: x[:1].expand_as(w),
+    "view_as": lambda x, w: x.view_as(w),
+    "reshape_as": lambda x, w: x.reshape_as(w),
+    "keyword input": lambda x, w: torch.reshape(input=w, shape=(12,)),
+}
+
+
+@pytest.mark.parametrize("use", sorted(PLAIN_WITH_SITE_ARGUMENT))
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_view_ops_with_a_site_value_as_argument(handler, use):
+    # A plain tensor shaped or cast like a weight (x.to(w), b.expand_as(w)) is not a view
+    # of the draw: the op runs as usual.
+    fn = PLAIN_WITH_SITE_ARGUMENT[use]
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def model():
+        return fn(x, pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2)))
+
+    with pyro.poutine.trace() as tr, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused weight's report
+        with handler():
+            out = model()
+    w = tr.trace.nodes["w"]["value"] * 1.0
+    assert torch.equal(out * 1, fn(x, w))
+
+
+@pytest.mark.parametrize("view", [
+    lambda w: w.to(dtype=torch.float64),
+    lambda w: w.double().transpose(dim0=0, dim1=1).T,
+    lambda w: w.reshape(shape=(12,)).double().reshape(3, 4),
+])
+def test_views_with_keyword_arguments(view):
+    # The ops' keyword arguments are part of the view: LRT then applies to the float64
+    # view, with the drawn value's mean.
+    x = torch.randn(1000, 4, dtype=torch.float64)
+    loc = torch.randn(3, 4)
+
+    def model():
+        return F.linear(x, view(pyro.sample("w", dist.Normal(loc, 0.1).to_event(2))))
+
+    with local_reparam(strict=True):
+        out = model()
+    assert out.dtype == torch.float64 and out.shape == (1000, 3)
+    assert_close(out.mean(0), (x @ loc.double().T).mean(0), atol=0.05, rtol=0)

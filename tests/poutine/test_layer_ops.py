@@ -65,6 +65,11 @@ REFUSED = {
     "addmm, two arguments": (torch.addmm, (X, W), {}),
     "addmm, matrix bias": (torch.addmm, (torch.zeros(5, 3), X, W), {}),
     "addmm, bias not a tensor": (torch.addmm, (1.0, X, W), {}),
+    # mm and addmm take matrices only: as layers, F.linear would run what the program can't
+    "mm, batched input": (torch.mm, (X3, W), {}),
+    "Tensor.mm, 1-d input": (_T.mm, (X1, W), {}),
+    "addmm, batched input": (torch.addmm, (B, X3, W), {}),
+    "Tensor.addmm, 1-d input": (_T.addmm, (B, X1, W), {}),
     "einsum, no output": (torch.einsum, ("bi,io", X, W), {}),
     "einsum, three operands": (torch.einsum, ("bi,io,o->bo", X, W, B), {}),
     "einsum, keyword argument": (torch.einsum, ("bi,io->bo", X, W), {"optimize": None}),

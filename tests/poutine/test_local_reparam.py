@@ -1,3 +1,5 @@
+import contextlib
+import math
 import warnings
 
 import pyro
@@ -5,6 +7,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
+from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule
@@ -132,6 +135,59 @@ def test_k_tied_low_rank_equals_dense(op):
     pyro.set_rng_seed(1)
     with local_reparam(strict=True):
         assert_close(model(), outs[0], atol=1e-5, rtol=1e-4)
+
+
+# (op, k, low_rank, weight use) -> whether the variance goes through the low-rank factors
+_PATHS = {
+    "linear, k=1, cheaper": ("linear", 1, None, "as drawn", True),
+    "linear, k=3, dearer": ("linear", 3, None, "as drawn", False),
+    "linear, k=3, forced": ("linear", 3, True, "as drawn", True),
+    "linear, k=1, refused": ("linear", 1, False, "as drawn", False),
+    # r = k(k+1)/2 = 3 thin layers of m + n against m n: the factors when strictly cheaper
+    "5 x 5, k=2, dearer": ("5 x 5", 2, None, "as drawn", False),
+    "6 x 6, k=2, as dear": ("6 x 6", 2, None, "as drawn", False),
+    "7 x 7, k=2, cheaper": ("7 x 7", 2, None, "as drawn", True),
+    "transposed, k=1": ("linear", 1, None, "transposed", True),
+    "sliced rows, k=1": ("linear", 1, True, "sliced", False),
+    "conv2d, k=1": ("conv2d", 1, None, "as drawn", True),
+    "conv1d, groups=2": ("conv1d", 1, True, "as drawn", False),
+    "conv1d, 2 tied dims": ("conv1d", 1, True, "2 tied dims", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_PATHS))
+def test_k_tied_variance_path(case):
+    # Which of U, V (low-rank) or sigma = U V^T (dense) the variance reads, seen by
+    # poisoning the other with NaN: the low-rank path must not form sigma^2, the dense
+    # one must be used where the factors do not apply or cost more.
+    op, k, low_rank, use, expect_low_rank = _PATHS[case]
+    shapes = {"linear": ((6, 5), (4, 5)), "conv2d": ((6, 3, 3, 3), (4, 3, 6, 6)),
+              "conv1d": ((6, 2, 3), (4, 4, 7) if use == "as drawn" else (4, 2, 7)),
+              **{f"{d} x {d}": ((d, d), (4, d)) for d in (5, 6, 7)}}
+    loc_shape, x_shape = shapes[op]
+    if use == "transposed":
+        loc_shape = (5, 6)
+    tied = 2 if use == "2 tied dims" else len(loc_shape)
+    m, n = loc_shape[len(loc_shape) - tied], math.prod(loc_shape[len(loc_shape) - tied + 1:])
+    loc, x = torch.randn(loc_shape), torch.randn(x_shape)
+    u = torch.rand(loc_shape[: len(loc_shape) - tied] + (m, k)) + 0.1
+    v = torch.rand(loc_shape[: len(loc_shape) - tied] + (n, k)) + 0.1
+    kwargs = {"groups": 2} if use == "as drawn" and op == "conv1d" else {}
+
+    def model():
+        d = KTiedNormal(loc, u, v, tied_dims=tied)
+        poisoned = "scale" if expect_low_rank else "scale_u"
+        setattr(d, poisoned, torch.full_like(getattr(d, poisoned), float("nan")))
+        w = pyro.sample("w", d.to_event(loc.dim()))
+        if use == "transposed":
+            return x @ w  # read as F.linear(x, w.mT)
+        if use == "sliced":
+            return F.linear(x, w[:4])
+        return getattr(F, "linear" if " x " in op else op)(x, w, **kwargs)
+
+    with local_reparam(low_rank=low_rank, strict=True):
+        out = model()
+    assert out.isfinite().all()
 
 
 # ---------------------------------------------------------------- unbiasedness
@@ -315,8 +371,9 @@ def test_radial_guide_warns_once_per_run_and_strict_raises():
                 svi.step(x, y)
     messages = [str(w.message) for w in record if "LocalReparamMessenger" in str(w.message)]
     assert len(messages) == 1  # one warning naming both sites, once per handler
-    assert "'net.0.weight': its distribution is RadialNormal" in messages[0]
-    assert "'net.2.weight': its distribution is RadialNormal" in messages[0]
+    reason = ("its distribution is RadialNormal, not a factorized Normal (FlipoutMessenger "
+              "gives per-example noise for sign-symmetric ones such as RadialNormal);")
+    assert f"  'net.0.weight': {reason}\n  'net.2.weight': {reason[:-1]}.\n" in messages[0]
     with pytest.raises(ValueError, match="'net.0.weight'.*RadialNormal"):
         with local_reparam(strict=True):
             svi.step(x, y)
@@ -598,3 +655,92 @@ def _counting(log_prob, record):
             record.append("log_prob end")
 
     return wrapper
+
+
+_LOG_PROB_CASES = {
+    # name: (event dims of the draw, prior's shape, scale, mask)
+    "plain": (2, (3, 4), None, None),
+    "batch dims": (1, (3, 4), None, None),
+    "broadcast prior": (2, (4,), None, None),
+    "scale": (2, (3, 4), 0.25, None),
+    "scale tensor": (1, (3, 4), torch.tensor([0.5, 2.0, 1.0]), None),
+    "broadcast scale": (2, (3, 4), torch.tensor([0.5, 2.0]).reshape(2, 1), None),
+    "mask": (1, (4,), None, torch.tensor([True, False, True])),
+    "scale and mask": (2, (4,), 3.0, torch.tensor([True, False, True])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LOG_PROB_CASES))
+def test_deferred_log_prob_has_pyros_shape_scale_and_mask(case, monkeypatch):
+    # The deferred log densities stored with a deferred draw are Pyro's own (what
+    # Trace.compute_log_prob and compute_score_parts compute without them), also when the
+    # prior broadcasts against the drawn value, under poutine.scale and poutine.mask.
+    event_dim, prior_shape, scale, mask = _LOG_PROB_CASES[case]
+    loc, sd = torch.randn(3, 4, dtype=torch.float64), torch.rand(3, 4, dtype=torch.float64)
+
+    def guide():
+        pyro.sample("w", dist.Normal(loc, sd + 0.5).to_event(event_dim))
+
+    def model():
+        prior = dist.Normal(torch.zeros(prior_shape, dtype=torch.float64), 2.0)
+        # a prior of one row broadcasts over the rows: log densities of shape (3,)
+        pyro.sample("w", prior.to_event(1 if len(prior_shape) == 1 else event_dim))
+
+    def traces():
+        pyro.set_rng_seed(0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "LocalReparamMessenger: 1 latent site")
+            guide_trace, model_trace = _traced(guide, model, scale, mask)
+        guide_trace.nodes["w"]["value"].sum()  # the deferred draw, before the next seed
+        for trace in (guide_trace, model_trace):
+            prefilled = "log_prob" in trace.nodes["w"]
+            trace.compute_log_prob()
+            trace.compute_score_parts()
+        return guide_trace, model_trace, prefilled
+
+    ours = traces()
+    monkeypatch.setattr(LocalReparamMessenger, "_post_site_value", lambda *a: None)
+    pyros = traces()
+    assert ours[2] and not pyros[2]
+    for mine, theirs in zip(ours[:2], pyros[:2]):
+        mine, theirs = mine.nodes["w"], theirs.nodes["w"]
+        assert torch.equal(mine["value"], theirs["value"])
+        for key in ("unscaled_log_prob", "log_prob", "log_prob_sum"):
+            assert mine[key].shape == theirs[key].shape, key
+            assert_close(mine[key] * 1, theirs[key], rtol=1e-12, atol=0)
+        assert_close(mine["score_parts"].log_prob * 1, theirs["score_parts"].log_prob,
+                     rtol=1e-12, atol=0)
+
+
+def _traced(guide, model, scale, mask):
+    # The guide's trace and the model's, replaying it, both under local_reparam.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(local_reparam())
+        if scale is not None:
+            stack.enter_context(poutine.scale(scale=scale))
+        if mask is not None:
+            stack.enter_context(poutine.mask(mask=mask))
+        guide_trace = poutine.trace(guide).get_trace()
+        model_trace = poutine.trace(poutine.replay(model, guide_trace)).get_trace()
+    return guide_trace, model_trace
+
+
+def test_k_tied_auxiliary_behind_a_delta_gets_the_low_rank_path():
+    # A guide in AutoNormal's pattern (a Delta at the site whose value is an auxiliary
+    # site's draw) with a KTiedNormal auxiliary: the weight is that draw, as drawn or
+    # transposed, so the low-rank variance applies (sigma is poisoned: never read) and
+    # the layer has the moments of the KTiedNormal.
+    loc, u, v = torch.randn(7, 4), torch.rand(7, 2) + 0.1, torch.rand(4, 2) + 0.1
+    x = torch.randn(1, 7).expand(4000, 7)  # 4000 independent draws of one example's outputs
+
+    def guide_and_layer():
+        d = KTiedNormal(loc, u, v)
+        sigma = d.scale
+        d.scale = torch.full_like(sigma, float("nan"))
+        aux = pyro.sample("w_aux", d.to_event(2), infer={"is_auxiliary": True})
+        w = pyro.sample("w", dist.Delta(aux, event_dim=2))
+        return x @ w, sigma
+
+    with local_reparam(low_rank=True, strict=True):
+        out, sigma = guide_and_layer()
+    _mc_check(out, x[0] @ loc, x[0].pow(2) @ sigma.pow(2))

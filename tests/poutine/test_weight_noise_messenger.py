@@ -9,6 +9,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
+from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule, PyroSample
@@ -225,3 +226,115 @@ def test_rademacher_signs_follow_like(dtype):
     assert abs(signs.mean().item()) < 0.15  # 1000 fair signs: sd of the mean 0.032
     meta = rademacher((3,), torch.zeros(2, dtype=dtype, device="meta"))
     assert meta.device.type == "meta" and meta.dtype == dtype
+
+
+_OUTSIDE = ("its value was set by an effect handler outside this one (e.g. a guide trace "
+            "replayed from outside it), so the distribution that drew it is unknown; apply "
+            "the handler to the whole step (e.g. to svi.step), not to the model.")
+_CUSTOM = ("it is used by mv, which the handler does not treat (it treats F.linear, "
+           "F.conv1d/2d/3d and matrix products with one weight operand: matmul, @, mm, bmm, "
+           "mv, addmm, einsum with one contracted index).")
+
+
+def _linear(x):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+    return F.linear(x, w)
+
+
+def _mv_then_linear(x):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+    return torch.mv(w, x[0]) + F.linear(x, w), w
+
+
+@pytest.mark.parametrize("handler_name", ["LocalReparamMessenger", "FlipoutMessenger"])
+def test_value_set_outside_the_handler_is_used_as_set(handler_name):
+    # poutine.replay outside the handler overwrites the value the handler drew: the
+    # layer then runs with the replayed value, and the report says why.
+    import pyro_vinit
+
+    cls = getattr(pyro_vinit, handler_name)
+    head = _HEAD.replace("LocalReparamMessenger", handler_name)
+    x = torch.randn(5, 4)
+    trace = poutine.trace(_linear).get_trace(x)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with poutine.replay(trace=trace), cls():
+            out = _linear(x)
+    assert [str(w.message) for w in record] == [head + _OUTSIDE + _WARN_END]
+    assert torch.equal(out, F.linear(x, trace.nodes["w"]["value"]))
+    with pytest.raises(ValueError) as error:
+        with poutine.replay(trace=trace), cls(strict=True):
+            _linear(x)
+    assert str(error.value) == head + _OUTSIDE + _STRICT_END
+    # replayed inside the handler, the handler draws nothing: no site value, no report
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with cls():
+            assert torch.equal(poutine.replay(_linear, trace=trace)(x), out)
+
+
+def test_custom_op_use_makes_later_layer_calls_ordinary():
+    # After torch.mv used the sample, F.linear must use the same sample, as drawn.
+    from pyro_vinit import LocalReparamMessenger
+
+    x = torch.randn(5, 4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with LocalReparamMessenger():
+            out, w = _mv_then_linear(x)
+    assert [str(r.message) for r in record] == [_HEAD + _CUSTOM + _WARN_END]
+    w = w * 1.0  # the drawn value, as a plain tensor
+    assert torch.equal(out, torch.mv(w, x[0]) + F.linear(x, w))
+    with pytest.raises(ValueError) as error, LocalReparamMessenger(strict=True):
+        _mv_then_linear(x)
+    assert str(error.value) == _HEAD + _CUSTOM + _STRICT_END
+
+
+def _unused(fn, plate_size=None):
+    def model():
+        if plate_size is None:
+            pyro.sample("s", fn)
+        else:
+            with pyro.plate("p", plate_size):
+                pyro.sample("s", fn)
+
+    return model
+
+
+_N = dist.Normal
+_WEIGHT_LIKE = {
+    "2-d real": (_unused(_N(torch.zeros(2, 3), 1.0).to_event(2)), True),
+    "2-d real, batch dims": (_unused(_N(torch.zeros(2, 3), 1.0)), True),
+    "3-d real": (_unused(_N(torch.zeros(2, 3, 2), 1.0).to_event(3)), True),
+    "1-d real": (_unused(_N(torch.zeros(3), 1.0).to_event(1)), False),
+    "scalar": (_unused(_N(0.0, 1.0)), False),
+    "2-d positive": (_unused(dist.HalfNormal(torch.ones(2, 3)).to_event(2)), False),
+    "2-d positive, batch dims": (_unused(dist.LogNormal(torch.zeros(2, 3), 1.0)), False),
+    "plate x 1-d event": (_unused(_N(torch.zeros(3), 1.0).expand([4, 3]).to_event(1), 4), False),
+    "plate x 2-d event": (_unused(_N(torch.zeros(2, 3), 1.0).expand([4, 2, 3]).to_event(2), 4),
+                          True),
+    "plate, no event": (_unused(_N(torch.zeros(4), 1.0), 4), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_WEIGHT_LIKE))
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_unreached_weight_like_sites_are_named(handler, case):
+    # Weight-like: real-valued with two or more dims of its own (a plate's dim is not).
+    model, named = _WEIGHT_LIKE[case]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with handler():
+            model()
+    messages = [str(w.message) for w in record]
+    if named:
+        assert len(messages) == 1 and _named_sites(messages[0]) == {"s"}
+        assert "'s': " + _NEVER in messages[0]
+    else:
+        assert messages == []
+
+
+_NEVER = ("it never reached a layer call the handler sees (F.linear, F.conv1d/2d/3d or a "
+          "matrix product with one weight, e.g. nn.Linear, x @ w); e.g. "
+          "nn.MultiheadAttention uses its projection weights inside "
+          "F.multi_head_attention_forward")
