@@ -658,15 +658,17 @@ def _counting(log_prob, record):
 
 
 _LOG_PROB_CASES = {
-    # name: (event dims of the draw, prior's shape, scale, mask)
-    "plain": (2, (3, 4), None, None),
-    "batch dims": (1, (3, 4), None, None),
-    "broadcast prior": (2, (4,), None, None),
-    "scale": (2, (3, 4), 0.25, None),
-    "scale tensor": (1, (3, 4), torch.tensor([0.5, 2.0, 1.0]), None),
-    "broadcast scale": (2, (3, 4), torch.tensor([0.5, 2.0]).reshape(2, 1), None),
-    "mask": (1, (4,), None, torch.tensor([True, False, True])),
-    "scale and mask": (2, (4,), 3.0, torch.tensor([True, False, True])),
+    # name: (shape of the draw, its event dims, prior's shape, scale, mask)
+    "plain": ((3, 4), 2, (3, 4), None, None),
+    "batch dims": ((3, 4), 1, (3, 4), None, None),
+    "broadcast prior": ((3, 4), 2, (4,), None, None),
+    "prior broadcasts the draw": ((4,), 1, (3, 4), None, None),
+    "scale": ((3, 4), 2, (3, 4), 2.0, None),
+    "scale tensor": ((3, 4), 1, (3, 4), torch.tensor([0.5, 2.0, 1.0]), None),
+    "0-d scale tensor": ((3, 4), 1, (3, 4), torch.tensor(0.5), None),
+    "broadcast scale": ((3, 4), 2, (3, 4), torch.tensor([0.5, 2.0]).reshape(2, 1), None),
+    "mask": ((3, 4), 1, (4,), None, torch.tensor([True, False, True])),
+    "scale and mask": ((3, 4), 2, (4,), 3.0, torch.tensor([True, False, True])),
 }
 
 
@@ -675,16 +677,17 @@ def test_deferred_log_prob_has_pyros_shape_scale_and_mask(case, monkeypatch):
     # The deferred log densities stored with a deferred draw are Pyro's own (what
     # Trace.compute_log_prob and compute_score_parts compute without them), also when the
     # prior broadcasts against the drawn value, under poutine.scale and poutine.mask.
-    event_dim, prior_shape, scale, mask = _LOG_PROB_CASES[case]
-    loc, sd = torch.randn(3, 4, dtype=torch.float64), torch.rand(3, 4, dtype=torch.float64)
+    shape, event_dim, prior_shape, scale, mask = _LOG_PROB_CASES[case]
+    loc, sd = torch.randn(shape, dtype=torch.float64), torch.rand(shape, dtype=torch.float64)
 
     def guide():
         pyro.sample("w", dist.Normal(loc, sd + 0.5).to_event(event_dim))
 
     def model():
         prior = dist.Normal(torch.zeros(prior_shape, dtype=torch.float64), 2.0)
-        # a prior of one row broadcasts over the rows: log densities of shape (3,)
-        pyro.sample("w", prior.to_event(1 if len(prior_shape) == 1 else event_dim))
+        # one row and three rows broadcast against each other: log densities of shape (3,)
+        one_row = len(prior_shape) == 1 or len(shape) == 1
+        pyro.sample("w", prior.to_event(1 if one_row else event_dim))
 
     def traces():
         pyro.set_rng_seed(0)
