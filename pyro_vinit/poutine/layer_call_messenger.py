@@ -59,7 +59,6 @@ from pyro_vinit.poutine._site_value import (
     DERIVING_OPS,
     SiteValue,
     Uses,
-    contains_site_value,
     eager,
     getter,
     unwrap,
@@ -100,13 +99,9 @@ def _op_name(func: Callable[..., Any]) -> str:
 
 
 def _site_values(items: Iterable[Any]) -> List[SiteValue]:
-    found: List[SiteValue] = []
-    for item in items:
-        if isinstance(item, SiteValue):
-            found.append(item)
-        elif isinstance(item, (tuple, list)) and contains_site_value(item):
-            found.extend(_site_values(item))
-    return found
+    # Top level only: torch unpacks an operand list (einsum's) before dispatching, and the
+    # other ops of _CUSTOM_LAYER_OPS take no tensors in containers.
+    return [item for item in items if isinstance(item, SiteValue)]
 
 
 def _layer_call(
@@ -263,7 +258,7 @@ class LayerCallMessenger(Messenger):
         # Pyro's AutoNormal puts Delta(v) at the site, v the auxiliary Normal's value mapped
         # to the support (itself for real support): the site value is then v's value.
         fn = base_distribution(msg["fn"])
-        source = getattr(fn, "v", None) if isinstance(fn, dist.Delta) else None
+        source = fn.v if isinstance(fn, dist.Delta) else None
         if not (isinstance(source, SiteValue) and source.is_view and source.shape == value.shape):
             return None
         return SiteValue.wrap(

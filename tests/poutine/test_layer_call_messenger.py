@@ -325,8 +325,8 @@ CUSTOM_USES = {
     "bmm": (lambda x: torch.bmm(x.expand(2, 5, 4), _w((2, 4, 3))), "bmm"),
     "einsum of three, in a list": (
         lambda x: torch.einsum("bi,ij,jk->bk", [x, _w((4, 3)), torch.ones(3, 2)]), "einsum"),
-    "einsum, nested list": (
-        lambda x: torch.einsum("bi,ij,jk->bk", x, [_w((4, 3))][0], torch.ones(3, 2)), "einsum"),
+    "einsum of three": (
+        lambda x: torch.einsum("bi,ij,jk->bk", x, _w((4, 3)), torch.ones(3, 2)), "einsum"),
     "bilinear": (lambda x: F.bilinear(x, x, _w((2, 4, 4))), "bilinear"),
 }
 
@@ -350,7 +350,7 @@ def test_custom_uses_are_reported_by_their_name(use):
 
 def test_weight_in_a_list_of_operands_is_reported():
     # An einsum whose operands come as one list (of other than two) is not a layer: each
-    # site value in the list is reported, not only those passed directly.
+    # site value in the list is reported.
     x = torch.randn(5, 4)
 
     def model():
