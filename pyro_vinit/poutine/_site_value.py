@@ -103,14 +103,6 @@ def unwrap(obj: Any) -> Any:
     return obj
 
 
-def contains_site_value(obj: Any) -> bool:
-    if isinstance(obj, SiteValue):
-        return True
-    if isinstance(obj, (tuple, list)):
-        return any(contains_site_value(x) for x in obj)
-    return False
-
-
 def replay(view_ops: Tuple[ViewOp, ...], tensor: torch.Tensor) -> torch.Tensor:
     """Applies ``view_ops`` to ``tensor`` (of the drawn value's shape)."""
     for func, args, kwargs in view_ops:

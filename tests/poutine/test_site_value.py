@@ -12,7 +12,6 @@ from pyro_vinit.poutine._site_value import (
     Uses,
     _meta_result,
     _placeholder,
-    contains_site_value,
     eager,
     getter,
     is_transpose,
@@ -74,31 +73,6 @@ def test_unwrap_replaces_stand_ins_in_nested_containers():
     assert type(out[0]) is torch.Tensor and out[0] is a
     assert out[1][1]["k"] is b and out[1][1]["s"] == "text"
     assert out[1][0] == 1 and out[2] is None
-
-
-@pytest.mark.parametrize(
-    "obj, expected",
-    [
-        ("stand-in", True),
-        ("in a list", True),
-        ("nested in a tuple", True),
-        ("after other items", True),
-        ("plain tensors", False),
-        ("empty", False),
-    ],
-    ids=str,
-)
-def test_contains_site_value(obj, expected):
-    w, t = _wrapped(torch.randn(2)), torch.randn(2)
-    objs = {
-        "stand-in": w,
-        "in a list": [w],
-        "nested in a tuple": (t, [t, (w,)]),
-        "after other items": [t, 1, w],
-        "plain tensors": (t, [t]),
-        "empty": [],
-    }
-    assert contains_site_value(objs[obj]) is expected
 
 
 def test_replay_applies_ops_in_order_with_their_arguments():
