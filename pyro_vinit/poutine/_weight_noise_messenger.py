@@ -41,7 +41,7 @@ def view_of(value: SiteValue, param: torch.Tensor) -> torch.Tensor:
 def _is_weight_like(msg: SampleSite) -> bool:
     # A real-valued site with at least two dims of its own (not plate dims).
     fn, value = msg["fn"], msg["value"]
-    support = getattr(fn, "support", None)
+    support = fn.support
     while isinstance(support, constraints.independent):
         support = support.base_constraint
     if support is not constraints.real:
@@ -143,8 +143,9 @@ class _WeightNoiseMessenger(LayerCallMessenger):
         noisy = [weight]
         if self.bias_noise and isinstance(call.bias, SiteValue) and call.bias.msgs:
             noisy.append(call.bias)
-        # Every value counts its use, also when another one is reported.
-        reused = [v for v in noisy if v.uses.add(v.view_ops if v.is_view else None)]
+        # Every value counts its use, also when another one is reported. A value derived from
+        # a view (e.g. w[:2].expand(...)) uses elements of that view only: its view_ops.
+        reused = [v for v in noisy if v.uses.add(v.view_ops)]
         if reused:
             # Per-example noise drawn independently at each use would lose the correlation
             # between the uses of one sample (tied weights, a layer called twice).

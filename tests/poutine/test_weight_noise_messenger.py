@@ -18,7 +18,7 @@ from torch import nn
 
 from pyro_vinit import AutoKTiedNormal
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import flipout, local_reparam
+from pyro_vinit.poutine import LocalReparamMessenger, flipout, local_reparam
 
 HANDLERS = [local_reparam, flipout]
 
@@ -338,3 +338,45 @@ _NEVER = ("it never reached a layer call the handler sees (F.linear, F.conv1d/2d
           "matrix product with one weight, e.g. nn.Linear, x @ w); e.g. "
           "nn.MultiheadAttention uses its projection weights inside "
           "F.multi_head_attention_forward")
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_latent_inputs_and_biases_of_plain_layers(handler):
+    # A plain nn.Linear fed a latent input (a VAE's decoder) or given a latent bias only:
+    # the layer call is seen (a site value takes part) and runs as written.
+    decoder = nn.Linear(3, 4)
+
+    def model():
+        with pyro.plate("data", 5):
+            z = pyro.sample("z", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        return decoder(z), F.linear(z, decoder.weight, b)
+
+    with pyro.poutine.trace() as tr, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with handler(strict=True):
+            out, out_bias = model()
+    z, b = (tr.trace.nodes[name]["value"] * 1.0 for name in ("z", "b"))
+    assert torch.equal(out, decoder(z))
+    assert torch.equal(out_bias, F.linear(z, decoder.weight, b))
+
+
+def test_derived_use_claims_only_its_view():
+    # w[:1].expand(...) repeats row 0 (ordinary sample, reported); rows 1-3, used by a
+    # later layer, are other elements of the draw: per-example noise for them stays exact.
+    x = torch.randn(2000, 3)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, 3), 1.0).to_event(2))
+        return F.linear(x, w[:1].expand(2, 3)), F.linear(x, w[1:])
+
+    with pyro.poutine.trace() as tr, pytest.warns(UserWarning, match="'w'.*by expand"):
+        with LocalReparamMessenger():
+            repeated, rest = model()
+    w = tr.trace.nodes["w"]["value"] * 1.0
+    assert torch.equal(repeated, F.linear(x, w[:1].expand(2, 3)))
+    # per-example noise: the outputs are not one weight sample's (a shared sample would
+    # give rest == x @ w[1:].T exactly); their variance is x^2 @ 1 per example
+    assert not torch.allclose(rest, F.linear(x, w[1:]))
+    z = rest / x.pow(2).sum(-1, keepdim=True).sqrt()
+    assert abs(z.var().item() - 1) < 0.1  # 6000 standard normals: sd of the variance 0.018
