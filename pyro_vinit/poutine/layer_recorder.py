@@ -290,7 +290,11 @@ class LayerRecorderMessenger(Messenger):
         while hasattr(fn, "base_dist"):
             fn = fn.base_dist
         fn = getattr(fn, "_categorical", fn)  # OneHotCategorical
-        for name in getattr(fn, "arg_constraints", {}):
+        try:
+            names = list(getattr(fn, "arg_constraints", {}))
+        except NotImplementedError:  # a torch Distribution that declares none
+            return
+        for name in names:
             value = fn.__dict__.get(name)  # only parameters given (lazy ones are derived)
             if isinstance(value, torch.Tensor):
                 self.likelihood_flow[name] = self._get_flow(value)

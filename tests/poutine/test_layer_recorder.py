@@ -72,7 +72,7 @@ def test_linear_calls_recorded(name):
     layer = _only_layer(rec)
     assert layer.weight_name == "w" and layer.weight_index is None
     assert layer.call.op == "linear" and layer.call.source == source
-    assert not layer.call.transposed and layer.call.kwargs == {}
+    assert layer.call.transposed is False and layer.call.kwargs == {}
     assert torch.equal(layer.call.weight, W_OUT_IN) and torch.equal(layer.call.input, X)
     expected = F.linear(X, W_OUT_IN, B if with_bias else None)
     assert_close(out, expected)
@@ -149,7 +149,7 @@ def test_convolutions_recorded(name):
     layer = _only_layer(rec)
     assert layer.call.op == name[:6] and layer.call.kwargs == kwargs
     assert layer.weight_name == "w" and layer.bias_name == "b" and layer.weight_index is None
-    assert torch.equal(layer.call.weight, w) and not layer.call.transposed
+    assert torch.equal(layer.call.weight, w) and layer.call.transposed is False
     assert_close(out, program(x, w, b))
 
 
@@ -167,6 +167,8 @@ def test_plain_tensors_and_other_ops_not_recorded():
         w @ v  # both operands latent
         w.t() @ w  # both operands latent views
         F.linear(x[:, :2], w[:, :2])
+        F.linear(x, w * 2)  # same shape, other values
+        F.linear(x, torch.relu(w))
         return torch.relu(x).sum()
 
     rec, _ = _record(model, {"w": W_OUT_IN, "v": torch.randn(4, 4)}, X)
@@ -226,6 +228,8 @@ RELAYOUTS = {
     "mT": ((4, 3), lambda w: w.mT),
     "transpose": ((4, 3), lambda w: w.transpose(0, 1)),
     "torch.transpose": ((4, 3), lambda w: torch.transpose(w, 1, 0)),
+    "transpose keywords": ((4, 3), lambda w: w.transpose(dim0=1, dim1=0)),
+    "flatten keywords": ((3, 2, 2), lambda w: torch.flatten(w, start_dim=1)),
     "permute": ((4, 3), lambda w: w.permute(1, 0)),
     "torch.permute": ((4, 3), lambda w: torch.permute(w, (1, 0))),
     "movedim": ((4, 3), lambda w: w.movedim(0, 1)),
@@ -444,6 +448,16 @@ def test_subsampled_plates_recorded_and_rows_honoured():
         assert rec.subsampled_plates == {} and torch.equal(out, torch.arange(10))
 
 
+def test_plate_rows_follow_the_plate_device():
+    def model():
+        with pyro.plate("data", 10, subsample_size=3, device="meta") as rows:
+            return rows
+
+    rec, out = _record(model, {}, plate_subsample=torch.tensor([9, 0, 4]))
+    assert rec.subsampled_plates == {"data": (10, 3)}
+    assert out.device.type == "meta" and out.shape == (3,)
+
+
 @pytest.mark.parametrize(
     "rows",
     [torch.tensor([1, 2]), torch.tensor([1, 2, 3, 4]), torch.tensor([10, 0, 1])],
@@ -562,17 +576,29 @@ def test_norm_statistics_closed_form():
     x = torch.tensor([[1.0, 0.1], [2.0, 0.1], [4.0, 0.1], [9.0, 0.1], [0.0, 0.1], [3.0, 0.1],
                       [2.0, 0.1]])
     rm, rv = torch.zeros(2), torch.ones(2)
-    acc = {1: [rm, rv, 7, x.sum(0), (x * x).sum(0)], 2: [rm, rv, 1, torch.tensor([3.0]),
-                                                            torch.tensor([9.0])]}
-    (m1, v1, mean, var), (_, _, mean1, var1) = norm_statistics(acc)
+    pair = torch.tensor([1.0, 4.0])
+    acc = {1: [rm, rv, 7, x.sum(0), (x * x).sum(0)],
+           2: [rm, rv, 1, torch.tensor([3.0]), torch.tensor([9.0])],
+           3: [rm, rv, 2, pair.sum(0, True), (pair * pair).sum(0, True)]}
+    (m1, v1, mean, var), (_, _, mean1, var1), (_, _, mean2, var2) = norm_statistics(acc)
     assert m1 is rm and v1 is rv
     assert_close(mean, x.mean(0))
     assert_close(var[0], x[:, 0].var(unbiased=True), rtol=1e-5)
     assert var[1] == 0.0  # rounding gives a tiny negative difference
     assert torch.equal(mean1, torch.tensor([3.0])) and torch.equal(var1, torch.tensor([0.0]))
+    assert_close(mean2, [2.5]) and assert_close(var2, [4.5])  # (1.5^2 + 1.5^2) / (2 - 1)
 
 
 # ---------------------------------------------------------------- hooks and exits
+
+
+def test_metadata_and_factory_calls_pass_through():
+    # shape queries with keywords, and factories called with keywords only, work as without
+    # the recorder
+    with LayerRecorderMessenger([]):
+        x = torch.zeros(size=(2, 3))
+        assert x.size(dim=1) == 3 and x.stride(dim=0) == 3
+        assert torch.equal(torch.ones(size=(2,)), torch.tensor([1.0, 1.0]))
 
 
 def _two_layer_model(x):
@@ -699,6 +725,57 @@ def test_likelihood_flow_through_a_bias_added_to_a_product():
         assert rec.likelihood_flow == {
             "loc": frozenset({("layer", 0)}), "scale": frozenset({("layer", 0)}),
         }, spelled_out
+
+
+def test_likelihood_flow_through_an_addition_that_is_no_bias():
+    def model(x, y):
+        loc = x @ _latent("w", 4, 1) + pyro.param("c", torch.zeros(1))
+        pyro.sample("y", dist.Normal(loc, 1.0).to_event(2), obs=y)
+
+    pyro.clear_param_store()
+    rec, _ = _record(model, {"w": torch.randn(4, 1)}, X, torch.zeros(5, 1), track_flow=True)
+    assert _only_layer(rec).bias_name is None
+    assert rec.likelihood_flow["loc"] == frozenset({("layer", 0), ("param", "c")})
+    pyro.clear_param_store()
+
+
+class _NoConstraints(dist.TorchDistribution):
+    # a user's likelihood that declares no arg_constraints (torch only warns about it)
+    support = dist.constraints.real
+
+    def __init__(self, loc):
+        self.loc = loc
+        super().__init__(loc.shape[:-1], loc.shape[-1:], validate_args=False)
+
+    def log_prob(self, value):
+        return -(value - self.loc).pow(2).sum(-1)
+
+
+class _DuckTyped:
+    # not a Distribution at all: a callable with a log_prob
+    def __init__(self, loc):
+        self.loc = loc
+
+    def __call__(self):
+        return self.loc
+
+    def log_prob(self, value):
+        return -(value - self.loc).pow(2).sum(-1)
+
+
+@pytest.mark.parametrize(
+    "likelihood", [_NoConstraints, _DuckTyped], ids=["no arg_constraints", "duck-typed"]
+)
+def test_likelihood_without_arg_constraints(likelihood):
+    # Regression: the recorder raised a bare NotImplementedError (torch's arg_constraints)
+    # before I-BLM could say which likelihoods it supports.
+    def model(x, y):
+        pyro.sample("y", likelihood(F.linear(x, _latent("w", 3, 4))), obs=y)
+        pyro.sample("z", dist.Normal(0.0, 1.0), obs=0.5)  # not a tensor: not listed
+
+    y = torch.zeros(5, 3)
+    rec, _ = _record(model, {"w": W_OUT_IN}, X, y, track_flow=True)
+    assert rec.likelihood_flow == {} and [s["name"] for s in rec.observed] == ["y"]
 
 
 @pytest.mark.parametrize(
