@@ -586,7 +586,8 @@ def test_norm_statistics_closed_form():
     assert_close(var[0], x[:, 0].var(unbiased=True), rtol=1e-5)
     assert var[1] == 0.0  # rounding gives a tiny negative difference
     assert torch.equal(mean1, torch.tensor([3.0])) and torch.equal(var1, torch.tensor([0.0]))
-    assert_close(mean2, [2.5]) and assert_close(var2, [4.5])  # (1.5^2 + 1.5^2) / (2 - 1)
+    assert_close(mean2, [2.5])
+    assert_close(var2, [4.5])  # (1.5^2 + 1.5^2) / (2 - 1)
 
 
 # ---------------------------------------------------------------- hooks and exits
