@@ -290,7 +290,11 @@ class LayerRecorderMessenger(Messenger):
         while hasattr(fn, "base_dist"):
             fn = fn.base_dist
         fn = getattr(fn, "_categorical", fn)  # OneHotCategorical
-        for name in getattr(fn, "arg_constraints", {}):
+        try:
+            names = list(getattr(fn, "arg_constraints", {}))
+        except NotImplementedError:  # a torch Distribution that declares none
+            return
+        for name in names:
             value = fn.__dict__.get(name)  # only parameters given (lazy ones are derived)
             if isinstance(value, torch.Tensor):
                 self.likelihood_flow[name] = self._get_flow(value)
@@ -354,14 +358,18 @@ class LayerRecorderMessenger(Messenger):
         source = args[0] if args else None
         derived = self._site_of(source) if isinstance(source, torch.Tensor) else None
         if derived is not None and isinstance(out, torch.Tensor):
-            if func in _SAME_VALUES:
+            if func in _SAME_VALUES or (func is _T.view and out.dtype == args[0].dtype
+                                        and out.shape == args[0].shape):
+                # a view as its own shape or dtype (whose replay on the int64 indices
+                # would reinterpret their bits) holds the same elements
                 self._sites[id(out)] = (out, derived)
             elif func in _RELAYOUT:
                 index = _relayout_index(derived, func, args, kwargs)
                 if index is not None:
                     self._sites[id(out)] = (out, _Derived(derived.name, derived.root_shape, index))
-        if func in _ADDS and len(args) == 2 and self._open_matmuls:
-            self._matmul_bias(args, out)
+        if (func in _ADDS and len(args) == 2 and kwargs.get("alpha", 1) == 1
+                and self._open_matmuls and self._matmul_bias(args, out)):
+            return  # the sum is the layer's output: its flow is the layer's
         if not self.track_flow:
             return
         if func is torch.broadcast_tensors:
@@ -432,7 +440,7 @@ class LayerRecorderMessenger(Messenger):
                 index = None
         return index
 
-    def _matmul_bias(self, args: Tuple[Any, ...], out: Any) -> None:
+    def _matmul_bias(self, args: Tuple[Any, ...], out: Any) -> bool:
         # x @ w + b: a latent vector b added to an open matrix product is its bias.
         for a, b in (args, args[::-1]):
             entry = self._open_matmuls.get(id(a))
@@ -449,7 +457,8 @@ class LayerRecorderMessenger(Messenger):
                 layer.output = out
                 if self.track_flow:
                     self._set_flow(out, self._get_flow(a))
-                return
+                return True
+        return False
 
     def _batch_norm(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.Tensor:
         names = ("input", "running_mean", "running_var", "weight", "bias", "training",
