@@ -273,6 +273,46 @@ def test_heteroscedastic_heads(guide_class):
     assert med["scale_head.weight"].abs().max() < 0.05
 
 
+def _two_head_model(spelling):
+    # A functional heteroscedastic regression whose heads are written as matrix products
+    # plus a latent bias (h @ w + b) or as F.linear: the same model.
+    def head(h, w, b):
+        return h @ w + b if spelling == "matmul" else F.linear(h, w.T, b)
+
+    def model(x, y=None):
+        w0 = pyro.sample("w0", dist.Normal(torch.zeros(3, 16), 1.0).to_event(2))
+        b0 = pyro.sample("b0", dist.Normal(torch.zeros(16), 1.0).to_event(1))
+        h = torch.tanh(head(x, w0, b0))
+        ws, bs = {}, {}
+        for name in ("mean", "scale"):
+            ws[name] = pyro.sample(f"w_{name}", dist.Normal(torch.zeros(16, 1), 1.0).to_event(2))
+            bs[name] = pyro.sample(f"b_{name}", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+        loc = head(h, ws["mean"], bs["mean"]).squeeze(-1)
+        scale = F.softplus(head(h, ws["scale"], bs["scale"])).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(loc, scale), obs=y)
+
+    return model
+
+
+def test_scale_head_written_as_a_matrix_product():
+    # h @ w + b is the layer h @ w with its bias: the scale head is then a head whose output
+    # only sets the scale (it was refused as depending on a layer and on the site b), and
+    # I-BLM gives exactly what it gives for the F.linear spelling.
+    x = torch.randn(200, 3)
+    y = x.sum(-1) + 0.3 * torch.randn(200)
+    states = []
+    for spelling in ("matmul", "linear"):
+        pyro.clear_param_store()
+        guide = AutoNormal(_two_head_model(spelling))
+        pyro.set_rng_seed(1)
+        init_guide_iblm(guide, (x, y))
+        states.append(_state(guide))
+    assert states[0].keys() == states[1].keys()
+    for key in states[0]:
+        assert_close(states[0][key], states[1][key], rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- what I-BLM cannot see
 
 
