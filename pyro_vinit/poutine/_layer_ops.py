@@ -143,28 +143,32 @@ def _einsum_as_linear(
         return None
     lhs, out = equation.split("->")
     left, right = lhs.split(",")
-    for inp, w, spec_in, spec_w in ((a, b, left, right), (b, a, right, left)):
-        if not is_weight(w) or len(spec_w) != 2 or "." in spec_w or is_weight(inp):
-            continue
-        shared = [c for c in spec_w if c in spec_in]
-        letters = spec_in.replace(".", "")
-        if len(shared) != 1 or shared[0] in out or len(set(letters)) != len(letters):
-            continue
-        k = shared[0]
-        o = spec_w.replace(k, "")
-        free_in = spec_in.replace(k, "")
-        if out != free_in + o or o in spec_in:
-            continue
-        # move the contracted index of the input last
-        if "." in free_in:
-            if not spec_in.endswith(k):
-                continue
-            x = inp
-        else:
-            x = inp.permute([spec_in.index(c) for c in free_in] + [spec_in.index(k)])
-        transposed = spec_w.index(k) == 0  # weight given as (in, out)
-        return x, w, transposed
-    return None
+    if is_weight(b) and not is_weight(a):
+        inp, w, spec_in, spec_w = a, b, left, right
+    elif is_weight(a) and not is_weight(b):
+        inp, w, spec_in, spec_w = b, a, right, left
+    else:
+        return None
+    if len(spec_w) != 2:  # also refuses an ellipsis ("...") in the weight's
+        return None
+    shared = [c for c in spec_w if c in spec_in]
+    letters = spec_in.replace(".", "")
+    if len(shared) != 1 or shared[0] in out or len(set(letters)) != len(letters):
+        return None
+    k = shared[0]
+    o = spec_w.replace(k, "")
+    free_in = spec_in.replace(k, "")
+    if out != free_in + o or o in spec_in:
+        return None
+    # move the contracted index of the input last
+    if "." in free_in:
+        if not spec_in.endswith(k):
+            return None
+        x = inp
+    else:
+        x = inp.permute([spec_in.index(c) for c in free_in] + [spec_in.index(k)])
+    transposed = spec_w.index(k) == 0  # weight given as (in, out)
+    return x, w, transposed
 
 
 def parse_matmul(

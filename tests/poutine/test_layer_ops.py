@@ -81,6 +81,8 @@ REFUSED = {
     "einsum, first operand not a tensor": (torch.einsum, ("bi,io->bo", [2.0, W]), {}),
     "einsum, equation not a string": (torch.einsum, (1, X, W), {}),
     "einsum, two weights": (torch.einsum, ("oi,io->oo", WT, W), {}),
+    "einsum, two weights in a layer's equation": (torch.einsum, ("bi,io->bo", WT, W), {}),
+    "einsum, repeated free input index": (torch.einsum, ("bbi,io->bbo", X3, W), {}),
     "einsum, no weight": (torch.einsum, ("bi,ci->bc", X, X), {}),
     "einsum, 3-d weight": (torch.einsum, ("bi,iop->bop", X, W3), {}),
     "einsum, ellipsis in the weight": (torch.einsum, ("bi,...o->bo", X, W), {}),
@@ -142,6 +144,8 @@ def test_parse_layer_call_fills_conv_defaults_and_keywords():
         F.linear, (), {"input": x2, "weight": w2, "bias": b})
     assert (op, inp is x2, weight is w2, bias is b, extra) == ("linear", True, True, True, {})
     assert parse_layer_call(F.linear, (x2, w2), {})[3] is None
+    op, inp, weight, bias, extra = parse_layer_call(F.linear, (x2,), {"weight": w2})
+    assert (op, inp is x2, weight is w2, bias, extra) == ("linear", True, True, None, {})
     assert parse_layer_call(torch.matmul, (x, w), {}) is None
 
 
