@@ -82,6 +82,8 @@ REFUSED = {
     "einsum, equation not a string": (torch.einsum, (1, X, W), {}),
     "einsum, two weights": (torch.einsum, ("oi,io->oo", WT, W), {}),
     "einsum, two weights in a layer's equation": (torch.einsum, ("bi,io->bo", WT, W), {}),
+    "einsum, two weights, weight first": (torch.einsum, ("io,bi->bo", W, WT), {}),
+    "einsum, no weight in a layer's equation": (torch.einsum, ("io,bi->bo", W.clone(), X), {}),
     "einsum, repeated free input index": (torch.einsum, ("bbi,io->bbo", X3, W), {}),
     "einsum, no weight": (torch.einsum, ("bi,ci->bc", X, X), {}),
     "einsum, 3-d weight": (torch.einsum, ("bi,iop->bop", X, W3), {}),
