@@ -149,7 +149,7 @@ def _einsum_as_linear(
         inp, w, spec_in, spec_w = b, a, right, left
     else:
         return None
-    if len(spec_w) != 2:  # also refuses an ellipsis ("...") in the weight's
+    if len(spec_w) != 2 or "." in spec_w:
         return None
     shared = [c for c in spec_w if c in spec_in]
     letters = spec_in.replace(".", "")

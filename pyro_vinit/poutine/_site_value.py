@@ -285,7 +285,7 @@ class SiteValue(torch.Tensor):
         """
         args, kwargs = unwrap(args), unwrap(kwargs or {})
         view_op = (func, args, kwargs)
-        is_view = self.derived is None and _is_view_op(func, args)
+        is_view = self.derived is None and _is_view_op(func, args, kwargs)
         if is_view and self.is_deferred:
             meta = _meta_result(func, self, args, kwargs)
             if meta is not None and (func not in _EXPANDS or meta.numel() == self.numel()):
@@ -366,15 +366,24 @@ DERIVING_OPS = _VIEWS | _CASTS | _EXPANDS | _OTHERS
 def _is_basic_index(index: object) -> bool:
     if isinstance(index, tuple):
         return all(_is_basic_index(i) for i in index)
-    return index is None or index is Ellipsis or isinstance(index, slice) or (
+    if isinstance(index, slice):
+        # Tensor bounds may be computed from the draw itself: which elements are used then
+        # depends on other elements, so the view's distribution is not its elements' own.
+        return all(_is_int_or_none(b) for b in (index.start, index.stop, index.step))
+    return index is None or index is Ellipsis or (
         isinstance(index, int) and not isinstance(index, bool)
     )
 
 
-def _is_view_op(func: Callable[..., Any], args: Tuple[Any, ...]) -> bool:
+def _is_int_or_none(bound: object) -> bool:
+    return bound is None or (isinstance(bound, int) and not isinstance(bound, bool))
+
+
+def _is_view_op(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
     if func in _VIEWS:
         # Tensor.view(dtype) reinterprets the bits
-        return not (func is _T.view and args and isinstance(args[0], torch.dtype))
+        dtype = args[0] if args else kwargs.get("dtype")
+        return not (func is _T.view and isinstance(dtype, torch.dtype))
     if func is _T.__getitem__:
         return bool(args) and _is_basic_index(args[0])
     return func in _CASTS or func in _EXPANDS  # expand: if it repeats nothing (checked after)

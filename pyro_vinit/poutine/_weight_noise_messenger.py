@@ -143,9 +143,10 @@ class _WeightNoiseMessenger(LayerCallMessenger):
         noisy = [weight]
         if self.bias_noise and isinstance(call.bias, SiteValue) and call.bias.msgs:
             noisy.append(call.bias)
-        # Every value counts its use, also when another one is reported. A value derived from
-        # a view (e.g. w[:2].expand(...)) uses elements of that view only: its view_ops.
-        reused = [v for v in noisy if v.uses.add(v.view_ops)]
+        # Every value counts its use, also when another one is reported. A value that is not
+        # a view claims the whole draw: which elements it depends on may itself depend on
+        # the draw (e.g. an index computed from it).
+        reused = [v for v in noisy if v.uses.add(v.view_ops if v.is_view else None)]
         if reused:
             # Per-example noise drawn independently at each use would lose the correlation
             # between the uses of one sample (tied weights, a layer called twice).

@@ -143,6 +143,9 @@ NOT_VIEWS = {
     "advanced index": lambda w: w[[0, 0]],
     "detach": lambda w: w.detach(),
     "bit view": lambda w: w.view(torch.int64),
+    "bit view, keyword": lambda w: w.view(dtype=torch.int64),
+    "slice, tensor bound": lambda w: w[torch.tensor(1):],
+    "slice, tensor step": lambda w: w[:, ::torch.tensor(2)],
 }
 
 

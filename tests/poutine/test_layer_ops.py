@@ -88,6 +88,8 @@ REFUSED = {
     "einsum, no weight": (torch.einsum, ("bi,ci->bc", X, X), {}),
     "einsum, 3-d weight": (torch.einsum, ("bi,iop->bop", X, W3), {}),
     "einsum, ellipsis in the weight": (torch.einsum, ("bi,...o->bo", X, W), {}),
+    "einsum, a dot in the weight": (torch.einsum, ("bi,i.->b.", X, W), {}),
+    "einsum, a dot first in the weight": (torch.einsum, ("bi,.i->b.", X, WT), {}),
     "einsum, nothing contracted": (torch.einsum, ("bi,jo->bijo", X, W), {}),
     "einsum, contracted index kept": (torch.einsum, ("bi,io->bio", X, W), {}),
     "einsum, repeated input index": (torch.einsum, ("ii,io->io", X[:4], W), {}),

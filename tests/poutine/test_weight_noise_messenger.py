@@ -361,22 +361,34 @@ def test_latent_inputs_and_biases_of_plain_layers(handler):
     assert torch.equal(out_bias, F.linear(z, decoder.weight, b))
 
 
-def test_derived_use_claims_only_its_view():
-    # w[:1].expand(...) repeats row 0 (ordinary sample, reported); rows 1-3, used by a
-    # later layer, are other elements of the draw: per-example noise for them stays exact.
-    x = torch.randn(2000, 3)
+def _index_from_the_draw(w):
+    # rows 0-2 chosen by a value of row 3: the elements used depend on other elements
+    idx = w[3].argmax()
+    return w[:3][idx:idx + 1]
+
+
+DEPENDENT_USES = {
+    "expanded row": lambda w: w[:1].expand(2, 3),
+    "slice bounds from the draw": _index_from_the_draw,
+    "expanded, slice bounds from the draw": lambda w: _index_from_the_draw(w).expand(2, 3),
+}
+
+
+@pytest.mark.parametrize("use", sorted(DEPENDENT_USES))
+def test_a_use_that_is_no_view_claims_the_whole_draw(use):
+    # A weight used through an op that is not a view of the draw (repeated elements, or
+    # elements chosen by the draw's own values) runs with the ordinary sample, and so does
+    # every later layer on the same draw: independent per-example noise for rows 3+ would
+    # lose their correlation with the first use (here, through the row it chose).
+    x = torch.randn(50, 3)
 
     def model():
         w = pyro.sample("w", dist.Normal(torch.zeros(4, 3), 1.0).to_event(2))
-        return F.linear(x, w[:1].expand(2, 3)), F.linear(x, w[1:])
+        return F.linear(x, DEPENDENT_USES[use](w)), F.linear(x, w[3:])
 
-    with pyro.poutine.trace() as tr, pytest.warns(UserWarning, match="'w'.*by expand"):
+    with pyro.poutine.trace() as tr, pytest.warns(UserWarning, match="'w': its value is tra"):
         with LocalReparamMessenger():
-            repeated, rest = model()
+            first, rest = model()
     w = tr.trace.nodes["w"]["value"] * 1.0
-    assert torch.equal(repeated, F.linear(x, w[:1].expand(2, 3)))
-    # per-example noise: the outputs are not one weight sample's (a shared sample would
-    # give rest == x @ w[1:].T exactly); their variance is x^2 @ 1 per example
-    assert not torch.allclose(rest, F.linear(x, w[1:]))
-    z = rest / x.pow(2).sum(-1, keepdim=True).sqrt()
-    assert abs(z.var().item() - 1) < 0.1  # 6000 standard normals: sd of the variance 0.018
+    assert torch.equal(first, F.linear(x, DEPENDENT_USES[use](w)))
+    assert torch.equal(rest, F.linear(x, w[3:]))
