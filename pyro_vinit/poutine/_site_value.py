@@ -370,9 +370,7 @@ def _is_basic_index(index: object) -> bool:
         # Tensor bounds may be computed from the draw itself: which elements are used then
         # depends on other elements, so the view's distribution is not its elements' own.
         return all(_is_int_or_none(b) for b in (index.start, index.stop, index.step))
-    return index is None or index is Ellipsis or (
-        isinstance(index, int) and not isinstance(index, bool)
-    )
+    return index is Ellipsis or _is_int_or_none(index)
 
 
 def _is_int_or_none(bound: object) -> bool:
