@@ -95,12 +95,15 @@ class LocalReparamMessenger(_WeightNoiseMessenger):
     :class:`~pyro_vinit.guides.AutoRadialNormal`'s; use
     :class:`~pyro_vinit.poutine.FlipoutMessenger` for those), a weight
     transformed before the layer call in a way that repeats or detaches
-    elements (e.g. ``expand``), a weight used by another op (e.g.
+    elements (e.g. ``expand``), reinterprets their bits (``view(dtype)``) or
+    picks them by tensor-valued bounds (``w[i:i + 1]`` with ``i`` a tensor,
+    possibly computed from the draw), a weight used by another op (e.g.
     ``F.bilinear``, ``F.embedding``, ``F.conv_transpose2d``, ``torch.bmm``),
     a value set by a handler outside this one, and every use after the
     first of weight elements or a sampled bias that several layer calls share
     (tied weights: independent noise at each use would lose the correlation
-    between the uses). A bias with another distribution is used as sampled.
+    between the uses; a use of the kinds above claims the whole draw). A
+    bias with another distribution is used as sampled.
     Weights that are plain parameters or conditioned values are used as
     they are. When the handler exits, one warning names the latent sites of
     the run that kept their ordinary sample, with the reasons, together with
