@@ -34,12 +34,14 @@ Usage::
 """
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple, Union, overload
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union, overload
 
 import torch
 
 __all__ = [
     "Calibration",
+    "ClassificationMetrics",
+    "RegressionMetrics",
     "UncertaintyDecomposition",
     "brier_score",
     "calibration",
@@ -248,6 +250,80 @@ def _entropy(log_p: torch.Tensor) -> torch.Tensor:
     return -torch.where(log_p > -math.inf, log_p.exp() * log_p, log_p.new_zeros(())).sum(-1)
 
 
+# The math of each metric, once: per-point values (or per-bin sums) that the
+# functions below average over one tensor of test points and the streaming
+# accumulators sum over batches.
+
+
+def _class_nll(log_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (N,): -log of the mixture probability of the label, from (S, N, C)
+    log_p = log_probs.gather(-1, y.expand(log_probs.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+    return -_predictive_log_probs(log_p)
+
+
+def _regression_nll(y: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # (N,): -log of the Normal mixture density; trailing dimensions of y are one event
+    log_p = torch.distributions.Normal(loc, scale).log_prob(y)
+    log_p = log_p.reshape(log_p.shape[:2] + (-1,)).sum(-1)  # (S, N)
+    return -_predictive_log_probs(log_p)
+
+
+def _squared_errors(y: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    # y.shape: squared error of the predictive mean, element-wise
+    return (loc.mean(0) - y).pow(2)
+
+
+def _errors(log_p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (N,): 1 where the most probable class of the mixture (N, C) is not the label
+    return (log_p.argmax(-1) != y).to(log_p.dtype)
+
+
+def _brier(log_p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (N,): squared distance of the mixture probabilities to the one-hot label
+    p = log_p.exp()
+    one_hot = torch.nn.functional.one_hot(y, p.shape[-1]).to(p.dtype)
+    return (p - one_hot).pow(2).sum(-1)
+
+
+def _check_num_bins(num_bins: int) -> None:
+    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
+
+
+def _calibration_sums(
+    log_p: torch.Tensor, y: torch.Tensor, num_bins: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Per confidence bin: the number of points (long), the sum of their
+    # confidences and the number of correct predictions (in log_p's dtype).
+    log_conf, pred = log_p.max(-1)
+    conf = log_conf.exp()
+    correct = (pred == y).to(conf.dtype)
+    edges = _bin_edges(num_bins, conf.dtype, conf.device)
+    # right=False: bin b holds (edges[b], edges[b + 1]]
+    index = torch.bucketize(conf, edges[1:-1]).clamp(max=num_bins - 1)
+    count = torch.bincount(index, minlength=num_bins)
+    sum_conf = conf.new_zeros(num_bins).index_add_(0, index, conf)
+    sum_correct = conf.new_zeros(num_bins).index_add_(0, index, correct)
+    return count, sum_conf, sum_correct
+
+
+def _bin_edges(num_bins: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.linspace(0, 1, num_bins + 1, dtype=dtype, device=device)
+
+
+def _calibration_from_sums(
+    count: torch.Tensor, sum_conf: torch.Tensor, sum_correct: torch.Tensor
+) -> "Calibration":
+    ece = (sum_correct - sum_conf).abs().sum() / count.sum()
+    denom = count.to(sum_conf.dtype)
+    empty = count == 0
+    nan = sum_conf.new_full((), math.nan)
+    confidence = torch.where(empty, nan, sum_conf / denom.clamp(min=1))
+    accuracy = torch.where(empty, nan, sum_correct / denom.clamp(min=1))
+    edges = _bin_edges(len(count), sum_conf.dtype, sum_conf.device)
+    return Calibration(ece, edges, confidence, accuracy, count)
+
+
 def predictive_probs(
     *,
     logits: Optional[torch.Tensor] = None,
@@ -316,12 +392,9 @@ def mnll(
                 "standard deviation)"
             )
         scale = _regression_inputs(y, loc, scale)
-        log_p = torch.distributions.Normal(loc, scale).log_prob(y)
-        log_p = log_p.reshape(log_p.shape[:2] + (-1,)).sum(-1)  # (S, N)
-        return -_predictive_log_probs(log_p).mean()
+        return _regression_nll(y, loc, scale).mean()
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = log_probs.gather(-1, y.expand(log_probs.shape[:-1]).unsqueeze(-1)).squeeze(-1)
-    return -_predictive_log_probs(log_p).mean()
+    return _class_nll(log_probs, y).mean()
 
 
 def rmse(y: torch.Tensor, *, loc: torch.Tensor) -> torch.Tensor:
@@ -345,7 +418,7 @@ def rmse(y: torch.Tensor, *, loc: torch.Tensor) -> torch.Tensor:
     :return: A 0-dim tensor.
     """
     _regression_inputs(y, loc, None)
-    return (loc.mean(0) - y).pow(2).mean().sqrt()
+    return _squared_errors(y, loc).mean().sqrt()
 
 
 def error_rate(
@@ -365,8 +438,7 @@ def error_rate(
     :return: A 0-dim tensor in [0, 1].
     """
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = _predictive_log_probs(log_probs)
-    return (log_p.argmax(-1) != y).to(log_p.dtype).mean()
+    return _errors(_predictive_log_probs(log_probs), y).mean()
 
 
 def brier_score(
@@ -393,9 +465,7 @@ def brier_score(
     [1] Brier (1950) "Verification of forecasts expressed in terms of probability"
     """
     log_probs, y = _class_log_probs(y, logits, probs)
-    p = _predictive_log_probs(log_probs).exp()
-    one_hot = torch.nn.functional.one_hot(y, p.shape[-1]).to(p.dtype)
-    return (p - one_hot).pow(2).sum(-1).mean()
+    return _brier(_predictive_log_probs(log_probs), y).mean()
 
 
 def predictive_entropy(
@@ -642,28 +712,12 @@ def calibration(
     [3] Niculescu-Mizil, Caruana (2005) "Predicting Good Probabilities with
     Supervised Learning"
     """
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
+    _check_num_bins(num_bins)
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = _predictive_log_probs(log_probs)
     if y.numel() == 0:
         raise ValueError("calibration needs at least one test point")
-    log_conf, pred = log_p.max(-1)
-    conf = log_conf.exp()
-    correct = (pred == y).to(conf.dtype)
-    edges = torch.linspace(0, 1, num_bins + 1, dtype=conf.dtype, device=conf.device)
-    # right=False: bin b holds (edges[b], edges[b + 1]]
-    index = torch.bucketize(conf, edges[1:-1]).clamp(max=num_bins - 1)
-    count = torch.bincount(index, minlength=num_bins)
-    sum_conf = conf.new_zeros(num_bins).index_add_(0, index, conf)
-    sum_correct = conf.new_zeros(num_bins).index_add_(0, index, correct)
-    ece = (sum_correct - sum_conf).abs().sum() / y.numel()
-    denom = count.to(conf.dtype)
-    empty = count == 0
-    nan = conf.new_full((), math.nan)
-    confidence = torch.where(empty, nan, sum_conf / denom.clamp(min=1))
-    accuracy = torch.where(empty, nan, sum_correct / denom.clamp(min=1))
-    return Calibration(ece, edges, confidence, accuracy, count)
+    count, sum_conf, sum_correct = _calibration_sums(_predictive_log_probs(log_probs), y, num_bins)
+    return _calibration_from_sums(count, sum_conf, sum_correct)
 
 
 def expected_calibration_error(
@@ -738,3 +792,231 @@ def regression_metrics(
     :rtype: dict
     """
     return {"rmse": rmse(y, loc=loc).item(), "mnll": mnll(y, loc=loc, scale=scale).item()}
+
+
+class _StreamingMetrics:
+    # Sums of per-point values over batches, in float64 (counts stay exact up
+    # to 2 ** 53), all-reduced in one call by sync().
+
+    _names: Tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def _sizes(self) -> Tuple[int, ...]:
+        return (1,) * len(self._names)
+
+    def reset(self) -> None:
+        """
+        Forgets every batch (and a previous :meth:`sync`).
+        """
+        self._state = {
+            name: torch.zeros(size, dtype=torch.float64)
+            for name, size in zip(self._names, self._sizes())
+        }
+        self._synced = False
+
+    def _add(self, **sums: torch.Tensor) -> None:
+        # called once per update() with every statistic, after all the checks
+        if self._synced:
+            raise RuntimeError(
+                f"{type(self).__name__}.update() after sync(): the state already holds every "
+                "process's sums; call reset() to start a new evaluation"
+            )
+        for name, value in sums.items():
+            state = self._state[name]
+            if state.device != value.device:
+                state = state.to(value.device)
+            self._state[name] = state + value.detach().to(torch.float64)
+
+    def sync(self, process_group: Optional[Any] = None) -> None:
+        """
+        Sums the statistics of every process of ``process_group`` (a collective
+        call: every process must make it, after its last :meth:`update`). A
+        no-op where :mod:`torch.distributed` is not initialized.
+
+        :param process_group: The process group to reduce over (default: the
+            whole world).
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if self._synced:
+            raise RuntimeError(
+                f"{type(self).__name__}.sync() was already called: a second all_reduce would "
+                "count every batch again; call reset() to start a new evaluation"
+            )
+        flat = torch.cat([value.reshape(-1) for value in self._state.values()])
+        device = flat.device
+        if dist.get_backend(process_group) == "nccl":
+            flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
+        flat = flat.to(device)
+        state, start = {}, 0
+        for name, value in self._state.items():
+            state[name] = flat[start : start + value.numel()].reshape(value.shape)
+            start += value.numel()
+        self._state = state
+        self._synced = True
+
+    def _num_points(self) -> float:
+        num_points = self._state["num_points"].item()
+        if num_points == 0:
+            raise ValueError(
+                f"{type(self).__name__}.compute() before any test point: call update() with "
+                "each batch first"
+            )
+        return num_points
+
+
+class ClassificationMetrics(_StreamingMetrics):
+    r"""
+    The metrics of :func:`classification_metrics`, accumulated over batches of
+    test points: each :meth:`update` keeps sums of per-point values (and the
+    per-bin sums of the ECE), not the batch, so a test set of any size takes
+    memory of one batch. :meth:`sync` adds up the sums of the processes of a
+    :mod:`torch.distributed` group; :meth:`compute` then gives the values of
+    the functions on all the test points at once.
+
+    Usage::
+
+        acc = ClassificationMetrics()
+        for x, y in test_loader:
+            acc.update(y, logits=predictive(x)["_RETURN"])   # (S, B, C)
+        acc.sync()            # under torch.distributed: every rank, after its last batch
+        acc.compute()         # the dict of classification_metrics
+
+    :param int num_bins: Number of confidence bins of the ECE.
+    """
+
+    _names = (
+        "num_points", "error", "nll", "brier", "entropy", "bin_count", "bin_conf", "bin_correct"
+    )
+
+    def __init__(self, num_bins: int = 15) -> None:
+        _check_num_bins(num_bins)
+        self.num_bins = num_bins
+        self._num_classes: Optional[int] = None
+        super().__init__()
+
+    def _sizes(self) -> Tuple[int, ...]:
+        return (1,) * 5 + (self.num_bins,) * 3
+
+    def reset(self) -> None:
+        super().reset()
+        self._num_classes = None
+
+    def update(
+        self,
+        y: torch.Tensor,
+        *,
+        logits: Optional[torch.Tensor] = None,
+        probs: Optional[torch.Tensor] = None,
+    ) -> None:
+        """
+        Adds a batch of test points.
+
+        :param torch.Tensor y: Labels ``(B,)``.
+        :param torch.Tensor logits: Per-sample logits ``(S, B, C)``.
+        :param torch.Tensor probs: Per-sample class probabilities ``(S, B, C)``.
+        """
+        log_probs, y = _class_log_probs(y, logits, probs)
+        num_classes = log_probs.shape[-1]
+        if self._num_classes is not None and num_classes != self._num_classes:
+            raise ValueError(
+                f"this batch has {num_classes} classes, the earlier ones "
+                f"{self._num_classes}: every batch needs the same classes (reset() between "
+                "evaluations of different models)"
+            )
+        log_p = _predictive_log_probs(log_probs)
+        count, sum_conf, sum_correct = _calibration_sums(log_p, y, self.num_bins)
+        self._add(
+            num_points=log_p.new_tensor(float(y.numel())),
+            error=_errors(log_p, y).sum(),
+            nll=_class_nll(log_probs, y).sum(),
+            brier=_brier(log_p, y).sum(),
+            entropy=_entropy(log_p).sum(),
+            bin_count=count,
+            bin_conf=sum_conf,
+            bin_correct=sum_correct,
+        )
+        self._num_classes = num_classes
+
+    def calibration(self) -> Calibration:
+        """
+        The :class:`Calibration` of the test points so far (as :func:`calibration`).
+        """
+        self._num_points()
+        state = self._state
+        return _calibration_from_sums(
+            state["bin_count"].round().long(), state["bin_conf"], state["bin_correct"]
+        )
+
+    def compute(self) -> Dict[str, float]:
+        """
+        The metrics of the test points so far, as :func:`classification_metrics`
+        gives them: ``error_rate``, ``mnll``, ``ece``, ``brier`` and ``mean_entropy``.
+
+        :rtype: dict
+        """
+        n = self._num_points()
+        state = self._state
+        return {
+            "error_rate": state["error"].item() / n,
+            "mnll": state["nll"].item() / n,
+            "ece": self.calibration().ece.item(),
+            "brier": state["brier"].item() / n,
+            "mean_entropy": state["entropy"].item() / n,
+        }
+
+
+class RegressionMetrics(_StreamingMetrics):
+    """
+    The metrics of :func:`regression_metrics` (``rmse`` and ``mnll``),
+    accumulated over batches of test points; see :class:`ClassificationMetrics`.
+
+    Usage::
+
+        acc = RegressionMetrics()
+        for x, y in test_loader:
+            acc.update(y, loc=predictive(x)["_RETURN"], scale=noise_scale)
+        acc.sync()
+        acc.compute()         # {"rmse": ..., "mnll": ...}
+    """
+
+    _names = ("num_points", "num_elements", "squared_error", "nll")
+
+    def update(
+        self, y: torch.Tensor, *, loc: torch.Tensor, scale: Union[float, torch.Tensor]
+    ) -> None:
+        """
+        Adds a batch of test points.
+
+        :param torch.Tensor y: Targets ``(B,)`` (or ``(B, ...)``).
+        :param torch.Tensor loc: Per-sample means ``(S,) + y.shape``.
+        :param scale: The Normal likelihood's standard deviation, a positive
+            number or a tensor broadcastable to ``loc``.
+        :type scale: float or torch.Tensor
+        """
+        scale = _regression_inputs(y, loc, scale)
+        self._add(
+            num_points=loc.new_tensor(float(y.shape[0])),
+            num_elements=loc.new_tensor(float(y.numel())),
+            squared_error=_squared_errors(y, loc).sum(),
+            nll=_regression_nll(y, loc, scale).sum(),
+        )
+
+    def compute(self) -> Dict[str, float]:
+        """
+        The metrics of the test points so far, as :func:`regression_metrics`
+        gives them.
+
+        :rtype: dict
+        """
+        n = self._num_points()
+        state = self._state
+        return {
+            "rmse": math.sqrt(state["squared_error"].item() / state["num_elements"].item()),
+            "mnll": state["nll"].item() / n,
+        }
