@@ -197,5 +197,75 @@ def test_weights_only_loading():
     pyro.clear_param_store()
 
 
+def _train_with_checkpoint(route: str, path: str, num_steps: int, resume: bool = False,
+                           setup_first: bool = True) -> Dict[str, torch.Tensor]:
+    """SVI from a fresh guide and optimizer for ``num_steps`` steps, saving a
+    checkpoint (parameters, optimizer state, RNG state, step) before step 5,
+    or starting from that checkpoint; the final parameters. ``setup_first=False``
+    sets the resumed guide up after restoring the RNG state (the wrong order)."""
+    case = f"AutoKTiedNormal-bayesianize-{route}"
+    x, y = _data()
+    local = route == "local_params"
+    with pyro.settings.context(module_local_params=local):
+        pyro.clear_param_store()
+        model, guide = _build(case)
+        if local:  # torch's optimizer over the parameters of the set-up guide
+            loss_fn = TraceMeanField_ELBO()(model, guide)
+            guide(x[:1], y[:1])
+            optim = torch.optim.Adam(loss_fn.parameters(), lr=0.05)
+
+            def step() -> None:
+                optim.zero_grad()
+                loss_fn(x, y).backward()
+                optim.step()
+        else:  # Pyro's optimizer wrapper and the global param store
+            pyro_optim = pyro.optim.Adam({"lr": 0.05})
+            svi = SVI(model, guide, pyro_optim, TraceMeanField_ELBO())
+
+            def step() -> None:
+                svi.step(x, y)
+        start = 0
+        if resume:
+            # Pyro's param store state holds constraint objects: weights_only=False
+            checkpoint = torch.load(path, weights_only=local)
+            if local:
+                guide.load_state_dict(checkpoint["guide"])
+                optim.load_state_dict(checkpoint["optim"])
+            else:
+                pyro.get_param_store().set_state(checkpoint["params"])
+                pyro_optim.set_state(checkpoint["optim"])
+                if setup_first:
+                    guide(x[:1], y[:1])
+            torch.set_rng_state(checkpoint["rng"])
+            if not setup_first:
+                guide(x[:1], y[:1])
+            start = checkpoint["step"]
+        for i in range(start, num_steps):
+            if i == 5 and not resume:
+                if local:
+                    state = {"guide": guide.state_dict(), "optim": optim.state_dict()}
+                else:
+                    state = {"params": pyro.get_param_store().get_state(),
+                             "optim": pyro_optim.get_state()}
+                torch.save({**state, "rng": torch.get_rng_state(), "step": i}, path)
+            step()
+        return {k: v.detach().clone() for k, v in guide.state_dict().items()}
+
+
+@pytest.mark.parametrize("route", ["param_store", "local_params"])
+def test_resume_training_is_bit_identical(route, tmp_path):
+    path = str(tmp_path / "checkpoint.pt")
+    straight = _train_with_checkpoint(route, path, 12)
+    resumed = _train_with_checkpoint(route, path, 12, resume=True)
+    assert resumed.keys() == straight.keys()
+    for key, value in straight.items():
+        assert torch.equal(resumed[key], value), key
+    if route == "param_store":
+        # the pitfall docs/saving.rst names: a guide set up after the RNG state is
+        # restored spends random numbers (init_to_sample) the straight run did not
+        late = _train_with_checkpoint(route, path, 12, resume=True, setup_first=False)
+        assert not all(torch.equal(late[k], v) for k, v in straight.items())
+
+
 if __name__ == "__main__":
     reload_all(sys.argv[1])
