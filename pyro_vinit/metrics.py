@@ -26,6 +26,10 @@ integer dtype, or be floats holding whole numbers.
 The Monte Carlo predictive distribution is the mixture of the ``S``
 likelihoods, :math:`p(y \\mid x) \\approx \\frac{1}{S} \\sum_s p(y \\mid x, w_s)`.
 
+:class:`ClassificationMetrics` and :class:`RegressionMetrics` compute the
+same metrics over batches of test points, holding sums instead of the
+samples, and reduce them across the processes of :mod:`torch.distributed`.
+
 Usage::
 
     predictive = Predictive(model, guide=guide, num_samples=100, return_sites=["_RETURN"])
@@ -882,10 +886,10 @@ class ClassificationMetrics(_StreamingMetrics):
     Usage::
 
         acc = ClassificationMetrics()
-        for x, y in test_loader:
-            acc.update(y, logits=predictive(x)["_RETURN"])   # (S, B, C)
-        acc.sync()            # under torch.distributed: every rank, after its last batch
-        acc.compute()         # the dict of classification_metrics
+        for batch in torch.arange(len(y_test)).split(10):   # a test loader's batches
+            acc.update(y_test[batch], logits=logits[:, batch])
+        acc.sync()      # under torch.distributed: every rank, after its last batch
+        acc.compute()   # classification_metrics(y_test, logits=logits), batch by batch
 
     :param int num_bins: Number of confidence bins of the ECE.
     """
@@ -979,10 +983,10 @@ class RegressionMetrics(_StreamingMetrics):
     Usage::
 
         acc = RegressionMetrics()
-        for x, y in test_loader:
-            acc.update(y, loc=predictive(x)["_RETURN"], scale=noise_scale)
+        for batch in torch.arange(len(y_test)).split(10):
+            acc.update(y_test[batch], loc=means[:, batch], scale=noise_scale)
         acc.sync()
-        acc.compute()         # {"rmse": ..., "mnll": ...}
+        acc.compute()   # {"rmse": ..., "mnll": ...}
     """
 
     _names = ("num_points", "num_elements", "squared_error", "nll")
