@@ -38,13 +38,14 @@ Usage::
 """
 
 import math
-from typing import Any, Dict, NamedTuple, Optional, Tuple, Union, overload
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union, overload
 
 import torch
 
 __all__ = [
     "Calibration",
     "ClassificationMetrics",
+    "OODAUROC",
     "RegressionMetrics",
     "UncertaintyDecomposition",
     "brier_score",
@@ -588,13 +589,13 @@ def uncertainty_decomposition(
     return UncertaintyDecomposition(total, aleatoric, epistemic)
 
 
-def _check_scores(name: str, scores: torch.Tensor) -> None:
+def _check_scores(name: str, scores: torch.Tensor, allow_empty: bool = False) -> None:
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"expected a tensor for {name}, got {type(scores).__name__}")
-    if scores.dim() != 1 or not scores.numel():
+    if scores.dim() != 1 or not (scores.numel() or allow_empty):
         raise ValueError(
-            f"{name} must be a non-empty tensor of shape (N,), one score per point, got shape "
-            f"{tuple(scores.shape)}"
+            f"{name} must be a {'' if allow_empty else 'non-empty '}tensor of shape (N,), one "
+            f"score per point, got shape {tuple(scores.shape)}"
         )
     if scores.is_complex():
         raise ValueError(f"{name} must be real, got dtype {scores.dtype}")
@@ -798,6 +799,14 @@ def regression_metrics(
     return {"rmse": rmse(y, loc=loc).item(), "mnll": mnll(y, loc=loc, scale=scale).item()}
 
 
+def _check_not_synced(acc: Any, what: str) -> None:
+    if acc._synced:
+        raise RuntimeError(
+            f"{type(acc).__name__}.{what}: the state already holds every process's data, "
+            "which would count twice; call reset() to start a new evaluation"
+        )
+
+
 class _StreamingMetrics:
     # Sums of per-point values over batches, in float64 (counts stay exact up
     # to 2 ** 53), all-reduced in one call by sync().
@@ -822,11 +831,7 @@ class _StreamingMetrics:
 
     def _add(self, **sums: torch.Tensor) -> None:
         # called once per update() with every statistic, after all the checks
-        if self._synced:
-            raise RuntimeError(
-                f"{type(self).__name__}.update() after sync(): the state already holds every "
-                "process's sums; call reset() to start a new evaluation"
-            )
+        _check_not_synced(self, "update() after sync()")
         for name, value in sums.items():
             state = self._state[name]
             if state.device != value.device:
@@ -846,11 +851,7 @@ class _StreamingMetrics:
 
         if not (dist.is_available() and dist.is_initialized()):
             return
-        if self._synced:
-            raise RuntimeError(
-                f"{type(self).__name__}.sync() was already called: a second all_reduce would "
-                "count every batch again; call reset() to start a new evaluation"
-            )
+        _check_not_synced(self, "sync() was already called")
         flat = torch.cat([value.reshape(-1) for value in self._state.values()])
         device = flat.device
         if dist.get_backend(process_group) == "nccl":
@@ -1024,3 +1025,109 @@ class RegressionMetrics(_StreamingMetrics):
             "rmse": math.sqrt(state["squared_error"].item() / state["num_elements"].item()),
             "mnll": state["nll"].item() / n,
         }
+
+
+class OODAUROC:
+    r"""
+    The AUROC of :func:`ood_auroc`, over batches of in- and out-of-distribution
+    points. The AUROC ranks all the scores, so :meth:`update` keeps them: one
+    number per point (e.g. its :func:`predictive_entropy`), not its samples.
+    :meth:`sync` gathers the scores of the processes of a
+    :mod:`torch.distributed` group.
+
+    Usage::
+
+        acc = OODAUROC()
+        h = predictive_entropy(logits=logits)    # first 12 points in distribution
+        acc.update(scores_in=h[:12])
+        acc.update(scores_out=h[12:])
+        acc.sync()      # under torch.distributed: every rank, after its last batch
+        acc.compute()   # ood_auroc(h[:12], h[12:])
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """
+        Forgets every batch (and a previous :meth:`sync`).
+        """
+        self._scores: Dict[str, List[torch.Tensor]] = {"scores_in": [], "scores_out": []}
+        self._synced = False
+
+    def update(
+        self, scores_in: Optional[torch.Tensor] = None, scores_out: Optional[torch.Tensor] = None
+    ) -> None:
+        """
+        Adds the scores of a batch of in-distribution points, of
+        out-of-distribution points, or both.
+
+        :param torch.Tensor scores_in: Scores of in-distribution points ``(B_in,)``.
+        :param torch.Tensor scores_out: Scores of out-of-distribution points ``(B_out,)``.
+        """
+        _check_not_synced(self, "update() after sync()")
+        batch = {"scores_in": scores_in, "scores_out": scores_out}
+        given = {name: scores for name, scores in batch.items() if scores is not None}
+        if not given:
+            raise ValueError("pass scores_in=, scores_out= or both (shape (B,))")
+        for name, scores in given.items():
+            _check_scores(name, scores, allow_empty=True)
+        for name, scores in given.items():
+            self._scores[name].append(scores.detach())
+
+    def _cat(self, name: str) -> torch.Tensor:
+        parts = self._scores[name]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64)
+        dtype = parts[0].dtype
+        for part in parts[1:]:
+            dtype = torch.promote_types(dtype, part.dtype)
+        device = parts[0].device
+        return torch.cat([part.to(dtype=dtype, device=device) for part in parts])
+
+    def sync(self, process_group: Optional[Any] = None) -> None:
+        """
+        Gathers the scores of every process of ``process_group`` (a collective
+        call, as :meth:`ClassificationMetrics.sync`); a no-op where
+        :mod:`torch.distributed` is not initialized.
+
+        :param process_group: The process group to gather over (default: the
+            whole world).
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        _check_not_synced(self, "sync() was already called")
+        world_size = dist.get_world_size(process_group)
+        device = torch.device("cpu")
+        if dist.get_backend(process_group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        for name in self._scores:
+            # float64 holds every float32 and integer score exactly
+            local = self._cat(name).to(device=device, dtype=torch.float64)
+            size = torch.tensor([local.numel()], device=device)
+            sizes = [torch.zeros_like(size) for _ in range(world_size)]
+            dist.all_gather(sizes, size, group=process_group)
+            longest = int(max(int(n) for n in sizes))
+            padded = torch.cat([local, local.new_zeros(longest - local.numel())])
+            gathered = [torch.zeros_like(padded) for _ in range(world_size)]
+            dist.all_gather(gathered, padded, group=process_group)
+            self._scores[name] = [
+                part[: int(n)] for part, n in zip(gathered, sizes) if int(n)
+            ]
+        self._synced = True
+
+    def compute(self) -> float:
+        """
+        The AUROC of the scores so far (see :func:`ood_auroc`).
+
+        :rtype: float
+        """
+        scores_in, scores_out = self._cat("scores_in"), self._cat("scores_out")
+        if not (scores_in.numel() and scores_out.numel()):
+            raise ValueError(
+                f"OODAUROC.compute() needs in- and out-of-distribution scores, got "
+                f"{scores_in.numel()} and {scores_out.numel()}: call update() with each first"
+            )
+        return ood_auroc(scores_in, scores_out).item()

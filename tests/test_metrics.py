@@ -592,3 +592,43 @@ def test_accumulator_ece_matches_torchmetrics():
         ours.update(y[start:stop], logits=logits[:, start:stop])
         theirs.update(metrics.predictive_probs(logits=logits[:, start:stop]), y[start:stop])
     assert ours.compute()["ece"] == pytest.approx(theirs.compute().item(), abs=1e-6)
+
+
+def test_ood_auroc_accumulator_equals_function():
+    g = torch.Generator().manual_seed(2)
+    scores_in = torch.randint(0, 20, (103,), generator=g).double()  # ties across batches
+    scores_out = torch.randint(3, 25, (57,), generator=g).double()
+    acc = metrics.OODAUROC()
+    acc.update(scores_in=scores_in[:1])
+    acc.update(scores_in=scores_in[1:40], scores_out=scores_out[:30])
+    acc.update(scores_out=scores_out[30:30])  # an empty batch
+    acc.update(scores_in=scores_in[40:], scores_out=scores_out[30:].float())
+    expected = metrics.ood_auroc(scores_in, scores_out).item()
+    assert acc.compute() == pytest.approx(expected, abs=1e-12, rel=0)
+    acc.sync()  # no process group: a no-op
+    assert acc.compute() == pytest.approx(expected, abs=1e-12, rel=0)
+    acc.reset()
+    acc.update(scores_in=scores_in)
+    with pytest.raises(ValueError, match="needs in- and out-of-distribution scores, got 103 and 0"):
+        acc.compute()
+    with pytest.raises(ValueError, match="pass scores_in=, scores_out= or both"):
+        acc.update()
+    with pytest.raises(ValueError, match="scores_out contains NaN"):
+        acc.update(scores_in=scores_in, scores_out=torch.tensor([math.nan]))
+    acc.update(scores_out=scores_out)  # the failed update added nothing
+    assert acc.compute() == pytest.approx(expected, abs=1e-12, rel=0)
+
+
+def test_ood_auroc_accumulator_matches_torchmetrics():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    g = torch.Generator().manual_seed(3)
+    scores_in = torch.randn(300, generator=g, dtype=torch.float64)
+    scores_out = torch.randn(200, generator=g, dtype=torch.float64) + 0.7
+    ours, theirs = metrics.OODAUROC(), torchmetrics.classification.BinaryAUROC()
+    for start, stop in [(0, 1), (1, 120), (120, 300)]:
+        ours.update(scores_in=scores_in[start:stop], scores_out=scores_out[start:stop])
+        batch = torch.cat([scores_in[start:stop], scores_out[start:stop]])
+        labels = torch.cat([torch.zeros(len(scores_in[start:stop])),
+                            torch.ones(len(scores_out[start:stop]))]).long()
+        theirs.update(batch, labels)
+    assert ours.compute() == pytest.approx(theirs.compute().item(), abs=1e-6)

@@ -40,16 +40,21 @@ def _rank_results(rank: int) -> dict:
     logits, labels, targets, loc = _data()
     results = {}
     for name, split in SPLITS.items():
-        cls, reg = metrics.ClassificationMetrics(), metrics.RegressionMetrics()
+        cls, reg, auroc = (metrics.ClassificationMetrics(), metrics.RegressionMetrics(),
+                           metrics.OODAUROC())
         for start, stop in split[rank]:
             cls.update(labels[start:stop], logits=logits[:, start:stop])
             reg.update(targets[start:stop], loc=loc[:, start:stop], scale=0.3)
-        cls.sync()
-        reg.sync()
+            scores = metrics.predictive_entropy(logits=logits[:, start:stop])
+            auroc.update(scores_in=scores[: (stop - start) // 2],
+                         scores_out=scores[(stop - start) // 2 :])
+        for acc in (cls, reg, auroc):
+            acc.sync()
         results[name] = {"classification": cls.compute(), "regression": reg.compute(),
-                         "count": cls.calibration().count}
+                         "count": cls.calibration().count, "auroc": auroc.compute()}
     errors = []
-    for call in (lambda: cls.sync(), lambda: cls.update(labels[:3], logits=logits[:, :3])):
+    for call in (lambda: cls.sync(), lambda: cls.update(labels[:3], logits=logits[:, :3]),
+                 lambda: auroc.sync(), lambda: auroc.update(scores_in=targets)):
         try:
             call()
         except RuntimeError as e:
@@ -91,7 +96,14 @@ def test_synced_metrics_equal_single_process(ranks, name):
         "regression": metrics.regression_metrics(targets, loc=loc, scale=0.3),
     }
     count = metrics.calibration(labels, logits=logits).count
+    # each batch's first half in distribution, its second half out
+    scores = metrics.predictive_entropy(logits=logits)
+    is_in = torch.zeros(len(labels), dtype=torch.bool)
+    for start, stop in sum(SPLITS[name], []):
+        is_in[start : start + (stop - start) // 2] = True
+    auroc = metrics.ood_auroc(scores[is_in], scores[~is_in]).item()
     for rank in ranks:
+        assert rank[name]["auroc"] == pytest.approx(auroc, abs=1e-12, rel=0)
         for kind, values in expected.items():
             for key, value in values.items():
                 assert rank[name][kind][key] == pytest.approx(value, abs=1e-12, rel=0), key
@@ -100,6 +112,7 @@ def test_synced_metrics_equal_single_process(ranks, name):
 
 def test_sync_twice_and_update_after_sync_raise(ranks):
     for rank in ranks:
-        first, second = rank["errors"]
-        assert "sync() was already called" in first
-        assert "update() after sync()" in second
+        assert len(rank["errors"]) == 4
+        for message, what in zip(rank["errors"], ["sync() was already called",
+                                                  "update() after sync()"] * 2):
+            assert what in message and "reset()" in message
