@@ -807,6 +807,11 @@ def _check_not_synced(acc: Any, what: str) -> None:
         )
 
 
+def _count(n: int, like: torch.Tensor) -> torch.Tensor:
+    # float64: exact where the batch's dtype (float16) would not be
+    return torch.tensor(float(n), dtype=torch.float64, device=like.device)
+
+
 class _StreamingMetrics:
     # Sums of per-point values over batches, in float64 (counts stay exact up
     # to 2 ** 53), all-reduced in one call by sync().
@@ -937,7 +942,7 @@ class ClassificationMetrics(_StreamingMetrics):
         log_p = _predictive_log_probs(log_probs)
         count, sum_conf, sum_correct = _calibration_sums(log_p, y, self.num_bins)
         self._add(
-            num_points=log_p.new_tensor(float(y.numel())),
+            num_points=_count(y.numel(), log_p),
             error=_errors(log_p, y).sum(),
             nll=_class_nll(log_probs, y).sum(),
             brier=_brier(log_p, y).sum(),
@@ -1006,8 +1011,8 @@ class RegressionMetrics(_StreamingMetrics):
         """
         scale = _regression_inputs(y, loc, scale)
         self._add(
-            num_points=loc.new_tensor(float(y.shape[0])),
-            num_elements=loc.new_tensor(float(y.numel())),
+            num_points=_count(y.shape[0], loc),
+            num_elements=_count(y.numel(), loc),
             squared_error=_squared_errors(y, loc).sum(),
             nll=_regression_nll(y, loc, scale).sum(),
         )
