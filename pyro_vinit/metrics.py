@@ -296,10 +296,11 @@ def _check_num_bins(num_bins: int) -> None:
 
 
 def _calibration_sums(
-    log_p: torch.Tensor, y: torch.Tensor, num_bins: int
+    log_p: torch.Tensor, y: torch.Tensor, num_bins: int, dtype: Optional[torch.dtype] = None
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Per confidence bin: the number of points (long), the sum of their
-    # confidences and the number of correct predictions (in log_p's dtype).
+    # confidences and the number of correct predictions (summed in dtype,
+    # log_p's by default).
     log_conf, pred = log_p.max(-1)
     conf = log_conf.exp()
     correct = (pred == y).to(conf.dtype)
@@ -307,8 +308,9 @@ def _calibration_sums(
     # right=False: bin b holds (edges[b], edges[b + 1]]
     index = torch.bucketize(conf, edges[1:-1]).clamp(max=num_bins - 1)
     count = torch.bincount(index, minlength=num_bins)
-    sum_conf = conf.new_zeros(num_bins).index_add_(0, index, conf)
-    sum_correct = conf.new_zeros(num_bins).index_add_(0, index, correct)
+    dtype = dtype or conf.dtype
+    sum_conf = conf.new_zeros(num_bins, dtype=dtype).index_add_(0, index, conf.to(dtype))
+    sum_correct = conf.new_zeros(num_bins, dtype=dtype).index_add_(0, index, correct.to(dtype))
     return count, sum_conf, sum_correct
 
 
@@ -807,9 +809,16 @@ def _check_not_synced(acc: Any, what: str) -> None:
         )
 
 
+# The accumulators count and sum in float64, exact or nearly so where the
+# batch's dtype (float16 above 2048, float32 above 2 ** 24) would not be.
+
+
 def _count(n: int, like: torch.Tensor) -> torch.Tensor:
-    # float64: exact where the batch's dtype (float16) would not be
     return torch.tensor(float(n), dtype=torch.float64, device=like.device)
+
+
+def _sum64(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float64).sum()
 
 
 class _StreamingMetrics:
@@ -940,13 +949,13 @@ class ClassificationMetrics(_StreamingMetrics):
                 "evaluations of different models)"
             )
         log_p = _predictive_log_probs(log_probs)
-        count, sum_conf, sum_correct = _calibration_sums(log_p, y, self.num_bins)
+        count, sum_conf, sum_correct = _calibration_sums(log_p, y, self.num_bins, torch.float64)
         self._add(
             num_points=_count(y.numel(), log_p),
-            error=_errors(log_p, y).sum(),
-            nll=_class_nll(log_probs, y).sum(),
-            brier=_brier(log_p, y).sum(),
-            entropy=_entropy(log_p).sum(),
+            error=_sum64(_errors(log_p, y)),
+            nll=_sum64(_class_nll(log_probs, y)),
+            brier=_sum64(_brier(log_p, y)),
+            entropy=_sum64(_entropy(log_p)),
             bin_count=count,
             bin_conf=sum_conf,
             bin_correct=sum_correct,
@@ -1013,8 +1022,8 @@ class RegressionMetrics(_StreamingMetrics):
         self._add(
             num_points=_count(y.shape[0], loc),
             num_elements=_count(y.numel(), loc),
-            squared_error=_squared_errors(y, loc).sum(),
-            nll=_regression_nll(y, loc, scale).sum(),
+            squared_error=_sum64(_squared_errors(y, loc)),
+            nll=_sum64(_regression_nll(y, loc, scale)),
         )
 
     def compute(self) -> Dict[str, float]:

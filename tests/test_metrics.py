@@ -632,3 +632,18 @@ def test_ood_auroc_accumulator_matches_torchmetrics():
                             torch.ones(len(scores_out[start:stop]))]).long()
         theirs.update(batch, labels)
     assert ours.compute() == pytest.approx(theirs.compute().item(), abs=1e-6)
+
+
+def test_accumulator_sums_half_precision_batches_in_float64():
+    # 3001 is not a float16 number (its neighbours are 3000 and 3002)
+    y = torch.zeros(3001, dtype=torch.long)
+    y[:1001] = 1  # the prediction, class 0, is wrong for these
+    probs = torch.tensor([0.75, 0.25]).expand(1, 3001, 2).half()
+    acc = metrics.ClassificationMetrics()
+    acc.update(y, probs=probs)
+    assert acc.compute()["error_rate"] == 1001 / 3001
+    # every point has confidence 3/4 (a float16 number); 2000 of 3001 are right
+    assert acc.compute()["ece"] == pytest.approx(0.75 - 2000 / 3001, abs=1e-12, rel=0)
+    reg = metrics.RegressionMetrics()
+    reg.update(torch.zeros(3001).half(), loc=torch.ones(1, 3001).half(), scale=1.0)
+    assert reg.compute()["rmse"] == 1.0
