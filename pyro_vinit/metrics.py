@@ -26,6 +26,10 @@ integer dtype, or be floats holding whole numbers.
 The Monte Carlo predictive distribution is the mixture of the ``S``
 likelihoods, :math:`p(y \\mid x) \\approx \\frac{1}{S} \\sum_s p(y \\mid x, w_s)`.
 
+:class:`ClassificationMetrics` and :class:`RegressionMetrics` compute the
+same metrics over batches of test points, holding sums instead of the
+samples, and reduce them across the processes of :mod:`torch.distributed`.
+
 Usage::
 
     predictive = Predictive(model, guide=guide, num_samples=100, return_sites=["_RETURN"])
@@ -34,12 +38,15 @@ Usage::
 """
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple, Union, overload
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union, overload
 
 import torch
 
 __all__ = [
     "Calibration",
+    "ClassificationMetrics",
+    "OODAUROC",
+    "RegressionMetrics",
     "UncertaintyDecomposition",
     "brier_score",
     "calibration",
@@ -248,6 +255,82 @@ def _entropy(log_p: torch.Tensor) -> torch.Tensor:
     return -torch.where(log_p > -math.inf, log_p.exp() * log_p, log_p.new_zeros(())).sum(-1)
 
 
+# The math of each metric, once: per-point values (or per-bin sums) that the
+# functions below average over one tensor of test points and the streaming
+# accumulators sum over batches.
+
+
+def _class_nll(log_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (N,): -log of the mixture probability of the label, from (S, N, C)
+    log_p = log_probs.gather(-1, y.expand(log_probs.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+    return -_predictive_log_probs(log_p)
+
+
+def _regression_nll(y: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # (N,): -log of the Normal mixture density; trailing dimensions of y are one event
+    log_p = torch.distributions.Normal(loc, scale).log_prob(y)
+    log_p = log_p.reshape(log_p.shape[:2] + (-1,)).sum(-1)  # (S, N)
+    return -_predictive_log_probs(log_p)
+
+
+def _squared_errors(y: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    # y.shape: squared error of the predictive mean, element-wise
+    return (loc.mean(0) - y).pow(2)
+
+
+def _errors(log_p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (N,): 1 where the most probable class of the mixture (N, C) is not the label
+    return (log_p.argmax(-1) != y).to(log_p.dtype)
+
+
+def _brier(log_p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (N,): squared distance of the mixture probabilities to the one-hot label
+    p = log_p.exp()
+    one_hot = torch.nn.functional.one_hot(y, p.shape[-1]).to(p.dtype)
+    return (p - one_hot).pow(2).sum(-1)
+
+
+def _check_num_bins(num_bins: int) -> None:
+    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
+
+
+def _calibration_sums(
+    log_p: torch.Tensor, y: torch.Tensor, num_bins: int, dtype: Optional[torch.dtype] = None
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Per confidence bin: the number of points (long), the sum of their
+    # confidences and the number of correct predictions (summed in dtype,
+    # log_p's by default).
+    log_conf, pred = log_p.max(-1)
+    conf = log_conf.exp()
+    correct = (pred == y).to(conf.dtype)
+    edges = _bin_edges(num_bins, conf.dtype, conf.device)
+    # right=False: bin b holds (edges[b], edges[b + 1]]
+    index = torch.bucketize(conf, edges[1:-1]).clamp(max=num_bins - 1)
+    count = torch.bincount(index, minlength=num_bins)
+    dtype = dtype or conf.dtype
+    sum_conf = conf.new_zeros(num_bins, dtype=dtype).index_add_(0, index, conf.to(dtype))
+    sum_correct = conf.new_zeros(num_bins, dtype=dtype).index_add_(0, index, correct.to(dtype))
+    return count, sum_conf, sum_correct
+
+
+def _bin_edges(num_bins: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.linspace(0, 1, num_bins + 1, dtype=dtype, device=device)
+
+
+def _calibration_from_sums(
+    count: torch.Tensor, sum_conf: torch.Tensor, sum_correct: torch.Tensor
+) -> "Calibration":
+    ece = (sum_correct - sum_conf).abs().sum() / count.sum()
+    denom = count.to(sum_conf.dtype)
+    empty = count == 0
+    nan = sum_conf.new_full((), math.nan)
+    confidence = torch.where(empty, nan, sum_conf / denom.clamp(min=1))
+    accuracy = torch.where(empty, nan, sum_correct / denom.clamp(min=1))
+    edges = _bin_edges(len(count), sum_conf.dtype, sum_conf.device)
+    return Calibration(ece, edges, confidence, accuracy, count)
+
+
 def predictive_probs(
     *,
     logits: Optional[torch.Tensor] = None,
@@ -316,12 +399,9 @@ def mnll(
                 "standard deviation)"
             )
         scale = _regression_inputs(y, loc, scale)
-        log_p = torch.distributions.Normal(loc, scale).log_prob(y)
-        log_p = log_p.reshape(log_p.shape[:2] + (-1,)).sum(-1)  # (S, N)
-        return -_predictive_log_probs(log_p).mean()
+        return _regression_nll(y, loc, scale).mean()
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = log_probs.gather(-1, y.expand(log_probs.shape[:-1]).unsqueeze(-1)).squeeze(-1)
-    return -_predictive_log_probs(log_p).mean()
+    return _class_nll(log_probs, y).mean()
 
 
 def rmse(y: torch.Tensor, *, loc: torch.Tensor) -> torch.Tensor:
@@ -345,7 +425,7 @@ def rmse(y: torch.Tensor, *, loc: torch.Tensor) -> torch.Tensor:
     :return: A 0-dim tensor.
     """
     _regression_inputs(y, loc, None)
-    return (loc.mean(0) - y).pow(2).mean().sqrt()
+    return _squared_errors(y, loc).mean().sqrt()
 
 
 def error_rate(
@@ -365,8 +445,7 @@ def error_rate(
     :return: A 0-dim tensor in [0, 1].
     """
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = _predictive_log_probs(log_probs)
-    return (log_p.argmax(-1) != y).to(log_p.dtype).mean()
+    return _errors(_predictive_log_probs(log_probs), y).mean()
 
 
 def brier_score(
@@ -393,9 +472,7 @@ def brier_score(
     [1] Brier (1950) "Verification of forecasts expressed in terms of probability"
     """
     log_probs, y = _class_log_probs(y, logits, probs)
-    p = _predictive_log_probs(log_probs).exp()
-    one_hot = torch.nn.functional.one_hot(y, p.shape[-1]).to(p.dtype)
-    return (p - one_hot).pow(2).sum(-1).mean()
+    return _brier(_predictive_log_probs(log_probs), y).mean()
 
 
 def predictive_entropy(
@@ -514,13 +591,13 @@ def uncertainty_decomposition(
     return UncertaintyDecomposition(total, aleatoric, epistemic)
 
 
-def _check_scores(name: str, scores: torch.Tensor) -> None:
+def _check_scores(name: str, scores: torch.Tensor, allow_empty: bool = False) -> None:
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"expected a tensor for {name}, got {type(scores).__name__}")
-    if scores.dim() != 1 or not scores.numel():
+    if scores.dim() != 1 or not (scores.numel() or allow_empty):
         raise ValueError(
-            f"{name} must be a non-empty tensor of shape (N,), one score per point, got shape "
-            f"{tuple(scores.shape)}"
+            f"{name} must be a {'' if allow_empty else 'non-empty '}tensor of shape (N,), one "
+            f"score per point, got shape {tuple(scores.shape)}"
         )
     if scores.is_complex():
         raise ValueError(f"{name} must be real, got dtype {scores.dtype}")
@@ -642,28 +719,12 @@ def calibration(
     [3] Niculescu-Mizil, Caruana (2005) "Predicting Good Probabilities with
     Supervised Learning"
     """
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
+    _check_num_bins(num_bins)
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = _predictive_log_probs(log_probs)
     if y.numel() == 0:
         raise ValueError("calibration needs at least one test point")
-    log_conf, pred = log_p.max(-1)
-    conf = log_conf.exp()
-    correct = (pred == y).to(conf.dtype)
-    edges = torch.linspace(0, 1, num_bins + 1, dtype=conf.dtype, device=conf.device)
-    # right=False: bin b holds (edges[b], edges[b + 1]]
-    index = torch.bucketize(conf, edges[1:-1]).clamp(max=num_bins - 1)
-    count = torch.bincount(index, minlength=num_bins)
-    sum_conf = conf.new_zeros(num_bins).index_add_(0, index, conf)
-    sum_correct = conf.new_zeros(num_bins).index_add_(0, index, correct)
-    ece = (sum_correct - sum_conf).abs().sum() / y.numel()
-    denom = count.to(conf.dtype)
-    empty = count == 0
-    nan = conf.new_full((), math.nan)
-    confidence = torch.where(empty, nan, sum_conf / denom.clamp(min=1))
-    accuracy = torch.where(empty, nan, sum_correct / denom.clamp(min=1))
-    return Calibration(ece, edges, confidence, accuracy, count)
+    count, sum_conf, sum_correct = _calibration_sums(_predictive_log_probs(log_probs), y, num_bins)
+    return _calibration_from_sums(count, sum_conf, sum_correct)
 
 
 def expected_calibration_error(
@@ -738,3 +799,349 @@ def regression_metrics(
     :rtype: dict
     """
     return {"rmse": rmse(y, loc=loc).item(), "mnll": mnll(y, loc=loc, scale=scale).item()}
+
+
+def _check_not_synced(acc: Any, what: str) -> None:
+    if acc._synced:
+        raise RuntimeError(
+            f"{type(acc).__name__}.{what}: the state already holds every process's data, "
+            "which would count twice; call reset() to start a new evaluation"
+        )
+
+
+# The accumulators count and sum in float64, exact or nearly so where the
+# batch's dtype (float16 above 2048, float32 above 2 ** 24) would not be.
+
+
+def _count(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float(n), dtype=torch.float64, device=like.device)
+
+
+def _sum64(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float64).sum()
+
+
+class _StreamingMetrics:
+    # Sums of per-point values over batches, in float64 (counts stay exact up
+    # to 2 ** 53), all-reduced in one call by sync().
+
+    _names: Tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def _sizes(self) -> Tuple[int, ...]:
+        return (1,) * len(self._names)
+
+    def reset(self) -> None:
+        """
+        Forgets every batch (and a previous :meth:`sync`).
+        """
+        self._state = {
+            name: torch.zeros(size, dtype=torch.float64)
+            for name, size in zip(self._names, self._sizes())
+        }
+        self._synced = False
+
+    def _add(self, **sums: torch.Tensor) -> None:
+        # called once per update() with every statistic, after all the checks
+        _check_not_synced(self, "update() after sync()")
+        for name, value in sums.items():
+            state = self._state[name]
+            if state.device != value.device:
+                state = state.to(value.device)
+            self._state[name] = state + value.detach().to(torch.float64)
+
+    def sync(self, process_group: Optional[Any] = None) -> None:
+        """
+        Sums the statistics of every process of ``process_group`` (a collective
+        call: every process must make it, after its last :meth:`update`). A
+        no-op where :mod:`torch.distributed` is not initialized.
+
+        :param process_group: The process group to reduce over (default: the
+            whole world).
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        _check_not_synced(self, "sync() was already called")
+        flat = torch.cat([value.reshape(-1) for value in self._state.values()])
+        device = flat.device
+        if dist.get_backend(process_group) == "nccl":
+            flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
+        flat = flat.to(device)
+        state, start = {}, 0
+        for name, value in self._state.items():
+            state[name] = flat[start : start + value.numel()].reshape(value.shape)
+            start += value.numel()
+        self._state = state
+        self._synced = True
+
+    def _num_points(self) -> float:
+        num_points = self._state["num_points"].item()
+        if num_points == 0:
+            raise ValueError(
+                f"{type(self).__name__}.compute() before any test point: call update() with "
+                "each batch first"
+            )
+        return num_points
+
+
+class ClassificationMetrics(_StreamingMetrics):
+    r"""
+    The metrics of :func:`classification_metrics`, accumulated over batches of
+    test points: each :meth:`update` keeps sums of per-point values (and the
+    per-bin sums of the ECE), not the batch, so a test set of any size takes
+    memory of one batch. :meth:`sync` adds up the sums of the processes of a
+    :mod:`torch.distributed` group; :meth:`compute` then gives the values of
+    the functions on all the test points at once.
+
+    Usage::
+
+        acc = ClassificationMetrics()
+        for batch in torch.arange(len(y_test)).split(10):   # a test loader's batches
+            acc.update(y_test[batch], logits=logits[:, batch])
+        acc.sync()      # under torch.distributed: every rank, after its last batch
+        acc.compute()   # classification_metrics(y_test, logits=logits), batch by batch
+
+    :param int num_bins: Number of confidence bins of the ECE.
+    """
+
+    _names = (
+        "num_points", "error", "nll", "brier", "entropy", "bin_count", "bin_conf", "bin_correct"
+    )
+
+    def __init__(self, num_bins: int = 15) -> None:
+        _check_num_bins(num_bins)
+        self.num_bins = num_bins
+        self._num_classes: Optional[int] = None
+        super().__init__()
+
+    def _sizes(self) -> Tuple[int, ...]:
+        return (1,) * 5 + (self.num_bins,) * 3
+
+    def reset(self) -> None:
+        super().reset()
+        self._num_classes = None
+
+    def update(
+        self,
+        y: torch.Tensor,
+        *,
+        logits: Optional[torch.Tensor] = None,
+        probs: Optional[torch.Tensor] = None,
+    ) -> None:
+        """
+        Adds a batch of test points.
+
+        :param torch.Tensor y: Labels ``(B,)``.
+        :param torch.Tensor logits: Per-sample logits ``(S, B, C)``.
+        :param torch.Tensor probs: Per-sample class probabilities ``(S, B, C)``.
+        """
+        log_probs, y = _class_log_probs(y, logits, probs)
+        num_classes = log_probs.shape[-1]
+        if self._num_classes is not None and num_classes != self._num_classes:
+            raise ValueError(
+                f"this batch has {num_classes} classes, the earlier ones "
+                f"{self._num_classes}: every batch needs the same classes (reset() between "
+                "evaluations of different models)"
+            )
+        log_p = _predictive_log_probs(log_probs)
+        count, sum_conf, sum_correct = _calibration_sums(log_p, y, self.num_bins, torch.float64)
+        self._add(
+            num_points=_count(y.numel(), log_p),
+            error=_sum64(_errors(log_p, y)),
+            nll=_sum64(_class_nll(log_probs, y)),
+            brier=_sum64(_brier(log_p, y)),
+            entropy=_sum64(_entropy(log_p)),
+            bin_count=count,
+            bin_conf=sum_conf,
+            bin_correct=sum_correct,
+        )
+        self._num_classes = num_classes
+
+    def calibration(self) -> Calibration:
+        """
+        The :class:`Calibration` of the test points so far (as :func:`calibration`).
+        """
+        self._num_points()
+        state = self._state
+        return _calibration_from_sums(
+            state["bin_count"].round().long(), state["bin_conf"], state["bin_correct"]
+        )
+
+    def compute(self) -> Dict[str, float]:
+        """
+        The metrics of the test points so far, as :func:`classification_metrics`
+        gives them: ``error_rate``, ``mnll``, ``ece``, ``brier`` and ``mean_entropy``.
+
+        :rtype: dict
+        """
+        n = self._num_points()
+        state = self._state
+        return {
+            "error_rate": state["error"].item() / n,
+            "mnll": state["nll"].item() / n,
+            "ece": self.calibration().ece.item(),
+            "brier": state["brier"].item() / n,
+            "mean_entropy": state["entropy"].item() / n,
+        }
+
+
+class RegressionMetrics(_StreamingMetrics):
+    """
+    The metrics of :func:`regression_metrics` (``rmse`` and ``mnll``),
+    accumulated over batches of test points; see :class:`ClassificationMetrics`.
+
+    Usage::
+
+        acc = RegressionMetrics()
+        for batch in torch.arange(len(y_test)).split(10):
+            acc.update(y_test[batch], loc=means[:, batch], scale=noise_scale)
+        acc.sync()
+        acc.compute()   # {"rmse": ..., "mnll": ...}
+    """
+
+    _names = ("num_points", "num_elements", "squared_error", "nll")
+
+    def update(
+        self, y: torch.Tensor, *, loc: torch.Tensor, scale: Union[float, torch.Tensor]
+    ) -> None:
+        """
+        Adds a batch of test points.
+
+        :param torch.Tensor y: Targets ``(B,)`` (or ``(B, ...)``).
+        :param torch.Tensor loc: Per-sample means ``(S,) + y.shape``.
+        :param scale: The Normal likelihood's standard deviation, a positive
+            number or a tensor broadcastable to ``loc``.
+        :type scale: float or torch.Tensor
+        """
+        scale = _regression_inputs(y, loc, scale)
+        self._add(
+            num_points=_count(y.shape[0], loc),
+            num_elements=_count(y.numel(), loc),
+            squared_error=_sum64(_squared_errors(y, loc)),
+            nll=_sum64(_regression_nll(y, loc, scale)),
+        )
+
+    def compute(self) -> Dict[str, float]:
+        """
+        The metrics of the test points so far, as :func:`regression_metrics`
+        gives them.
+
+        :rtype: dict
+        """
+        n = self._num_points()
+        state = self._state
+        return {
+            "rmse": math.sqrt(state["squared_error"].item() / state["num_elements"].item()),
+            "mnll": state["nll"].item() / n,
+        }
+
+
+class OODAUROC:
+    r"""
+    The AUROC of :func:`ood_auroc`, over batches of in- and out-of-distribution
+    points. The AUROC ranks all the scores, so :meth:`update` keeps them: one
+    number per point (e.g. its :func:`predictive_entropy`), not its samples.
+    :meth:`sync` gathers the scores of the processes of a
+    :mod:`torch.distributed` group.
+
+    Usage::
+
+        acc = OODAUROC()
+        h = predictive_entropy(logits=logits)    # first 12 points in distribution
+        acc.update(scores_in=h[:12])
+        acc.update(scores_out=h[12:])
+        acc.sync()      # under torch.distributed: every rank, after its last batch
+        acc.compute()   # ood_auroc(h[:12], h[12:])
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """
+        Forgets every batch (and a previous :meth:`sync`).
+        """
+        self._scores: Dict[str, List[torch.Tensor]] = {"scores_in": [], "scores_out": []}
+        self._synced = False
+
+    def update(
+        self, scores_in: Optional[torch.Tensor] = None, scores_out: Optional[torch.Tensor] = None
+    ) -> None:
+        """
+        Adds the scores of a batch of in-distribution points, of
+        out-of-distribution points, or both.
+
+        :param torch.Tensor scores_in: Scores of in-distribution points ``(B_in,)``.
+        :param torch.Tensor scores_out: Scores of out-of-distribution points ``(B_out,)``.
+        """
+        _check_not_synced(self, "update() after sync()")
+        batch = {"scores_in": scores_in, "scores_out": scores_out}
+        given = {name: scores for name, scores in batch.items() if scores is not None}
+        if not given:
+            raise ValueError("pass scores_in=, scores_out= or both (shape (B,))")
+        for name, scores in given.items():
+            _check_scores(name, scores, allow_empty=True)
+        for name, scores in given.items():
+            self._scores[name].append(scores.detach())
+
+    def _cat(self, name: str) -> torch.Tensor:
+        parts = self._scores[name]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64)
+        dtype = parts[0].dtype
+        for part in parts[1:]:
+            dtype = torch.promote_types(dtype, part.dtype)
+        device = parts[0].device
+        return torch.cat([part.to(dtype=dtype, device=device) for part in parts])
+
+    def sync(self, process_group: Optional[Any] = None) -> None:
+        """
+        Gathers the scores of every process of ``process_group`` (a collective
+        call, as :meth:`ClassificationMetrics.sync`); a no-op where
+        :mod:`torch.distributed` is not initialized.
+
+        :param process_group: The process group to gather over (default: the
+            whole world).
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        _check_not_synced(self, "sync() was already called")
+        world_size = dist.get_world_size(process_group)
+        device = torch.device("cpu")
+        if dist.get_backend(process_group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        for name in self._scores:
+            # float64 holds every float32 and integer score exactly
+            local = self._cat(name).to(device=device, dtype=torch.float64)
+            size = torch.tensor([local.numel()], device=device)
+            sizes = [torch.zeros_like(size) for _ in range(world_size)]
+            dist.all_gather(sizes, size, group=process_group)
+            longest = int(max(int(n) for n in sizes))
+            padded = torch.cat([local, local.new_zeros(longest - local.numel())])
+            gathered = [torch.zeros_like(padded) for _ in range(world_size)]
+            dist.all_gather(gathered, padded, group=process_group)
+            self._scores[name] = [
+                part[: int(n)] for part, n in zip(gathered, sizes) if int(n)
+            ]
+        self._synced = True
+
+    def compute(self) -> float:
+        """
+        The AUROC of the scores so far (see :func:`ood_auroc`).
+
+        :rtype: float
+        """
+        scores_in, scores_out = self._cat("scores_in"), self._cat("scores_out")
+        if not (scores_in.numel() and scores_out.numel()):
+            raise ValueError(
+                f"OODAUROC.compute() needs in- and out-of-distribution scores, got "
+                f"{scores_in.numel()} and {scores_out.numel()}: call update() with each first"
+            )
+        return ood_auroc(scores_in, scores_out).item()

@@ -36,6 +36,7 @@ PUBLIC_MODULES = ["pyro_vinit"] + sorted(
 # Blocks that use a regression model and real-valued targets; all others get
 # the classifier fixtures.
 REGRESSION = {
+    "pyro_vinit.metrics.RegressionMetrics",
     "pyro_vinit.metrics.regression_metrics",
     "pyro_vinit.metrics.rmse",
 }
