@@ -30,9 +30,9 @@ all-gather's padded result).
 
 Usage::
 
-    python benchmarks/bench_distributed.py            # full run (15 minutes on a loaded 2-core box)
-    python benchmarks/bench_distributed.py --part iblm  # only I-BLM (keeps the stored SVI results)
-    python benchmarks/bench_distributed.py --quick    # smoke run
+    python -m benchmarks.bench_distributed            # full run (15 minutes on a loaded 2-core box)
+    python -m benchmarks.bench_distributed --part iblm  # only I-BLM (keeps the stored SVI results)
+    python -m benchmarks.bench_distributed --quick    # smoke run
 """
 
 import argparse

@@ -5,7 +5,7 @@ estimator's arithmetic, Pyro's per-site machinery and this library's own
 overhead, to tell which of issue 16's targets are reachable.
 
 Four configurations are timed side by side (interleaved rounds,
-:mod:`pyro_vinit.testing.timing`), in Pyro's PyTorch-native loop with
+``benchmarks/harness.py``), in Pyro's PyTorch-native loop with
 validation off:
 
 * ``bayesian-torch``: its ``LinearReparameterization`` layers (one shared
@@ -28,8 +28,8 @@ below it cannot be met by changing this library.
 
 Usage::
 
-    python benchmarks/bench_floor.py --threads 1      # about a minute on an idle host
-    python benchmarks/bench_floor.py --quick          # smoke run, no files
+    python -m benchmarks.bench_floor --threads 1      # about a minute on an idle host
+    python -m benchmarks.bench_floor --quick          # smoke run, no files
 """
 
 import argparse
@@ -41,16 +41,7 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import TraceMeanField_ELBO
 
-from pyro_vinit import AutoKTiedNormal, LocalReparamMessenger
-from pyro_vinit.testing.timing import (
-    host_info,
-    markdown_table,
-    set_threads,
-    time_interleaved,
-    write_report,
-)
-
-from _steps import (
+from benchmarks._steps import (
     BAYESIAN_TORCH,
     BAYESIAN_TORCH_MISSING,
     LinearReparameterization,
@@ -59,6 +50,14 @@ from _steps import (
     native_step,
     pure_ktied_lrt_step,
 )
+from benchmarks.harness import (
+    host_info,
+    markdown_table,
+    set_threads,
+    time_interleaved,
+    write_report,
+)
+from pyro_vinit import AutoKTiedNormal, LocalReparamMessenger
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_DATA = 1437  # the digits training set of the other benchmarks

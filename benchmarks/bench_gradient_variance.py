@@ -20,8 +20,8 @@ measurement on a smaller network.
 
 Usage::
 
-    python benchmarks/bench_gradient_variance.py --threads 1   # full run (a few minutes)
-    python benchmarks/bench_gradient_variance.py --quick       # smoke run, no files
+    python -m benchmarks.bench_gradient_variance --threads 1   # full run (a few minutes)
+    python -m benchmarks.bench_gradient_variance --quick       # smoke run, no files
 
 [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
 Reparameterization Trick"
@@ -34,9 +34,9 @@ import pyro
 import torch
 from pyro.infer.autoguide import init_to_sample
 
+from benchmarks.gradient_variance import ESTIMATORS, train_and_measure
+from benchmarks.harness import host_info, markdown_table, set_threads, write_report
 from pyro_vinit.data import load_digits
-from pyro_vinit.testing.gradient_variance import ESTIMATORS, train_and_measure
-from pyro_vinit.testing.timing import host_info, markdown_table, set_threads, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 400, 10)

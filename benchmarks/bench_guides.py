@@ -10,8 +10,8 @@ ratios are to AutoNormal with the same ELBO.
 
 Usage::
 
-    python benchmarks/bench_guides.py            # full run (~2 minutes)
-    python benchmarks/bench_guides.py --quick    # smoke run
+    python -m benchmarks.bench_guides            # full run (~2 minutes)
+    python -m benchmarks.bench_guides --quick    # smoke run
 """
 
 import argparse

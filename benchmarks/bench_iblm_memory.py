@@ -10,8 +10,8 @@ wall time. The issue's target: at most 1 GB for h = 4000.
 
 Usage::
 
-    python benchmarks/bench_iblm_memory.py            # full run (a few minutes)
-    python benchmarks/bench_iblm_memory.py --quick    # smoke run
+    python -m benchmarks.bench_iblm_memory            # full run (a few minutes)
+    python -m benchmarks.bench_iblm_memory --quick    # smoke run
 """
 
 import argparse

@@ -22,9 +22,9 @@ I-BLM took on the same model and seed: equal initialization cost, as in [1].
 
 Usage::
 
-    python benchmarks/bench_iblm_models.py             # full run (~10 minutes)
-    python benchmarks/bench_iblm_models.py --full-elbo # without the recipe
-    python benchmarks/bench_iblm_models.py --quick     # smoke run
+    python -m benchmarks.bench_iblm_models             # full run (~10 minutes)
+    python -m benchmarks.bench_iblm_models --full-elbo # without the recipe
+    python -m benchmarks.bench_iblm_models --quick     # smoke run
 
 [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
 Bayes for Deep Models"

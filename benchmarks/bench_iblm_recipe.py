@@ -37,9 +37,9 @@ with ``map500`` among the baselines.
 
 Usage::
 
-    python benchmarks/bench_iblm_recipe.py                  # full run, 3 seeds
-    python benchmarks/bench_iblm_recipe.py --local-reparam --tag lrt
-    python benchmarks/bench_iblm_recipe.py --quick          # smoke run (< 1 min, no files)
+    python -m benchmarks.bench_iblm_recipe                  # full run, 3 seeds
+    python -m benchmarks.bench_iblm_recipe --local-reparam --tag lrt
+    python -m benchmarks.bench_iblm_recipe --quick          # smoke run (< 1 min, no files)
 
 [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
 Bayes for Deep Models"

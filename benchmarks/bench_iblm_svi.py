@@ -42,11 +42,11 @@ outweighs a thousand data points); ``--kl-warmup`` anneals it instead
 
 Usage::
 
-    python benchmarks/bench_iblm_svi.py                       # full run (~5 minutes)
-    python benchmarks/bench_iblm_svi.py --problems digits_mlp diabetes --kl-warmup 400 \
+    python -m benchmarks.bench_iblm_svi                       # full run (~5 minutes)
+    python -m benchmarks.bench_iblm_svi --problems digits_mlp diabetes --kl-warmup 400 \
         --tag kl_warmup                                       # KL annealing (~2 minutes)
-    python benchmarks/bench_iblm_svi.py --problems digits_mlp --steps 200
-    python benchmarks/bench_iblm_svi.py --quick               # smoke run
+    python -m benchmarks.bench_iblm_svi --problems digits_mlp --steps 200
+    python -m benchmarks.bench_iblm_svi --quick               # smoke run
 
 [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
 Bayes for Deep Models"

@@ -17,8 +17,8 @@ against h.
 
 Usage::
 
-    python benchmarks/bench_iblm_time.py            # full run (~2 minutes)
-    python benchmarks/bench_iblm_time.py --quick    # smoke run
+    python -m benchmarks.bench_iblm_time            # full run (~2 minutes)
+    python -m benchmarks.bench_iblm_time --quick    # smoke run
 """
 
 import argparse
@@ -32,10 +32,10 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
+from benchmarks.harness import fit_exponent
 from pyro_vinit import init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.testing.timing import fit_exponent
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

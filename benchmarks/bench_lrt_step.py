@@ -15,13 +15,13 @@ variance path against the dense one, side by side in one run.
    ``x² (UVᵀ)²ᵀ`` against the low-rank form, whose rank is k(k+1)/2.
 
 Configurations are timed in interleaved rounds
-(:mod:`pyro_vinit.testing.timing`); ratios are medians of per-round ratios,
+(``benchmarks/harness.py``); ratios are medians of per-round ratios,
 with their range.
 
 Usage::
 
-    python benchmarks/bench_lrt_step.py --threads 1    # full run (about a minute)
-    python benchmarks/bench_lrt_step.py --quick        # smoke run, no files
+    python -m benchmarks.bench_lrt_step --threads 1    # full run (about a minute)
+    python -m benchmarks.bench_lrt_step --quick        # smoke run, no files
 """
 
 import argparse
@@ -31,17 +31,16 @@ import pyro
 import torch
 import torch.nn.functional as F
 
-from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, FlipoutMessenger, LocalReparamMessenger
-from pyro_vinit.data import load_digits
-from pyro_vinit.testing.timing import (
+from benchmarks._steps import make_model, svi_step
+from benchmarks.harness import (
     host_info,
     markdown_table,
     set_threads,
     time_interleaved,
     write_report,
 )
-
-from _steps import make_model, svi_step
+from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, FlipoutMessenger, LocalReparamMessenger
+from pyro_vinit.data import load_digits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 400, 10)

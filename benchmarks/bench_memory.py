@@ -9,8 +9,8 @@ mean-field guide; this checks that the optimizer holds only the live ones
 
 Usage::
 
-    python benchmarks/bench_memory.py            # full size (a few seconds)
-    python benchmarks/bench_memory.py --quick    # small network, no files
+    python -m benchmarks.bench_memory            # full size (a few seconds)
+    python -m benchmarks.bench_memory --quick    # small network, no files
 """
 
 import argparse

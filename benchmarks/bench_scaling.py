@@ -13,7 +13,7 @@ and with ``local_reparam()``, ``AutoRadialNormal`` without and with
 ``flipout()``, all through Pyro's PyTorch-native loop
 (``TraceMeanField_ELBO()(model, guide)`` and one ``torch.optim.Adam``),
 Pyro's validation off. At each grid point the configurations are timed in
-interleaved rounds (:mod:`pyro_vinit.testing.timing`); then each runs once
+interleaved rounds (``benchmarks/harness.py``); then each runs once
 more under a dispatch-level counter of its operators, their FLOPs (matrix
 products exactly, one per element for the rest) and the bytes they read and
 write. Peak memory is measured in a fresh process per configuration and
@@ -25,7 +25,7 @@ steps.
 *Fits.* Per configuration, the exponent of time and memory against width
 or batch (least squares on log-log over the upper half of the grid); and
 :math:`t \\approx a + b\\,F` with F the counted FLOPs of a step
-(:func:`~pyro_vinit.testing.timing.fit_fixed_and_rate`): ``a`` is the
+(``harness.fit_fixed_and_rate``): ``a`` is the
 per-step cost that does not grow with the arithmetic (Python, Pyro's
 tracing, the handlers, the optimizer's per-parameter work), and the
 crossover is where ``b F`` overtakes it. *A GPU model* (nothing here runs
@@ -42,8 +42,8 @@ and after I-BLM.
 
 Usage::
 
-    python benchmarks/bench_scaling.py --threads 1   # full run (a few minutes)
-    python benchmarks/bench_scaling.py --quick       # smoke run (no files unless --out)
+    python -m benchmarks.bench_scaling --threads 1   # full run (a few minutes)
+    python -m benchmarks.bench_scaling --quick       # smoke run (no files unless --out)
 """
 
 import argparse
@@ -60,26 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from pyro_vinit import (
-    AutoKTiedNormal,
-    AutoRadialNormal,
-    FlipoutMessenger,
-    LocalReparamMessenger,
-    init_guide_iblm,
-)
-from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.testing.timing import (
-    fit_exponent,
-    fit_fixed_and_rate,
-    host_info,
-    markdown_table,
-    set_threads,
-    time_interleaved,
-    write_json,
-)
-from pyro_vinit.testing.user_models import blobs
-
-from _steps import (
+from benchmarks._steps import (
     BAYESIAN_TORCH,
     BAYESIAN_TORCH_MISSING,
     LinearReparameterization,
@@ -88,6 +69,24 @@ from _steps import (
     make_model,
     native_step,
 )
+from benchmarks.harness import (
+    fit_exponent,
+    fit_fixed_and_rate,
+    host_info,
+    markdown_table,
+    set_threads,
+    time_interleaved,
+    write_json,
+)
+from pyro_vinit import (
+    AutoKTiedNormal,
+    AutoRadialNormal,
+    FlipoutMessenger,
+    LocalReparamMessenger,
+    init_guide_iblm,
+)
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.testing.user_models import blobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS_STATIC = os.path.join(os.path.dirname(HERE), "docs", "_static", "scaling")

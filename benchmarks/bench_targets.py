@@ -6,7 +6,7 @@ and through Pyro's PyTorch-native loop, side by side in one run.
 Bayesian ReLU MLP 64→400→400→10 (N(0, 1/D_in) priors) on scikit-learn
 digits, TraceMeanField_ELBO, Adam (lr 1e-3), CPU. The configurations of one
 setting (batch 128 with Pyro's validation off; batch 1000, off; batch 128,
-on) are timed in interleaved rounds (:mod:`pyro_vinit.testing.timing`), so
+on) are timed in interleaved rounds (``benchmarks/harness.py``), so
 that machine noise hits all alike, and each ratio is computed within each
 round. The batch-128, validation-off setting is measured ``--repeats``
 times, each with fresh models; a ratio's value is the median over all its
@@ -34,8 +34,8 @@ skipped, with a note.
 
 Usage::
 
-    python benchmarks/bench_targets.py --threads 1      # full run (about 2 minutes)
-    python benchmarks/bench_targets.py --quick          # smoke run, no files
+    python -m benchmarks.bench_targets --threads 1      # full run (about 2 minutes)
+    python -m benchmarks.bench_targets --quick          # smoke run, no files
 """
 
 import argparse
@@ -44,23 +44,7 @@ import os
 import pyro
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_vinit import (
-    AutoKTiedNormal,
-    AutoMeanFieldNormal,
-    AutoRadialNormal,
-    LocalReparamMessenger,
-)
-from pyro_vinit.data import load_digits
-from pyro_vinit.testing.timing import (
-    Timings,
-    host_info,
-    markdown_table,
-    set_threads,
-    time_interleaved,
-    write_report,
-)
-
-from _steps import (
+from benchmarks._steps import (
     BAYESIAN_TORCH,
     BAYESIAN_TORCH_MISSING,
     LOOPS,
@@ -70,6 +54,21 @@ from _steps import (
     deterministic_step,
     make_model,
 )
+from benchmarks.harness import (
+    Timings,
+    host_info,
+    markdown_table,
+    set_threads,
+    time_interleaved,
+    write_report,
+)
+from pyro_vinit import (
+    AutoKTiedNormal,
+    AutoMeanFieldNormal,
+    AutoRadialNormal,
+    LocalReparamMessenger,
+)
+from pyro_vinit.data import load_digits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 10)

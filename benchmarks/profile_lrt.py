@@ -11,8 +11,8 @@ builtins: ``F.linear``, ``Tensor.backward``, the optimizer's ``_foreach`` ops).
 
 Usage::
 
-    python benchmarks/profile_lrt.py               # all three configurations
-    python benchmarks/profile_lrt.py --steps 200 --top 25
+    python -m benchmarks.profile_lrt               # all three configurations
+    python -m benchmarks.profile_lrt --steps 200 --top 25
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""The benchmarks' timing helper (pyro_vinit.testing.timing), on a fake clock."""
+"""The benchmarks' timing helper (benchmarks/harness.py), on a fake clock."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import pyro
 import pytest
 import torch
 
-from pyro_vinit.testing.timing import (
+from benchmarks.harness import (
     Ratio,
     Timings,
     fit_exponent,
