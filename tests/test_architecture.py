@@ -229,6 +229,25 @@ def test_layering():
     assert not wrong, "\n".join(wrong)
 
 
+def test_architecture_page_maps_every_module():
+    with open(os.path.join(ROOT, "docs", "architecture.rst")) as f:
+        page = f.read()
+    missing = []
+    for name in sorted(modules()):
+        path = rel(name).replace(os.sep, "/")
+        folder, _, file = path.rpartition("/")
+        if folder == PACKAGE:
+            found = f"``{path}``" in page
+        else:
+            found = f"``{folder}/``" in page and f"``{file}``" in page
+        if not found and not (file == "__init__.py" and folder != PACKAGE):
+            missing.append(path)
+    assert not missing, f"docs/architecture.rst's module map lacks {missing}"
+    for parts in LAYERS:
+        for part in parts:
+            assert f"``{part or 'pyro_vinit/__init__.py'}``" in page, part
+
+
 def test_nothing_outside_the_package():
     wrong = [f"{rel(name)}:{line} imports {target}"
              for name in sorted(modules())
