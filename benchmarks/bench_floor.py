@@ -32,9 +32,6 @@ Usage::
     python -m benchmarks.bench_floor --quick          # smoke run, no files
 """
 
-import argparse
-import os
-
 import pyro
 import pyro.distributions as dist
 import torch
@@ -52,14 +49,16 @@ from benchmarks._steps import (
 )
 from benchmarks.harness import (
     host_info,
+    make_parser,
     markdown_table,
+    parse_args,
+    result_stem,
     set_threads,
     time_interleaved,
     write_report,
 )
 from pyro_vinit import AutoKTiedNormal, LocalReparamMessenger
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_DATA = 1437  # the digits training set of the other benchmarks
 BT, PURE, MINIMAL, OURS = ("bayesian-torch", "pure PyTorch, our estimator", "minimal Pyro",
                            "ours")
@@ -189,21 +188,11 @@ def main(args):
     results = {"config": vars(args), "settings": {s: list(v) for s, v in SETTINGS.items()},
                "bayesian_torch": BAYESIAN_TORCH, "median_ms": medians, "analysis": analysis}
     if not args.quick:
-        path = os.path.join(args.out, f"bench_floor{args.tag}")
+        path = result_stem(args, "bench_floor")
         write_report(path, results, text, host_start=host)
     return results
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--block", type=int, default=10, help="steps per block")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.block, args.warmup = 2, 1, 1
-    main(args)
+    main(parse_args(make_parser(__doc__, timing=(10, 10, 3)),
+                    quick={"rounds": 2, "block": 1, "warmup": 1}))

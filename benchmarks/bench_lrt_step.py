@@ -24,9 +24,6 @@ Usage::
     python -m benchmarks.bench_lrt_step --quick        # smoke run, no files
 """
 
-import argparse
-import os
-
 import pyro
 import torch
 import torch.nn.functional as F
@@ -34,7 +31,10 @@ import torch.nn.functional as F
 from benchmarks._steps import make_model, svi_step
 from benchmarks.harness import (
     host_info,
+    make_parser,
     markdown_table,
+    parse_args,
+    result_stem,
     set_threads,
     time_interleaved,
     write_report,
@@ -42,7 +42,6 @@ from benchmarks.harness import (
 from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, FlipoutMessenger, LocalReparamMessenger
 from pyro_vinit.data import load_digits
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 400, 10)
 
 # name: (guide, guide kwargs, handler, the ordinary configuration it is compared with)
@@ -145,20 +144,10 @@ def main(args):
         "variance_term_ratio": {batch: t.ratio("low-rank", "dense").to_dict()
                                 for batch, t in term.items()},
     }
-    path = os.path.join(args.out, f"bench_lrt_step{args.tag}")
+    path = result_stem(args, "bench_lrt_step")
     write_report(path, results, text, host_start=host)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
-    parser.add_argument("--block", type=int, default=10, help="steps per block")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.block, args.warmup = 2, 1, 1
-    main(args)
+    main(parse_args(make_parser(__doc__, timing=(15, 10, 3)),
+                    quick={"rounds": 2, "block": 1, "warmup": 1}))

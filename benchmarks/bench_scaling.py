@@ -46,7 +46,6 @@ Usage::
     python -m benchmarks.bench_scaling --quick       # smoke run (no files unless --out)
 """
 
-import argparse
 import math
 import multiprocessing
 import os
@@ -73,7 +72,9 @@ from benchmarks.harness import (
     fit_exponent,
     fit_fixed_and_rate,
     host_info,
+    make_parser,
     markdown_table,
+    parse_args,
     set_threads,
     time_interleaved,
     write_json,
@@ -498,10 +499,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny grids; writes files only with --out")
-    parser.add_argument("--threads", type=int, default=1)
+    parser = make_parser(__doc__, out=False, tag=False,
+                         quick_help="tiny grids; writes files only with --out")
     parser.add_argument("--widths", type=int, nargs="+", default=[100, 200, 400, 800, 1600, 3200])
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[32, 64, 128, 256, 512, 1024, 2048, 4096])
@@ -527,10 +526,7 @@ if __name__ == "__main__":
     parser.add_argument("--figures", default=None,
                         help="folder of the PNGs (default docs/_static/scaling; --out with "
                              "--quick)")
-    args = parser.parse_args()
-    if args.quick:
-        args.widths, args.batches, args.rounds, args.block_seconds = [50, 100, 200], \
-            [16, 32, 64], 1, 0.01
-        args.iblm_widths, args.iblm_rows, args.iblm_width, args.iblm_default_rows = \
-            [50, 100], [200, 400], 50, 200
-    main(args)
+    main(parse_args(parser, quick={
+        "widths": [50, 100, 200], "batches": [16, 32, 64], "rounds": 1, "block_seconds": 0.01,
+        "iblm_widths": [50, 100], "iblm_rows": [200, 400], "iblm_width": 50,
+        "iblm_default_rows": 200}))

@@ -38,9 +38,6 @@ Usage::
     python -m benchmarks.bench_targets --quick          # smoke run, no files
 """
 
-import argparse
-import os
-
 import pyro
 from pyro.infer.autoguide import AutoNormal
 
@@ -57,7 +54,10 @@ from benchmarks._steps import (
 from benchmarks.harness import (
     Timings,
     host_info,
+    make_parser,
     markdown_table,
+    parse_args,
+    result_stem,
     set_threads,
     time_interleaved,
     write_report,
@@ -70,7 +70,6 @@ from pyro_vinit import (
 )
 from pyro_vinit.data import load_digits
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 10)
 
 DETERMINISTIC = "nn (deterministic)"
@@ -226,23 +225,13 @@ def main(args):
     print(text)
     if args.quick:
         return results
-    path = os.path.join(args.out, f"bench_targets{args.tag}")
+    path = result_stem(args, "bench_targets")
     write_report(path, results, text, host_start=host)
     return results
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per setting")
-    parser.add_argument("--block", type=int, default=10, help="steps per block")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser = make_parser(__doc__, timing=(10, 10, 3))
     parser.add_argument("--repeats", type=int, default=3,
                         help="fresh measurements of batch 128, validation off")
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.block, args.warmup, args.repeats = 2, 1, 1, 1
-    main(args)
+    main(parse_args(parser, quick={"rounds": 2, "block": 1, "warmup": 1, "repeats": 1}))
