@@ -12,10 +12,12 @@ fails, and so does an entry that no longer is one (remove it).
 """
 
 import ast
+import configparser
 import os
 from functools import cache
 
 import pyro
+from setuptools import find_packages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "pyro_vinit"
@@ -254,6 +256,16 @@ def test_nothing_outside_the_package():
              for target, line in imported_names(name)
              if target.split(".")[0] in OUTSIDE]
     assert not wrong, "\n".join(wrong)
+
+
+def test_wheel_holds_the_package_only():
+    # setup.cfg's package selection: benchmarks, tests and examples stay out of the wheel
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    include = config["options.packages.find"]["include"].replace(",", " ").split()
+    packages = find_packages(ROOT, include=include)
+    assert "pyro_vinit" in packages and "pyro_vinit.testing" in packages
+    assert {p.split(".")[0] for p in packages} == {PACKAGE}, packages
 
 
 def _line_count(path):
