@@ -1,6 +1,8 @@
 """Smoke runs (``--quick``) of the benchmark scripts behind the performance page, and
 the exactness of the plain-PyTorch twin that bench_floor times."""
 
+import ast
+import glob
 import json
 import os
 import subprocess
@@ -35,6 +37,40 @@ def _run(args, tmp_path, pythonpath=ROOT):
         env={**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
              "PYTHONPATH": pythonpath},
     )
+
+
+BENCHMARK_FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "**", "*.py"), recursive=True))
+
+
+def _path_edits_and_bare_imports(source):
+    """``sys.path`` touched, and imports of this folder's modules by bare name
+    (``import _steps``), which only work with the script's folder on the path."""
+    local = {os.path.splitext(os.path.basename(p))[0] for p in BENCHMARK_FILES}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "path" \
+                and isinstance(node.value, ast.Name) and node.value.id == "sys":
+            found.append((node.lineno, "sys.path"))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name in local]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module in local:
+            found.append((node.lineno, node.module))
+    return sorted(found)
+
+
+def test_benchmarks_import_as_a_package():
+    # every benchmark runs as `python -m benchmarks.<name>` from the root and imports its
+    # helpers as `benchmarks.<module>`: no path edits
+    wrong = {}
+    for path in BENCHMARK_FILES:
+        with open(path) as f:
+            found = _path_edits_and_bare_imports(f.read())
+        if found:
+            wrong[os.path.relpath(path, ROOT)] = found
+    assert not wrong, wrong
+    assert _path_edits_and_bare_imports(
+        "import sys\nsys.path.insert(0, '.')\nimport _steps\nfrom harness import x\n"
+        "from benchmarks import _steps\n") == [(2, "sys.path"), (3, "_steps"), (4, "harness")]
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
