@@ -52,15 +52,15 @@ docs: $(STAMP)
 # could pull another torch build than the CPU one above.
 bench: $(STAMP)
 	$(BIN)/pip install -q --no-deps bayesian-torch==0.5.0
-	$(BIN)/python benchmarks/bench_targets.py
-	$(BIN)/python benchmarks/bench_floor.py
-	$(BIN)/python benchmarks/bench_guides.py
-	$(BIN)/python benchmarks/bench_lrt_step.py
-	$(BIN)/python benchmarks/bench_gradient_variance.py
-	$(BIN)/python benchmarks/bench_scaling.py
-	$(BIN)/python benchmarks/bench_iblm_time.py
-	$(BIN)/python benchmarks/bench_iblm_memory.py
-	$(BIN)/python benchmarks/bench_memory.py
+	$(BIN)/python -m benchmarks.bench_targets
+	$(BIN)/python -m benchmarks.bench_floor
+	$(BIN)/python -m benchmarks.bench_guides
+	$(BIN)/python -m benchmarks.bench_lrt_step
+	$(BIN)/python -m benchmarks.bench_gradient_variance
+	$(BIN)/python -m benchmarks.bench_scaling
+	$(BIN)/python -m benchmarks.bench_iblm_time
+	$(BIN)/python -m benchmarks.bench_iblm_memory
+	$(BIN)/python -m benchmarks.bench_memory
 
 # The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
 # docs/_static/reproduce/. About 23 minutes of CPU time on one thread.

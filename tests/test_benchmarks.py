@@ -1,7 +1,8 @@
 """Smoke runs (``--quick``) of the benchmark scripts behind the performance page, and
 the exactness of the plain-PyTorch twin that bench_floor times."""
 
-import importlib.util
+import ast
+import glob
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch
 from pyro.infer import TraceMeanField_ELBO
 
+from benchmarks import _steps
 from pyro_vinit import AutoKTiedNormal, LocalReparamMessenger
 from pyro_vinit._pyro_compat import unconstrained_param
 
@@ -37,9 +39,43 @@ def _run(args, tmp_path, pythonpath=ROOT):
     )
 
 
+BENCHMARK_FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "**", "*.py"), recursive=True))
+
+
+def _path_edits_and_bare_imports(source):
+    """``sys.path`` touched, and imports of this folder's modules by bare name
+    (``import _steps``), which only work with the script's folder on the path."""
+    local = {os.path.splitext(os.path.basename(p))[0] for p in BENCHMARK_FILES}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "path" \
+                and isinstance(node.value, ast.Name) and node.value.id == "sys":
+            found.append((node.lineno, "sys.path"))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name in local]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module in local:
+            found.append((node.lineno, node.module))
+    return sorted(found)
+
+
+def test_benchmarks_import_as_a_package():
+    # every benchmark runs as `python -m benchmarks.<name>` from the root and imports its
+    # helpers as `benchmarks.<module>`: no path edits
+    wrong = {}
+    for path in BENCHMARK_FILES:
+        with open(path) as f:
+            found = _path_edits_and_bare_imports(f.read())
+        if found:
+            wrong[os.path.relpath(path, ROOT)] = found
+    assert not wrong, wrong
+    assert _path_edits_and_bare_imports(
+        "import sys\nsys.path.insert(0, '.')\nimport _steps\nfrom harness import x\n"
+        "from benchmarks import _steps\n") == [(2, "sys.path"), (3, "_steps"), (4, "harness")]
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_quick(script, tmp_path):
-    result = _run([f"benchmarks/{script}", "--quick"], tmp_path)
+    result = _run(["-m", f"benchmarks.{script[:-3]}", "--quick"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     for text in SCRIPTS[script]:
         assert text in result.stdout, (text, result.stdout[-3000:])
@@ -50,7 +86,7 @@ def test_targets_without_bayesian_torch(tmp_path):
     fake = tmp_path / "bayesian_torch"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('not installed (test)')\n")
-    result = _run(["benchmarks/bench_targets.py", "--quick"], tmp_path,
+    result = _run(["-m", "benchmarks.bench_targets", "--quick"], tmp_path,
                   pythonpath=os.pathsep.join([str(tmp_path), ROOT]))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bayesian-torch is not installed: its rows are skipped" in result.stdout
@@ -61,7 +97,7 @@ def test_targets_without_bayesian_torch(tmp_path):
 
 
 def test_scaling_quick(tmp_path):
-    result = _run(["benchmarks/bench_scaling.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    result = _run(["-m", "benchmarks.bench_scaling", "--quick", "--out", str(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "bench_scaling.json") as f:
         results = json.load(f)
@@ -93,19 +129,11 @@ def test_scaling_quick(tmp_path):
     assert {"scaling_steps.png", "scaling_iblm.png"} <= set(os.listdir(tmp_path))
 
 
-def _steps_module():
-    spec = importlib.util.spec_from_file_location(
-        "_steps", os.path.join(ROOT, "benchmarks", "_steps.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("sizes", [(6, 5, 4, 3), (64, 40, 30, 10)], ids=["dense", "low-rank"])
 def test_pure_estimator_equals_pyro_step(sizes):
     # bench_floor's "pure PyTorch" step must be the Pyro step's arithmetic, or its floor
     # means nothing: same parameters, same seed, same loss and gradients.
-    steps = _steps_module()
+    steps = _steps
     pyro.set_rng_seed(0)
     x = torch.randn(16, sizes[0], dtype=torch.float64)
     y = torch.randint(0, sizes[-1], (16,))
