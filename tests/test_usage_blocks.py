@@ -39,6 +39,9 @@ REGRESSION = {
     "pyro_vinit.metrics.RegressionMetrics",
     "pyro_vinit.metrics.regression_metrics",
     "pyro_vinit.metrics.rmse",
+    "pyro_vinit.metrics.functional.regression_metrics",
+    "pyro_vinit.metrics.functional.rmse",
+    "pyro_vinit.metrics.streaming.RegressionMetrics",
 }
 
 # id -> the fix the block needs (the test is an expected failure until then).
