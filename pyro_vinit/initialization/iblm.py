@@ -157,28 +157,30 @@ def init_guide_iblm(
 
 def _initialize(guide: _G, data: Data, options: IBLMOptions,
                 process_group: Optional[Any]) -> _G:
-    """I-BLM's four steps, all or nothing."""
+    """I-BLM's four steps, all or nothing: trace the model's structure, collect
+    each layer's inputs, solve its per-unit regressions (then the noise), write
+    the fits through the guide's ``set_loc_and_scale``."""
     check_supported(guide)
     collective = collective_for(process_group)
     with GuideRollback(guide) as rollback, ExitStack() as stack:
-        prep = trace_model(guide, data, options, collective, stack)
+        prep = _trace_model(guide, data, options, collective, stack)  # 1. the structure
         values = guide_medians(guide, prep.first)
         targets = read_targets(prep, values, options, collective)
         fits: Dict[str, Fit] = {}
         for layer in prep.layers:
             if layer.role == "scale":  # a scale head is fitted with the noise
                 continue
-            inputs = layer_inputs(prep, values, layer, options.chunk_rows, collective)
-            fit = solve_layer(prep, layer, inputs, targets, options, collective)
+            inputs = layer_inputs(prep, values, layer, options.chunk_rows, collective)  # 2.
+            fit = solve_layer(prep, layer, inputs, targets, options, collective)  # 3.
             stage(prep, values, fits, fit, options.propagate)
         noise = fit_noise(prep, values, targets, fits, options, collective)
         rollback.checkpoint()
-        write_fits(prep, fits, noise, options.max_scale_ratio)
+        write_fits(prep, fits, noise, options.max_scale_ratio)  # 4. set_loc_and_scale
         refresh_norm_statistics(prep, values, options.chunk_rows, collective)
     return guide
 
 
-def trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective: Collective,
+def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective: Collective,
                 stack: ExitStack) -> Prepared:
     """Step 1: reads the data into the pool (entering into ``stack`` what must
     last the whole call), sets the guide up if needed, and traces the model's
