@@ -50,12 +50,12 @@ class NoiseFit:
     level: Optional[torch.Tensor]
 
 
-def stage(prep: Prepared, values: Dict[str, torch.Tensor], fits: Dict[str, Fit], fit: Fit,
-          propagate: str) -> None:
+def stage(site_shape: Callable[[str], torch.Size], values: Dict[str, torch.Tensor],
+          fits: Dict[str, Fit], fit: Fit, propagate: str) -> None:
     """Records a fit and sets the layer's sites in ``values`` (its mean, or a
     draw with ``propagate="sample"``) for the model runs that follow."""
     fits[fit.layer.weight_name] = fit
-    for name, (mean, var) in fit.site_values(prep.site_shape).items():
+    for name, (mean, var) in fit.site_values(site_shape).items():
         values[name] = torch.normal(mean, var.sqrt()) if propagate == "sample" else mean
 
 

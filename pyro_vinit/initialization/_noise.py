@@ -46,15 +46,15 @@ def fit_noise(prep: Prepared, values: Dict[str, torch.Tensor], targets: Targets,
         for _ in range(2):  # the residuals of a fit with the noise they imply
             sigma = residual_std(prep, values, options.chunk_rows, collective)
             refit = replace(targets, noise_var=_column_var(sigma, targets.y))
-            stage(prep, values, fits, solve_layer(prep, output, inputs, refit, options, collective),
-              options.propagate)
+            fit = solve_layer(prep.pool, output, inputs, refit, options, collective)
+            stage(prep.site_shape, values, fits, fit, options.propagate)
         sigma = residual_std(prep, values, options.chunk_rows, collective)
     if likelihood.noise == "layer":
         head = next(layer for layer in prep.layers if layer.role == "scale")
         level = link_inverse(prep, values, sigma, collective, head=head)
         inputs = layer_inputs(prep, values, head, options.chunk_rows, collective)
-        fit = solve_layer(prep, head, inputs, targets, options, collective, constant=level)
-        stage(prep, values, fits, fit, options.propagate)
+        fit = solve_layer(prep.pool, head, inputs, targets, options, collective, constant=level)
+        stage(prep.site_shape, values, fits, fit, options.propagate)
         return NoiseFit(sigma, None, None)
     if likelihood.noise in ("site", "param"):
         level = link_inverse(prep, values, sigma, collective)

@@ -6,18 +6,19 @@ from typing import Optional
 import torch
 
 from pyro_vinit.initialization._collective import Collective
+from pyro_vinit.initialization._data import DataPool
 from pyro_vinit.initialization._fits import Fit
 from pyro_vinit.initialization._minibatches import hidden_batches, unit_columns
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._regressions import HiddenTargets, solve_units
 from pyro_vinit.initialization._targets import Targets
-from pyro_vinit.initialization._tracing import Layer, Prepared
+from pyro_vinit.initialization._tracing import Layer
 
 # The noise of a scale head's regression onto its constant.
 _SCALE_HEAD_NOISE = 0.1
 
 
-def solve_layer(prep: Prepared, layer: Layer, inputs: torch.Tensor, targets: Targets,
+def solve_layer(pool: DataPool, layer: Layer, inputs: torch.Tensor, targets: Targets,
                 options: IBLMOptions, collective: Collective,
                 constant: Optional[torch.Tensor] = None) -> Fit:
     """
@@ -26,9 +27,9 @@ def solve_layer(prep: Prepared, layer: Layer, inputs: torch.Tensor, targets: Tar
     :class:`~pyro_vinit.initialization._regressions.HiddenTargets`, a scale
     head onto the ``constant`` per output unit.
 
-    :param torch.Tensor inputs: The layer's input on every row of the pool.
+    :param DataPool pool: The data rows (the pool of this process).
+    :param torch.Tensor inputs: The layer's input on every row of ``pool``.
     """
-    pool = prep.pool
     batch_size = min(options.batch_size, pool.num_rows)  # step 1 warned if smaller
     output = layer.role != "hidden"
     classification = targets.task == "classification"

@@ -171,8 +171,8 @@ def _initialize(guide: _G, data: Data, options: IBLMOptions,
             if layer.role == "scale":  # a scale head is fitted with the noise
                 continue
             inputs = layer_inputs(prep, values, layer, options.chunk_rows, collective)  # 2.
-            fit = solve_layer(prep, layer, inputs, targets, options, collective)  # 3.
-            stage(prep, values, fits, fit, options.propagate)
+            fit = solve_layer(prep.pool, layer, inputs, targets, options, collective)  # 3.
+            stage(prep.site_shape, values, fits, fit, options.propagate)
         noise = fit_noise(prep, values, targets, fits, options, collective)
         rollback.checkpoint()
         write_fits(prep, fits, noise, options.max_scale_ratio)  # 4. set_loc_and_scale
