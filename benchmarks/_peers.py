@@ -63,7 +63,7 @@ def numpyro_missing(python):
     """Why NumPyro cannot run with the interpreter ``python`` (None if it can)."""
     if not python or not os.path.isfile(python):
         return (f"NumPyro's environment {python!r} does not exist: its rows are skipped "
-                "(`make .venv-numpyro` builds it; or pass --numpyro-python).")
+                "(`make .venv-numpyro/.installed` builds it; or pass --numpyro-python).")
     probe = subprocess.run([python, "-c", "import jax, numpyro; print(numpyro.__version__)"],
                            capture_output=True, text=True, timeout=300)
     if probe.returncode != 0:
@@ -163,10 +163,11 @@ class IVONRunner:
 
 
 def run_numpyro(python, arch, data, seed, budget, checkpoints, num_samples, batch_size,
-                threads=1, timeout=None):
+                threads=1, init="uniform", warm=True, timeout=None):
     """Runs NumPyro's AutoNormal race on ``data`` in ``python``'s process and
-    returns its curve (a list of ``{"seconds", "mnll", "error"}``) and its
-    extra figures (the ``jit`` compilation time, within the first step)."""
+    returns its output: the curve (a list of ``{"seconds", "mnll", "error"}``)
+    and the set-up, first-step and (``warm``: off the clock) compilation
+    seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "data.npz")
         np.savez(path, **{k: v.numpy() for k, v in zip(("x", "y", "x_test", "y_test"), data)})
@@ -177,7 +178,7 @@ def run_numpyro(python, arch, data, seed, budget, checkpoints, num_samples, batc
         cmd = [python, NUMPYRO_SCRIPT, "--data", path, "--out", out, "--arch", json.dumps(arch),
                "--seed", str(seed), "--budget", str(budget),
                "--checkpoints", json.dumps(checkpoints), "--num-samples", str(num_samples),
-               "--batch-size", str(batch_size)]
+               "--batch-size", str(batch_size), "--init", init] + (["--warm"] if warm else [])
         result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         if result.returncode != 0:
             raise RuntimeError(f"NumPyro's race failed:\n{result.stderr[-3000:]}")

@@ -23,7 +23,8 @@ Methods:
   model, ``Trace_ELBO``, Adam 1e-3;
 * the peers of ``_peers.py``: bayesian-torch from random init and from its
   MOPED start (the same pre-training, on the clock), IVON, and NumPyro's
-  ``AutoNormal`` (``jit``) in its own process (``--numpyro-python``).
+  ``AutoNormal`` (default init, ``jit``) in its own process (``--numpyro-python``;
+  jax's compilation is done first, off the clock, unless ``--numpyro-cold``).
 
 The training clock runs during set-up (initialization, pre-training) and the
 steps only: every method is evaluated (test MNLL and error of the Monte Carlo
@@ -265,7 +266,8 @@ def run_one(method, problem, data, seed, args):
     points = checkpoints(args.budget)
     if method == "NumPyro AutoNormal":
         out = _peers.run_numpyro(args.numpyro_python, spec["arch"], data, seed, args.budget,
-                                 points, args.num_samples, BATCH_SIZE, threads=args.threads)
+                                 points, args.num_samples, BATCH_SIZE, threads=args.threads,
+                                 init=args.numpyro_init, warm=not args.numpyro_cold)
         return out["curve"], {k: v for k, v in out.items() if k != "curve"}
     x_test, y_test = data[2], data[3]
 
@@ -334,21 +336,40 @@ def markdown_table(header, rows):
     return "\n".join(lines)
 
 
+def rst_table(header, rows):
+    lines = [".. list-table::", "   :header-rows: 1", ""]
+    for row in [header] + rows:
+        lines += [f"   * - {row[0]}"] + [f"     - {c}" for c in row[1:]]
+    return "\n".join(lines)
+
+
+def table_rows(res):
+    """The header and one row per method of a problem's table."""
+    keys = [f"{m} <= {t}" for m, pair in res["targets"].items() for t in pair]
+    header = (["method"] + [f"s to {k.replace('<=', '≤')}" for k in keys]
+              + ["best MNLL", "best error"])
+    rows = [[method] + [_s(row["time_to"][k]["median"]) for k in keys]
+            + [_s(row["best"]["mnll"]["median"], 3), _s(row["best"]["error"]["median"], 3)]
+            for method, row in res["summary"].items()]
+    return header, rows
+
+
+def rst_report(results):
+    """The tables of docs/benchmarks.rst's race section, one per problem."""
+    parts = []
+    for problem, res in results["problems"].items():
+        parts += [f"{problem}:", "", rst_table(*table_rows(res)), ""]
+    return "\n".join(parts)
+
+
 def report(results):
     lines = []
     for problem, res in results["problems"].items():
-        summary = res["summary"]
         keys = [f"{m} <= {t}" for m, pair in res["targets"].items() for t in pair]
         lines += [f"## {problem}: training seconds to each target, best within "
-                    f"{results['config']['budget']:g} s (medians of "
+                  f"{results['config']['budget']:g} s (medians of "
                   f"{len(results['config']['seeds'])} seed(s); — never)", ""]
-        rows = []
-        for method, row in summary.items():
-            rows.append([method] + [_s(row["time_to"][k]["median"]) for k in keys]
-                        + [_s(row["best"]["mnll"]["median"], 3),
-                           _s(row["best"]["error"]["median"], 3)])
-        lines.append(markdown_table(["method"] + [k.replace("<=", "≤") for k in keys]
-                                    + ["best MNLL", "best error"], rows))
+        lines.append(markdown_table(*table_rows(res)))
         for ours, name in ((OURS, "ours (I-BLM)"), (OURS_TRAINED, "ours (trained net)")):
             r = res["ratios"].get(ours)
             if not r:
@@ -460,6 +481,8 @@ def main(args):
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, f"bench_time_to_quality{args.tag}.md"), "w") as f:
         f.write(text + "\n")
+    with open(os.path.join(args.out, f"bench_time_to_quality{args.tag}.rst"), "w") as f:
+        f.write(rst_report(results))
     try:
         plot(results, os.path.join(args.figures, f"race{args.tag}.png"))
     except ImportError:
@@ -488,6 +511,12 @@ def parse_args(argv=None):
     parser.add_argument("--numpyro-python", default=os.environ.get(
         "NUMPYRO_PYTHON", os.path.join(ROOT, ".venv-numpyro", "bin", "python")),
         help="the Python of an environment with jax and NumPyro")
+    parser.add_argument("--numpyro-init", choices=["uniform", "median"], default="uniform",
+                        help="NumPyro AutoNormal's init: its default (init_to_uniform) or "
+                             "init_to_median")
+    parser.add_argument("--numpyro-cold", action="store_true",
+                        help="NumPyro's jit compilation on the clock (by default it is done "
+                             "first, off the clock, and reported apart)")
     parser.add_argument("--tag", default="", help="suffix of the result files")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--figures", default=os.path.join(ROOT, "docs", "_static", "race"))
