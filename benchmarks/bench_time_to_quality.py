@@ -12,7 +12,8 @@ method.
 Methods:
 
 * ``ours (I-BLM)``: ``pyro_vinit.fit`` with its defaults when the package has
-  it; otherwise the README's recipe: ``AutoKTiedNormal(rank=2)``,
+  it (``--fit-chunk`` steps per call, one optimizer throughout); otherwise the
+  README's recipe: ``AutoKTiedNormal(rank=2)``,
   ``init_guide_iblm(batch_size=512, max_scale_ratio=0.1)`` (on the clock),
   then ``TraceMeanField_ELBO`` under ``KLAnnealingMessenger(0.1)`` and
   ``local_reparam()``, Adam 1e-3;
@@ -39,7 +40,7 @@ Pyro's validation is off for both Pyro methods (``--validation`` turns it on).
 
 Usage::
 
-    python benchmarks/bench_time_to_quality.py                 # full race (~30 min)
+    python benchmarks/bench_time_to_quality.py                 # full race (~35 min idle)
     python benchmarks/bench_time_to_quality.py --problems mnist_mlp --seeds 1 --budget 10
     python benchmarks/bench_time_to_quality.py --quick         # smoke run (seconds)
 """
