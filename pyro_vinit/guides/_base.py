@@ -135,12 +135,13 @@ class AutoSiteGuide(AutoNormal):
     def _unobserved_discrete_error(self, name: str) -> ValueError:
         return ValueError(
             f"{type(self).__name__}: the model's sample site {name!r} is discrete and was "
-            "not observed when the guide was set up: its first call ran the model without "
-            f"the value of {name!r} (e.g. Predictive(model, guide=guide)(x) or guide(x) "
-            "before the guide had seen the targets). Call the guide once with the data "
-            "first (guide(x, y), one svi.step, or init_guide_iblm), then predict; a "
-            "discrete latent variable must be hidden from this guide (poutine.block) or "
-            "enumerated. The guide is left unset."
+            "not observed when the guide was set up, so this continuous guide cannot cover "
+            f"it. If {name!r} is the observation, the guide's first call ran the model "
+            "without it (e.g. Predictive(model, guide=guide)(x) or guide(x) before the guide "
+            "had seen the targets): call the guide once with the data first (guide(x, y), "
+            "one svi.step, or init_guide_iblm), then predict. If it is a discrete latent "
+            "variable, hide it from this guide (poutine.block(model, hide=[...])) and "
+            "enumerate it. The guide is left unset."
         )
 
     def _check_unobserved_discrete(self) -> None:
