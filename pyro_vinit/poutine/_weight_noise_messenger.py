@@ -10,7 +10,8 @@ from torch.distributions import Distribution
 
 from pyro_vinit._pyro_compat import is_vectorized_particles
 from pyro_vinit._typing import SampleSite
-from pyro_vinit.poutine._site_value import SiteValue, eager, replay
+from pyro_vinit.poutine._site_value import SiteValue, eager
+from pyro_vinit.poutine._tensor_ops import replay
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
 
 __all__: List[str] = []

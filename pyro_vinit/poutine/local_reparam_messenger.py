@@ -10,7 +10,8 @@ from torch.distributions import Normal
 from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.distributions import KTiedNormal
-from pyro_vinit.poutine._site_value import SiteValue, is_transpose, unwrap
+from pyro_vinit.poutine._site_value import SiteValue, unwrap
+from pyro_vinit.poutine._tensor_ops import is_transpose
 from pyro_vinit.poutine._weight_noise_messenger import (
     _WeightNoiseMessenger,
     spatial_dims,
