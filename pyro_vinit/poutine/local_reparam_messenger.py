@@ -113,7 +113,7 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     """
 
     def __init__(self, strict: bool = False, low_rank: Optional[bool] = None) -> None:
-        if low_rank not in (None, True, False):
+        if not (low_rank is None or isinstance(low_rank, bool)):
             raise TypeError(
                 f"LocalReparamMessenger: low_rank must be None or a bool, got {low_rank!r}"
             )

@@ -43,16 +43,19 @@ class AutoWeightNoise(WeightNoise):
     def select(self, fn: Distribution) -> WeightNoise:
         if factorized_normal(fn) is not None:
             return self.local_reparam
-        return self.flipout
+        if is_sign_symmetric(fn):
+            return self.flipout
+        return self  # whose apply says that none applies
 
     def draw(self, msg: SampleSite) -> Optional[SiteValue]:
-        return self.select(msg["fn"]).draw(msg)
+        strategy = self.select(msg["fn"])
+        return None if strategy is self else strategy.draw(msg)
 
     def apply(
         self, call: LayerCall, weight: SiteValue, fn: Distribution
     ) -> Union[torch.Tensor, str]:
         strategy = self.select(fn)
-        if strategy is self.flipout and not is_sign_symmetric(fn):
+        if strategy is self:
             name = type(base_distribution(fn)).__name__
             return (
                 f"no weight-noise strategy is known for its distribution ({name}): it is "

@@ -64,7 +64,7 @@ class LocalReparam(WeightNoise):
     bias_noise = True
 
     def __init__(self, low_rank: Optional[bool] = None) -> None:
-        if low_rank not in (None, True, False):
+        if not (low_rank is None or isinstance(low_rank, bool)):
             raise TypeError(f"LocalReparam: low_rank must be None or a bool, got {low_rank!r}")
         self.low_rank = low_rank
 
