@@ -7,7 +7,10 @@ distribution's type, and a new distribution opts in with ``.register``.
 
 Usage::
 
-    @is_sign_symmetric.register(MyRadialFamily)
+    class SymmetricLaplace(dist.Laplace):
+        pass
+
+    @is_sign_symmetric.register(SymmetricLaplace)
     def _(d):
         return True
 """

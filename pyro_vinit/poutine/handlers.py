@@ -107,7 +107,7 @@ def weight_noise(
 
     Usage::
 
-        step = weight_noise(svi.step, config={"w": Flipout()})
+        step = weight_noise(svi.step, config={"net.0.weight": Flipout()})
         loss = step(x, y)
 
     :param callable fn: A callable that runs both the guide and the model; if
