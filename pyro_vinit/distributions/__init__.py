@@ -6,6 +6,9 @@ from pyro_vinit.distributions.weight_noise import (
     factorized_normal,
     is_sign_symmetric,
     low_rank_scale,
+    register_factorized_normal,
+    register_low_rank_scale,
+    register_sign_symmetric,
 )
 
 __all__ = [
@@ -15,4 +18,7 @@ __all__ = [
     "factorized_normal",
     "is_sign_symmetric",
     "low_rank_scale",
+    "register_factorized_normal",
+    "register_low_rank_scale",
+    "register_sign_symmetric",
 ]

@@ -9,7 +9,7 @@ from pyro.distributions import constraints
 from pyro.distributions.util import sum_rightmost
 from torch.distributions import kl_divergence, register_kl
 
-from pyro_vinit.distributions.weight_noise import low_rank_scale
+from pyro_vinit.distributions.weight_noise import register_low_rank_scale
 
 __all__ = ["KTiedIndependent", "KTiedNormal"]
 
@@ -195,7 +195,7 @@ def _kl_k_tied_independent(
     return result
 
 
-@low_rank_scale.register(KTiedNormal)
+@register_low_rank_scale(KTiedNormal)
 def _(d: KTiedNormal) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     # one tied matrix, with no batch dims: U and V are plain (m, k) and (n, k) matrices
     if d.tied_dims != len(d.batch_shape):

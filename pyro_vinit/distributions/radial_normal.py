@@ -8,7 +8,7 @@ from pyro.distributions import TorchDistribution, constraints
 from torch.distributions import Independent, Normal, register_kl
 from torch.distributions.utils import broadcast_all
 
-from pyro_vinit.distributions.weight_noise import is_sign_symmetric
+from pyro_vinit.distributions.weight_noise import register_sign_symmetric
 
 __all__ = ["RadialNormal", "radial_standard_icdf"]
 
@@ -268,7 +268,7 @@ def _kl_radial_independent(q: RadialNormal, p: "Independent[Any]") -> torch.Tens
     return _normal_cross_entropy(q, base.loc, base.scale) - q.entropy()
 
 
-@is_sign_symmetric.register(RadialNormal)
+@register_sign_symmetric(RadialNormal)
 def _(d: RadialNormal) -> bool:
     # a direction uniform on the sphere times an independent radius: flipping the sign of
     # any elements of the direction keeps its law

@@ -14,6 +14,7 @@ from pyro_vinit.distributions import (
     factorized_normal,
     is_sign_symmetric,
     low_rank_scale,
+    register_sign_symmetric,
 )
 from pyro_vinit.poutine import (
     AutoWeightNoise,
@@ -115,8 +116,10 @@ class _SymmetricLaplace(dist.Laplace):
 
 def test_registered_sign_symmetry_opts_a_distribution_in():
     # Knowledge registered beside a distribution, not in the handlers: Flipout applies.
-    is_sign_symmetric.register(_SymmetricLaplace)(lambda d: True)
     laplace = _SymmetricLaplace(LOC2, SCALE2).to_event(2)
+    assert not is_sign_symmetric(laplace)  # asked (and cached) before it registers
+    register_sign_symmetric(_SymmetricLaplace)(lambda d: True)
+    assert is_sign_symmetric(laplace) and not is_sign_symmetric(dist.Laplace(LOC2, SCALE2))
     _, _, out2 = _run(WeightNoiseMessenger(strict=True), laplace)
     assert _per_example(out2)
 
