@@ -33,7 +33,11 @@ The initializers' tracer, which must also see layers whose weights are plain
 tensors, is the :class:`~torch.overrides.TorchFunctionMode`-based
 :class:`~pyro_vinit.poutine.layer_recorder.LayerRecorderMessenger`: a mode
 pays a Python call on every torch function of the step, too much for a
-per-step handler. Only one layer-call handler may be active at a time.
+per-step handler. The two front ends share what they know: which ops are
+views and which elements a view holds (:mod:`~pyro_vinit.poutine._tensor_ops`)
+and how a call becomes a :class:`LayerCall`
+(:func:`~pyro_vinit.poutine._layer_ops.find_layer_call`). Only one
+layer-call handler may be active at a time.
 """
 
 from types import TracebackType
