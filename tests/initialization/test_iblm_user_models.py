@@ -536,6 +536,8 @@ def test_narrowed_output_weight_is_named():
             pyro.sample("obs", dist.Normal(F.linear(h, w2.narrow(0, 0, 3)), 0.1).to_event(1),
                         obs=y)
 
+    with local_reparam(strict=True):  # both layers treated: no site reported
+        pyro.poutine.trace(model).get_trace(x, y)
     guide = AutoNormal(model)
     with pytest.raises(ValueError, match=r"sample site 'w2' reaches a layer call through an "
                        r"operation that repeats or drops elements \(narrow\)"):
