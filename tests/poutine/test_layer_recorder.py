@@ -858,3 +858,16 @@ def test_flow_through_batch_norm_and_lists():
         "scale": frozenset(),
     }
     pyro.clear_param_store()
+
+
+def test_tensors_made_from_a_shape_carry_no_flow():
+    # ones_like / zeros_like / full_like read a tensor's shape only (the table the handlers
+    # use too): a scale written torch.ones_like(mean) * 0.3 does not depend on the layer.
+    def model(x, y):
+        mean = F.linear(x, _latent("w", 3, 4))
+        scale = torch.ones_like(mean) * 0.3 + torch.zeros_like(mean)
+        return pyro.sample("y", dist.Normal(mean, scale).to_event(2), obs=y)
+
+    rec, _ = _record(model, {"w": W_OUT_IN}, X, torch.zeros(5, 3), track_flow=True)
+    assert rec.likelihood_flow["loc"] == frozenset({("layer", 0)})
+    assert rec.likelihood_flow["scale"] == frozenset()
