@@ -136,7 +136,7 @@ def pure_ktied_lrt_step(model, guide, x, y, num_data, lr=1e-3):
     from pyro import poutine
     from torch.distributions import transform_to
 
-    from pyro_vinit.poutine.local_reparam_messenger import _pairs
+    from pyro_vinit.poutine.noise.local_reparam import _pairs
 
     prior = poutine.trace(model).get_trace(x, y)
     positive = transform_to(guide.scale_constraint)

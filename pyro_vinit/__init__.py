@@ -21,7 +21,14 @@ from pyro_vinit.guides import (
     set_priors,
 )
 from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_guide_iblm
-from pyro_vinit.poutine import FlipoutMessenger, LocalReparamMessenger, flipout, local_reparam
+from pyro_vinit.poutine import (
+    FlipoutMessenger,
+    LocalReparamMessenger,
+    WeightNoiseMessenger,
+    flipout,
+    local_reparam,
+    weight_noise,
+)
 
 __version__ = "0.1.0"
 
@@ -32,6 +39,7 @@ __all__ = [
     "FlipoutMessenger",
     "IBLMGuideInitializer",
     "LocalReparamMessenger",
+    "WeightNoiseMessenger",
     "data",
     "distributions",
     "flipout",
@@ -46,4 +54,5 @@ __all__ = [
     "poutine",
     "schedules",
     "set_priors",
+    "weight_noise",
 ]

@@ -1,13 +1,15 @@
 """The k-tied Normal distribution of Swiatkowski et al. (2020)."""
 
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from pyro.distributions.util import sum_rightmost
 from torch.distributions import kl_divergence, register_kl
+
+from pyro_vinit.distributions.weight_noise import register_low_rank_scale
 
 __all__ = ["KTiedIndependent", "KTiedNormal"]
 
@@ -191,3 +193,11 @@ def _kl_k_tied_independent(
     )
     result: torch.Tensor = sum_rightmost(kl, ndims - tied)
     return result
+
+
+@register_low_rank_scale(KTiedNormal)
+def _(d: KTiedNormal) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    # one tied matrix, with no batch dims: U and V are plain (m, k) and (n, k) matrices
+    if d.tied_dims != len(d.batch_shape):
+        return None
+    return d.scale_u, d.scale_v

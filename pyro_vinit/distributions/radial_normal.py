@@ -8,6 +8,8 @@ from pyro.distributions import TorchDistribution, constraints
 from torch.distributions import Independent, Normal, register_kl
 from torch.distributions.utils import broadcast_all
 
+from pyro_vinit.distributions.weight_noise import register_sign_symmetric
+
 __all__ = ["RadialNormal", "radial_standard_icdf"]
 
 # The shapes torch.distributions accepts for sample_shape.
@@ -264,3 +266,10 @@ def _kl_radial_independent(q: RadialNormal, p: "Independent[Any]") -> torch.Tens
     if not isinstance(base, Normal) or p.event_shape != q.event_shape:
         raise NotImplementedError
     return _normal_cross_entropy(q, base.loc, base.scale) - q.entropy()
+
+
+@register_sign_symmetric(RadialNormal)
+def _(d: RadialNormal) -> bool:
+    # a direction uniform on the sphere times an independent radius: flipping the sign of
+    # any elements of the direction keeps its law
+    return True

@@ -2,19 +2,27 @@
 
 from pyro_vinit.poutine.flipout_messenger import FlipoutMessenger
 from pyro_vinit.poutine.handled_elbo import HandledELBO
-from pyro_vinit.poutine.handlers import flipout, local_reparam
+from pyro_vinit.poutine.handlers import flipout, local_reparam, weight_noise
 from pyro_vinit.poutine.kl_annealing_messenger import KLAnnealingMessenger, kl_annealing
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
 from pyro_vinit.poutine.local_reparam_messenger import LocalReparamMessenger
+from pyro_vinit.poutine.noise import AutoWeightNoise, Flipout, LocalReparam, WeightNoise
+from pyro_vinit.poutine.weight_noise_messenger import WeightNoiseMessenger
 
 __all__ = [
+    "AutoWeightNoise",
+    "Flipout",
     "FlipoutMessenger",
     "HandledELBO",
     "KLAnnealingMessenger",
     "LayerCall",
     "LayerCallMessenger",
+    "LocalReparam",
     "LocalReparamMessenger",
+    "WeightNoise",
+    "WeightNoiseMessenger",
     "flipout",
     "kl_annealing",
     "local_reparam",
+    "weight_noise",
 ]

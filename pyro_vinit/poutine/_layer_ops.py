@@ -5,9 +5,10 @@ and the matrix-product spellings of a linear layer (``x @ w``,
 ``torch.einsum`` with one contracted index), each read as the equivalent
 ``F.linear`` call.
 
-Shared by the layer recorder of the initializers
-(:mod:`~pyro_vinit.poutine.layer_recorder`) and the weight-noise handlers
-(:mod:`~pyro_vinit.poutine.layer_call_messenger`).
+:func:`find_layer_call` builds the :class:`LayerCall` of such a call for
+both front ends of the interception: the layer recorder of the
+initializers (:mod:`~pyro_vinit.poutine.layer_recorder`) and the
+weight-noise handlers (:mod:`~pyro_vinit.poutine.layer_call_messenger`).
 """
 
 from dataclasses import dataclass, field
@@ -18,7 +19,14 @@ import torch.nn.functional as F
 
 from pyro_vinit._typing import SampleSite
 
-__all__ = ["LAYER_OPS", "MATMUL_OPS", "LayerCall", "parse_layer_call", "parse_matmul"]
+__all__ = [
+    "LAYER_OPS",
+    "MATMUL_OPS",
+    "LayerCall",
+    "find_layer_call",
+    "parse_layer_call",
+    "parse_matmul",
+]
 
 _T = torch.Tensor
 
@@ -83,12 +91,10 @@ class LayerCall:
         """Runs the op with the call's arguments, optionally replacing
         ``input``, ``weight`` (in the op's layout) and ``bias`` (pass
         ``bias=False`` for none)."""
-        from pyro_vinit.poutine._site_value import unwrap
-
         input = self.input if input is None else input
         weight = self.weight if weight is None else weight
         bias = self.bias if bias is None else (None if bias is False else bias)
-        out: torch.Tensor = getattr(F, self.op)(*unwrap((input, weight, bias)), **self.kwargs)
+        out: torch.Tensor = getattr(F, self.op)(input, weight, bias, **self.kwargs)
         return out
 
     @property
@@ -222,3 +228,45 @@ def parse_matmul(
     if func in _MATRIX_ONLY and x.dim() != 2:
         return None  # mm and addmm take matrices only: the program's own error, not a layer
     return x, w, True, bias
+
+
+def op_name(func: Callable[..., Any]) -> str:
+    """``func``'s name as users spell it: ``"mm"``, ``Tensor.__matmul__`` and
+    ``__rmatmul__`` (``x @ w``) -> ``"matmul"``."""
+    name: str = getattr(func, "__name__", None) or str(func)
+    return name.removeprefix("__").removesuffix("__").replace("rmatmul", "matmul")
+
+
+def find_layer_call(
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Dict[str, Any],
+    is_weight: IsWeight,
+    weight_msgs: Callable[[Any], List[SampleSite]] = lambda t: [],
+) -> Optional[LayerCall]:
+    """
+    The :class:`LayerCall` of ``func(*args, **kwargs)`` if it is a layer call
+    (:data:`LAYER_OPS`) or a matrix product read as one
+    (:func:`parse_matmul`) whose weight ``is_weight``, else None. A matrix
+    product's weight is transposed into ``F.linear``'s layout by
+    :attr:`torch.Tensor.mT` (which a tensor subclass sees);
+    ``weight_msgs(t)`` gives the :attr:`LayerCall.weight_msgs` of the weight
+    and bias ``t``.
+    """
+    parsed = parse_layer_call(func, args, kwargs)
+    if parsed is not None:
+        op, x, w, bias, extra = parsed
+        if not is_weight(w):
+            return None
+        transposed = False
+    else:
+        found = parse_matmul(func, args, kwargs, is_weight)
+        if found is None:
+            return None
+        x, program_weight, transposed, bias = found
+        w = program_weight.mT if transposed else program_weight
+        op, extra = "linear", {}
+    return LayerCall(
+        op, x, w, bias, extra, transposed=transposed, source=op_name(func),
+        weight_msgs=weight_msgs(w), bias_msgs=weight_msgs(bias),
+    )

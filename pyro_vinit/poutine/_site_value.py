@@ -6,13 +6,12 @@ slowing down any other tensor operation.
 
 import functools
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
     List,
     Optional,
-    Set,
+    Protocol,
     Tuple,
     TypeVar,
     cast,
@@ -22,25 +21,33 @@ import torch
 from torch.distributions import Distribution
 
 from pyro_vinit._typing import SampleSite
-
-if TYPE_CHECKING:
-    from pyro_vinit.poutine.layer_call_messenger import LayerCallMessenger
+from pyro_vinit.poutine._tensor_ops import (
+    SHAPE_QUERIES,
+    ViewOp,
+    element_index,
+    getter,
+    is_view_op,
+    repeats,
+)
 
 __all__: List[str] = []
 
+
+class SiteValueHandler(Protocol):
+    """What :meth:`SiteValue.__torch_function__` calls on the active handler."""
+
+    def _site_value_op(
+        self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> Any:
+        """The result of ``func(*args, **kwargs)``, or NotImplemented to run it as usual."""
+
+
 # The active layer-call handler, if any (at most one: nesting is refused).
-ACTIVE: List["LayerCallMessenger"] = []
+ACTIVE: List[SiteValueHandler] = []
 
 _T = torch.Tensor
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-
-def getter(name: str) -> Callable[..., Any]:
-    """The function that torch passes to ``__torch_function__`` when the
-    attribute ``name`` of a tensor is read (its descriptor's ``__get__``)."""
-    # getattr: the class attribute is the descriptor, which mypy types as the value.
-    getter: Callable[..., Any] = getattr(_T, name).__get__
-    return getter
 
 
 def eager(fn: _F) -> _F:
@@ -49,40 +56,7 @@ def eager(fn: _F) -> _F:
     return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
-# Functions that only read shape, dtype or device: answered from the stand-in itself,
-# so that a deferred value is not drawn just to learn its shape.
-_METADATA: Set[Callable[..., Any]] = {
-    getter("shape"),
-    getter("dtype"),
-    getter("device"),
-    getter("ndim"),
-    getter("layout"),
-    getter("is_cuda"),
-    getter("is_nested"),  # read by torch.compile on every tensor it meets
-    getter("is_sparse"),
-    getter("is_quantized"),
-    getter("is_meta"),
-    _T.dim,
-    _T.size,
-    _T.numel,
-    _T.nelement,
-    _T.ndimension,
-    _T.__len__,
-    _T.is_floating_point,
-    _T.is_complex,
-    _T.element_size,
-    _T.get_device,
-    # new tensors of the same shape (e.g. the zero log-Jacobian of an identity transform)
-    torch.zeros_like,
-    torch.ones_like,
-    torch.empty_like,
-    torch.full_like,
-}
-
 _GRAD = getter("grad")
-
-#: A view op: ``(func, args, kwargs)``, applied as ``func(tensor, *args, **kwargs)``.
-ViewOp = Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]]
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,12 +76,6 @@ def unwrap(obj: Any) -> Any:
         return {k: unwrap(v) for k, v in obj.items()}
     return obj
 
-
-def replay(view_ops: Tuple[ViewOp, ...], tensor: torch.Tensor) -> torch.Tensor:
-    """Applies ``view_ops`` to ``tensor`` (of the drawn value's shape)."""
-    for func, args, kwargs in view_ops:
-        tensor = func(tensor, *args, **kwargs)
-    return tensor
 
 
 class Uses:
@@ -146,11 +114,8 @@ class Uses:
 
 def _indices(shape: torch.Size, view_ops: Tuple[ViewOp, ...]) -> Optional[torch.Tensor]:
     # The flat indices of the drawn elements a view holds, or None for all of them.
-    if not view_ops:
-        return None
-    ops = tuple(op for op in view_ops if op[0] not in _CASTS)
-    index = replay(ops, torch.arange(shape.numel()).reshape(shape)).reshape(-1)
-    return None if index.numel() == shape.numel() else index
+    index = element_index(shape, view_ops)
+    return None if index is None or index.numel() == shape.numel() else index.reshape(-1)
 
 
 class SiteValue(torch.Tensor):
@@ -285,10 +250,10 @@ class SiteValue(torch.Tensor):
         """
         args, kwargs = unwrap(args), unwrap(kwargs or {})
         view_op = (func, args, kwargs)
-        is_view = self.derived is None and _is_view_op(func, args, kwargs)
+        is_view = self.derived is None and is_view_op(func, self, args, kwargs)
         if is_view and self.is_deferred:
             meta = _meta_result(func, self, args, kwargs)
-            if meta is not None and (func not in _EXPANDS or meta.numel() == self.numel()):
+            if meta is not None and not repeats(func, self, meta):
                 source = self
                 out = SiteValue.defer(
                     lambda: func(source.concrete, *args, **kwargs),
@@ -300,8 +265,8 @@ class SiteValue(torch.Tensor):
         out = func(self.concrete, *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
-        if func in _EXPANDS and out.numel() != self.numel():
-            is_view = False  # repeated elements
+        if repeats(func, self, out):
+            is_view = False
         if is_view:
             return SiteValue.wrap(
                 out, self.site_dist, list(self.msgs), self.view_ops + (view_op,), None, self.uses
@@ -321,7 +286,7 @@ class SiteValue(torch.Tensor):
         kwargs: Optional[Dict[str, Any]] = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA:
+        if func in SHAPE_QUERIES:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func == _GRAD and args[0].is_deferred:
@@ -343,63 +308,3 @@ def _meta_result(
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return None  # e.g. a move to another device: computed from the real value
     return out if isinstance(out, torch.Tensor) else None
-
-
-# Ops after which each element of the result is one distinct element of the argument
-# (possibly cast): a Normal's parameters go through them as the value does.
-_VIEWS = {
-    _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
-    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.clone,
-    _T.narrow, _T.movedim, _T.swapaxes, getter("T"), getter("mT"), torch.reshape,
-    torch.transpose, torch.t, torch.permute, torch.flatten, torch.squeeze, torch.unsqueeze,
-    torch.clone, torch.narrow, torch.movedim, torch.swapaxes,
-}
-_CASTS = {_T.to, _T.float, _T.double, _T.half, _T.bfloat16, _T.type}
-# Views only when they repeat no element (e.g. Delta.rsample's expand to the same shape,
-# basic indexing), or never (detach: a pathwise gradient would appear).
-_EXPANDS = {_T.expand, _T.expand_as}
-_OTHERS = {_T.__getitem__, _T.detach}
-#: Every op after which a site value is still "the weight", as a view or not.
-DERIVING_OPS = _VIEWS | _CASTS | _EXPANDS | _OTHERS
-
-
-def _is_basic_index(index: object) -> bool:
-    if isinstance(index, tuple):
-        return all(_is_basic_index(i) for i in index)
-    if isinstance(index, slice):
-        # Tensor bounds may be computed from the draw itself: which elements are used then
-        # depends on other elements, so the view's distribution is not its elements' own.
-        return all(_is_int_or_none(b) for b in (index.start, index.stop, index.step))
-    return index is Ellipsis or _is_int_or_none(index)
-
-
-def _is_int_or_none(bound: object) -> bool:
-    return bound is None or (isinstance(bound, int) and not isinstance(bound, bool))
-
-
-def _is_view_op(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-    if func in _VIEWS:
-        # Tensor.view(dtype) reinterprets the bits
-        dtype = args[0] if args else kwargs.get("dtype")
-        return not (func is _T.view and isinstance(dtype, torch.dtype))
-    if func is _T.__getitem__:
-        return bool(args) and _is_basic_index(args[0])
-    return func in _CASTS or func in _EXPANDS  # expand: if it repeats nothing (checked after)
-
-
-_TRANSPOSES = {_T.t, torch.t, getter("T"), getter("mT")}
-
-
-def is_transpose(view_ops: Tuple[ViewOp, ...], shape: torch.Size) -> bool:
-    """Whether ``view_ops`` transpose a matrix of ``shape`` (and do nothing else)."""
-    if len(view_ops) != 1 or len(shape) != 2:
-        return False
-    func, args, kwargs = view_ops[0]
-    if func in _TRANSPOSES:
-        return True
-    if func in (_T.transpose, torch.transpose, _T.swapaxes, torch.swapaxes) and not kwargs:
-        return len(args) == 2 and {a % 2 for a in args} == {0, 1}
-    if func in (_T.permute, torch.permute) and not kwargs:
-        dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-        return [d % 2 for d in dims] == [1, 0]
-    return False

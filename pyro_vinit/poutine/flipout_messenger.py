@@ -1,35 +1,19 @@
 """Flipout as an effect handler."""
 
-from typing import Optional
-
-import torch
-import torch.nn.functional as F
-from torch.distributions import Normal
-
-from pyro_vinit.distributions import RadialNormal
-from pyro_vinit.poutine._site_value import unwrap
-from pyro_vinit.poutine._weight_noise_messenger import (
-    _WeightNoiseMessenger,
-    rademacher,
-    spatial_dims,
-    view_of,
-)
-from pyro_vinit.poutine.layer_call_messenger import LayerCall, base_distribution
+from pyro_vinit.poutine.noise import Flipout
+from pyro_vinit.poutine.weight_noise_messenger import WeightNoiseMessenger
 
 __all__ = ["FlipoutMessenger"]
 
-# Distributions whose perturbation W - E[W] keeps its law under sign flips of any
-# elements: factorized Normals (independent symmetric elements) and radial ones
-# (a direction uniform on the sphere times an independent radius).
-_SIGN_SYMMETRIC = (Normal, RadialNormal)
 
-
-class FlipoutMessenger(_WeightNoiseMessenger):
+class FlipoutMessenger(WeightNoiseMessenger):
     r"""
     Effect handler for Flipout [1]: every layer whose weight is a sample site
     gets per-example pseudo-independent weight noise from its one weight
     sample, for any distribution whose perturbations are symmetric under
-    sign flips, the radial posterior [2] included.
+    sign flips, the radial posterior [2] included. The short form of
+    :class:`~pyro_vinit.poutine.WeightNoiseMessenger` with
+    :class:`~pyro_vinit.poutine.Flipout` at every site.
 
     Usage::
 
@@ -74,26 +58,5 @@ class FlipoutMessenger(_WeightNoiseMessenger):
     Beyond Discrete Support in Large-Scale Bayesian Deep Learning"
     """
 
-    def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
-        found = self._weight_distribution(call)
-        if found is None:
-            return None
-        site_value, fn = found
-        base = base_distribution(fn)
-        if not isinstance(base, _SIGN_SYMMETRIC):
-            self._fallback(
-                site_value,
-                f"its distribution is {type(base).__name__}, whose perturbations are not "
-                "known to be symmetric under sign flips",
-            )
-            return None
-        weight = site_value.concrete
-        mean = view_of(site_value, base.mean)
-        x, bias = unwrap(call.input), unwrap(call.bias)
-        op = getattr(F, call.op)
-        out: torch.Tensor = op(x, mean, bias, **call.kwargs)
-        nsp = spatial_dims(call)
-        s = rademacher(x.shape[: x.dim() - nsp] + (1,) * nsp, x)
-        r = rademacher(out.shape[: out.dim() - nsp] + (1,) * nsp, out)
-        noise: torch.Tensor = op(x * s, weight - mean, None, **call.kwargs)
-        return out + noise * r
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__(config=Flipout(), strict=strict)

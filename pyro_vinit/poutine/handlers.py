@@ -9,8 +9,9 @@ from pyro.poutine.messenger import Messenger
 
 from pyro_vinit.poutine.flipout_messenger import FlipoutMessenger
 from pyro_vinit.poutine.local_reparam_messenger import LocalReparamMessenger
+from pyro_vinit.poutine.weight_noise_messenger import Config, WeightNoiseMessenger
 
-__all__ = ["flipout", "local_reparam"]
+__all__ = ["flipout", "local_reparam", "weight_noise"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _M = TypeVar("_M", bound=Messenger)
@@ -83,3 +84,35 @@ def flipout(
     :param bool strict: See :class:`~pyro_vinit.poutine.FlipoutMessenger`.
     """
     return _apply(FlipoutMessenger(strict=strict), fn)
+
+
+@overload
+def weight_noise(
+    fn: None = ..., *, config: Optional[Config] = None, strict: bool = False
+) -> WeightNoiseMessenger: ...
+
+
+@overload
+def weight_noise(fn: _F, *, config: Optional[Config] = None, strict: bool = False) -> _F: ...
+
+
+def weight_noise(
+    fn: Optional[Callable[..., Any]] = None,
+    *,
+    config: Optional[Config] = None,
+    strict: bool = False,
+) -> Union[WeightNoiseMessenger, Callable[..., Any]]:
+    """
+    Convenient wrapper of :class:`~pyro_vinit.poutine.WeightNoiseMessenger`.
+
+    Usage::
+
+        step = weight_noise(svi.step, config={"net.0.weight": Flipout()})
+        loss = step(x, y)
+
+    :param callable fn: A callable that runs both the guide and the model; if
+        None, the handler itself, for use as a context manager.
+    :param config: See :class:`~pyro_vinit.poutine.WeightNoiseMessenger`.
+    :param bool strict: See :class:`~pyro_vinit.poutine.WeightNoiseMessenger`.
+    """
+    return _apply(WeightNoiseMessenger(config=config, strict=strict), fn)

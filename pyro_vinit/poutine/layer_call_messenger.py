@@ -33,7 +33,11 @@ The initializers' tracer, which must also see layers whose weights are plain
 tensors, is the :class:`~torch.overrides.TorchFunctionMode`-based
 :class:`~pyro_vinit.poutine.layer_recorder.LayerRecorderMessenger`: a mode
 pays a Python call on every torch function of the step, too much for a
-per-step handler. Only one layer-call handler may be active at a time.
+per-step handler. The two front ends share what they know: which ops are
+views and which elements a view holds (:mod:`~pyro_vinit.poutine._tensor_ops`)
+and how a call becomes a :class:`LayerCall`
+(:func:`~pyro_vinit.poutine._layer_ops.find_layer_call`). Only one
+layer-call handler may be active at a time.
 """
 
 from types import TracebackType
@@ -51,18 +55,11 @@ from pyro_vinit.poutine._layer_ops import (
     LAYER_OPS,
     MATMUL_OPS,
     LayerCall,
-    parse_layer_call,
-    parse_matmul,
+    find_layer_call,
+    op_name,
 )
-from pyro_vinit.poutine._site_value import (
-    ACTIVE,
-    DERIVING_OPS,
-    SiteValue,
-    Uses,
-    eager,
-    getter,
-    unwrap,
-)
+from pyro_vinit.poutine._site_value import ACTIVE, SiteValue, Uses, eager, unwrap
+from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS
 
 __all__ = ["LayerCall", "LayerCallMessenger"]
 
@@ -88,48 +85,18 @@ def _is_latent(value: object) -> TypeGuard[SiteValue]:
     return isinstance(value, SiteValue) and bool(value.msgs)
 
 
+def _any(value: object) -> bool:
+    return True
+
+
 def _msgs_of(value: Any) -> List[SampleSite]:
     return value.msgs if _is_latent(value) and value.is_view else []
-
-
-def _op_name(func: Callable[..., Any]) -> str:
-    # As users spell it: "mm", Tensor.__matmul__ and __rmatmul__ (x @ w) -> "matmul".
-    name: str = func.__name__
-    return name.removeprefix("__").removesuffix("__").replace("rmatmul", "matmul")
 
 
 def _site_values(items: Iterable[Any]) -> List[SiteValue]:
     # Top level only: torch unpacks an operand list (einsum's) before dispatching, and the
     # other ops of _CUSTOM_LAYER_OPS take no tensors in containers.
     return [item for item in items if isinstance(item, SiteValue)]
-
-
-def _layer_call(
-    func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> LayerCall:
-    parsed = parse_layer_call(func, args, kwargs)
-    assert parsed is not None  # func is one of LAYER_OPS
-    op, input, weight, bias, extra = parsed
-    return LayerCall(
-        op, input, weight, bias, extra, source=op,
-        weight_msgs=_msgs_of(weight), bias_msgs=_msgs_of(bias),
-    )
-
-
-def _matmul_call(
-    func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Optional[LayerCall]:
-    # A matrix product as an F.linear call whose weight is a view of the site value.
-    found = parse_matmul(func, args, kwargs, _is_latent)
-    if found is None:
-        return None
-    x, w, transposed, bias = found
-    w = cast(SiteValue, w)  # the operand _is_latent picked
-    return LayerCall(
-        "linear", unwrap(x), w.derive(getter("mT")) if transposed else w, bias,
-        transposed=transposed, source=_op_name(func),
-        weight_msgs=_msgs_of(w), bias_msgs=_msgs_of(bias),
-    )
 
 
 class LayerCallMessenger(Messenger):
@@ -274,30 +241,35 @@ class LayerCallMessenger(Messenger):
         # while this handler is active; NotImplemented means "run it as usual".
         if self._busy:
             return NotImplemented
-        if func in LAYER_OPS:
-            return self._handle_layer_call(_layer_call(func, args, kwargs))
-        if func in DERIVING_OPS:
+        if func in ELEMENT_OPS:
             source = args[0] if args else None
             return source.derive(func, args[1:], kwargs) if _is_latent(source) else NotImplemented
-        if func in _CUSTOM_LAYER_OPS:
-            call = _matmul_call(func, args, kwargs)
+        if func in LAYER_OPS or func in _CUSTOM_LAYER_OPS:
+            # A layer function with a site value anywhere is seen; a product only with one
+            # as its weight (else it is no layer: e.g. a product of two site values).
+            is_weight = _any if func in LAYER_OPS else _is_latent
+            call = find_layer_call(func, args, kwargs, is_weight, _msgs_of)
             if call is not None:
-                return self._handle_layer_call(
-                    call, lambda: func(*unwrap(args), **unwrap(kwargs))
-                )
-            for value in _site_values(args) + _site_values(list(kwargs.values())):
-                if value.msgs:
-                    self._on_custom_op(value, _op_name(func))
+                return self._handle_layer_call(call, func, args, kwargs)
+            if func in _CUSTOM_LAYER_OPS:
+                for value in _site_values(args) + _site_values(list(kwargs.values())):
+                    if value.msgs:
+                        self._on_custom_op(value, op_name(func))
         return NotImplemented
 
     def _handle_layer_call(
-        self, call: LayerCall, original: Optional[Callable[[], torch.Tensor]] = None
+        self,
+        call: LayerCall,
+        func: Callable[..., Any],
+        args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
     ) -> torch.Tensor:
         self._busy = True
         try:
             out = self._process_layer_call(call)
             if out is None:  # unchanged: the program's own op, bit for bit
-                return original() if original is not None else call()
+                original: torch.Tensor = func(*unwrap(args), **unwrap(kwargs))
+                return original
             return out
         finally:
             self._busy = False

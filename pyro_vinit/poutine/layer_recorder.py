@@ -29,8 +29,18 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import Self
 
 from pyro_vinit._typing import SampleSite, sample_site
-from pyro_vinit.poutine._layer_ops import LayerCall, parse_layer_call, parse_matmul
-from pyro_vinit.poutine._site_value import getter
+from pyro_vinit.poutine._layer_ops import LAYER_OPS, LayerCall, find_layer_call, op_name
+from pyro_vinit.poutine._tensor_ops import (
+    DATA_READS,
+    DETACH,
+    ELEMENT_OPS,
+    SHAPE_QUERIES,
+    TRANSPOSE,
+    ViewOp,
+    element_index,
+    is_view_op,
+    repeats,
+)
 
 if TYPE_CHECKING:
     from pyro.poutine.runtime import Message
@@ -39,28 +49,8 @@ __all__ = ["LayerRecorderMessenger", "RecordedLayer", "StopModel", "norm_statist
 
 _T = torch.Tensor
 
-# Functions that only read metadata: passed straight through.
-_METADATA: Set[Callable[..., Any]] = {
-    getter("shape"), getter("dtype"), getter("device"), getter("ndim"),
-    getter("requires_grad"), getter("is_leaf"), getter("grad_fn"), getter("layout"),
-    _T.dim, _T.size, _T.numel, _T.__len__, _T.is_floating_point, _T.data_ptr,
-    _T.__hash__, _T.__bool__, _T.item, _T.tolist, _T.stride, _T.storage_offset,
-    _T.is_contiguous, _T.element_size, _T.get_device, getter("_version"),
-}
-
-# Operations after which a tensor holds the same elements in another layout
-# (or dtype): a site value passed through them is still "the weight".
-_RELAYOUT: Set[Callable[..., Any]] = {
-    _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
-    _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, getter("T"),
-    getter("mT"), _T.movedim, torch.reshape, torch.transpose, torch.t, torch.permute,
-    torch.flatten, torch.squeeze, torch.unsqueeze, torch.movedim, torch.swapaxes,
-    _T.swapaxes,
-}
-_SAME_VALUES: Set[Callable[..., Any]] = {
-    _T.to, _T.float, _T.double, _T.half, _T.bfloat16, _T.type, _T.clone, _T.detach,
-    _T.contiguous, torch.clone,
-}
+# Functions that only read metadata or data: passed straight through.
+_METADATA = SHAPE_QUERIES | DATA_READS
 _ADDS: Set[Callable[..., Any]] = {_T.__add__, _T.__radd__, _T.add, torch.add}
 _DROPOUTS: Set[Callable[..., Any]] = {
     F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout
@@ -78,13 +68,21 @@ class StopModel(Exception):
 
 @dataclass
 class _Derived:
-    """A tensor holding a site value's elements in another layout: ``index``
-    gives, for each of its elements (flattened), the flat index in the site
-    value, or is None for the site value itself (possibly cast)."""
+    """A site value seen through ``view_ops`` (see
+    :func:`~pyro_vinit.poutine._tensor_ops.is_view_op`), possibly detached;
+    ``derived`` names the first op after which it is no longer such a view
+    (it repeats elements or reinterprets their bits), if any."""
 
     name: str
     root_shape: torch.Size
-    index: Optional[torch.Tensor]
+    view_ops: Tuple[ViewOp, ...] = ()
+    derived: Optional[str] = None
+
+    @property
+    def index(self) -> Optional[torch.Tensor]:
+        """The flat index in the site value of each element, or None for the
+        site value itself (possibly cast)."""
+        return element_index(self.root_shape, self.view_ops)
 
 
 @dataclass
@@ -115,14 +113,17 @@ class RecordedLayer:
         return (self.weight_name,) + ((self.bias_name,) if self.bias_name else ())
 
 
-def _relayout_index(
-    derived: _Derived, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Optional[torch.Tensor]:
-    # Replaying the op on the flat indices of the site value tells where each element went.
+def _is_permutation(derived: _Derived, view_ops: Optional[Tuple[ViewOp, ...]] = None) -> bool:
+    # Whether the site value seen through view_ops holds each of its elements exactly once.
+    if derived.derived is not None:
+        return False
     shape = derived.root_shape
-    base = torch.arange(shape.numel()).reshape(shape) if derived.index is None else derived.index
-    out = func(base, *args[1:], **kwargs)
-    return out if isinstance(out, torch.Tensor) else None
+    index = element_index(shape, derived.view_ops if view_ops is None else view_ops)
+    if index is None:
+        return True
+    flat = index.reshape(-1)
+    return flat.numel() == shape.numel() and torch.equal(flat.sort().values,
+                                                         torch.arange(flat.numel()))
 
 
 class _Mode(TorchFunctionMode):
@@ -276,7 +277,7 @@ class LayerRecorderMessenger(Messenger):
                 self._record_likelihood_flow(site)
             return
         if name in self.latent:
-            self._sites[id(value)] = (value, _Derived(name, value.shape, None))
+            self._sites[id(value)] = (value, _Derived(name, value.shape))
             if self.track_flow:
                 self._set_flow(value, frozenset({("site", name)}))
 
@@ -356,17 +357,20 @@ class LayerRecorderMessenger(Messenger):
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any
     ) -> None:
         source = args[0] if args else None
-        derived = self._site_of(source) if isinstance(source, torch.Tensor) else None
-        if derived is not None and isinstance(out, torch.Tensor):
-            if func in _SAME_VALUES or (func is _T.view and out.dtype == args[0].dtype
-                                        and out.shape == args[0].shape):
-                # a view as its own shape or dtype (whose replay on the int64 indices
-                # would reinterpret their bits) holds the same elements
-                self._sites[id(out)] = (out, derived)
-            elif func in _RELAYOUT:
-                index = _relayout_index(derived, func, args, kwargs)
-                if index is not None:
-                    self._sites[id(out)] = (out, _Derived(derived.name, derived.root_shape, index))
+        derived = self._site_of(source)
+        if (derived is not None and isinstance(source, torch.Tensor)
+                and isinstance(out, torch.Tensor) and func in ELEMENT_OPS):
+            # The views of the handlers' site values, and detached ones (which elements of
+            # the site a layer uses is all the recorder needs); other element ops are marked,
+            # for the layer call to refuse.
+            if func is not DETACH:
+                name, shape, view_ops = derived.name, derived.root_shape, derived.view_ops
+                if (derived.derived is None and is_view_op(func, source, args[1:], kwargs)
+                        and not repeats(func, source, out)):
+                    derived = _Derived(name, shape, view_ops + ((func, args[1:], kwargs),))
+                else:
+                    derived = _Derived(name, shape, view_ops, derived.derived or op_name(func))
+            self._sites[id(out)] = (out, derived)
         if (func in _ADDS and len(args) == 2 and kwargs.get("alpha", 1) == 1
                 and self._open_matmuls and self._matmul_bias(args, out)):
             return  # the sum is the layer's output: its flow is the layer's
@@ -382,28 +386,28 @@ class LayerRecorderMessenger(Messenger):
     def _layer(
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
     ) -> Optional[torch.Tensor]:
-        parsed = parse_layer_call(func, args, kwargs)
-        if parsed is not None:
-            op, x, program_weight, bias, extra = parsed
-            transposed = False
-            if self._site_of(program_weight) is None:
-                return None
-        else:
-            found = parse_matmul(func, args, kwargs, lambda t: self._site_of(t) is not None)
-            if found is None:
-                return None
-            x, program_weight, transposed, bias = found
-            op, extra = "linear", {}
-        derived = self._site_of(program_weight)
-        assert derived is not None  # both branches checked it
-        weight = program_weight.t() if transposed else program_weight
-        index = self._layer_index(derived, transposed)
-        source = getattr(func, "__name__", str(func))
-        call = LayerCall(op, x, weight, bias, extra, transposed, source)
+        if func in LAYER_OPS:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if self._site_of(weight) is None:
+                return None  # the common case, answered before parsing
+        found: List[_Derived] = []  # the weight's, as find_layer_call picks it
+
+        def is_site(tensor: torch.Tensor) -> bool:
+            derived = self._site_of(tensor)
+            if derived is not None:
+                found.append(derived)
+            return derived is not None
+
+        call = find_layer_call(func, args, kwargs, is_site)
+        if call is None:
+            return None
+        derived = found[-1]
+        bias = call.bias
+        index = self._layer_index(derived, call.transposed)
         layer = RecordedLayer(call, derived.name, index)
         if bias is not None:
             bias_derived = self._site_of(bias)
-            if bias_derived is not None and bias.dim() == 1:
+            if bias_derived is not None and bias.dim() == 1 and _is_permutation(bias_derived):
                 layer.bias_name = bias_derived.name
                 layer.bias_index = bias_derived.index
             else:
@@ -413,31 +417,25 @@ class LayerRecorderMessenger(Messenger):
         if out is None:
             out = call()
         layer.output = out
-        if parsed is None and bias is None:
+        if func not in LAYER_OPS and bias is None:
             self._open_matmuls[id(out)] = (out, layer)
         if self.track_flow:
             self._set_flow(out, frozenset({("layer", len(self.layers) - 1)}))
         return out
 
     def _layer_index(self, derived: _Derived, transposed: bool) -> Optional[torch.Tensor]:
-        index = derived.index
-        if transposed:
-            if index is None:
-                index = torch.arange(derived.root_shape.numel()).reshape(derived.root_shape)
-            index = index.t()
-        if index is not None:
-            flat = index.reshape(-1)
-            identity = torch.arange(flat.numel())
-            if flat.numel() != derived.root_shape.numel() or not torch.equal(
-                flat.sort().values, identity
-            ):
-                raise ValueError(
-                    f"the weight of sample site {derived.name!r} reaches a layer call through "
-                    "an operation that repeats or drops elements; pass it to the layer whole "
-                    "(reshaped or transposed at most)"
-                )
-            if torch.equal(flat, identity):
-                index = None
+        view_ops = derived.view_ops + ((TRANSPOSE,) if transposed else ())
+        if not _is_permutation(derived, view_ops):
+            ops = [op_name(op[0]) for op in derived.view_ops]
+            ops += [derived.derived] if derived.derived is not None else []
+            raise ValueError(
+                f"the weight of sample site {derived.name!r} reaches a layer call through "
+                f"an operation that repeats or drops elements ({', '.join(ops)}); pass it to "
+                "the layer whole (reshaped or transposed at most)"
+            )
+        index = element_index(derived.root_shape, view_ops)
+        if index is not None and torch.equal(index.reshape(-1), torch.arange(index.numel())):
+            index = None
         return index
 
     def _matmul_bias(self, args: Tuple[Any, ...], out: Any) -> bool:

@@ -515,3 +515,30 @@ def test_baselines_on_matmul_layers(method):
         # the layer's (out, in) = (50, 10) weight, i.e. w1.T, has orthogonal columns
         gram = w1 @ w1.T
         assert_close(gram / gram.diagonal().mean(), torch.eye(10), atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------- a narrowed output weight
+
+
+def test_narrowed_output_weight_is_named():
+    # Regression (issue 23 item 8): an output layer written F.linear(h, w2.narrow(0, 0, 3)).
+    # local_reparam treats the narrowed weight as the layer's weight; I-BLM sees the same
+    # layer (one table of views for both) and names the site and the op, instead of missing
+    # the layer and failing on the hidden layer's 16 outputs against 3 target columns.
+    n = 30
+    x, y = torch.randn(n, 4), torch.randn(n, 3)
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([16, 4]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([5, 16]).to_event(2))
+        h = torch.tanh(F.linear(x, w1))
+        with pyro.plate("data", n):
+            pyro.sample("obs", dist.Normal(F.linear(h, w2.narrow(0, 0, 3)), 0.1).to_event(1),
+                        obs=y)
+
+    with local_reparam(strict=True):  # both layers treated: no site reported
+        pyro.poutine.trace(model).get_trace(x, y)
+    guide = AutoNormal(model)
+    with pytest.raises(ValueError, match=r"sample site 'w2' reaches a layer call through an "
+                       r"operation that repeats or drops elements \(narrow\)"):
+        init_guide_iblm(guide, (x, y), batch_size=n)

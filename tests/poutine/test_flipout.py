@@ -165,7 +165,7 @@ def test_each_output_is_the_layer_with_its_own_sign_flipped_weight(op, monkeypat
     # The identity Flipout rests on: example n's output is exactly the layer at the weight
     # mean + (W - mean) * r_n s_n^T, with one sign per output (channel) r_n and one per input
     # (channel) s_n, shared over the spatial positions.
-    import pyro_vinit.poutine.flipout_messenger as flipout_messenger
+    import pyro_vinit.poutine.noise.flipout as flipout_messenger
 
     signs = []
 

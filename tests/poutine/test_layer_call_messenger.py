@@ -13,7 +13,8 @@ from pyro_vinit.poutine import (
     flipout,
     local_reparam,
 )
-from pyro_vinit.poutine._site_value import SiteValue, Uses, replay
+from pyro_vinit.poutine._site_value import SiteValue, Uses
+from pyro_vinit.poutine._tensor_ops import replay
 from tests.common import assert_close
 
 _T = torch.Tensor

@@ -13,11 +13,9 @@ from pyro_vinit.poutine._site_value import (
     _meta_result,
     _placeholder,
     eager,
-    getter,
-    is_transpose,
-    replay,
     unwrap,
 )
+from pyro_vinit.poutine._tensor_ops import getter, is_transpose, replay
 
 _T = torch.Tensor
 

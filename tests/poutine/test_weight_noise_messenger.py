@@ -217,7 +217,7 @@ def test_strict_must_be_a_bool():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rademacher_signs_follow_like(dtype):
-    from pyro_vinit.poutine._weight_noise_messenger import rademacher
+    from pyro_vinit.poutine.noise.flipout import rademacher
 
     like = torch.zeros(2, dtype=dtype)
     signs = rademacher((1000,), like)

@@ -1,0 +1,64 @@
+"""The automatic choice of a weight-noise strategy per site."""
+
+from typing import Optional, Union
+
+import torch
+from torch.distributions import Distribution
+
+from pyro_vinit._typing import SampleSite
+from pyro_vinit.distributions import factorized_normal, is_sign_symmetric
+from pyro_vinit.poutine._layer_ops import LayerCall
+from pyro_vinit.poutine._site_value import SiteValue
+from pyro_vinit.poutine.layer_call_messenger import base_distribution
+from pyro_vinit.poutine.noise.flipout import Flipout
+from pyro_vinit.poutine.noise.local_reparam import LocalReparam
+from pyro_vinit.poutine.noise.strategy import WeightNoise
+
+__all__ = ["AutoWeightNoise"]
+
+
+class AutoWeightNoise(WeightNoise):
+    """
+    The default weight-noise strategy, chosen per site by the distribution
+    that drew the weight: :class:`~pyro_vinit.poutine.LocalReparam` for a
+    :func:`~pyro_vinit.distributions.factorized_normal` (exact, and cheaper),
+    :class:`~pyro_vinit.poutine.Flipout` for other
+    :func:`~pyro_vinit.distributions.is_sign_symmetric` ones (e.g.
+    :class:`~pyro_vinit.distributions.RadialNormal`); other distributions
+    keep their ordinary sample, and the handler reports them.
+
+    Usage::
+
+        with WeightNoiseMessenger(config=AutoWeightNoise(low_rank=True)):
+            svi.step(x, y)
+
+    :param low_rank: See :class:`~pyro_vinit.poutine.LocalReparam`.
+    :type low_rank: bool or None
+    """
+
+    def __init__(self, low_rank: Optional[bool] = None) -> None:
+        self.local_reparam = LocalReparam(low_rank=low_rank)
+        self.flipout = Flipout()
+
+    def select(self, fn: Distribution) -> WeightNoise:
+        if factorized_normal(fn) is not None:
+            return self.local_reparam
+        if is_sign_symmetric(fn):
+            return self.flipout
+        return self  # whose apply says that none applies
+
+    def draw(self, msg: SampleSite) -> Optional[SiteValue]:
+        strategy = self.select(msg["fn"])
+        return None if strategy is self else strategy.draw(msg)
+
+    def apply(
+        self, call: LayerCall, weight: SiteValue, fn: Distribution
+    ) -> Union[torch.Tensor, str]:
+        strategy = self.select(fn)
+        if strategy is self:
+            name = type(base_distribution(fn)).__name__
+            return (
+                f"no weight-noise strategy is known for its distribution ({name}): it is "
+                "neither a factorized Normal (LocalReparam) nor sign-symmetric (Flipout)"
+            )
+        return strategy.apply(call, weight, fn)

@@ -1,0 +1,70 @@
+"""The base of the weight-noise strategies."""
+
+from abc import ABC, abstractmethod
+from typing import Optional, Union
+
+import torch
+from torch.distributions import Distribution
+
+from pyro_vinit._typing import SampleSite
+from pyro_vinit.poutine._layer_ops import LayerCall
+from pyro_vinit.poutine._site_value import SiteValue
+from pyro_vinit.poutine._tensor_ops import replay
+
+__all__ = ["WeightNoise"]
+
+
+def spatial_dims(call: LayerCall) -> int:
+    """The number of spatial dims of the call's op (0 for linear)."""
+    return 0 if call.op == "linear" else int(call.op[-2])
+
+
+def view_of(value: SiteValue, param: torch.Tensor) -> torch.Tensor:
+    """The parameter ``param`` of the distribution that drew ``value`` (of the
+    drawn value's shape or broadcastable to it), viewed as ``value`` is."""
+    return replay(value.view_ops, param.expand(value.uses.shape))
+
+
+class WeightNoise(ABC):
+    """
+    Base class of the weight-noise strategies that
+    :class:`~pyro_vinit.poutine.WeightNoiseMessenger` applies to a layer
+    call whose weight is a sample site: :meth:`apply` returns the layer's
+    output with per-example noise, or why the strategy does not apply (the
+    layer then runs on the ordinary sample, and the handler reports the site).
+
+    Derived classes implement :meth:`apply`, and may override :meth:`draw`
+    (to defer a draw that :meth:`apply` may never need) and :meth:`select`.
+    """
+
+    #: Whether a sampled bias gets per-example noise too (then a bias used by two layer
+    #: calls is a shared sample, like a weight).
+    bias_noise: bool = False
+
+    def select(self, fn: Distribution) -> "WeightNoise":
+        """The strategy to apply to a weight drawn by ``fn``: ``self``, or
+        for a strategy that chooses per distribution, the one it chooses."""
+        return self
+
+    def draw(self, msg: SampleSite) -> Optional[SiteValue]:
+        """The value of a weight site that nothing has set, drawn by
+        ``msg["fn"]`` as a (possibly deferred)
+        :class:`~pyro_vinit.poutine._site_value.SiteValue`, or None to draw
+        it as usual."""
+        return None
+
+    @abstractmethod
+    def apply(
+        self, call: LayerCall, weight: SiteValue, fn: Distribution
+    ) -> Union[torch.Tensor, str]:
+        """
+        The output of ``call`` with per-example weight noise, or a reason
+        (completing "the site kept its ordinary sample: ...") why not.
+
+        :param LayerCall call: The layer call (its ``input`` and ``bias``
+            may be site values: :func:`~pyro_vinit.poutine._site_value.unwrap`).
+        :param weight: The call's weight: a view of one draw of ``fn``
+            (see :attr:`~pyro_vinit.poutine._site_value.SiteValue.view_ops`).
+        :param fn: The distribution that drew the weight.
+        """
+        raise NotImplementedError

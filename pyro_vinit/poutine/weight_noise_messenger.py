@@ -1,0 +1,283 @@
+"""
+Finding the layer calls whose weights are sample sites, and applying a
+weight-noise strategy (:mod:`pyro_vinit.poutine.noise`) chosen per site.
+"""
+
+import warnings
+from types import TracebackType
+from typing import Callable, Dict, Optional, Set, Type, Union
+
+import torch
+from pyro.distributions import constraints
+
+from pyro_vinit._pyro_compat import is_vectorized_particles, prefill_log_prob, scale_and_mask
+from pyro_vinit._typing import SampleSite
+from pyro_vinit.poutine._site_value import SiteValue, eager
+from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
+from pyro_vinit.poutine.noise import AutoWeightNoise, WeightNoise
+
+__all__ = ["WeightNoiseMessenger"]
+
+#: What chooses the strategy of a site: one strategy for every site, a dict from site
+#: names, or a callable from a sample-site message (None: leave the site alone).
+Config = Union[
+    WeightNoise,
+    Dict[str, Optional[WeightNoise]],
+    Callable[[SampleSite], Optional[WeightNoise]],
+]
+
+_NEVER_REACHED = (
+    "it never reached a layer call the handler sees (F.linear, F.conv1d/2d/3d or a "
+    "matrix product with one weight, e.g. nn.Linear, x @ w); e.g. nn.MultiheadAttention "
+    "uses its projection weights inside F.multi_head_attention_forward"
+)
+
+
+def _is_weight_like(msg: SampleSite) -> bool:
+    # A real-valued site with at least two dims of its own (not plate dims).
+    fn, value = msg["fn"], msg["value"]
+    support = fn.support
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    if support is not constraints.real:
+        return False
+    plated = any(frame.vectorized for frame in msg["cond_indep_stack"])
+    return (len(fn.event_shape) if plated else value.dim()) >= 2
+
+
+class WeightNoiseMessenger(LayerCallMessenger):
+    """
+    Effect handler that gives each example of a minibatch its own weight
+    noise, in the shape of :class:`~pyro.poutine.reparam_messenger.ReparamMessenger`:
+    every layer call whose weight is a sample site (``F.linear``,
+    ``F.conv1d/2d/3d``, so ``nn.Linear`` and ``nn.Conv*d`` too, or a matrix
+    product with one weight operand) goes to the site's strategy from
+    ``config`` (:class:`~pyro_vinit.poutine.LocalReparam`,
+    :class:`~pyro_vinit.poutine.Flipout`, or by default
+    :class:`~pyro_vinit.poutine.AutoWeightNoise`: local reparameterization
+    for factorized Normals, Flipout for other sign-symmetric families).
+
+    Usage::
+
+        config = {"net.0.weight": LocalReparam(), "net.2.weight": Flipout()}
+        with WeightNoiseMessenger(config=config):
+            svi.step(x, y)
+
+    A weight a strategy cannot treat is used as its ordinary sample. When
+    the handler exits, one warning (or with ``strict``, one error) names the
+    latent sites of the run that kept their ordinary sample: those it could
+    not treat, with the reason, and the weight-like ones (real-valued, two
+    dims or more) that never reached a layer call it sees; sites the config
+    leaves alone are not named. Without ``strict`` each site is named once
+    per handler instance. Requirements and fallbacks are those of
+    :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
+
+    :param config: A strategy for every site, a dict from site names to
+        strategies (sites not in it are left alone), or a callable from a
+        sample-site message to a strategy or None, as
+        :func:`pyro.poutine.reparam` takes: the site's message is the
+        model's at a layer call and the guide's when the guide draws it.
+        None: :class:`~pyro_vinit.poutine.AutoWeightNoise`.
+    :param bool strict: Raise one error instead of one warning, on exit,
+        naming the latent sites no strategy applied to.
+    """
+
+    def __init__(self, config: Optional[Config] = None, *, strict: bool = False) -> None:
+        if not isinstance(strict, bool):
+            raise TypeError(f"{type(self).__name__}: strict must be a bool, got {strict!r}")
+        if config is None:
+            config = AutoWeightNoise()
+        if isinstance(config, dict):
+            for name, strategy in config.items():
+                if strategy is not None and not isinstance(strategy, WeightNoise):
+                    raise TypeError(
+                        f"{type(self).__name__}: config[{name!r}] must be a WeightNoise "
+                        f"strategy (e.g. LocalReparam(), Flipout()) or None, got {strategy!r}"
+                    )
+        elif not (isinstance(config, WeightNoise) or callable(config)):
+            raise TypeError(
+                f"{type(self).__name__}: config must be a WeightNoise strategy, a dict from "
+                f"site names to strategies, or a callable from a site's message to a "
+                f"strategy, got {config!r}"
+            )
+        super().__init__()
+        self.config = config
+        self.strict = strict
+        self._warned: Set[str] = set()
+
+    def _strategy(self, msg: SampleSite) -> Optional[WeightNoise]:
+        """The strategy ``config`` gives the site of ``msg``, or None."""
+        config = self.config
+        if isinstance(config, WeightNoise):
+            return config
+        if isinstance(config, dict):
+            return config.get(msg["name"])
+        strategy = config(msg)
+        if strategy is not None and not isinstance(strategy, WeightNoise):
+            raise TypeError(
+                f"{type(self).__name__}: config returned {strategy!r} for site "
+                f"{msg['name']!r}; it must return a WeightNoise strategy or None"
+            )
+        return strategy
+
+    def _start_run(self) -> None:
+        super()._start_run()
+        self._untreated: Dict[str, str] = {}
+        self._reached: Set[str] = set()
+
+    @eager
+    def _pyro_sample(self, msg: SampleSite) -> None:
+        if any(is_vectorized_particles(frame) for frame in msg["cond_indep_stack"]):
+            # Every weight would get a particle dim, which F.linear / F.conv*d do not take
+            # and the handlers do not treat: refuse before the model runs.
+            raise ValueError(
+                f"{type(self).__name__} does not support vectorized particles "
+                "(an ELBO with vectorize_particles=True): they give every latent site, such "
+                f"as {msg['name']!r}, a particle dim, which nn.Linear / nn.Conv*d (F.linear, "
+                "F.conv*d) do not accept and the handler does not treat. Use "
+                "vectorize_particles=False: num_particles then still averages that many "
+                "particles, one after another."
+            )
+        super()._pyro_sample(msg)
+
+    @eager
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc_value: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        report = self._report() if exc_type is None else None
+        super().__exit__(exc_type, exc_value, traceback)
+        if report is not None:
+            if self.strict:
+                raise ValueError(report)
+            warnings.warn(report, stacklevel=2)
+
+    def _report(self) -> Optional[str]:
+        untreated = dict(self._untreated)
+        for name, msg in self._latent.items():
+            if name not in untreated and name not in self._reached and _is_weight_like(msg):
+                untreated[name] = _NEVER_REACHED
+        # the sites the config leaves alone are not named
+        latent = self._latent
+        untreated = {
+            k: v for k, v in untreated.items()
+            if k not in latent or self._strategy(latent[k]) is not None
+        }
+        if not self.strict:
+            untreated = {k: v for k, v in untreated.items() if k not in self._warned}
+            self._warned.update(untreated)
+        if not untreated:
+            return None
+        sites = ";\n".join(f"  {name!r}: {reason}" for name, reason in untreated.items())
+        if self.strict:
+            end = "(strict=True: pass strict=False to only warn about them.)"
+        else:
+            end = "Each site is named once per handler. Pass strict=True to make this an error."
+        return (
+            f"{type(self).__name__}: {len(untreated)} latent site(s) kept their ordinary "
+            f"sample, shared by the whole minibatch:\n{sites}.\n{end}"
+        )
+
+    def _draw(self, msg: SampleSite) -> Optional[SiteValue]:
+        strategy = None if msg["infer"].get("is_auxiliary") else self._strategy(msg)
+        value = strategy.draw(msg) if strategy is not None else None
+        return super()._draw(msg) if value is None else value
+
+    def _post_site_value(self, msg: SampleSite, value: SiteValue) -> None:
+        # Defer the site's log density with its value, in the form Trace.compute_log_prob
+        # and compute_score_parts would store it (both skip sites that have it).
+        if not value.is_deferred or msg["is_observed"]:
+            return
+        fn, scale, mask = msg["fn"], msg["scale"], msg["mask"]
+        shape = fn.batch_shape
+        if value.shape != fn.batch_shape + fn.event_shape:
+            # torch.broadcast_shapes is unannotated.
+            shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+                shape, value.shape[: value.dim() - fn.event_dim]
+            )
+        # On the plain tensor: a log density is never a layer call, and each of its ops on
+        # the stand-in would pay a __torch_function__ round trip through the handler.
+        unscaled = scaled = SiteValue.defer(
+            lambda: fn.log_prob(value.concrete), shape, like=value
+        )
+        if not (isinstance(scale, (int, float)) and scale == 1.0 and mask is None):
+            scaled_shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+                shape, *(t.shape for t in (scale, mask) if isinstance(t, torch.Tensor))
+            )
+            scaled = SiteValue.defer(
+                lambda: scale_and_mask(unscaled, scale, mask), scaled_shape, like=value
+            )
+        total = SiteValue.defer(lambda: scaled.sum(), torch.Size(), like=value)
+        prefill_log_prob(msg, unscaled, scaled, total)
+
+    def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
+        weight, bias = call.weight, call.bias
+        for value in (weight, bias):
+            if isinstance(value, SiteValue):
+                self._reached.update(msg["name"] for msg in value.msgs)
+        if not isinstance(weight, SiteValue) or not weight.msgs:
+            return None
+        fn = weight.site_dist
+        strategy = self._strategy(weight.msgs[-1])
+        if strategy is not None and fn is not None:
+            strategy = strategy.select(fn)
+        noisy = [weight]
+        if (strategy is not None and strategy.bias_noise and isinstance(bias, SiteValue)
+                and bias.msgs):
+            noisy.append(bias)
+        # Every value counts its use, also when another one is reported. A value that is not
+        # a view claims the whole draw: which elements it depends on may itself depend on
+        # the draw (e.g. an index computed from it).
+        reused = [v for v in noisy if v.uses.add(v.view_ops if v.is_view else None)]
+        if strategy is None:
+            return None  # the config leaves the site alone
+        if reused:
+            # Per-example noise drawn independently at each use would lose the correlation
+            # between the uses of one sample (tied weights, a layer called twice).
+            self._fallback(
+                reused[0],
+                "this sample was already used by an earlier layer call or matrix product "
+                "in this run (a shared or tied weight); the uses are then not jointly "
+                "exact. Give each layer its own sample site, or run such models without "
+                "the handler",
+            )
+            return None
+        if not weight.is_view:
+            self._fallback(
+                weight,
+                f"its value is transformed (by {weight.derived}) before the layer call "
+                "into one whose elements are not distinct drawn elements; pass the sample "
+                "to the layer as drawn, or transposed, reshaped or sliced",
+            )
+            return None
+        if fn is None:
+            self._fallback(
+                weight,
+                "its value was set by an effect handler outside this one (e.g. a guide trace "
+                "replayed from outside it), so the distribution that drew it is unknown; "
+                "apply the handler to the whole step (e.g. to svi.step), not to the model",
+            )
+            return None
+        out = strategy.apply(call, weight, fn)
+        if isinstance(out, str):
+            self._fallback(weight, out)
+            return None
+        return out
+
+    def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
+        # A later layer call on the same sample must use it as drawn, too.
+        value.uses.add(None)
+        self._fallback(
+            value,
+            f"it is used by {op_name}, which the handler does not treat (it treats F.linear, "
+            "F.conv1d/2d/3d and matrix products with one weight operand: matmul, @, mm, "
+            "bmm, mv, addmm, einsum with one contracted index)",
+        )
+
+    def _fallback(self, value: SiteValue, reason: str) -> None:
+        # Records why the site of value kept its ordinary sample, for the report on exit.
+        site = value.site
+        assert site is not None  # every caller passes a value with messages
+        self._untreated.setdefault(site, reason)

@@ -1,0 +1,205 @@
+"""Weight-noise strategies chosen per site (WeightNoiseMessenger's config) and the
+distribution registries they read."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro import poutine
+
+from pyro_vinit.distributions import (
+    KTiedNormal,
+    RadialNormal,
+    factorized_normal,
+    is_sign_symmetric,
+    low_rank_scale,
+    register_sign_symmetric,
+)
+from pyro_vinit.poutine import (
+    AutoWeightNoise,
+    Flipout,
+    LocalReparam,
+    LocalReparamMessenger,
+    WeightNoiseMessenger,
+    weight_noise,
+)
+from tests.common import assert_close
+
+X = torch.randn(1, 5).expand(4, 5)  # four rows of the same input
+LOC1, SCALE1 = torch.randn(3, 5), torch.rand(3, 5) + 0.5
+LOC2, SCALE2 = torch.randn(2, 5), torch.rand(2, 5) + 0.5
+
+
+def _model(x, second=None):
+    # Two layers on the same input: w1 a factorized Normal, w2 radial (or ``second``).
+    w1 = pyro.sample("w1", dist.Normal(LOC1, SCALE1).to_event(2))
+    fn = RadialNormal(LOC2, SCALE2, event_dim=2) if second is None else second
+    w2 = pyro.sample("w2", fn)
+    return F.linear(x, w1), F.linear(x, w2)
+
+
+def _run(handler, *args):
+    with handler:
+        trace = poutine.trace(_model).get_trace(X, *args)
+    out1, out2 = trace.nodes["_RETURN"]["value"]
+    return trace, out1, out2
+
+
+def _per_example(out):
+    # whether rows of the same input got different outputs
+    return not torch.equal(out[0], out[1])
+
+
+def test_auto_config_lrt_on_normal_and_flipout_on_radial_in_one_step():
+    # The default config picks per site: local reparameterization for the factorized Normal
+    # (whose draw it never needs, so it stays deferred), Flipout for the radial one (which
+    # uses its draw). strict=True: no site kept its ordinary sample.
+    trace, out1, out2 = _run(WeightNoiseMessenger(strict=True))
+    assert trace.nodes["w1"]["value"].is_deferred
+    assert not trace.nodes["w2"]["value"].is_deferred
+    assert _per_example(out1) and _per_example(out2)
+
+
+def test_auto_config_moments():
+    # Each layer's output has its ordinary distribution (Monte Carlo, 5 standard errors).
+    n = 3000
+    with WeightNoiseMessenger(strict=True):
+        outs = [_model(X[:1]) for _ in range(n)]
+    for i, (loc, var) in enumerate([(LOC1, SCALE1**2), (LOC2, SCALE2**2 / LOC2.numel())]):
+        samples = torch.stack([o[i][0] for o in outs])
+        mean, v = F.linear(X[0], loc), F.linear(X[0] ** 2, var)
+        assert_close(samples.mean(0), mean, atol=5 * (v / n).sqrt().max().item(), rtol=0)
+        assert (samples.var(0) / v - 1).abs().max() < 5 * (3 / n) ** 0.5
+
+
+def test_local_reparam_alone_cannot_treat_the_radial_site():
+    # The short form applies one strategy everywhere: the radial site is reported.
+    with pytest.raises(ValueError, match="'w2': its distribution is RadialNormal, not a "
+                       "factorized Normal"):
+        _run(LocalReparamMessenger(strict=True))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"w1": Flipout()}, {"w1": Flipout(), "w2": None},
+     lambda msg: Flipout() if msg["name"] == "w1" else None],
+    ids=["dict", "dict with None", "callable"],
+)
+def test_config_leaves_other_sites_alone(config):
+    # w1 gets Flipout (drawn, per-example noise); w2, left alone, keeps its ordinary sample
+    # (one sample for all rows) and is not reported, even with strict=True.
+    trace, out1, out2 = _run(WeightNoiseMessenger(config=config, strict=True))
+    assert not trace.nodes["w1"]["value"].is_deferred and _per_example(out1)
+    assert not _per_example(out2)
+
+
+def test_one_strategy_for_every_site():
+    trace, out1, out2 = _run(WeightNoiseMessenger(config=Flipout(), strict=True))
+    assert not trace.nodes["w1"]["value"].is_deferred
+    assert _per_example(out1) and _per_example(out2)
+
+
+def test_unknown_distribution_is_reported_by_the_auto_config():
+    laplace = dist.Laplace(LOC2, SCALE2).to_event(2)
+    with pytest.raises(ValueError) as error:
+        _run(WeightNoiseMessenger(strict=True), laplace)
+    assert (
+        "'w2': no weight-noise strategy is known for its distribution (Laplace): it is "
+        "neither a factorized Normal (LocalReparam) nor sign-symmetric (Flipout)"
+    ) in str(error.value)
+
+
+class _SymmetricLaplace(dist.Laplace):
+    pass
+
+
+def test_registered_sign_symmetry_opts_a_distribution_in():
+    # Knowledge registered beside a distribution, not in the handlers: Flipout applies.
+    laplace = _SymmetricLaplace(LOC2, SCALE2).to_event(2)
+    assert not is_sign_symmetric(laplace)  # asked (and cached) before it registers
+    register_sign_symmetric(_SymmetricLaplace)(lambda d: True)
+    assert is_sign_symmetric(laplace) and not is_sign_symmetric(dist.Laplace(LOC2, SCALE2))
+    _, _, out2 = _run(WeightNoiseMessenger(strict=True), laplace)
+    assert _per_example(out2)
+
+
+def test_weight_noise_handler_function():
+    def step(x):
+        return _model(x)
+
+    out1, out2 = weight_noise(step, config={"w2": Flipout()}, strict=True)(X)
+    assert not _per_example(out1) and _per_example(out2)
+    assert isinstance(weight_noise(config=Flipout()), WeightNoiseMessenger)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (3, "WeightNoiseMessenger: config must be a WeightNoise strategy, a dict from site "
+            "names to strategies, or a callable from a site's message to a strategy, got 3"),
+        ({"w1": "lrt"}, "WeightNoiseMessenger: config['w1'] must be a WeightNoise strategy "
+                        "(e.g. LocalReparam(), Flipout()) or None, got 'lrt'"),
+    ],
+)
+def test_bad_config_is_refused(config, message):
+    with pytest.raises(TypeError) as error:
+        WeightNoiseMessenger(config=config)
+    assert str(error.value) == message
+
+
+def test_callable_config_returning_a_non_strategy_is_refused():
+    with pytest.raises(TypeError, match="config returned 'lrt' for site 'w1'; it must return "
+                       "a WeightNoise strategy or None"):
+        _run(WeightNoiseMessenger(config=lambda msg: "lrt"))
+
+
+def test_bad_low_rank_is_refused():
+    with pytest.raises(TypeError, match="LocalReparam: low_rank must be None or a bool"):
+        LocalReparam(low_rank="yes")
+    with pytest.raises(TypeError, match="LocalReparam: low_rank must be None or a bool"):
+        AutoWeightNoise(low_rank=1.0)
+
+
+# ---------------------------------------------------------------- registries
+
+
+def test_factorized_normal_looks_through_wrappers():
+    normal = dist.Normal(LOC1, SCALE1)
+    assert factorized_normal(normal) is normal
+    assert factorized_normal(normal.to_event(2)) is normal
+    assert factorized_normal(normal.mask(False).to_event(1)) is normal
+    assert factorized_normal(RadialNormal(LOC1, SCALE1, event_dim=2)) is None
+    assert factorized_normal(dist.Laplace(LOC1, SCALE1)) is None
+
+
+def test_is_sign_symmetric():
+    assert is_sign_symmetric(dist.Normal(LOC1, SCALE1).to_event(2))
+    assert is_sign_symmetric(RadialNormal(LOC1, SCALE1, event_dim=2))
+    assert not is_sign_symmetric(dist.Gamma(SCALE1, 1.0).to_event(2))
+
+
+def test_low_rank_scale_of_a_k_tied_matrix():
+    u, v = torch.rand(3, 2), torch.rand(5, 2)
+    d = KTiedNormal(LOC1, u, v)
+    factors = low_rank_scale(d)
+    assert factors is not None and factors[0] is u and factors[1] is v
+    assert_close(factors[0] @ factors[1].t(), d.scale)
+    # a batch of tied matrices, and a plain Normal, have no such one-matrix factors
+    batched = KTiedNormal(LOC1.expand(4, 3, 5), u.expand(4, 3, 2), v.expand(4, 5, 2))
+    assert low_rank_scale(batched) is None
+    assert low_rank_scale(dist.Normal(LOC1, SCALE1)) is None
+
+
+def test_sites_the_config_leaves_alone_are_not_reported():
+    # A weight-like site that never reaches a layer call is named, unless the config leaves
+    # it alone.
+    def model(x):
+        pyro.sample("w3", dist.Normal(LOC1, SCALE1).to_event(2))
+        return _model(x)
+
+    with WeightNoiseMessenger(config={"w1": Flipout(), "w2": Flipout()}, strict=True):
+        model(X)
+    with pytest.raises(ValueError, match="'w3': it never reached a layer call"):
+        with WeightNoiseMessenger(strict=True):
+            model(X)
