@@ -59,7 +59,9 @@ CONFIGS = [
 
 
 @torch.no_grad()
-def evaluate(model: Any, guide: Any, x: torch.Tensor, y: torch.Tensor, samples: int) -> Tuple[float, float]:
+def evaluate(
+    model: Any, guide: Any, x: torch.Tensor, y: torch.Tensor, samples: int
+) -> Tuple[float, float]:
     logits = []
     for _ in range(samples):
         trace = pyro.poutine.trace(guide).get_trace(x)
@@ -127,7 +129,8 @@ def main() -> None:
                       flush=True)
     if args.quick:
         return
-    lines = ["| problem | lr, λ, scale cap | " + " | ".join(f"@{s}" for s in [0] + args.evals) + " |",
+    steps = " | ".join(f"@{s}" for s in [0] + args.evals)
+    lines = ["| problem | lr, λ, scale cap | " + steps + " |",
              "|---|---|" + "---|" * (len(args.evals) + 1)]
     for problem in args.problems:
         for config in args.configs:

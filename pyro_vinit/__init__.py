@@ -12,6 +12,7 @@ from pyro_vinit import (
     nn,
     poutine,
     schedules,
+    training,
 )
 from pyro_vinit.guides import (
     AutoKTiedNormal,
@@ -22,6 +23,7 @@ from pyro_vinit.guides import (
 )
 from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_guide_iblm
 from pyro_vinit.poutine import FlipoutMessenger, LocalReparamMessenger, flipout, local_reparam
+from pyro_vinit.training import FitConfig, FitHistory, fit, fit_config
 
 __version__ = "0.1.0"
 
@@ -29,11 +31,15 @@ __all__ = [
     "AutoKTiedNormal",
     "AutoMeanFieldNormal",
     "AutoRadialNormal",
+    "FitConfig",
+    "FitHistory",
     "FlipoutMessenger",
     "IBLMGuideInitializer",
     "LocalReparamMessenger",
     "data",
     "distributions",
+    "fit",
+    "fit_config",
     "flipout",
     "guides",
     "init_guide",
@@ -46,4 +52,5 @@ __all__ = [
     "poutine",
     "schedules",
     "set_priors",
+    "training",
 ]

@@ -51,14 +51,14 @@ def default_kl_weight(num_data: int, num_weights: int) -> float:
 
     .. math::
 
-        \lambda = \min\left(1, \; 4 \, \frac{N}{W}\right),
+        \lambda = \min\left(1, \; 1.5 \, \frac{N}{W}\right),
 
     with :math:`N` the training examples and :math:`W` the latent weights
-    (the full ELBO once there are a quarter as many examples as weights).
+    (the full ELBO once there are two thirds as many examples as weights).
 
     Usage::
 
-        default_kl_weight(1257, 47910)  # 0.105
+        default_kl_weight(1257, 47910)  # 0.039
 
     :param int num_data: Number of training examples :math:`N`.
     :param int num_weights: Number of latent weights :math:`W`.
@@ -66,7 +66,7 @@ def default_kl_weight(num_data: int, num_weights: int) -> float:
     for name, value in (("num_data", num_data), ("num_weights", num_weights)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"default_kl_weight: {name} must be a positive int, got {value!r}")
-    return min(1.0, 4.0 * num_data / num_weights)
+    return min(1.0, 1.5 * num_data / num_weights)
 
 
 @dataclass(frozen=True)
@@ -308,10 +308,13 @@ class _Batches:
                 raise ValueError("fit: data (the loader) yields no batches")
             self.first, self.num_data, self.batches_per_epoch = first, count, batches
         self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(int(torch.randint(2**62, ()).item()))
         self.order: Optional[torch.Tensor] = None
         self.position = 0
         self._iter: Optional[Iterator[Batch]] = None
+
+    def start(self) -> None:
+        """Seeds the shuffling from the global RNG (after every check has passed)."""
+        self.generator.manual_seed(int(torch.randint(2**62, ()).item()))
 
     def __next__(self) -> Batch:
         if self.pair is not None:
@@ -359,10 +362,13 @@ def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
     buffers = ({k: b.clone() for k, b in model.named_buffers()}
                if isinstance(model, nn.Module) else {})
     rng = torch.get_rng_state()
+    # what BayesianClassifier / BayesianRegressor note of the batch sizes they see
+    notes = {k: v for k, v in vars(model).items() if k in ("_observed_rows", "_warned_num_data")}
     try:
         with torch.no_grad():
             yield
     finally:
+        vars(model).update(notes)
         for name in set(store.keys()) - names:
             del store[name]
         if isinstance(model, nn.Module):
@@ -417,6 +423,16 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> None
                 f"num_data={num_data} (BayesianClassifier / BayesianRegressor), or use "
                 f"pyro.plate('data', {num_data}, subsample=...) in your model"
             )
+
+
+def _set_up(guide: Callable[..., Any], batch: Batch) -> None:
+    """Sets an autoguide up (its parameters take the param store's values where it
+    has them), leaving the RNG as it was."""
+    if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
+        rng = torch.get_rng_state()
+        with torch.no_grad():
+            poutine.block(guide)(*batch)
+        torch.set_rng_state(rng)
 
 
 # ---- evaluation ----------------------------------------------------------------------
@@ -618,25 +634,26 @@ def fit(
     done = 0 if resumed is None else int(resumed["step"])
 
     # ---- initialize, or restore --------------------------------------------------------
+    batches.start()
     history = FitHistory()
     defaults = FitConfig()
     if resumed is not None:
-        if not initialized:  # set the guide up; the checkpoint then overwrites its values
-            with _sandbox(model):
-                poutine.block(guide)(*batches.first)
+        _set_up(guide, batches.first)  # the checkpoint then overwrites its values
         pyro.get_param_store().set_state(resumed["param_store"])
         if isinstance(model, nn.Module) and resumed["model"] is not None:
             model.load_state_dict(resumed["model"])
         history.loss = list(resumed["loss"])
         history.validation = list(resumed["validation"])
     elif init == "iblm" and not initialized:
-        options = {"batch_size": defaults.iblm_batch_size,
+        options = {"batch_size": min(defaults.iblm_batch_size, num_data),
                    "max_scale_ratio": defaults.max_scale_ratio, **(init_options or {})}
         init_data = batches.pair if batches.pair is not None else batches.loader
         init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
         history.initialized = True
     elif not initialized:  # init=None: Pyro's own initial values, set up here
         guide(*batches.first)
+    else:  # e.g. parameters loaded into the param store: set up, taking their values
+        _set_up(guide, batches.first)
     config = fit_config(guide, num_data, lr=lr, kl_weight=kl_weight,
                         num_particles=num_particles)
     history.config = config
