@@ -7,7 +7,7 @@ import contextlib
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import (
     Any,
     Callable,
@@ -35,38 +35,12 @@ from pyro_vinit.guides import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNo
 from pyro_vinit.initialization import init_guide_iblm
 from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam
 
-__all__ = ["FitConfig", "FitHistory", "default_kl_weight", "fit", "fit_config", "is_initialized"]
+__all__ = ["FitConfig", "FitHistory", "fit", "fit_config", "is_initialized"]
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 Data = Union[Batch, Iterable[Batch]]
 
 _CHECKPOINT_FORMAT = "pyro_vinit.fit/1"
-
-
-def default_kl_weight(num_data: int, num_weights: int) -> float:
-    r"""
-    The KL weight :math:`\lambda` that :func:`fit` uses by default: a
-    tempered posterior whose strength follows the number of training
-    examples per latent weight,
-
-    .. math::
-
-        \lambda = \min\left(1, \; 1.5 \, \frac{N}{W}\right),
-
-    with :math:`N` the training examples and :math:`W` the latent weights
-    (the full ELBO once there are two thirds as many examples as weights).
-
-    Usage::
-
-        default_kl_weight(1257, 47910)  # 0.039
-
-    :param int num_data: Number of training examples :math:`N`.
-    :param int num_weights: Number of latent weights :math:`W`.
-    """
-    for name, value in (("num_data", num_data), ("num_weights", num_weights)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"default_kl_weight: {name} must be a positive int, got {value!r}")
-    return min(1.0, 1.5 * num_data / num_weights)
 
 
 @dataclass(frozen=True)
@@ -77,7 +51,7 @@ class FitConfig:
 
     Usage::
 
-        config = fit_config(guide, num_data=len(x))
+        config = fit_config(guide)
         svi = SVI(model, guide, config.optimizer(), config.elbo())
         with config.handlers():
             svi.step(x_batch, y_batch)
@@ -95,7 +69,7 @@ class FitConfig:
     """
 
     lr: float = 1e-3
-    kl_weight: float = 0.1
+    kl_weight: float = 0.03
     num_particles: int = 1
     weight_noise: Optional[Callable[[], ContextManager[Any]]] = None
     max_scale_ratio: Optional[float] = 0.1
@@ -121,20 +95,6 @@ class FitConfig:
         return stack
 
 
-def _num_weights(guide: Callable[..., Any]) -> int:
-    trace = getattr(guide, "prototype_trace", None)
-    if trace is None:
-        raise ValueError(
-            "fit_config: the guide is not set up yet, so its number of weights is unknown; "
-            "initialize it first (init_guide_iblm(guide, data) or guide(x, y))"
-        )
-    return sum(
-        int(site["value"].numel())
-        for site in trace.nodes.values()
-        if site["type"] == "sample" and not site["is_observed"]
-    )
-
-
 def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], ContextManager[Any]]]:
     if isinstance(guide, AutoRadialNormal):
         return flipout
@@ -151,7 +111,6 @@ def _check_positive(name: str, value: Any, kind: Any = (int, float)) -> None:
 
 def fit_config(
     guide: Callable[..., Any],
-    num_data: int,
     *,
     lr: Optional[float] = None,
     kl_weight: Optional[float] = None,
@@ -160,40 +119,34 @@ def fit_config(
     """
     The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
     1e-3, ``TraceMeanField_ELBO`` with one particle, the KL term weighted by
-    :func:`default_kl_weight`, under :func:`~pyro_vinit.poutine.local_reparam`
-    for factorized-Normal guides (AutoKTiedNormal, AutoMeanFieldNormal,
-    AutoNormal), :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal and
-    no handler for other guides.
+    0.03, under :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal
+    guides (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
+    :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal and no handler
+    for other guides; before training, I-BLM with 512 rows per unit and the
+    standard deviations capped at 0.1 times the prior's.
 
     Usage::
 
         init_guide_iblm(guide, (x, y), batch_size=512, max_scale_ratio=0.1)
-        config = fit_config(guide, num_data=len(x))
+        config = fit_config(guide)
         svi = SVI(model, guide, config.optimizer(), config.elbo())
 
-    :param guide: The guide, set up (initialized or called once).
-    :param int num_data: Number of training examples.
+    :param guide: The guide.
     :param float lr: Overrides the learning rate.
     :param float kl_weight: Overrides the KL weight.
     :param int num_particles: Overrides the number of particles.
     """
-    if kl_weight is None:
-        kl_weight = default_kl_weight(num_data, _num_weights(guide))
-    config = FitConfig(weight_noise=_default_weight_noise(guide), kl_weight=kl_weight)
+    changes: Dict[str, Any] = {"weight_noise": _default_weight_noise(guide)}
     if lr is not None:
         _check_positive("lr", lr)
-        config = _replace(config, lr=float(lr))
+        changes["lr"] = float(lr)
+    if kl_weight is not None:
+        _check_positive("kl_weight", kl_weight)
+        changes["kl_weight"] = float(kl_weight)
     if num_particles is not None:
         _check_positive("num_particles", num_particles, int)
-        config = _replace(config, num_particles=num_particles)
-    _check_positive("kl_weight", config.kl_weight)
-    return config
-
-
-def _replace(config: FitConfig, **changes: Any) -> FitConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)
+        changes["num_particles"] = num_particles
+    return replace(FitConfig(), **changes)
 
 
 @dataclass
@@ -569,7 +522,7 @@ def fit(
     :param optim: A Pyro optimizer instead of :meth:`FitConfig.optimizer`
         (pass the same one to a second call to keep Adam's moments).
     :param float lr: Learning rate of the default optimizer.
-    :param float kl_weight: KL weight instead of :func:`default_kl_weight`.
+    :param float kl_weight: KL weight instead of 0.03.
     :param int num_particles: Particles of the ELBO.
     :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
     :param dict init_options: Keyword options of
@@ -654,8 +607,7 @@ def fit(
         guide(*batches.first)
     else:  # e.g. parameters loaded into the param store: set up, taking their values
         _set_up(guide, batches.first)
-    config = fit_config(guide, num_data, lr=lr, kl_weight=kl_weight,
-                        num_particles=num_particles)
+    config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles)
     history.config = config
     optim = optim if optim is not None else config.optimizer()
     if resumed is not None:

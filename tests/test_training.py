@@ -15,7 +15,7 @@ from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, fit, fit_config, init_
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
 from pyro_vinit.poutine import flipout, local_reparam
-from pyro_vinit.training import FitHistory, default_kl_weight, is_initialized
+from pyro_vinit.training import FitHistory, is_initialized
 
 
 def blobs(n=240, d=5, k=3, seed=0):
@@ -234,15 +234,6 @@ def test_fit_refuses_a_num_data_that_is_not_the_data_size():
 # ---- configuration -------------------------------------------------------------------------
 
 
-def test_default_kl_weight():
-    assert default_kl_weight(1000, 6000) == 0.25
-    assert default_kl_weight(1257, 47910) == pytest.approx(1.5 * 1257 / 47910)
-    assert default_kl_weight(2000, 3000) == 1.0
-    assert default_kl_weight(10_000, 100) == 1.0
-    with pytest.raises(ValueError, match="num_weights"):
-        default_kl_weight(10, 0)
-
-
 @pytest.mark.parametrize("guide_class, handler", [
     (AutoKTiedNormal, local_reparam), (AutoNormal, local_reparam),
     (pyro_vinit.AutoMeanFieldNormal, local_reparam), (AutoRadialNormal, flipout),
@@ -252,18 +243,33 @@ def test_fit_config_handler(guide_class, handler):
     x, y = blobs()
     model = classifier()
     guide = guide_class(model)
-    guide(x, y)
-    config = fit_config(guide, len(x))
+    config = fit_config(guide)
     assert config.weight_noise is handler
-    num_weights = 5 * 16 + 16 + 16 * 3 + 3
-    assert config.kl_weight == default_kl_weight(240, num_weights)
-    assert config.lr == 1e-3 and config.num_particles == 1
+    assert (config.lr, config.kl_weight, config.num_particles) == (1e-3, 0.03, 1)
+    assert (config.iblm_batch_size, config.max_scale_ratio) == (512, 0.1)
+    other = fit_config(guide, lr=3e-3, kl_weight=1.0, num_particles=2)
+    assert (other.lr, other.kl_weight, other.num_particles) == (3e-3, 1.0, 2)
+    with pytest.raises(ValueError, match="kl_weight"):
+        fit_config(guide, kl_weight=0.0)
 
 
-def test_fit_config_needs_a_set_up_guide():
+def test_fit_config_handlers_weight_the_kl_term():
+    # the loss under config.handlers(): expected log-likelihood + λ KL, λ = 0.03
+    x, y = blobs()
     model = classifier()
-    with pytest.raises(ValueError, match="not set up"):
-        fit_config(AutoKTiedNormal(model), 240)
+    guide = AutoDelta(model)  # no weight noise: the loss is deterministic
+    guide(x, y)
+    config = fit_config(guide)
+    elbo = config.elbo()
+    full = elbo.loss(model, guide, x, y)
+    with pyro.poutine.block(hide_types=["param"]):
+        data_only = -pyro.poutine.trace(pyro.poutine.replay(
+            model, trace=pyro.poutine.trace(guide).get_trace(x, y))).get_trace(
+                x, y).nodes["obs"]["fn"].log_prob(y).sum()
+    with config.handlers():
+        tempered = elbo.loss(model, guide, x, y)
+    assert tempered == pytest.approx(float(data_only) + 0.03 * (full - float(data_only)),
+                                     rel=1e-5)
 
 
 def test_fit_config_drives_an_own_loop_like_fit():
@@ -278,7 +284,7 @@ def test_fit_config_drives_an_own_loop_like_fit():
         defaults = training.FitConfig()
         init_guide_iblm(guide, (x, y), batch_size=min(defaults.iblm_batch_size, len(x)),
                         max_scale_ratio=defaults.max_scale_ratio)
-        config = fit_config(guide, len(x))
+        config = fit_config(guide)
         svi = pyro.infer.SVI(model, guide, config.optimizer(), config.elbo())
         losses, epoch = [], torch.randperm(240, generator=order)
         for idx in epoch.split(120):
