@@ -54,7 +54,7 @@ class FitConfig:
         config = fit_config(guide)
         svi = SVI(model, guide, config.optimizer(), config.elbo())
         with config.handlers():
-            svi.step(x_batch, y_batch)
+            svi.step(x, y)
 
     :param float lr: Adam's learning rate.
     :param float kl_weight: The weight :math:`\\lambda` of the KL term
@@ -127,9 +127,10 @@ def fit_config(
 
     Usage::
 
-        init_guide_iblm(guide, (x, y), batch_size=512, max_scale_ratio=0.1)
-        config = fit_config(guide)
+        config = fit_config(guide)  # after init_guide_iblm(guide, data, max_scale_ratio=0.1)
         svi = SVI(model, guide, config.optimizer(), config.elbo())
+        with config.handlers():
+            svi.step(x, y)
 
     :param guide: The guide.
     :param float lr: Overrides the learning rate.
