@@ -394,9 +394,10 @@ def _set_up(guide: Callable[..., Any], batch: Batch) -> None:
 
 @torch.no_grad()
 def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Tensor,
-              y: torch.Tensor, num_samples: int) -> Dict[str, float]:
+              y: torch.Tensor, num_samples: int, chunk: int) -> Dict[str, float]:
     """Monte Carlo predictive MNLL (and error rate or RMSE) of ``num_samples`` guide
-    draws, the model in eval mode."""
+    draws, the model in eval mode, on chunks of at most ``chunk`` rows (a model built
+    with ``num_data`` takes no larger batch)."""
     modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
     modes = [m.training for m in modules]
     for m in modules:
@@ -404,26 +405,33 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
     try:
         log_probs, means, kind = [], [], ""
         for _ in range(num_samples):
-            guide_trace = poutine.trace(guide).get_trace(x, y)
-            trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(x, y)
-            lp = x.new_zeros(x.shape[0])
-            observed = [s for s in trace.nodes.values()
-                        if s["type"] == "sample" and s["is_observed"]]
-            for site in observed:
-                fn: Any = site["fn"]
-                site_lp = cast(torch.Tensor, fn.log_prob(site["value"]))
-                site_lp = site_lp.reshape(site_lp.shape[:1] + (-1,)).sum(-1) if (
-                    site_lp.dim() and site_lp.shape[0] == x.shape[0]) else site_lp.sum()
-                lp = lp + site_lp
-            log_probs.append(lp)
-            if len(observed) == 1:
-                fn = _base(observed[0]["fn"])
-                if isinstance(fn, dist.Categorical):
-                    kind = "error_rate"
-                    means.append(fn.probs)
-                elif isinstance(fn, (dist.Normal, dist.StudentT)):
-                    kind = "rmse"
-                    means.append(fn.loc.expand(cast(torch.Tensor, observed[0]["value"]).shape))
+            guide_trace = poutine.trace(guide).get_trace(x[:chunk], y[:chunk])
+            sample_lp, sample_means = [], []
+            for start in range(0, x.shape[0], chunk):
+                xc, yc = x[start:start + chunk], y[start:start + chunk]
+                trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(xc, yc)
+                lp = xc.new_zeros(xc.shape[0])
+                observed = [s for s in trace.nodes.values()
+                            if s["type"] == "sample" and s["is_observed"]]
+                for site in observed:
+                    fn: Any = site["fn"]
+                    site_lp = cast(torch.Tensor, fn.log_prob(site["value"]))
+                    site_lp = site_lp.reshape(site_lp.shape[:1] + (-1,)).sum(-1) if (
+                        site_lp.dim() and site_lp.shape[0] == xc.shape[0]) else site_lp.sum()
+                    lp = lp + site_lp
+                sample_lp.append(lp)
+                if len(observed) == 1:
+                    base = _base(observed[0]["fn"])
+                    if isinstance(base, dist.Categorical):
+                        kind = "error_rate"
+                        sample_means.append(base.probs)
+                    elif isinstance(base, (dist.Normal, dist.StudentT)):
+                        kind = "rmse"
+                        value = cast(torch.Tensor, observed[0]["value"])
+                        sample_means.append(base.loc.expand(value.shape))
+            log_probs.append(torch.cat(sample_lp))
+            if sample_means:
+                means.append(torch.cat(sample_means))
         stacked = torch.stack(log_probs)
         result = {"mnll": float(-(stacked.logsumexp(0) - math.log(num_samples)).mean())}
         if kind == "error_rate":
@@ -617,13 +625,14 @@ def fit(
         torch.set_rng_state(resumed["rng"])
     svi = SVI(model, guide, optim, config.elbo())
     every = eval_every or max(1, steps // 10)
+    chunk = max(1, min(num_data, 4096))  # validation rows per model call
 
     # ---- train ---------------------------------------------------------------------------
     from tqdm.auto import tqdm  # type: ignore[import-untyped]  # a dependency of Pyro
 
     if validation is not None and done == 0:
         history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
-                                                            num_samples)})
+                                                            num_samples, chunk)})
     bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
     try:
         for step in range(done + 1, steps + 1):
@@ -640,7 +649,7 @@ def fit(
             if validation is not None and (step % every == 0 or step == steps):
                 history.validation.append({"step": float(step),
                                            **_evaluate(model, guide, *validation,
-                                                       num_samples)})
+                                                       num_samples, chunk)})
             if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
                                      or step == steps):
                 _save(path, step, optim, model, batches, history)

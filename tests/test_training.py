@@ -424,3 +424,18 @@ def test_small_data_head_start_survives():
     assert start["error_rate"] < 0.15
     assert end["error_rate"] <= start["error_rate"] + 0.01
     assert end["mnll"] <= start["mnll"] + 0.05
+
+
+def test_validation_larger_than_the_training_set():
+    # a model built with num_data takes no batch larger than that: fit evaluates in chunks
+    x, y = blobs()
+    x_val, y_val = blobs(n=600, seed=1)
+    model = classifier()
+    guide = AutoDelta(model)
+    history = fit(model, guide, (x, y), steps=2, init=None, validation=(x_val, y_val),
+                  num_samples=2, progress=False)
+    values = {k: v.detach() for k, v in guide.median(x, y).items()}
+    logits = torch.cat([pyro.poutine.condition(model, values)(x_val[i:i + 240])
+                        for i in range(0, 600, 240)])
+    assert history.validation[-1]["mnll"] == pytest.approx(
+        float(F.cross_entropy(logits, y_val)), rel=1e-5)
