@@ -116,6 +116,11 @@ def test_guide_initialized_outside_fit_is_kept(count_iblm):
     init_guide_iblm(guide, (x, y))
     fit(model, guide, (x, y), steps=2, progress=False)
     assert count_iblm == []
+    # a set-up guide keeps its values in its own parameters, even without the param store
+    pyro.clear_param_store()
+    assert is_initialized(guide)
+    fit(model, guide, (x, y), steps=2, progress=False)
+    assert count_iblm == []
 
 
 def test_guide_loaded_into_the_param_store_is_kept(count_iblm, tmp_path):
@@ -439,3 +444,17 @@ def test_validation_larger_than_the_training_set():
                         for i in range(0, 600, 240)])
     assert history.validation[-1]["mnll"] == pytest.approx(
         float(F.cross_entropy(logits, y_val)), rel=1e-5)
+
+
+def test_bad_input_leaves_a_batchnorm_model_alone():
+    # the model runs once on the first batch to be checked: its deterministic params
+    # (registered in the param store as it runs) and running statistics are undone
+    x, y = blobs()
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    model = BayesianClassifier(bayesianize(net), num_data=240)
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    with pytest.raises(TypeError, match="integer class labels"):
+        fit(model, AutoKTiedNormal(model), (x + 5, y.float()), steps=2, progress=False)
+    assert snapshot() == {}
+    for k, b in model.named_buffers():
+        assert torch.equal(b, buffers[k]), k
