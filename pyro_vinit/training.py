@@ -601,7 +601,11 @@ def fit(
     defaults = FitConfig()
     if resumed is not None:
         _set_up(guide, batches.first)  # the checkpoint then overwrites its values
-        pyro.get_param_store().set_state(resumed["param_store"])
+        device = batches.first[0].device  # the checkpoint was loaded onto the CPU
+        store_state = resumed["param_store"]
+        pyro.get_param_store().set_state({
+            "params": {k: v.to(device) for k, v in store_state["params"].items()},
+            "constraints": store_state["constraints"]})
         if isinstance(model, nn.Module) and resumed["model"] is not None:
             model.load_state_dict(resumed["model"])
         history.loss = list(resumed["loss"])
