@@ -183,8 +183,8 @@ def is_initialized(guide: Callable[..., Any]) -> bool:
     I-BLM on it): an autoguide that is set up (by an initializer, by
     training, or by a call before ``load_state_dict``), or whose parameters
     are in Pyro's param store (e.g. after ``pyro.get_param_store().load``).
-    A guide that is not an :class:`~pyro.infer.autoguide.AutoGuide` counts
-    as initialized once it has parameters in the param store.
+    A guide that is not an :class:`~pyro.infer.autoguide.AutoGuide` is never
+    taken as initialized (I-BLM cannot start it: train it with ``init=None``).
 
     Usage::
 

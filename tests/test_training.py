@@ -458,3 +458,35 @@ def test_bad_input_leaves_a_batchnorm_model_alone():
     assert snapshot() == {}
     for k, b in model.named_buffers():
         assert torch.equal(b, buffers[k]), k
+
+
+@pytest.mark.parametrize("guide_class", [AutoRadialNormal, AutoNormal,
+                                         pyro_vinit.AutoMeanFieldNormal])
+def test_fit_with_other_guides(guide_class, monkeypatch):
+    # each guide family is started by I-BLM and trained under its handler
+    used = []
+    for name, handler in (("local_reparam", local_reparam), ("flipout", flipout)):
+        def spy(*args, _handler=handler, _name=name, **kwargs):
+            used.append(_name)
+            return _handler(*args, **kwargs)
+        monkeypatch.setattr(training, name, spy)
+    x, y = blobs()
+    model = classifier()
+    history = fit(model, guide_class(model), (x, y), steps=5, batch_size=60,
+                  validation=(x, y), num_samples=4, progress=False)
+    assert history.initialized and all(math.isfinite(v) for v in history.loss)
+    assert history.validation[-1]["error_rate"] < 0.1
+    assert set(used) == {"flipout" if guide_class is AutoRadialNormal else "local_reparam"}
+    assert len(used) == 5
+
+
+def test_a_guide_function_needs_init_none():
+    x, y = blobs()
+    model = classifier()
+
+    def guide(x, y=None):
+        pass
+
+    with pytest.raises(TypeError, match="init=None"):
+        fit(model, guide, (x, y), steps=2, progress=False)
+    assert snapshot() == {}
