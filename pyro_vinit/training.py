@@ -195,7 +195,7 @@ def is_initialized(guide: Callable[..., Any]) -> bool:
     if isinstance(guide, AutoGuide):
         if guide.prototype_trace is not None:
             return True
-        prefix = f"{guide._pyro_name}."
+        prefix = f"{type(guide).__name__}."  # an autoguide's params are named after its class
         return any(name.startswith(prefix) for name in pyro.get_param_store().keys())
     return False
 
