@@ -21,7 +21,7 @@ The whole recipe of the library in one script:
    :func:`~pyro_vinit.poutine.flipout`: a radial posterior has no Gaussian
    pre-activations to sample) and inside a
    :class:`~pyro_vinit.poutine.KLAnnealingMessenger` that weights the KL
-   term by 0.03;
+   term by 0.01;
 5. test accuracy, MNLL and expected calibration error from
    :mod:`pyro_vinit.metrics`, right after the initialization (step 0) and
    during training.
@@ -29,7 +29,7 @@ The whole recipe of the library in one script:
 Steps 3 and 4 are :func:`~pyro_vinit.fit`'s recipe, written out so that
 each piece is a flag (the method page ``docs/methods/training.rst``): with
 47,910 weights for 1,257 training images the full ELBO pulls the guide back
-towards its prior and washes the start out; the KL weight of 0.03 and the
+towards its prior and washes the start out; the KL weight of 0.01 and the
 capped stds keep it. Every default here is ``fit``'s. The tutorial page
 ``docs/tutorials/quick_start.rst`` measures each choice against the
 alternatives.

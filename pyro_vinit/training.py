@@ -69,7 +69,7 @@ class FitConfig:
     """
 
     lr: float = 1e-3
-    kl_weight: float = 0.03
+    kl_weight: float = 0.01
     num_particles: int = 1
     weight_noise: Optional[Callable[[], ContextManager[Any]]] = None
     max_scale_ratio: Optional[float] = 0.1
@@ -119,7 +119,7 @@ def fit_config(
     """
     The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
     1e-3, ``TraceMeanField_ELBO`` with one particle, the KL term weighted by
-    0.03, under :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal
+    0.01, under :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal
     guides (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
     :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal and no handler
     for other guides; before training, I-BLM with 512 rows per unit and the
@@ -531,7 +531,7 @@ def fit(
     :param optim: A Pyro optimizer instead of :meth:`FitConfig.optimizer`
         (pass the same one to a second call to keep Adam's moments).
     :param float lr: Learning rate of the default optimizer.
-    :param float kl_weight: KL weight instead of 0.03.
+    :param float kl_weight: KL weight instead of 0.01.
     :param int num_particles: Particles of the ELBO.
     :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
     :param dict init_options: Keyword options of

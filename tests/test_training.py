@@ -250,7 +250,7 @@ def test_fit_config_handler(guide_class, handler):
     guide = guide_class(model)
     config = fit_config(guide)
     assert config.weight_noise is handler
-    assert (config.lr, config.kl_weight, config.num_particles) == (1e-3, 0.03, 1)
+    assert (config.lr, config.kl_weight, config.num_particles) == (1e-3, 0.01, 1)
     assert (config.iblm_batch_size, config.max_scale_ratio) == (512, 0.1)
     other = fit_config(guide, lr=3e-3, kl_weight=1.0, num_particles=2)
     assert (other.lr, other.kl_weight, other.num_particles) == (3e-3, 1.0, 2)
@@ -259,7 +259,7 @@ def test_fit_config_handler(guide_class, handler):
 
 
 def test_fit_config_handlers_weight_the_kl_term():
-    # the loss under config.handlers(): expected log-likelihood + λ KL, λ = 0.03
+    # the loss under config.handlers(): expected log-likelihood + λ KL, λ = 0.01
     x, y = blobs()
     model = classifier()
     guide = AutoDelta(model)  # no weight noise: the loss is deterministic
@@ -273,7 +273,7 @@ def test_fit_config_handlers_weight_the_kl_term():
                 x, y).nodes["obs"]["fn"].log_prob(y).sum()
     with config.handlers():
         tempered = elbo.loss(model, guide, x, y)
-    assert tempered == pytest.approx(float(data_only) + 0.03 * (full - float(data_only)),
+    assert tempered == pytest.approx(float(data_only) + 0.01 * (full - float(data_only)),
                                      rel=1e-5)
 
 
