@@ -47,20 +47,33 @@ demo: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/sphinx-build -W -b html docs docs/_build/html
 
-# bayesian-torch is the peer of the speed targets (benchmarks only, not an extra); --no-deps: its
-# declared requirements (torchvision, tensorboard) are not used by its layers, and torchvision
-# could pull another torch build than the CPU one above.
+# NumPyro, the race's (bench_time_to_quality.py) one peer outside torch, in a venv of its own: jax
+# beside torch would double the memory and fight over threads. Where jax does not install, the
+# race skips NumPyro and says so.
+NUMPYRO_VENV ?= .venv-numpyro
+
+$(NUMPYRO_VENV)/.installed:
+	$(PYTHON) -m venv $(NUMPYRO_VENV)
+	$(NUMPYRO_VENV)/bin/pip install -q numpyro==0.22.0 jax==0.10.2 jaxlib==0.10.2 \
+		&& touch $@ || echo "jax / NumPyro did not install: the race skips NumPyro"
+
+# bayesian-torch and IVON (ivon-opt, GPL-3.0) are peers of the benchmarks only, never the
+# library's dependencies (not an extra); --no-deps: bayesian-torch's declared requirements
+# (torchvision, tensorboard) are not used by its layers, and torchvision could pull another
+# torch build than the CPU one above; ivon-opt declares none.
 bench: $(STAMP)
-	$(BIN)/pip install -q --no-deps bayesian-torch==0.5.0
-	$(BIN)/python benchmarks/bench_targets.py
-	$(BIN)/python benchmarks/bench_floor.py
-	$(BIN)/python benchmarks/bench_guides.py
-	$(BIN)/python benchmarks/bench_lrt_step.py
-	$(BIN)/python benchmarks/bench_gradient_variance.py
-	$(BIN)/python benchmarks/bench_scaling.py
-	$(BIN)/python benchmarks/bench_iblm_time.py
-	$(BIN)/python benchmarks/bench_iblm_memory.py
-	$(BIN)/python benchmarks/bench_memory.py
+	$(BIN)/pip install -q --no-deps bayesian-torch==0.5.0 ivon-opt==0.1.3
+	-$(MAKE) $(NUMPYRO_VENV)/.installed
+	$(BIN)/python -m benchmarks.bench_targets
+	$(BIN)/python -m benchmarks.bench_floor
+	$(BIN)/python -m benchmarks.bench_guides
+	$(BIN)/python -m benchmarks.bench_lrt_step
+	$(BIN)/python -m benchmarks.bench_gradient_variance
+	$(BIN)/python -m benchmarks.bench_scaling
+	$(BIN)/python -m benchmarks.bench_iblm_time
+	$(BIN)/python -m benchmarks.bench_iblm_memory
+	$(BIN)/python -m benchmarks.bench_memory
+	$(BIN)/python -m benchmarks.bench_time_to_quality --numpyro-python $(NUMPYRO_VENV)/bin/python
 
 # The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
 # docs/_static/reproduce/. About 23 minutes of CPU time on one thread.
@@ -72,4 +85,4 @@ reproduce: $(STAMP)
 	$(BIN)/python -m benchmarks.reproduce.iblm
 
 clean:
-	rm -rf $(VENV) docs/_build build *.egg-info .mypy_cache
+	rm -rf $(VENV) $(NUMPYRO_VENV) docs/_build build *.egg-info .mypy_cache

@@ -5,8 +5,8 @@ model and guide trained through ``SVI`` with ``pyro.optim.Adam`` or through
 Pyro's PyTorch-native loop (the ELBO as an ``nn.Module`` and one
 ``torch.optim.Adam``), optionally under an effect handler
 (``LocalReparamMessenger``, ``FlipoutMessenger``). Imported by the scripts
-in this folder (``from _steps import ...``, the script's own folder being on
-the path).
+in this folder (``from benchmarks._steps import ...``; they run as modules,
+``python -m benchmarks.bench_targets``).
 
 bayesian-torch is a benchmark-only dependency (``pip install --no-deps
 bayesian-torch==0.5.0``, which ``make bench`` runs); without it,

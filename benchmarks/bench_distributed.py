@@ -30,12 +30,11 @@ all-gather's padded result).
 
 Usage::
 
-    python benchmarks/bench_distributed.py            # full run (15 minutes on a loaded 2-core box)
-    python benchmarks/bench_distributed.py --part iblm  # only I-BLM (keeps the stored SVI results)
-    python benchmarks/bench_distributed.py --quick    # smoke run
+    python -m benchmarks.bench_distributed            # full run (15 minutes on a loaded 2-core box)
+    python -m benchmarks.bench_distributed --part iblm  # only I-BLM (keeps the stored SVI results)
+    python -m benchmarks.bench_distributed --quick    # smoke run
 """
 
-import argparse
 import json
 import os
 import socket
@@ -51,6 +50,7 @@ from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.harness import make_parser, parse_args
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_iblm
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, local_reparam
@@ -374,15 +374,10 @@ def write(args, results):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = make_parser(__doc__, threads=False, tag=False, quick_help="one small round, no files")
     parser.add_argument("--part", choices=["all", "iblm"], default="all",
                         help="iblm: time only I-BLM, keeping the stored SVI results")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 5, 2
-    main(args)
+    main(parse_args(parser, quick={"rounds": 1, "steps": 5, "warmup": 2}))

@@ -5,7 +5,7 @@ estimator's arithmetic, Pyro's per-site machinery and this library's own
 overhead, to tell which of issue 16's targets are reachable.
 
 Four configurations are timed side by side (interleaved rounds,
-:mod:`pyro_vinit.testing.timing`), in Pyro's PyTorch-native loop with
+``benchmarks/harness.py``), in Pyro's PyTorch-native loop with
 validation off:
 
 * ``bayesian-torch``: its ``LinearReparameterization`` layers (one shared
@@ -28,12 +28,9 @@ below it cannot be met by changing this library.
 
 Usage::
 
-    python benchmarks/bench_floor.py --threads 1      # about a minute on an idle host
-    python benchmarks/bench_floor.py --quick          # smoke run, no files
+    python -m benchmarks.bench_floor --threads 1      # about a minute on an idle host
+    python -m benchmarks.bench_floor --quick          # smoke run, no files
 """
-
-import argparse
-import os
 
 import pyro
 import pyro.distributions as dist
@@ -41,16 +38,7 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import TraceMeanField_ELBO
 
-from pyro_vinit import AutoKTiedNormal, LocalReparamMessenger
-from pyro_vinit.testing.timing import (
-    host_info,
-    markdown_table,
-    set_threads,
-    time_interleaved,
-    write_report,
-)
-
-from _steps import (
+from benchmarks._steps import (
     BAYESIAN_TORCH,
     BAYESIAN_TORCH_MISSING,
     LinearReparameterization,
@@ -59,8 +47,18 @@ from _steps import (
     native_step,
     pure_ktied_lrt_step,
 )
+from benchmarks.harness import (
+    host_info,
+    make_parser,
+    markdown_table,
+    parse_args,
+    result_stem,
+    set_threads,
+    time_interleaved,
+    write_report,
+)
+from pyro_vinit import AutoKTiedNormal, LocalReparamMessenger
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_DATA = 1437  # the digits training set of the other benchmarks
 BT, PURE, MINIMAL, OURS = ("bayesian-torch", "pure PyTorch, our estimator", "minimal Pyro",
                            "ours")
@@ -190,21 +188,11 @@ def main(args):
     results = {"config": vars(args), "settings": {s: list(v) for s, v in SETTINGS.items()},
                "bayesian_torch": BAYESIAN_TORCH, "median_ms": medians, "analysis": analysis}
     if not args.quick:
-        path = os.path.join(args.out, f"bench_floor{args.tag}")
+        path = result_stem(args, "bench_floor")
         write_report(path, results, text, host_start=host)
     return results
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--block", type=int, default=10, help="steps per block")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.block, args.warmup = 2, 1, 1
-    main(args)
+    main(parse_args(make_parser(__doc__, timing=(10, 10, 3)),
+                    quick={"rounds": 2, "block": 1, "warmup": 1}))

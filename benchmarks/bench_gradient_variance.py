@@ -20,25 +20,29 @@ measurement on a smaller network.
 
 Usage::
 
-    python benchmarks/bench_gradient_variance.py --threads 1   # full run (a few minutes)
-    python benchmarks/bench_gradient_variance.py --quick       # smoke run, no files
+    python -m benchmarks.bench_gradient_variance --threads 1   # full run (a few minutes)
+    python -m benchmarks.bench_gradient_variance --quick       # smoke run, no files
 
 [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
 Reparameterization Trick"
 """
 
-import argparse
-import os
-
 import pyro
 import torch
 from pyro.infer.autoguide import init_to_sample
 
+from benchmarks.gradient_variance import ESTIMATORS, train_and_measure
+from benchmarks.harness import (
+    host_info,
+    make_parser,
+    markdown_table,
+    parse_args,
+    result_stem,
+    set_threads,
+    write_report,
+)
 from pyro_vinit.data import load_digits
-from pyro_vinit.testing.gradient_variance import ESTIMATORS, train_and_measure
-from pyro_vinit.testing.timing import host_info, markdown_table, set_threads, write_report
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 400, 10)
 
 # The KL weight per training example of [1]'s MNIST runs (KL / 60 000 per
@@ -95,21 +99,14 @@ def main(args):
     print(text)
     if args.quick:
         return
-    path = os.path.join(args.out, f"bench_gradient_variance{args.tag}")
+    path = result_stem(args, "bench_gradient_variance")
     write_report(path, {"config": vars(args), "sizes": SIZES, "kl_weight": kl_weight,
                         "variance": rows}, text, host_start=host)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
-    parser.add_argument("--threads", type=int, default=1)
+    parser = make_parser(__doc__)
     parser.add_argument("--epochs", type=int, nargs="+", default=[10, 100],
                         help="the checkpoints (cumulative epochs of training)")
     parser.add_argument("--draws", type=int, default=100, help="gradients per cell")
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args()
-    if args.quick:
-        args.epochs, args.draws = [1], 3
-    main(args)
+    main(parse_args(parser, quick={"epochs": [1], "draws": 3}))

@@ -10,13 +10,10 @@ ratios are to AutoNormal with the same ELBO.
 
 Usage::
 
-    python benchmarks/bench_guides.py            # full run (~2 minutes)
-    python benchmarks/bench_guides.py --quick    # smoke run
+    python -m benchmarks.bench_guides            # full run (~2 minutes)
+    python -m benchmarks.bench_guides --quick    # smoke run
 """
 
-import argparse
-import json
-import os
 import statistics
 import time
 
@@ -26,6 +23,8 @@ from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 from tqdm import tqdm
 
+from benchmarks.harness import make_parser, result_stem, write_json
+from benchmarks.harness import parse_args as harness_parse_args
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
@@ -93,30 +92,21 @@ def main(args):
             print(f"| {name} | {r['step_ms']:.2f} | {r['time_ratio']:.2f}× | "
                   f"{r['num_params']:,} | {r['param_ratio']:.2f}× |")
 
-    if args.output:
-        os.makedirs(os.path.dirname(args.output), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nwrote {args.output}")
+    if not args.quick:
+        path = write_json(result_stem(args, "bench_guides") + ".json", results)
+        print(f"\nwrote {path}")
     return results
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser = make_parser(__doc__, quick_help="tiny smoke run, no files")
     parser.add_argument("--width", type=int, default=400)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50, help="steps per round")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--elbos", nargs="+", default=list(ELBOS), choices=list(ELBOS))
-    parser.add_argument("--output", default="benchmarks/results/bench_guides.json")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.width, args.steps, args.rounds = 32, 3, 2
-        args.output = None if args.output.endswith("bench_guides.json") else args.output
-    return args
+    return harness_parse_args(parser, argv, quick={"width": 32, "steps": 3, "rounds": 2})
 
 
 if __name__ == "__main__":

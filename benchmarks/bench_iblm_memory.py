@@ -10,17 +10,16 @@ wall time. The issue's target: at most 1 GB for h = 4000.
 
 Usage::
 
-    python benchmarks/bench_iblm_memory.py            # full run (a few minutes)
-    python benchmarks/bench_iblm_memory.py --quick    # smoke run
+    python -m benchmarks.bench_iblm_memory            # full run (a few minutes)
+    python -m benchmarks.bench_iblm_memory --quick    # smoke run
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.harness import make_parser, parse_args, result_stem, write_json
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -74,21 +73,15 @@ def main(args):
               f"{r['setup_peak_mb']:.0f} | {r['init_peak_mb']:.0f} | {r['init_seconds']:.1f} |")
     if args.quick:
         return
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     result = {"setup": {"model": "MLP 20-h-h-3, N(0, 1/D_in) priors", "guide": "AutoNormal",
                         "data": f"{args.rows} rows of 3-class Gaussian blobs", "threads": 1},
               "rows": rows}
-    with open(os.path.join(HERE, "results", "bench_iblm_memory.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(result_stem(args, "bench_iblm_memory") + ".json", result)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__, threads=False, tag=False, quick_help="small widths, no files")
     parser.add_argument("--widths", type=int, nargs="+", default=[100, 500, 1000, 2000, 4000])
     parser.add_argument("--activations", nargs="+", default=["tanh", "relu"])
     parser.add_argument("--rows", type=int, default=2000)
-    parser.add_argument("--quick", action="store_true", help="small widths, no files")
-    args = parser.parse_args()
-    if args.quick:
-        args.widths, args.activations, args.rows = [50, 100], ["relu"], 300
-    main(args)
+    main(parse_args(parser, quick={"widths": [50, 100], "activations": ["relu"], "rows": 300}))

@@ -22,18 +22,15 @@ I-BLM took on the same model and seed: equal initialization cost, as in [1].
 
 Usage::
 
-    python benchmarks/bench_iblm_models.py             # full run (~10 minutes)
-    python benchmarks/bench_iblm_models.py --full-elbo # without the recipe
-    python benchmarks/bench_iblm_models.py --quick     # smoke run
+    python -m benchmarks.bench_iblm_models             # full run (~10 minutes)
+    python -m benchmarks.bench_iblm_models --full-elbo # without the recipe
+    python -m benchmarks.bench_iblm_models --quick     # smoke run
 
 [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
 Bayes for Deep Models"
 """
 
-import argparse
-import json
 import math
-import os
 import time
 import warnings
 
@@ -44,13 +41,12 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from tqdm import tqdm
 
+from benchmarks.harness import make_parser, parse_args, result_stem, write_json
 from pyro_vinit import init_guide
 from pyro_vinit.initialization.baselines import METHODS
 from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.schedules import LinearWarmup
 from pyro_vinit.testing.user_models import USER_MODELS
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def metric(um, model, guide, x, y) -> float:
@@ -149,14 +145,13 @@ def main(args):
               f"{b1:.3f} | {c['iblm']:.2f} | {c.get(b, math.nan):.2f} |")
     if args.quick:
         return
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     tag = "_full_elbo" if args.full_elbo else ""
-    with open(os.path.join(HERE, "results", f"bench_iblm_models{tag}.json"), "w") as f:
-        json.dump({"setup": vars(args), "rows": rows, "curves": results}, f, indent=2)
+    write_json(result_stem(args, f"bench_iblm_models{tag}") + ".json",
+               {"setup": vars(args), "rows": rows, "curves": results})
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__, threads=False, tag=False, quick_help="tiny run, no files")
     parser.add_argument("--models", nargs="+", choices=list(USER_MODELS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seeds", type=int, default=2)
@@ -169,10 +164,8 @@ if __name__ == "__main__":
                         help="the recipe's cap on I-BLM's stds, a multiple of the prior's")
     parser.add_argument("--full-elbo", action="store_true",
                         help="the protocol without the recipe")
-    parser.add_argument("--quick", action="store_true", help="tiny run, no files")
-    args = parser.parse_args()
+    args = parse_args(parser, quick={"seeds": 1, "steps": 4, "eval_every": 2,
+                                     "methods": ["iblm", "xavier"]})
     if args.quick:
-        args.seeds, args.steps, args.eval_every = 1, 4, 2
         args.models = args.models or ["tanh_depth3", "matmul_halfnormal_noise"]
-        args.methods = ["iblm", "xavier"]
     main(args)

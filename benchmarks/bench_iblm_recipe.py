@@ -37,19 +37,16 @@ with ``map500`` among the baselines.
 
 Usage::
 
-    python benchmarks/bench_iblm_recipe.py                  # full run, 3 seeds
-    python benchmarks/bench_iblm_recipe.py --local-reparam --tag lrt
-    python benchmarks/bench_iblm_recipe.py --quick          # smoke run (< 1 min, no files)
+    python -m benchmarks.bench_iblm_recipe                  # full run, 3 seeds
+    python -m benchmarks.bench_iblm_recipe --local-reparam --tag lrt
+    python -m benchmarks.bench_iblm_recipe --quick          # smoke run (< 1 min, no files)
 
 [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
 Bayes for Deep Models"
 """
 
-import argparse
 import contextlib
-import json
 import math
-import os
 import platform
 import time
 
@@ -60,6 +57,8 @@ from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 from tqdm import tqdm
 
+from benchmarks.harness import make_parser, result_stem, write_report
+from benchmarks.harness import parse_args as harness_parse_args
 from pyro_vinit import AutoKTiedNormal, init_guide
 from pyro_vinit.data import load_digits
 from pyro_vinit.metrics import classification_metrics
@@ -67,7 +66,6 @@ from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import KLAnnealingMessenger, local_reparam
 from pyro_vinit.schedules import LinearWarmup
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINES = ["uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map"]
 EXTRA = ["map500"]
 GUIDES = {
@@ -246,13 +244,7 @@ def main(args):
     text = tables(results, args)
     print(text)
     if not args.quick:
-        os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-        suffix = f"_{args.tag}" if args.tag else ""
-        name = os.path.join(HERE, "results", "bench_iblm_recipe" + suffix)
-        with open(name + ".json", "w") as f:
-            json.dump(results, f, indent=2)
-        with open(name + ".md", "w") as f:
-            f.write(text + "\n")
+        write_report(result_stem(args, "bench_iblm_recipe"), results, text)
     return results
 
 
@@ -311,7 +303,7 @@ def tables(results, args):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--guides", nargs="+", default=list(GUIDES), choices=list(GUIDES))
     parser.add_argument("--baselines", nargs="+", default=BASELINES, choices=BASELINES)
@@ -333,13 +325,9 @@ def parse_args(argv=None):
                         help="if positive, λ ramps from 0 to --kl-weight over this many steps")
     parser.add_argument("--scale-cap", type=float, default=0.1,
                         help="the recipe's cap on I-BLM's stds, as a multiple of the prior's")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.seeds, args.steps, args.eval_every, args.samples = [0], 20, 10, 4
-        args.baselines = ["heuristic", "map"]
+    args = harness_parse_args(parser, argv, quick={
+        "seeds": [0], "steps": 20, "eval_every": 10, "samples": 4,
+        "baselines": ["heuristic", "map"]})
     for name in ("kl_weight", "scale_cap"):
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0:

@@ -42,23 +42,21 @@ outweighs a thousand data points); ``--kl-warmup`` anneals it instead
 
 Usage::
 
-    python benchmarks/bench_iblm_svi.py                       # full run (~5 minutes)
-    python benchmarks/bench_iblm_svi.py --problems digits_mlp diabetes --kl-warmup 400 \
+    python -m benchmarks.bench_iblm_svi                       # full run (~5 minutes)
+    python -m benchmarks.bench_iblm_svi --problems digits_mlp diabetes --kl-warmup 400 \
         --tag kl_warmup                                       # KL annealing (~2 minutes)
-    python benchmarks/bench_iblm_svi.py --problems digits_mlp --steps 200
-    python benchmarks/bench_iblm_svi.py --quick               # smoke run
+    python -m benchmarks.bench_iblm_svi --problems digits_mlp --steps 200
+    python -m benchmarks.bench_iblm_svi --quick               # smoke run
 
 [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
 Bayes for Deep Models"
 """
 
-import argparse
-import json
-import os
 import time
 
 import torch
 
+from benchmarks.harness import make_parser, parse_args, result_stem, write_json
 from pyro_vinit import init_guide
 from pyro_vinit.testing.paper_problems import INITIALIZERS as METHODS
 from pyro_vinit.testing.paper_problems import (
@@ -69,8 +67,6 @@ from pyro_vinit.testing.paper_problems import (
     make,
     plot_curves,
 )
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 _PAPER = dict(hidden_batches="random", propagate="sample")
 ABLATION = {
@@ -157,12 +153,9 @@ def main(args):
     print_tables(results)
     if args.quick:
         return
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    name = "bench_iblm_svi" + (f"_{args.tag}" if args.tag else "")
-    with open(os.path.join(HERE, "results", name + ".json"), "w") as f:
-        json.dump(results, f, indent=2)
-    plot_curves({p: r["curves"] for p, r in results["problems"].items()},
-                os.path.join(HERE, "results", name + ".png"))
+    stem = result_stem(args, "bench_iblm_svi")
+    write_json(stem + ".json", results)
+    plot_curves({p: r["curves"] for p, r in results["problems"].items()}, stem + ".png")
 
 
 def print_tables(results):
@@ -184,19 +177,13 @@ def print_tables(results):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__, quick_help="tiny run, no files")
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="SVI steps (default per problem)")
     parser.add_argument("--eval-every", type=int, default=40)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kl-warmup", type=int, default=0,
                         help="KL annealing: λ grows linearly from 0 to 1 over this many steps")
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--quick", action="store_true", help="tiny run, no files")
-    args = parser.parse_args()
-    if args.quick:
-        args.repeats, args.steps, args.eval_every, args.samples = 1, 10, 5, 2
-    main(args)
+    main(parse_args(parser, quick={"repeats": 1, "steps": 10, "eval_every": 5, "samples": 2}))

@@ -17,13 +17,10 @@ against h.
 
 Usage::
 
-    python benchmarks/bench_iblm_time.py            # full run (~2 minutes)
-    python benchmarks/bench_iblm_time.py --quick    # smoke run
+    python -m benchmarks.bench_iblm_time            # full run (~2 minutes)
+    python -m benchmarks.bench_iblm_time --quick    # smoke run
 """
 
-import argparse
-import json
-import os
 import statistics
 import time
 
@@ -32,12 +29,10 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
+from benchmarks.harness import fit_exponent, make_parser, parse_args, result_stem, write_json
 from pyro_vinit import init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.testing.timing import fit_exponent
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def one_round(width, depth, x, y, batch_size, svi_steps):
@@ -116,10 +111,9 @@ def main(args):
     print(f"\ntime ∝ h^{exponent:.2f}; time ∝ (number of weights)^{exponent_weights:.2f}")
     if args.quick:
         return
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "bench_iblm_time.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    plot(rows, os.path.join(HERE, "results", "bench_iblm_time.png"))
+    stem = result_stem(args, "bench_iblm_time")
+    write_json(stem + ".json", result)
+    plot(rows, stem + ".png")
 
 
 def plot(rows, path):
@@ -148,15 +142,10 @@ def plot(rows, path):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__, tag=False, quick_help="one small round, no files")
     parser.add_argument("--widths", type=int, nargs="+", default=[100, 250, 500, 1000])
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--svi-steps", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="one small round, no files")
-    args = parser.parse_args()
-    if args.quick:
-        args.widths, args.rounds, args.svi_steps = [50, 100], 1, 3
-    main(args)
+    main(parse_args(parser, quick={"widths": [50, 100], "rounds": 1, "svi_steps": 3}))

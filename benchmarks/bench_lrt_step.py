@@ -15,35 +15,33 @@ variance path against the dense one, side by side in one run.
    ``x² (UVᵀ)²ᵀ`` against the low-rank form, whose rank is k(k+1)/2.
 
 Configurations are timed in interleaved rounds
-(:mod:`pyro_vinit.testing.timing`); ratios are medians of per-round ratios,
+(``benchmarks/harness.py``); ratios are medians of per-round ratios,
 with their range.
 
 Usage::
 
-    python benchmarks/bench_lrt_step.py --threads 1    # full run (about a minute)
-    python benchmarks/bench_lrt_step.py --quick        # smoke run, no files
+    python -m benchmarks.bench_lrt_step --threads 1    # full run (about a minute)
+    python -m benchmarks.bench_lrt_step --quick        # smoke run, no files
 """
-
-import argparse
-import os
 
 import pyro
 import torch
 import torch.nn.functional as F
 
-from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, FlipoutMessenger, LocalReparamMessenger
-from pyro_vinit.data import load_digits
-from pyro_vinit.testing.timing import (
+from benchmarks._steps import make_model, svi_step
+from benchmarks.harness import (
     host_info,
+    make_parser,
     markdown_table,
+    parse_args,
+    result_stem,
     set_threads,
     time_interleaved,
     write_report,
 )
+from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, FlipoutMessenger, LocalReparamMessenger
+from pyro_vinit.data import load_digits
 
-from _steps import make_model, svi_step
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 400, 10)
 
 # name: (guide, guide kwargs, handler, the ordinary configuration it is compared with)
@@ -146,20 +144,10 @@ def main(args):
         "variance_term_ratio": {batch: t.ratio("low-rank", "dense").to_dict()
                                 for batch, t in term.items()},
     }
-    path = os.path.join(args.out, f"bench_lrt_step{args.tag}")
+    path = result_stem(args, "bench_lrt_step")
     write_report(path, results, text, host_start=host)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
-    parser.add_argument("--block", type=int, default=10, help="steps per block")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.block, args.warmup = 2, 1, 1
-    main(args)
+    main(parse_args(make_parser(__doc__, timing=(15, 10, 3)),
+                    quick={"rounds": 2, "block": 1, "warmup": 1}))

@@ -9,23 +9,19 @@ mean-field guide; this checks that the optimizer holds only the live ones
 
 Usage::
 
-    python benchmarks/bench_memory.py            # full size (a few seconds)
-    python benchmarks/bench_memory.py --quick    # small network, no files
+    python -m benchmarks.bench_memory            # full size (a few seconds)
+    python -m benchmarks.bench_memory --quick    # small network, no files
 """
-
-import argparse
-import json
-import os
 
 import pyro
 import torch
 from pyro.infer import SVI, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
+from benchmarks.harness import make_parser, parse_args, result_stem, write_json
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 GUIDES = {
     "AutoNormal": AutoNormal,
     "AutoKTiedNormal(k=1)": lambda m: AutoKTiedNormal(m, rank=1),
@@ -68,16 +64,10 @@ def main(args):
               f"{r['optimizer_state_floats'] / base['optimizer_state_floats']:.3f} |")
     if args.quick:
         return
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "bench_memory.json"), "w") as f:
-        json.dump({"sizes": sizes, "rows": rows}, f, indent=2)
+    write_json(result_stem(args, "bench_memory") + ".json", {"sizes": sizes, "rows": rows})
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__, threads=False, tag=False, quick_help="small network, no files")
     parser.add_argument("--sizes", type=int, nargs="+", default=[784, 400, 400, 10])
-    parser.add_argument("--quick", action="store_true", help="small network, no files")
-    args = parser.parse_args()
-    if args.quick:
-        args.sizes = [20, 16, 16, 3]
-    main(args)
+    main(parse_args(parser, quick={"sizes": [20, 16, 16, 3]}))

@@ -13,7 +13,7 @@ and with ``local_reparam()``, ``AutoRadialNormal`` without and with
 ``flipout()``, all through Pyro's PyTorch-native loop
 (``TraceMeanField_ELBO()(model, guide)`` and one ``torch.optim.Adam``),
 Pyro's validation off. At each grid point the configurations are timed in
-interleaved rounds (:mod:`pyro_vinit.testing.timing`); then each runs once
+interleaved rounds (``benchmarks/harness.py``); then each runs once
 more under a dispatch-level counter of its operators, their FLOPs (matrix
 products exactly, one per element for the rest) and the bytes they read and
 write. Peak memory is measured in a fresh process per configuration and
@@ -25,7 +25,7 @@ steps.
 *Fits.* Per configuration, the exponent of time and memory against width
 or batch (least squares on log-log over the upper half of the grid); and
 :math:`t \\approx a + b\\,F` with F the counted FLOPs of a step
-(:func:`~pyro_vinit.testing.timing.fit_fixed_and_rate`): ``a`` is the
+(``harness.fit_fixed_and_rate``): ``a`` is the
 per-step cost that does not grow with the arithmetic (Python, Pyro's
 tracing, the handlers, the optimizer's per-parameter work), and the
 crossover is where ``b F`` overtakes it. *A GPU model* (nothing here runs
@@ -42,11 +42,10 @@ and after I-BLM.
 
 Usage::
 
-    python benchmarks/bench_scaling.py --threads 1   # full run (a few minutes)
-    python benchmarks/bench_scaling.py --quick       # smoke run (no files unless --out)
+    python -m benchmarks.bench_scaling --threads 1   # full run (a few minutes)
+    python -m benchmarks.bench_scaling --quick       # smoke run (no files unless --out)
 """
 
-import argparse
 import math
 import multiprocessing
 import os
@@ -60,26 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from pyro_vinit import (
-    AutoKTiedNormal,
-    AutoRadialNormal,
-    FlipoutMessenger,
-    LocalReparamMessenger,
-    init_guide_iblm,
-)
-from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.testing.timing import (
-    fit_exponent,
-    fit_fixed_and_rate,
-    host_info,
-    markdown_table,
-    set_threads,
-    time_interleaved,
-    write_json,
-)
-from pyro_vinit.testing.user_models import blobs
-
-from _steps import (
+from benchmarks._steps import (
     BAYESIAN_TORCH,
     BAYESIAN_TORCH_MISSING,
     LinearReparameterization,
@@ -88,6 +68,26 @@ from _steps import (
     make_model,
     native_step,
 )
+from benchmarks.harness import (
+    fit_exponent,
+    fit_fixed_and_rate,
+    host_info,
+    make_parser,
+    markdown_table,
+    parse_args,
+    set_threads,
+    time_interleaved,
+    write_json,
+)
+from pyro_vinit import (
+    AutoKTiedNormal,
+    AutoRadialNormal,
+    FlipoutMessenger,
+    LocalReparamMessenger,
+    init_guide_iblm,
+)
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.testing.user_models import blobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS_STATIC = os.path.join(os.path.dirname(HERE), "docs", "_static", "scaling")
@@ -499,10 +499,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny grids; writes files only with --out")
-    parser.add_argument("--threads", type=int, default=1)
+    parser = make_parser(__doc__, out=False, tag=False,
+                         quick_help="tiny grids; writes files only with --out")
     parser.add_argument("--widths", type=int, nargs="+", default=[100, 200, 400, 800, 1600, 3200])
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[32, 64, 128, 256, 512, 1024, 2048, 4096])
@@ -528,10 +526,7 @@ if __name__ == "__main__":
     parser.add_argument("--figures", default=None,
                         help="folder of the PNGs (default docs/_static/scaling; --out with "
                              "--quick)")
-    args = parser.parse_args()
-    if args.quick:
-        args.widths, args.batches, args.rounds, args.block_seconds = [50, 100, 200], \
-            [16, 32, 64], 1, 0.01
-        args.iblm_widths, args.iblm_rows, args.iblm_width, args.iblm_default_rows = \
-            [50, 100], [200, 400], 50, 200
-    main(args)
+    main(parse_args(parser, quick={
+        "widths": [50, 100, 200], "batches": [16, 32, 64], "rounds": 1, "block_seconds": 0.01,
+        "iblm_widths": [50, 100], "iblm_rows": [200, 400], "iblm_width": 50,
+        "iblm_default_rows": 200}))

@@ -6,7 +6,7 @@ and through Pyro's PyTorch-native loop, side by side in one run.
 Bayesian ReLU MLP 64→400→400→10 (N(0, 1/D_in) priors) on scikit-learn
 digits, TraceMeanField_ELBO, Adam (lr 1e-3), CPU. The configurations of one
 setting (batch 128 with Pyro's validation off; batch 1000, off; batch 128,
-on) are timed in interleaved rounds (:mod:`pyro_vinit.testing.timing`), so
+on) are timed in interleaved rounds (``benchmarks/harness.py``), so
 that machine noise hits all alike, and each ratio is computed within each
 round. The batch-128, validation-off setting is measured ``--repeats``
 times, each with fresh models; a ratio's value is the median over all its
@@ -34,33 +34,14 @@ skipped, with a note.
 
 Usage::
 
-    python benchmarks/bench_targets.py --threads 1      # full run (about 2 minutes)
-    python benchmarks/bench_targets.py --quick          # smoke run, no files
+    python -m benchmarks.bench_targets --threads 1      # full run (about 2 minutes)
+    python -m benchmarks.bench_targets --quick          # smoke run, no files
 """
-
-import argparse
-import os
 
 import pyro
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_vinit import (
-    AutoKTiedNormal,
-    AutoMeanFieldNormal,
-    AutoRadialNormal,
-    LocalReparamMessenger,
-)
-from pyro_vinit.data import load_digits
-from pyro_vinit.testing.timing import (
-    Timings,
-    host_info,
-    markdown_table,
-    set_threads,
-    time_interleaved,
-    write_report,
-)
-
-from _steps import (
+from benchmarks._steps import (
     BAYESIAN_TORCH,
     BAYESIAN_TORCH_MISSING,
     LOOPS,
@@ -70,8 +51,25 @@ from _steps import (
     deterministic_step,
     make_model,
 )
+from benchmarks.harness import (
+    Timings,
+    host_info,
+    make_parser,
+    markdown_table,
+    parse_args,
+    result_stem,
+    set_threads,
+    time_interleaved,
+    write_report,
+)
+from pyro_vinit import (
+    AutoKTiedNormal,
+    AutoMeanFieldNormal,
+    AutoRadialNormal,
+    LocalReparamMessenger,
+)
+from pyro_vinit.data import load_digits
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (64, 400, 400, 10)
 
 DETERMINISTIC = "nn (deterministic)"
@@ -227,23 +225,13 @@ def main(args):
     print(text)
     if args.quick:
         return results
-    path = os.path.join(args.out, f"bench_targets{args.tag}")
+    path = result_stem(args, "bench_targets")
     write_report(path, results, text, host_start=host)
     return results
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run, no files")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per setting")
-    parser.add_argument("--block", type=int, default=10, help="steps per block")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser = make_parser(__doc__, timing=(10, 10, 3))
     parser.add_argument("--repeats", type=int, default=3,
                         help="fresh measurements of batch 128, validation off")
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.block, args.warmup, args.repeats = 2, 1, 1, 1
-    main(args)
+    main(parse_args(parser, quick={"rounds": 2, "block": 1, "warmup": 1, "repeats": 1}))

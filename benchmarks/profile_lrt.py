@@ -11,11 +11,10 @@ builtins: ``F.linear``, ``Tensor.backward``, the optimizer's ``_foreach`` ops).
 
 Usage::
 
-    python benchmarks/profile_lrt.py               # all three configurations
-    python benchmarks/profile_lrt.py --steps 200 --top 25
+    python -m benchmarks.profile_lrt               # all three configurations
+    python -m benchmarks.profile_lrt --steps 200 --top 25
 """
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -27,6 +26,7 @@ import torch
 from pyro.infer import SVI, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
+from benchmarks.harness import make_parser, parse_args
 from pyro_vinit import AutoKTiedNormal, local_reparam
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 
@@ -95,9 +95,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__, out=False, tag=False, quick_help="a few steps")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--top", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quiet", action="store_true", help="the summary lines only")
-    main(parser.parse_args())
+    main(parse_args(parser, quick={"steps": 5}))

@@ -8,7 +8,7 @@ weights put into a stochastic gradient, and how much of it is left once
 there is none?
 
 Setup (the measurement of ``benchmarks/bench_gradient_variance.py``, written
-out here on the public API):
+out here on the public API in :func:`train_and_measure`):
 
 - a 64-400-400-400-10 ReLU MLP on scikit-learn's digits with the N(0,
   1/D_in) priors of ``bayesianize`` and a fully factorized Normal guide
@@ -60,16 +60,22 @@ Pseudo-Independent Weight Perturbations on Mini-Batches"
 import argparse
 import os
 import time
+from contextlib import ExitStack
 
 import pyro
 import torch
-from pyro.infer import Predictive
+from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
 from pyro.infer.autoguide import init_to_sample
+from pyro.optim import Adam
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
 from tqdm import tqdm
 
+from pyro_vinit import AutoMeanFieldNormal
 from pyro_vinit.data import load_digits
 from pyro_vinit.metrics import classification_metrics
-from pyro_vinit.testing.gradient_variance import ESTIMATORS, train_and_measure
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.poutine import FlipoutMessenger, KLAnnealingMessenger, LocalReparamMessenger
 
 from _outputs import save_results
 
@@ -77,6 +83,87 @@ LAYERS = ("bottom", "top")
 SIZES = (64, 400, 400, 400, 10)
 # The KL weight per training example of [1]'s MNIST runs: KL / 60 000 per datum.
 MNIST_SIZE = 60000
+
+
+class PosteriorMeanMessenger(Messenger):
+    """Sets every latent site the guide samples to its distribution's mean (the model
+    replays it): the gradient keeps the closed-form KL and loses all weight noise."""
+
+    def _pyro_sample(self, msg):
+        # ``done``: a value is already set (the ELBO replaying the guide into the model);
+        # a plate's subsample site has no mean
+        if msg["is_observed"] or msg["done"] or site_is_subsample(msg):
+            return
+        msg["value"] = msg["fn"].mean
+        msg["done"] = True
+
+
+# The estimators of the weight noise (None: one weight sample per minibatch, Pyro's
+# ordinary sampling), and the noise-free floor.
+ESTIMATORS = {
+    "ordinary": None,
+    "LRT": LocalReparamMessenger,
+    "Flipout": FlipoutMessenger,
+    "no weight noise": PosteriorMeanMessenger,
+}
+
+
+def gradient_variance(loss_fn, params, x, y, *, batch, draws, kl):
+    """``draws`` gradients of the minibatch loss with respect to each of ``params``, each
+    with a new minibatch (without replacement) and new weight noise, under each
+    estimator: ``{estimator: {name: variance over draws (mean over elements), ...,
+    "ms_per_draw": ms}}``."""
+    out = {}
+    for estimator, handler_cls in ESTIMATORS.items():
+        grads = {name: [] for name in params}
+        start = time.perf_counter()
+        for _ in range(draws):
+            idx = torch.randperm(len(x))[:batch]
+            with ExitStack() as stack:
+                stack.enter_context(kl)
+                if handler_cls is not None:
+                    stack.enter_context(handler_cls())
+                loss = loss_fn(x[idx], y[idx])
+            for name, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
+                grads[name].append(g)
+        row = {name: torch.stack(g).var(0).mean().item() for name, g in grads.items()}
+        row["ms_per_draw"] = (time.perf_counter() - start) / draws * 1e3
+        out[estimator] = row
+    return out
+
+
+def train_and_measure(x, y, *, sizes, epochs, batch_sizes, draws, lr, prior_scale, kl_weight,
+                      guide_kwargs, evaluate, log, train_batch_size=128):
+    """[1]'s protocol: trains the mean-field guide of ``mlp(sizes)`` with LRT, and at each
+    checkpoint in ``epochs`` (cumulative) measures :func:`gradient_variance` with respect
+    to the means of the bottom and the top weight matrix for each batch size."""
+    model = BayesianClassifier(bayesianize(mlp(tuple(sizes)), prior_scale=prior_scale),
+                               num_data=len(x))
+    guide = AutoMeanFieldNormal(model, **guide_kwargs)
+    svi = SVI(model, guide, Adam({"lr": lr}), TraceMeanField_ELBO())
+    svi.step(x[:train_batch_size], y[:train_batch_size])
+    params = dict(guide.named_parameters())
+    bottom = params["locs.net.0.weight_unconstrained"]
+    top = params[f"locs.net.{2 * (len(sizes) - 2)}.weight_unconstrained"]
+    elbo = TraceMeanField_ELBO()
+    kl = KLAnnealingMessenger(kl_weight)
+    step = kl(LocalReparamMessenger()(svi.step))
+    steps_per_epoch = max(1, len(x) // train_batch_size)
+    rows, done = [], 0
+    for epoch in epochs:
+        for _ in range((epoch - done) * steps_per_epoch):
+            idx = torch.randint(0, len(x), (train_batch_size,))
+            step(x[idx], y[idx])
+        done = epoch
+        metrics = evaluate(model, guide)
+        for batch in batch_sizes:
+            row = {"epochs": epoch, "batch": batch, "metrics": metrics}
+            row.update(gradient_variance(
+                lambda xb, yb: elbo.differentiable_loss(model, guide, xb, yb),
+                {"bottom": bottom, "top": top}, x, y, batch=batch, draws=draws, kl=kl))
+            rows.append(row)
+            log(f"{epoch} epochs, batch {batch} done")
+    return rows
 
 
 def make_evaluate(x_test, y_test, num_samples):

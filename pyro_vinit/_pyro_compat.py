@@ -5,11 +5,15 @@ touches this file alone. ``tests/test_pyro_compat.py`` checks each against
 the installed Pyro.
 
 * :func:`deep_setattr`, :func:`helpful_support_errors`: helpers of
-  ``pyro.infer.autoguide.utils``, not part of Pyro's documented API.
+  ``pyro.infer.autoguide.utils``, not part of Pyro's documented API;
+  :func:`discrete_site_error` reads the name of the site out of the error
+  ``helpful_support_errors`` raises.
 * :func:`unconstrained_param`: where :class:`~pyro.nn.PyroModule` keeps the
   parameter behind a :class:`~pyro.nn.PyroParam`.
 * :func:`unwrap_init_messenger`: an autoguide's model without the
   ``InitMessenger`` Pyro wraps around it.
+* :func:`setup_prototype`: runs :class:`~pyro.infer.autoguide.AutoGuide`'s
+  own set-up (``AutoGuide._setup_prototype``), not a subclass's.
 * :func:`share_prototype`: sets an autoguide up from another's prototype
   trace and plate frames (``AutoGuide._prototype_frames``).
 * :func:`pyro_sample_priors`: the priors of a PyroModule's PyroSample
@@ -23,8 +27,9 @@ the installed Pyro.
   ``vectorize_particles=True`` runs the model and guide (by its name).
 """
 
+import re
 from operator import attrgetter
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
@@ -38,11 +43,13 @@ from pyro_vinit._typing import SampleSite
 __all__ = [
     "ScoreParts",
     "deep_setattr",
+    "discrete_site_error",
     "helpful_support_errors",
     "is_vectorized_particles",
     "prefill_log_prob",
     "pyro_sample_priors",
     "scale_and_mask",
+    "setup_prototype",
     "share_prototype",
     "unconstrained_param",
     "unwrap_init_messenger",
@@ -64,6 +71,19 @@ def unconstrained_param(module: torch.nn.Module, name: str) -> torch.nn.Paramete
             "stores PyroParams differently: update pyro_vinit/_pyro_compat.py"
         )
     return param
+
+
+_DISCRETE_SITE = re.compile(r"Continuous inference cannot handle discrete sample site '(.*?)'")
+
+
+def discrete_site_error(error: BaseException) -> Optional[str]:
+    """The name of the site if ``error`` is the ``ValueError`` that
+    :func:`helpful_support_errors` raises for a discrete sample site (e.g. from
+    an autoguide's ``init_to_feasible``), else None."""
+    if not isinstance(error, ValueError):
+        return None
+    match = _DISCRETE_SITE.match(str(error))
+    return match.group(1) if match else None
 
 
 def unwrap_init_messenger(model: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,6 +141,20 @@ def prefill_log_prob(
         score_function=0,  # type: ignore[arg-type]  # Pyro's own 0 for a reparameterized site
         entropy_term=scaled,
     )
+
+
+def setup_prototype(guide: AutoGuide, *args: Any, **kwargs: Any) -> None:
+    """Runs :class:`~pyro.infer.autoguide.AutoGuide`'s own set-up on ``guide``
+    with the model's ``*args, **kwargs``: the prototype trace and plate
+    frames, and none of a subclass's parameters (``AutoGuide._setup_prototype``,
+    called past the subclasses' overrides)."""
+    setup = getattr(AutoGuide, "_setup_prototype", None)
+    if not callable(setup):
+        raise RuntimeError(
+            "expected pyro.infer.autoguide.AutoGuide._setup_prototype; this Pyro version "
+            "sets guides up differently: update pyro_vinit/_pyro_compat.py"
+        )
+    setup(guide, *args, **kwargs)
 
 
 def share_prototype(source: AutoGuide, target: AutoGuide) -> None:

@@ -1,7 +1,9 @@
 """Smoke runs (``--quick``) of the benchmark scripts behind the performance page, and
 the exactness of the plain-PyTorch twin that bench_floor times."""
 
-import importlib.util
+import ast
+import glob
+import importlib
 import json
 import os
 import subprocess
@@ -12,6 +14,7 @@ import pytest
 import torch
 from pyro.infer import TraceMeanField_ELBO
 
+from benchmarks import _steps
 from pyro_vinit import AutoKTiedNormal, LocalReparamMessenger
 from pyro_vinit._pyro_compat import unconstrained_param
 
@@ -38,9 +41,43 @@ def _run(args, tmp_path, pythonpath=ROOT):
     )
 
 
+BENCHMARK_FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "**", "*.py"), recursive=True))
+
+
+def _path_edits_and_bare_imports(source):
+    """``sys.path`` touched, and imports of this folder's modules by bare name
+    (``import _steps``), which only work with the script's folder on the path."""
+    local = {os.path.splitext(os.path.basename(p))[0] for p in BENCHMARK_FILES}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "path" \
+                and isinstance(node.value, ast.Name) and node.value.id == "sys":
+            found.append((node.lineno, "sys.path"))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name in local]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module in local:
+            found.append((node.lineno, node.module))
+    return sorted(found)
+
+
+def test_benchmarks_import_as_a_package():
+    # every benchmark runs as `python -m benchmarks.<name>` from the root and imports its
+    # helpers as `benchmarks.<module>`: no path edits
+    wrong = {}
+    for path in BENCHMARK_FILES:
+        with open(path) as f:
+            found = _path_edits_and_bare_imports(f.read())
+        if found:
+            wrong[os.path.relpath(path, ROOT)] = found
+    assert not wrong, wrong
+    assert _path_edits_and_bare_imports(
+        "import sys\nsys.path.insert(0, '.')\nimport _steps\nfrom harness import x\n"
+        "from benchmarks import _steps\n") == [(2, "sys.path"), (3, "_steps"), (4, "harness")]
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_quick(script, tmp_path):
-    result = _run([f"benchmarks/{script}", "--quick"], tmp_path)
+    result = _run(["-m", f"benchmarks.{script[:-3]}", "--quick"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     for text in SCRIPTS[script]:
         assert text in result.stdout, (text, result.stdout[-3000:])
@@ -51,7 +88,7 @@ def test_targets_without_bayesian_torch(tmp_path):
     fake = tmp_path / "bayesian_torch"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('not installed (test)')\n")
-    result = _run(["benchmarks/bench_targets.py", "--quick"], tmp_path,
+    result = _run(["-m", "benchmarks.bench_targets", "--quick"], tmp_path,
                   pythonpath=os.pathsep.join([str(tmp_path), ROOT]))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bayesian-torch is not installed: its rows are skipped" in result.stdout
@@ -62,7 +99,7 @@ def test_targets_without_bayesian_torch(tmp_path):
 
 
 def test_scaling_quick(tmp_path):
-    result = _run(["benchmarks/bench_scaling.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    result = _run(["-m", "benchmarks.bench_scaling", "--quick", "--out", str(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "bench_scaling.json") as f:
         results = json.load(f)
@@ -94,19 +131,11 @@ def test_scaling_quick(tmp_path):
     assert {"scaling_steps.png", "scaling_iblm.png"} <= set(os.listdir(tmp_path))
 
 
-def _steps_module():
-    spec = importlib.util.spec_from_file_location(
-        "_steps", os.path.join(ROOT, "benchmarks", "_steps.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("sizes", [(6, 5, 4, 3), (64, 40, 30, 10)], ids=["dense", "low-rank"])
 def test_pure_estimator_equals_pyro_step(sizes):
     # bench_floor's "pure PyTorch" step must be the Pyro step's arithmetic, or its floor
     # means nothing: same parameters, same seed, same loss and gradients.
-    steps = _steps_module()
+    steps = _steps
     pyro.set_rng_seed(0)
     x = torch.randn(16, sizes[0], dtype=torch.float64)
     y = torch.randint(0, sizes[-1], (16,))
@@ -135,3 +164,118 @@ def test_pure_estimator_equals_pyro_step(sizes):
         for attr, leaf in zip(attrs, leaves):
             grad = unconstrained_param(guide, attr).grad
             assert torch.allclose(leaf.grad, grad, rtol=1e-10, atol=1e-12), attr
+
+
+def _race_module():
+    return importlib.import_module("benchmarks.bench_time_to_quality")
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_race_clock_counts_setup_and_steps_only():
+    # A fake clock: set-up takes 1 s, each step 0.25 s, each evaluation 100 s. The
+    # curve's times must be training time alone, each the first past its checkpoint.
+    race = _race_module()
+    clock = _FakeClock()
+
+    class Runner:
+        def setup(self):
+            clock.now += 1.0
+
+        def step(self):
+            clock.now += 0.25
+
+    def evaluate(runner):
+        clock.now += 100.0
+        return {"mnll": 0.0, "error": 0.0}
+
+    curve, steps = race.race(Runner(), evaluate, [0.5, 1.1, 2.0], clock=clock)
+    assert [p["seconds"] for p in curve] == [1.0, 1.25, 2.0]
+    assert steps == 4
+
+
+def test_race_time_to_target_and_medians():
+    race = _race_module()
+    curve = [{"seconds": 0.5, "mnll": 1.0}, {"seconds": 1.0, "mnll": 0.3},
+             {"seconds": 2.0, "mnll": 0.2}]
+    assert race.time_to(curve, "mnll", 0.3) == 1.0  # at or under
+    assert race.time_to(curve, "mnll", 0.25) == 2.0
+    assert race.time_to(curve, "mnll", 0.1) is None
+    # None is "never": after every number
+    assert race.median([3.0, None, 1.0]) == 3.0
+    assert race.median([None, 2.0, None]) is None
+    assert race.median([1.0, 2.0]) == 1.5
+
+
+def _summary(times, best_mnll):
+    return {"time_to": {"mnll <= 0.3": {"median": times[0]}, "mnll <= 0.2": {"median": times[1]}},
+            "best": {"mnll": {"median": best_mnll}}}
+
+
+def test_race_ratios_against_the_best_peer():
+    race = _race_module()
+    summary = {
+        race.OURS: _summary([1.0, 3.0], 0.15),
+        # the best peer differs per target; peers that never get there are ignored
+        "IVON": _summary([None, None], 0.16),
+        "bayesian-torch": _summary([2.0, None], 0.14),
+        "Pyro AutoNormal": _summary([4.0, None], 0.2),
+        race.OURS_TRAINED: _summary([0.1, 0.1], 0.01),  # ours, not a peer
+    }
+    rows = race.ratios(summary, race.OURS)
+    assert rows["mnll <= 0.3"]["best_peer"] == "bayesian-torch"
+    assert rows["mnll <= 0.3"]["ratio"] == 0.5 and rows["mnll <= 0.3"]["met"]
+    # no peer gets there: met, with no ratio
+    assert rows["mnll <= 0.2"]["ratio"] is None and rows["mnll <= 0.2"]["met"]
+    assert rows["best mnll"]["best_peer"] == "bayesian-torch"
+    assert not rows["best mnll"]["met"]  # 0.15 > 0.14
+    summary[race.OURS]["time_to"]["mnll <= 0.3"]["median"] = 1.01
+    summary[race.OURS]["time_to"]["mnll <= 0.2"]["median"] = None
+    rows = race.ratios(summary, race.OURS)
+    assert not rows["mnll <= 0.3"]["met"]
+    assert rows["mnll <= 0.2"]["ratio"] is None and not rows["mnll <= 0.2"]["met"]
+
+
+def test_time_to_quality_quick_without_peers(tmp_path):
+    # bayesian-torch and ivon packages that fail to import stand for ones not installed,
+    # and NumPyro's environment is missing: their rows are skipped, with a note
+    for name in ("bayesian_torch", "ivon"):
+        fake = tmp_path / "fake" / name
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text("raise ImportError('not installed (test)')\n")
+    out = tmp_path / "out"
+    result = _run(["-m", "benchmarks.bench_time_to_quality", "--quick", "--problems", "digits_mlp",
+                   "--numpyro-python", str(tmp_path / "none" / "python"), "--out", str(out),
+                   "--figures", str(out)], tmp_path,
+                  pythonpath=os.pathsep.join([str(tmp_path / "fake"), ROOT]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for text in ("bayesian-torch is not installed", "ivon-opt is not installed",
+                 "NumPyro's environment", "ours (I-BLM) ÷ best peer (target ≤ 0.5×"):
+        assert text in result.stdout, (text, result.stdout[-3000:])
+    with open(out / "bench_time_to_quality.json") as f:
+        results = json.load(f)
+    problem = results["problems"]["digits_mlp"]
+    assert set(problem["skipped"]) == {"bayesian-torch", "bayesian-torch MOPED", "IVON",
+                                       "NumPyro AutoNormal"}
+    assert set(problem["runs"]) == {"ours (I-BLM)", "ours (trained net)", "Pyro AutoNormal"}
+    for method, (run,) in problem["runs"].items():
+        seconds = [p["seconds"] for p in run["curve"]]
+        # evaluated right after set-up, then at the checkpoints past it, to the budget
+        assert seconds[0] > 0 and seconds == sorted(seconds), (method, seconds)
+        assert seconds[-1] >= results["config"]["budget"], (method, seconds)
+        assert all(0 <= p["error"] <= 1 and p["mnll"] > 0 for p in run["curve"]), method
+    # I-BLM's start is already good; Pyro's AutoNormal from its default init is not
+    ours = problem["runs"]["ours (I-BLM)"][0]["curve"][0]
+    pyro_start = problem["runs"]["Pyro AutoNormal"][0]["curve"][0]
+    assert ours["error"] < 0.2 < pyro_start["error"], (ours, pyro_start)
+    ratios = problem["ratios"]["ours (I-BLM) ÷ best peer"]
+    assert ratios["best mnll"]["best_peer"] == "Pyro AutoNormal"
+    assert problem["ratios"]["ours (trained net) ÷ MOPED"] == {}  # MOPED skipped
+    pytest.importorskip("matplotlib")
+    assert (out / "race.png").exists()

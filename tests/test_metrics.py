@@ -475,3 +475,175 @@ def test_ood_auroc_closed_forms():
 def test_ood_auroc_errors(scores_in, scores_out, error, match):
     with pytest.raises(error, match=match):
         metrics.ood_auroc(scores_in, scores_out)
+
+
+# Streaming accumulators: the same numbers as the functions on all points at once.
+
+# uneven batches, one of a single point
+_BATCHES = [(0, 1), (1, 40), (40, 41), (41, 103)]
+
+
+def _random_classification(dtype=torch.float64, num_samples=7, num_points=103, num_classes=4):
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(num_samples, num_points, num_classes, generator=g, dtype=dtype)
+    y = torch.randint(0, num_classes, (num_points,), generator=g)
+    return logits, y
+
+
+@pytest.mark.parametrize("kind", ["logits", "probs"])
+@pytest.mark.parametrize("num_bins", [1, 15, 40])
+def test_classification_accumulator_equals_functions(kind, num_bins):
+    logits, y = _random_classification()
+    samples = logits if kind == "logits" else logits.softmax(-1)
+    acc = metrics.ClassificationMetrics(num_bins=num_bins)
+    for start, stop in _BATCHES:
+        acc.update(y[start:stop], **{kind: samples[:, start:stop]})
+    expected = metrics.classification_metrics(y, num_bins=num_bins, **{kind: samples})
+    actual = acc.compute()
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert actual[key] == pytest.approx(value, abs=1e-12, rel=0), key
+    cal = acc.calibration()
+    expected_cal = metrics.calibration(y, num_bins=num_bins, **{kind: samples})
+    assert torch.equal(cal.count, expected_cal.count)
+    assert torch.equal(cal.bin_edges, expected_cal.bin_edges)
+    for name in ("ece", "confidence", "accuracy"):
+        # nan in the same (empty) bins
+        torch.testing.assert_close(getattr(cal, name), getattr(expected_cal, name), atol=1e-12,
+                                   rtol=0, equal_nan=True, msg=name)
+
+
+def test_classification_accumulator_single_precision():
+    # float32 batches are summed in float64: as close to the float64 values as
+    # the function on float32 inputs is
+    logits, y = _random_classification()
+    acc = metrics.ClassificationMetrics()
+    for start, stop in _BATCHES:
+        acc.update(y[start:stop], logits=logits[:, start:stop].float())
+    expected = metrics.classification_metrics(y, logits=logits)
+    for key, value in acc.compute().items():
+        assert value == pytest.approx(expected[key], abs=1e-6), key
+
+
+@pytest.mark.parametrize("scale_kind", ["number", "per_sample"])
+@pytest.mark.parametrize("event", [(), (3,)])
+def test_regression_accumulator_equals_functions(scale_kind, event):
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn((103,) + event, generator=g, dtype=torch.float64)
+    loc = y + 0.5 * torch.randn((7,) + y.shape, generator=g, dtype=torch.float64)
+    scale = 0.3 if scale_kind == "number" else 0.1 + torch.rand(loc.shape, generator=g,
+                                                                dtype=torch.float64)
+    acc = metrics.RegressionMetrics()
+    for start, stop in _BATCHES:
+        batch_scale = scale if scale_kind == "number" else scale[:, start:stop]
+        acc.update(y[start:stop], loc=loc[:, start:stop], scale=batch_scale)
+    expected = metrics.regression_metrics(y, loc=loc, scale=scale)
+    actual = acc.compute()
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert actual[key] == pytest.approx(value, abs=1e-12, rel=0), key
+
+
+def test_accumulator_reset_and_sync_without_distributed():
+    logits, y = _random_classification()
+    acc = metrics.ClassificationMetrics()
+    acc.update(y[:10], logits=logits[:, :10])
+    acc.reset()
+    with pytest.raises(ValueError, match=r"compute\(\) before any test point"):
+        acc.compute()
+    acc.update(y[10:], logits=logits[:, 10:])
+    acc.sync()  # no process group: a no-op
+    acc.sync()
+    acc.update(y[:10], logits=logits[:, :10])
+    expected = metrics.classification_metrics(y, logits=logits)
+    for key, value in acc.compute().items():
+        assert value == pytest.approx(expected[key], abs=1e-12, rel=0), key
+
+
+def test_accumulator_errors_leave_the_state_alone():
+    logits, y = _random_classification()
+    acc = metrics.ClassificationMetrics()
+    acc.update(y[:50], logits=logits[:, :50])
+    before = acc.compute()
+    # the functions' checks, with their messages
+    with pytest.raises(ValueError, match="look like probabilities"):
+        acc.update(y[50:], logits=logits[:, 50:].softmax(-1))
+    with pytest.raises(ValueError, match="contains NaN"):
+        acc.update(y[50:], logits=torch.full_like(logits[:, 50:], math.nan))
+    with pytest.raises(ValueError, match=r"this batch has 3 classes, the earlier ones 4"):
+        acc.update(y[50:].clamp(max=2), logits=logits[:, 50:, :3])
+    assert acc.compute() == before
+    with pytest.raises(ValueError, match="num_bins must be a positive integer"):
+        metrics.ClassificationMetrics(num_bins=0)
+    reg = metrics.RegressionMetrics()
+    with pytest.raises(ValueError, match="scale must be positive"):
+        reg.update(y.double(), loc=logits[..., 0], scale=0.0)
+    with pytest.raises(ValueError, match=r"RegressionMetrics.compute\(\) before any test point"):
+        reg.compute()
+
+
+def test_accumulator_ece_matches_torchmetrics():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    logits, y = _random_classification(num_points=500)
+    ours = metrics.ClassificationMetrics()
+    theirs = torchmetrics.classification.MulticlassCalibrationError(num_classes=4, n_bins=15,
+                                                                    norm="l1")
+    for start, stop in [(0, 1), (1, 77), (77, 500)]:
+        ours.update(y[start:stop], logits=logits[:, start:stop])
+        theirs.update(metrics.predictive_probs(logits=logits[:, start:stop]), y[start:stop])
+    assert ours.compute()["ece"] == pytest.approx(theirs.compute().item(), abs=1e-6)
+
+
+def test_ood_auroc_accumulator_equals_function():
+    g = torch.Generator().manual_seed(2)
+    scores_in = torch.randint(0, 20, (103,), generator=g).double()  # ties across batches
+    scores_out = torch.randint(3, 25, (57,), generator=g).double()
+    acc = metrics.OODAUROC()
+    acc.update(scores_in=scores_in[:1])
+    acc.update(scores_in=scores_in[1:40], scores_out=scores_out[:30])
+    acc.update(scores_out=scores_out[30:30])  # an empty batch
+    acc.update(scores_in=scores_in[40:], scores_out=scores_out[30:].float())
+    expected = metrics.ood_auroc(scores_in, scores_out).item()
+    assert acc.compute() == pytest.approx(expected, abs=1e-12, rel=0)
+    acc.sync()  # no process group: a no-op
+    assert acc.compute() == pytest.approx(expected, abs=1e-12, rel=0)
+    acc.reset()
+    acc.update(scores_in=scores_in)
+    with pytest.raises(ValueError, match="needs in- and out-of-distribution scores, got 103 and 0"):
+        acc.compute()
+    with pytest.raises(ValueError, match="pass scores_in=, scores_out= or both"):
+        acc.update()
+    with pytest.raises(ValueError, match="scores_out contains NaN"):
+        acc.update(scores_in=scores_in, scores_out=torch.tensor([math.nan]))
+    acc.update(scores_out=scores_out)  # the failed update added nothing
+    assert acc.compute() == pytest.approx(expected, abs=1e-12, rel=0)
+
+
+def test_ood_auroc_accumulator_matches_torchmetrics():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    g = torch.Generator().manual_seed(3)
+    scores_in = torch.randn(300, generator=g, dtype=torch.float64)
+    scores_out = torch.randn(200, generator=g, dtype=torch.float64) + 0.7
+    ours, theirs = metrics.OODAUROC(), torchmetrics.classification.BinaryAUROC()
+    for start, stop in [(0, 1), (1, 120), (120, 300)]:
+        ours.update(scores_in=scores_in[start:stop], scores_out=scores_out[start:stop])
+        batch = torch.cat([scores_in[start:stop], scores_out[start:stop]])
+        labels = torch.cat([torch.zeros(len(scores_in[start:stop])),
+                            torch.ones(len(scores_out[start:stop]))]).long()
+        theirs.update(batch, labels)
+    assert ours.compute() == pytest.approx(theirs.compute().item(), abs=1e-6)
+
+
+def test_accumulator_sums_half_precision_batches_in_float64():
+    # 3001 is not a float16 number (its neighbours are 3000 and 3002)
+    y = torch.zeros(3001, dtype=torch.long)
+    y[:1001] = 1  # the prediction, class 0, is wrong for these
+    probs = torch.tensor([0.75, 0.25]).expand(1, 3001, 2).half()
+    acc = metrics.ClassificationMetrics()
+    acc.update(y, probs=probs)
+    assert acc.compute()["error_rate"] == 1001 / 3001
+    # every point has confidence 3/4 (a float16 number); 2000 of 3001 are right
+    assert acc.compute()["ece"] == pytest.approx(0.75 - 2000 / 3001, abs=1e-12, rel=0)
+    reg = metrics.RegressionMetrics()
+    reg.update(torch.zeros(3001).half(), loc=torch.ones(1, 3001).half(), scale=1.0)
+    assert reg.compute()["rmse"] == 1.0

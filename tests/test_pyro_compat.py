@@ -17,6 +17,7 @@ from pyro.poutine.messenger import Messenger
 
 from pyro_vinit._pyro_compat import (
     deep_setattr,
+    discrete_site_error,
     helpful_support_errors,
     is_vectorized_particles,
     prefill_log_prob,
@@ -153,9 +154,45 @@ def test_deep_setattr_and_helpful_support_errors():
     assert torch.equal(module.a.b, torch.ones(2))
 
     site = {"name": "w", "fn": dist.Categorical(logits=torch.zeros(3))}
-    with pytest.raises(ValueError, match="discrete sample site 'w'"):
+    with pytest.raises(ValueError, match="discrete sample site 'w'") as error:
         with helpful_support_errors(site):
             raise NotImplementedError("no transform")
+    assert discrete_site_error(error.value) == "w"
+    assert discrete_site_error(ValueError("discrete site 'w'")) is None
+    assert discrete_site_error(TypeError(str(error.value))) is None
+
+
+def test_discrete_site_error_from_an_autoguides_init():
+    # AutoGuide set-up with init_to_feasible on an unobserved discrete site: Pyro's error,
+    # which the guides of pyro_vinit turn into their own message.
+    def classifier():
+        pyro.sample("obs", dist.Categorical(logits=torch.zeros(3)))
+
+    with pytest.raises(ValueError) as error:
+        AutoNormal(classifier)()
+    assert discrete_site_error(error.value) == "obs"
+
+
+def test_setup_prototype_runs_autoguides_own_set_up():
+    from pyro_vinit._pyro_compat import setup_prototype
+
+    guide = AutoNormal(model)
+    setup_prototype(guide)
+    assert set(guide.prototype_trace.stochastic_nodes) == {"a", "simplex", "b"}
+    assert not hasattr(guide, "locs")  # AutoNormal's own set-up did not run
+
+
+def test_guides_call_pyros_private_set_up_only_through_compat():
+    import pathlib
+
+    import pyro_vinit
+
+    root = pathlib.Path(pyro_vinit.__file__).parent
+    offenders = [
+        str(path.relative_to(root)) for path in root.rglob("*.py")
+        if path.name != "_pyro_compat.py" and "AutoGuide._setup_prototype" in path.read_text()
+    ]
+    assert offenders == []
 
 
 def test_autonormal_delta_follows_the_auxiliary_value():

@@ -36,8 +36,12 @@ PUBLIC_MODULES = ["pyro_vinit"] + sorted(
 # Blocks that use a regression model and real-valued targets; all others get
 # the classifier fixtures.
 REGRESSION = {
+    "pyro_vinit.metrics.RegressionMetrics",
     "pyro_vinit.metrics.regression_metrics",
     "pyro_vinit.metrics.rmse",
+    "pyro_vinit.metrics.functional.regression_metrics",
+    "pyro_vinit.metrics.functional.rmse",
+    "pyro_vinit.metrics.streaming.RegressionMetrics",
 }
 
 # id -> the fix the block needs (the test is an expected failure until then).

@@ -47,10 +47,10 @@ import torch
 from pyro.infer import TraceMeanField_ELBO
 from tqdm import tqdm
 
+from benchmarks.gradient_variance import ESTIMATORS, gradient_variance
 from benchmarks.reproduce import common
 from pyro_vinit.data import load_mnist
 from pyro_vinit.poutine import KLAnnealingMessenger, LocalReparamMessenger
-from pyro_vinit.testing.gradient_variance import ESTIMATORS, gradient_variance
 
 MNIST_SIZE = 60000
 LAYERS = ("bottom", "top")

@@ -2,7 +2,7 @@
 
 from contextlib import ExitStack
 from operator import attrgetter
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import pyro
 import pyro.distributions as dist
@@ -11,14 +11,20 @@ import torch
 from pyro.distributions import constraints
 from pyro.distributions.constraints import Constraint
 from pyro.distributions.util import sum_rightmost
-from pyro.infer.autoguide import AutoGuide, AutoNormal
+from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 from pyro.ops.tensor_utils import periodic_repeat
 from pyro.poutine.trace_struct import Trace
 from torch.distributions import biject_to, transform_to
 
-from pyro_vinit._pyro_compat import deep_setattr, helpful_support_errors, unconstrained_param
+from pyro_vinit._pyro_compat import (
+    deep_setattr,
+    discrete_site_error,
+    helpful_support_errors,
+    setup_prototype,
+    unconstrained_param,
+)
 from pyro_vinit._typing import stochastic_sites
 
 __all__ = ["AutoSiteGuide"]
@@ -105,16 +111,57 @@ class AutoSiteGuide(AutoNormal):
     def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
         # AutoGuide's set-up, not AutoNormal's: that one would create a full-size
         # scale for every site, which a subclass may not use (k-tied sites).
-        AutoGuide._setup_prototype(self, *args, **kwargs)
-        self._setup_params()
+        try:
+            try:
+                setup_prototype(self, *args, **kwargs)
+            except ValueError as error:
+                name = discrete_site_error(error)  # from the init strategy
+                if name is None:
+                    raise
+                raise self._unobserved_discrete_error(name) from error
+            self._setup_params()
+        except BaseException:
+            # A failed set-up leaves the guide unset, so that a corrected call sets it up.
+            self.prototype_trace = None
+            raise
+
+    def _setup_if_needed(self, *args: Any, **kwargs: Any) -> None:
+        """Sets the guide up from the model's ``*args, **kwargs`` if it is not yet,
+        or says how to when none are given."""
+        if self.prototype_trace is None and (args or kwargs):
+            self._setup_prototype(*args, **kwargs)
+        self._prototype()
+
+    def _unobserved_discrete_error(self, name: str) -> ValueError:
+        return ValueError(
+            f"{type(self).__name__}: the model's sample site {name!r} is discrete and was "
+            "not observed when the guide was set up, so this continuous guide cannot cover "
+            f"it. If {name!r} is the observation, the guide's first call ran the model "
+            "without it (e.g. Predictive(model, guide=guide)(x) or guide(x) before the guide "
+            "had seen the targets): call the guide once with the data first (guide(x, y), "
+            "one svi.step, or init_guide_iblm), then predict. If it is a discrete latent "
+            "variable, hide it from this guide (poutine.block(model, hide=[...])) and "
+            "enumerate it. The guide is left unset."
+        )
+
+    def _check_unobserved_discrete(self) -> None:
+        for name, site in stochastic_sites(self._prototype()):
+            support = site["fn"].support
+            if support is not None and support.is_discrete:
+                raise self._unobserved_discrete_error(name)
 
     def _setup_params(self) -> None:
         """Creates the parameters from ``self.prototype_trace``."""
+        self._check_unobserved_discrete()
         self._event_dims: Dict[str, int] = {}
         self.locs = PyroModule()
         for name, site in stochastic_sites(self._prototype()):
             with helpful_support_errors(site):
                 init_loc = biject_to(site["fn"].support).inv(site["value"].detach()).detach()
+            # A copy: at a real-support site the bijection is the identity, and a
+            # parameter sharing the prototype's value would share it with every guide
+            # set up from this prototype (AutoKTiedNormal.from_guide).
+            init_loc = init_loc.clone()
             # The unconstrained event dims may differ from the constrained ones (simplex).
             event_dim = site["fn"].event_dim + init_loc.dim() - site["value"].dim()
             self._event_dims[name] = event_dim
@@ -160,7 +207,8 @@ class AutoSiteGuide(AutoNormal):
         if trace is None:
             raise RuntimeError(
                 f"{type(self).__name__} is not set up yet: call the guide once with the "
-                "model's arguments (e.g. guide(x, y), or one svi.step) first."
+                "model's arguments (e.g. guide(x, y), or one svi.step) first; median and "
+                "quantiles take them too (guide.median(x, y))."
             )
         return trace
 
@@ -171,6 +219,45 @@ class AutoSiteGuide(AutoNormal):
                 f"{name!r} is not a latent site of this guide; its sites are "
                 f"{sorted(self._event_dims)}"
             )
+
+    @torch.no_grad()
+    def median(self, *args: Any, **kwargs: Any) -> Dict[str, torch.Tensor]:
+        """
+        Returns the posterior median value of each latent variable.
+
+        :param args: The model's arguments, needed only if the guide has not
+            been called yet (it is then set up from them).
+        :return: A dict mapping sample site name to median tensor.
+        :rtype: dict
+        :raises RuntimeError: if the guide is not set up and no arguments are given.
+        """
+        self._setup_if_needed(*args, **kwargs)
+        # Pyro's method is unannotated; mypy attributes it to this class via super().
+        medians: Dict[str, torch.Tensor] = super().median()  # type: ignore[no-untyped-call]
+        return medians
+
+    @torch.no_grad()
+    def quantiles(
+        self, quantiles: Union[List[float], torch.Tensor], *args: Any, **kwargs: Any
+    ) -> Dict[str, torch.Tensor]:
+        """
+        Returns the marginal posterior quantiles of each latent variable.
+
+        :param quantiles: A list of requested quantiles between 0 and 1.
+        :type quantiles: torch.Tensor or list
+        :param args: The model's arguments, needed only if the guide has not
+            been called yet (it is then set up from them).
+        :return: A dict mapping sample site name to a tensor of quantile values,
+            with the quantiles along a new leftmost dim.
+        :rtype: dict
+        :raises RuntimeError: if the guide is not set up and no arguments are given.
+        """
+        self._setup_if_needed(*args, **kwargs)
+        # Pyro's method is unannotated; mypy attributes it to this class via super().
+        results: Dict[str, torch.Tensor] = super().quantiles(  # type: ignore[no-untyped-call]
+            quantiles
+        )
+        return results
 
     def get_loc_and_scale(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """

@@ -139,6 +139,7 @@ class AutoRadialNormal(AutoSiteGuide):
             with the quantiles along a new leftmost dim.
         :rtype: dict
         """
+        self._setup_if_needed(*args, **kwargs)
         results = {}
         for name, site in stochastic_sites(self._prototype()):
             loc, marginal_scale = self._get_loc_and_scale(name)

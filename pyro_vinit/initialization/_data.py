@@ -54,8 +54,6 @@ class DataPool:
     rows are sliced; other arguments are passed unchanged.
     """
 
-    #: the ranks of a process group over which the rows are spread (None: one process)
-    shards: Any = None
 
     def __init__(self, data: Optional[Data], max_rows: Optional[int] = None):
         if data is None:
@@ -171,14 +169,14 @@ class DataPool:
                  for _ in range(math.ceil(total / self.num_rows))]
         return torch.cat(perms)[:total].reshape(num_batches, batch_size)
 
-    def effective_batch_size(self, batch_size: int, who: str) -> int:
+    def effective_batch_size(self, batch_size: int, who: str, stacklevel: int = 3) -> int:
         """``batch_size``, or the number of rows if that is smaller (with one warning)."""
         if batch_size > self.num_rows:
             warnings.warn(
                 f"{who}: batch_size={batch_size} is larger than the {self.num_rows} rows of "
                 f"data; using batches of {self.num_rows}",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
             return self.num_rows
         return batch_size

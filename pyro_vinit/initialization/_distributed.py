@@ -12,32 +12,17 @@ owns each global position and where the row is in that rank's shard.
 """
 
 import math
-import warnings
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from pyro_vinit.initialization._data import DataPool
-from pyro_vinit.initialization.bayesian_linear_regression import _cholesky
-
-if TYPE_CHECKING:  # _tracing imports this module
-    from pyro_vinit.initialization._tracing import ModelStructure
 
 # exception classes re-raised by name on every rank (others become RuntimeError)
 _ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, KeyError,
                                           IndexError, NotImplementedError)}
-# the BatchNorm synchronization of the run in progress (see ShardedPool.iterate)
-_ACTIVE_NORM_SYNC: Optional["NormSync"] = None
-
-
-def active_norm_sync() -> Optional["NormSync"]:
-    """The :class:`NormSync` that ``F.batch_norm`` calls of the model run in
-    progress must use, or None (statistics of the batch at hand)."""
-    return _ACTIVE_NORM_SYNC
-
-
 class Shards:
     """
     The ranks of a process group and the collectives the initializer uses,
@@ -225,8 +210,6 @@ class ShardedPool(DataPool):
     def __init__(self, shards: Shards, local: DataPool, counts: Sequence[int]):
         self.shards = shards
         self._aligned = local._aligned
-        self.sync_norms = False
-        self._norm_sync = NormSync(shards)
         self.local_args = local.args
         self.counts = [int(c) for c in counts]
 
@@ -276,31 +259,6 @@ class ShardedPool(DataPool):
     def chunks(self, rows_per_chunk: int) -> Iterator[Tuple[Any, ...]]:
         for start in range(0, self.local_rows, rows_per_chunk):
             yield self.select(slice(start, start + rows_per_chunk))
-
-    def iterate(
-        self, chunk_rows: int, block_size: Optional[int]
-    ) -> Iterator[Tuple[Tuple[Any, ...], Optional[torch.Tensor], int]]:
-        """As :meth:`DataPool.iterate` over this rank's rows; with
-        ``sync_norms``, in the chunks of the global pool (every rank runs the
-        model once per global chunk, on its rows of it, or on one row with
-        ``keep = 0`` when it has none) under a :class:`NormSync`, so that
-        batch normalization sees the statistics one process would."""
-        if not self.sync_norms:
-            yield from super().iterate(chunk_rows, block_size)
-            return
-        global _ACTIVE_NORM_SYNC
-        mine = torch.cat([self.owner.new_zeros(1),
-                          (self.owner == self.shards.rank).cumsum(0)])
-        for start in range(0, self.num_rows, chunk_rows):
-            lo, hi = int(mine[start]), int(mine[min(start + chunk_rows, self.num_rows)])
-            has_rows = hi > lo
-            args = self.select(slice(lo, hi) if has_rows else slice(0, 1))
-            self._norm_sync.weight = 1.0 if has_rows else 0.0
-            _ACTIVE_NORM_SYNC = self._norm_sync
-            try:
-                yield args, None, hi - lo
-            finally:
-                _ACTIVE_NORM_SYNC = None
 
     # ---- global statistics ---------------------------------------------------------------------
 
@@ -454,64 +412,3 @@ def all_gather_units(shards: Shards, num_units: int,
     flat = torch.stack(tensors, 1)  # (share, k, width)
     full = shards.all_gather_rows(flat, sizes)
     return tuple(full[:, i] for i in range(len(tensors)))
-
-
-def shared_rows_statistics(x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
-                           group_of: torch.Tensor,
-                           has_bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """
-    ``(X^T L^{-1} X, X^T L^{-1} t)`` per unit, for the rows ``x`` ``(rows,
-    positions, groups, d)`` that every unit shares, targets and noise
-    variances ``(rows, units)`` (each repeated over the positions).
-    """
-    rows, positions, groups, d = x.shape
-    units = t.shape[1]
-    w = noise.reciprocal().repeat_interleave(positions, 0)  # (rows * positions, units)
-    wt = (t * noise.reciprocal()).repeat_interleave(positions, 0)
-    width = d + has_bias
-    gram = x.new_zeros(units, width, width)
-    rhs = x.new_zeros(units, width)
-    for g in range(groups):
-        members = torch.nonzero(group_of == g)[:, 0]
-        xg = x[:, :, g].reshape(rows * positions, d)
-        if has_bias:
-            xg = torch.cat([xg, xg.new_ones(len(xg), 1)], 1)
-        gram[members] = torch.einsum("nd,nu,ne->ude", xg, w[:, members], xg)
-        rhs[members] = (xg.T @ wt[:, members]).T
-    return gram, rhs
-
-
-def solve_statistics(gram: torch.Tensor, rhs: torch.Tensor, prior_loc: torch.Tensor,
-                     prior_scale: torch.Tensor,
-                     jitter: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The posterior mean and precision diagonal of Bayesian linear
-    regressions given their statistics (the primal form of
-    :func:`~pyro_vinit.initialization.bayesian_linear_regression`)."""
-    prior_var = prior_scale.pow(2)
-    a = gram.clone()
-    a.diagonal(dim1=-2, dim2=-1).add_(prior_var.reciprocal())
-    b = rhs + prior_loc / prior_var
-    factor = _cholesky(a, jitter)
-    mean = torch.cholesky_solve(b.unsqueeze(-1), factor).squeeze(-1)
-    return mean, a.diagonal(dim1=-2, dim2=-1).clone()
-
-
-def warn_not_exact(what: str) -> None:
-    warnings.warn(
-        f"init_guide_iblm with a process_group: {what}, so the result is not exactly that "
-        "of one process on the concatenated shards (every rank still gets the same one)",
-        UserWarning, stacklevel=4,
-    )
-
-
-def structure_signature(structure: "ModelStructure") -> Dict[str, Any]:
-    """What the ranks' traces of the model must agree on."""
-    likelihood = structure.likelihood
-    return {
-        "layers": [(layer.weight_name, tuple(layer.weight_shape), layer.role)
-                   for layer in structure.layers],
-        "likelihood": None if likelihood is None else (likelihood.family, likelihood.noise,
-                                                        likelihood.noise_name),
-        "block_size": structure.block_size,
-        "batch_norm": structure.batch_norm,
-    }

@@ -1,13 +1,12 @@
 """
 Reading a model for the data-driven initializers: its Bayesian layers, its
-likelihood and where each layer's output goes, and running it on the data
-with some latent sites set (with
-:class:`~pyro_vinit.poutine.layer_recorder.LayerRecorderMessenger`).
+likelihood and where each layer's output goes (the first pass of
+:func:`prepare`, a run of :func:`~pyro_vinit.initialization._runs.run_model`).
 """
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import pyro.poutine as poutine
 import torch
@@ -27,13 +26,8 @@ from pyro_vinit._pyro_compat import unwrap_init_messenger
 from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
-from pyro_vinit.initialization._distributed import active_norm_sync
-from pyro_vinit.poutine.layer_recorder import (
-    LayerRecorderMessenger,
-    RecordedLayer,
-    StopModel,
-    norm_statistics,
-)
+from pyro_vinit.initialization._runs import observed_site, run_model
+from pyro_vinit.poutine.layer_recorder import LayerRecorderMessenger, RecordedLayer
 
 SUPPORTED_LIKELIHOODS = (
     "Normal or StudentT (regression), Categorical or OneHotCategorical (probs or logits), "
@@ -225,55 +219,6 @@ def guide_medians(guide: AutoGuide, args: Sequence[Any]) -> Dict[str, torch.Tens
         return dict(guide.median(*args))
 
 
-def run_model(
-    model: Callable[..., Any],
-    values: Dict[str, torch.Tensor],
-    args: Sequence[Any],
-    latent: Sequence[str],
-    *,
-    plate_rows: Optional[torch.Tensor] = None,
-    track_flow: bool = False,
-    on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
-    norm_statistics: Optional[Dict[int, List[Any]]] = None,
-    substitute: Optional[Dict[str, torch.Tensor]] = None,
-) -> LayerRecorderMessenger:
-    """Runs ``model(*args)`` with the latent sites set to ``values`` (hidden from
-    any handler outside, e.g. ``local_reparam``) under a layer recorder, which
-    it returns; ``on_layer`` may stop the run (:class:`StopModel`)."""
-    recorder = LayerRecorderMessenger(
-        latent,
-        track_flow=track_flow,
-        plate_subsample=plate_rows,
-        norm_statistics=norm_statistics,
-        on_layer=on_layer,
-        norm_sync=active_norm_sync(),
-    )
-    fn = poutine.condition(model, data=values)
-    if substitute:
-        fn = poutine.substitute(fn, data=substitute)
-    with torch.no_grad(), poutine.block(), recorder:
-        fn(*args)
-    return recorder
-
-
-def observed_site(recorder: LayerRecorderMessenger) -> SampleSite:
-    """The single observed sample site of a recorded run (``pyro.deterministic``
-    sites and plate subsamples are not observations)."""
-    sites = recorder.observed
-    if len(sites) != 1:
-        found = [s["name"] for s in sites]
-        hint = (
-            "call it with its targets, e.g. init_guide_iblm(guide, (x, y))"
-            if not sites
-            else "I-BLM fits one likelihood; combine the observations into one site"
-        )
-        raise ValueError(
-            f"I-BLM needs a model with exactly one observed sample site (its likelihood); "
-            f"found {found}: {hint}"
-        )
-    return sites[0]
-
-
 def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> SampleSite:
     """The single observed sample site of a model trace."""
     sites = [
@@ -291,36 +236,6 @@ def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> SampleSi
             f"likelihood); found {[s['name'] for s in sites]}"
         )
     return sites[0]
-
-
-def iterate_rows(
-    pool: DataPool, chunk_rows: int, block_size: Optional[int]
-) -> Iterator[Tuple[Tuple[Any, ...], Optional[torch.Tensor], int]]:
-    """``(args, plate_rows, keep)`` covering every row of the pool once, in
-    order (:meth:`DataPool.iterate`)."""
-    return pool.iterate(chunk_rows, block_size)
-
-
-def align_rows(tensor: torch.Tensor, what: str, *, n: int, rows: Optional[torch.Tensor],
-               keep: int) -> torch.Tensor:
-    """The rows of ``tensor`` for the block ``rows`` of a chunk of ``n`` rows."""
-    if rows is None:
-        if tensor.dim() == 0 or tensor.shape[0] != n:
-            raise ValueError(
-                f"{what} has shape {tuple(tensor.shape)} for {n} data rows; I-BLM needs the "
-                "data rows along the leading dim"
-            )
-        # keep < n only for a run that a sharded pool makes to take part in collectives
-        return tensor if keep == n else tensor[:keep]
-    if tensor.dim() and tensor.shape[0] == len(rows):
-        return tensor[:keep]
-    if tensor.dim() and tensor.shape[0] == n:
-        return tensor[rows[:keep]]
-    raise ValueError(
-        f"{what} has shape {tuple(tensor.shape)}, neither the {len(rows)} rows of the "
-        f"subsampled plate nor the {n} rows of the data; I-BLM needs the data rows along "
-        "the leading dim"
-    )
 
 
 # ---------------------------------------------------------------------- the first pass
@@ -346,6 +261,13 @@ class Prepared:
     @property
     def latent(self) -> List[str]:
         return self.structure.latent
+
+    @property
+    def likelihood(self) -> Likelihood:
+        """The model's likelihood, read whenever the priors are (``normal_priors=True``)."""
+        if self.structure.likelihood is None:
+            raise RuntimeError("the model's likelihood is read only with normal_priors=True")
+        return self.structure.likelihood
 
 
 def _check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
@@ -466,7 +388,8 @@ def trace_structure(
     return structure, first
 
 
-def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
+def report_uncovered(structure: ModelStructure, strict: bool, who: str,
+                     stacklevel: int = 3) -> None:
     """Names, in one warning (or error if ``strict``), the latent sites that the
     initializer leaves at the guide's own initial values."""
     if not structure.uncovered:
@@ -483,7 +406,7 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
     if strict:
         raise ValueError(message + "; the guide was left unchanged.")
     warnings.warn(message + ". Pass strict=True to make this an error.", UserWarning,
-                  stacklevel=3)
+                  stacklevel=stacklevel)
 
 
 def prepare(
@@ -513,62 +436,3 @@ def prepare(
                     f"{tuple(expected)} in the layer call"
                 )
     return Prepared(pool, guide, sites, structure, first)
-
-
-def capture(
-    model: Callable[..., Any],
-    values: Dict[str, torch.Tensor],
-    args: Sequence[Any],
-    latent: Sequence[str],
-    layer: Layer,
-    *,
-    output: bool = False,
-    plate_rows: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The input (and output) of ``layer`` when ``model(*args)`` runs with the latent
-    sites set to ``values``; the model stops there."""
-    found: Dict[str, torch.Tensor] = {}
-
-    def on_layer(record: RecordedLayer) -> Optional[torch.Tensor]:
-        if record.weight_name == layer.weight_name:
-            found["input"] = record.call.input
-            if output:
-                found["output"] = record.call()
-            raise StopModel
-        return None
-
-    run_model(model, values, args, latent, plate_rows=plate_rows, on_layer=on_layer)
-    if "input" not in found:
-        raise RuntimeError(
-            f"the model did not call the layer with weight {layer.weight_name!r} on these "
-            "arguments; I-BLM needs the same layers to run on every batch"
-        )
-    return found["input"], found.get("output")
-
-
-@torch.no_grad()
-def refresh_norm_statistics(prep: Prepared, values: Dict[str, torch.Tensor],
-                            chunk_rows: int) -> None:
-    """Sets the running statistics of every ``F.batch_norm`` the model calls
-    (``nn.BatchNorm*d``) to the mean and variance of its input over the data
-    with the latent sites at ``values``, so that the model in eval mode
-    computes what the initializer fitted (it normalizes with batch statistics
-    while fitting)."""
-    if not prep.structure.batch_norm:
-        return
-    accumulated: Dict[int, List[Any]] = {}
-    for args, rows, keep in iterate_rows(prep.pool, chunk_rows, prep.structure.block_size):
-        # keep == 0: a run of a sharded pool's rank that has no rows in a chunk
-        run_model(prep.guide.model, values, args, prep.latent, plate_rows=rows,
-                  norm_statistics=accumulated if keep else {})
-    shards = prep.pool.shards
-    if shards is not None:  # the sums over every rank's rows
-        for stats in accumulated.values():
-            total = shards.all_reduce(torch.cat([torch.as_tensor(stats[2]).to(stats[3]).reshape(1),
-                                                 stats[3], stats[4]]))
-            size = (len(total) - 1) // 2
-            stats[2], stats[3], stats[4] = total[0], total[1 : 1 + size], total[1 + size :]
-    for running_mean, running_var, mean, var in norm_statistics(accumulated):
-        running_mean.copy_(mean)
-        if running_var is not None:
-            running_var.copy_(var)

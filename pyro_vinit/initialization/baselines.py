@@ -11,10 +11,10 @@ from pyro.infer.autoguide import AutoGuide
 from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.initialization._data import Data
+from pyro_vinit.initialization._runs import capture
 from pyro_vinit.initialization._tracing import (
     Layer,
     Prepared,
-    capture,
     guide_values,
     prepare,
     trace_observed_site,
@@ -81,7 +81,8 @@ def _lsuv(guide: AutoGuide, prep: Prepared, means: Dict[str, torch.Tensor], batc
     values = guide_values(guide, args, prep.latent)
     for layer in prep.layers:
         for _ in range(max_iters):
-            _, out = capture(model, {**values, **means}, args, prep.latent, layer, output=True)
+            _, out = capture(model, {**values, **means}, args, prep.latent, layer.weight_name,
+                             output=True)
             assert out is not None  # output=True
             var = out.var().item()
             if not math.isfinite(var) or var <= 0:

@@ -4,7 +4,9 @@ functional models with :func:`pyro.sample` and ``F.linear`` or ``@``,
 :class:`~pyro.nn.PyroModule` with :class:`~pyro.nn.PyroSample` weights,
 ``pyro.deterministic`` sites, learned observation noise (a latent site or a
 ``pyro.param``), heteroscedastic heads, BatchNorm/residual CNNs, subsampled
-plates and a Transformer layer.
+plates, a Transformer layer, a siamese net (one weight used twice), an
+:class:`~pyro.infer.autoguide.AutoGuideList` over hidden hyperparameters and a
+model conditioned with :func:`pyro.condition`.
 
 Each :class:`UserModel` bundles a model with a data set that ships with a
 package (no download), so that tests and benchmarks can run it end to end.
@@ -19,13 +21,25 @@ import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro.distributions import constraints
+from pyro.infer.autoguide import AutoDelta, AutoGuide, AutoGuideList, AutoNormal
 from pyro.nn import PyroModule, PyroParam, PyroSample
 from torch import nn
 
 from pyro_vinit.data import load_diabetes, load_digits
 from pyro_vinit.nn import bayesianize
 
-__all__ = ["USER_MODELS", "UserModel", "blobs", "iris"]
+__all__ = [
+    "USER_MODELS",
+    "ResNetBlock",
+    "ResNetClassifier",
+    "SiameseNet",
+    "UserModel",
+    "blobs",
+    "digit_pairs",
+    "hierarchical_regressor",
+    "hyperparameter_guide",
+    "iris",
+]
 
 Split = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -43,6 +57,10 @@ class UserModel:
     :ivar callable predict: ``predict(model, x) -> (mean or logits)``, the
         model's prediction given the latent sites (run under a condition
         handler); None means the model's return value.
+    :ivar callable guide: ``guide(model) -> guide``, the guide the user builds
+        for this model; None means any autoguide of the whole model.
+    :ivar bool conditioned: Whether ``make`` returns the model conditioned on
+        the training targets (called with ``x_train`` alone).
     """
 
     name: str
@@ -50,6 +68,8 @@ class UserModel:
     make: Callable[[int], Callable[..., Any]]
     data: Callable[[], Split]
     predict: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None
+    guide: Optional[Callable[[Callable[..., Any]], AutoGuide]] = None
+    conditioned: bool = False
 
 
 def blobs(num_classes: int = 3, dim: int = 10, n: int = 600, seed: int = 0) -> Split:
@@ -258,6 +278,152 @@ class _TokenTransformer(nn.Module):
         return logits
 
 
+class ResNetBlock(PyroModule):
+    """A residual block of two Bayesian 3x3 convolutions with BatchNorm."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = _bayesian_conv(channels, channels)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = _bayesian_conv(channels, channels)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(h)))
+
+
+def _bayesian_conv(c_in: int, c_out: int) -> nn.Module:
+    # mypy reads PyroModule[...] as PyroModule's own constructor.
+    conv = PyroModule[nn.Conv2d](c_in, c_out, 3, padding=1, bias=False)  # type: ignore[call-arg, arg-type]
+    conv.weight = PyroSample(
+        dist.Normal(0.0, math.sqrt(2.0 / (9 * c_in))).expand([c_out, c_in, 3, 3]).to_event(4)
+    )
+    return conv
+
+
+class ResNetClassifier(PyroModule):
+    """A ResNet-style CNN written with ``PyroModule[nn.Conv2d]`` and PyroSample
+    kernels: a stem convolution, residual blocks with BatchNorm2d, global
+    average pooling and a Bayesian linear head, ``Categorical(logits=...)``."""
+
+    def __init__(self, channels: int = 16, blocks: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = _bayesian_conv(1, channels)
+        self.bn = nn.BatchNorm2d(channels)
+        self.blocks = PyroModule[nn.Sequential](
+            *[ResNetBlock(channels) for _ in range(blocks)]  # type: ignore[arg-type]
+        )
+        self.fc = PyroModule[nn.Linear](channels, classes)  # type: ignore[call-arg, arg-type]
+        self.fc.weight = PyroSample(
+            dist.Normal(0.0, 1.0 / math.sqrt(channels)).expand([classes, channels]).to_event(2)
+        )
+        self.fc.bias = PyroSample(
+            dist.Normal(0.0, 1.0).expand([classes]).to_event(1)
+        )
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(F.relu(self.bn(self.stem(x))))
+        out: torch.Tensor = self.fc(h.mean((-2, -1)))  # global average pooling
+        return out
+
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.logits(x)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+class SiameseNet(PyroModule):
+    """A siamese net: one Bayesian embedding applied to both images of a pair
+    (``pairs[:, 0]`` and ``pairs[:, 1]``, one weight used twice in a forward
+    pass), then ``Bernoulli(logits=...)`` of "same digit" from ``|a - b|``."""
+
+    def __init__(self, d_in: int = 64, width: int = 32) -> None:
+        super().__init__()
+        self.embed = PyroModule[nn.Linear](d_in, width)  # type: ignore[call-arg, arg-type]
+        self.embed.weight = PyroSample(
+            dist.Normal(0.0, 1.0 / math.sqrt(d_in)).expand([width, d_in]).to_event(2)
+        )
+        self.embed.bias = PyroSample(
+            dist.Normal(0.0, 1.0).expand([width]).to_event(1)
+        )
+        self.head = PyroModule[nn.Linear](width, 1)  # type: ignore[call-arg, arg-type]
+        self.head.weight = PyroSample(
+            dist.Normal(0.0, 1.0 / math.sqrt(width)).expand([1, width]).to_event(2)
+        )
+        self.head.bias = PyroSample(
+            dist.Normal(0.0, 1.0).expand([1]).to_event(1)
+        )
+
+    def forward(self, pairs: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        a = torch.tanh(self.embed(pairs[:, 0]))
+        b = torch.tanh(self.embed(pairs[:, 1]))  # the same weight, a second time
+        logits: torch.Tensor = self.head((a - b).abs()).squeeze(-1)
+        with pyro.plate("data", pairs.shape[0]):
+            pyro.sample("obs", dist.Bernoulli(logits=logits), obs=y)
+        return logits
+
+
+def digit_pairs(n: int = 600, seed: int = 0) -> Split:
+    """Pairs of digits images, ``(N, 2, 64)``, labelled 1. when both show the same
+    digit (half of them), split 70 / 30."""
+    x, y, _, _ = load_digits(test_fraction=0.3, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randint(len(x), (n,), generator=g)
+    same = torch.arange(n) % 2 == 0
+    second = torch.empty(n, dtype=torch.long)
+    for i in range(n):
+        pool = (y == y[first[i]]) if same[i] else (y != y[first[i]])
+        candidates = pool.nonzero().squeeze(-1)
+        second[i] = candidates[torch.randint(len(candidates), (), generator=g)]
+    pairs = torch.stack([x[first], x[second]], 1)
+    label = same.float()
+    perm = torch.randperm(n, generator=g)
+    pairs, label = pairs[perm], label[perm]
+    cut = int(0.7 * n)
+    return pairs[:cut], label[:cut], pairs[cut:], label[cut:]
+
+
+def hierarchical_regressor(hidden: int = 50) -> Callable[..., torch.Tensor]:
+    """A functional regression net with a prior scale ``tau`` on the weights and a
+    noise ``sigma``, hyperparameters a user fits by MAP in an
+    :class:`~pyro.infer.autoguide.AutoGuideList` (see :func:`hyperparameter_guide`)."""
+
+    def model(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        tau = pyro.sample("tau", dist.HalfNormal(1.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+        d_in = x.shape[-1]
+        w1 = pyro.sample("w1", dist.Normal(0.0, tau / math.sqrt(d_in))
+                         .expand([hidden, d_in]).to_event(2))
+        b1 = pyro.sample("b1", dist.Normal(0.0, 1.0).expand([hidden]).to_event(1))
+        w2 = pyro.sample("w2", dist.Normal(0.0, tau / math.sqrt(hidden))
+                         .expand([1, hidden]).to_event(2))
+        b2 = pyro.sample("b2", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        mean = F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+        return mean
+
+    return model
+
+
+def hyperparameter_guide(model: Callable[..., Any]) -> AutoGuideList:
+    """The guide of Pyro's forum for :func:`hierarchical_regressor`: an AutoNormal
+    over the weights (the hyperparameters hidden from it) and an AutoDelta
+    (MAP) over ``tau`` and ``sigma``."""
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"])))
+    guide.append(AutoDelta(pyro.poutine.block(model, expose=["tau", "sigma"])))
+    return guide
+
+
+def _conditioned_regressor(num_data: int) -> Callable[..., Any]:
+    # Conditioned on the training targets of the data below, as a user writes it.
+    y = _standardized_diabetes()[1]
+    return pyro.condition(MatmulRegressor(10, noise="halfnormal"), data={"obs": y})
+
+
 def _net(model: Classifier, x: torch.Tensor) -> torch.Tensor:
     logits: torch.Tensor = model.net(x)
     return logits
@@ -282,5 +448,13 @@ USER_MODELS: Dict[str, UserModel] = {
                   load_digits, _net),
         UserModel("transformer", "classification",
                   lambda n: Classifier(bayesianize(_TokenTransformer()), n), load_digits, _net),
+        UserModel("resnet_pyrosample", "classification", lambda n: ResNetClassifier(),
+                  _digits_images, lambda m, x: m.logits(x)),
+        UserModel("siamese", "classification", lambda n: SiameseNet(), digit_pairs),
+        UserModel("guide_list_hyperparameters", "regression",
+                  lambda n: hierarchical_regressor(), _standardized_diabetes,
+                  guide=hyperparameter_guide),
+        UserModel("conditioned", "regression", _conditioned_regressor,
+                  _standardized_diabetes, conditioned=True),
     ]
 }

@@ -11,7 +11,8 @@ from torch import nn
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.guides import AutoSiteGuide, site_params
-from pyro_vinit.initialization._tracing import capture, guide_values, prepare
+from pyro_vinit.initialization._runs import capture
+from pyro_vinit.initialization._tracing import guide_values, prepare
 from pyro_vinit.initialization.baselines import METHODS
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from tests.common import assert_close
@@ -84,7 +85,7 @@ def test_lsuv_unit_output_variance(digits):
     prep = prepare(guide, (x, y), 10_000, 4096, normal_priors=False)
     values = {**guide_values(guide, (x, y), prep.latent), **guide.median()}
     for layer in prep.layers:
-        _, out = capture(guide.model, values, (x, y), prep.latent, layer, output=True)
+        _, out = capture(guide.model, values, (x, y), prep.latent, layer.weight_name, output=True)
         assert abs(out.var().item() - 1) < 0.1, layer.weight_name
 
 

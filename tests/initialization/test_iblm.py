@@ -510,10 +510,11 @@ def test_local_hidden_batches_fit_the_toy_function():
 
 
 def test_local_batches_are_slabs():
-    from pyro_vinit.initialization.iblm import _local_batches
+    from pyro_vinit.initialization._collective import LocalCollective
+    from pyro_vinit.initialization._minibatches import local_batches
 
     x = torch.linspace(0, 1, 50)[torch.randperm(50)][:, None]
-    idx = _local_batches(x, num_units=7, batch_size=10)
+    idx = local_batches(x, num_units=7, batch_size=10, num_rows=50, collective=LocalCollective())
     assert idx.shape == (7, 10)
     for rows in idx:  # 10 consecutive values of x along +-1
         values = x[rows, 0].sort().values

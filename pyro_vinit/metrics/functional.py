@@ -1,42 +1,25 @@
-"""
-Test metrics of Bayesian predictive distributions estimated from posterior
-samples.
-
-Every function takes the targets ``y`` and the per-sample parameters of the
-likelihood, with the posterior samples along the leftmost dimension (as
-:class:`~pyro.infer.Predictive` stacks them):
-
-- classification: ``logits`` (or ``probs``) of shape ``(S, N, C)`` and integer
-  labels ``y`` of shape ``(N,)``;
-- regression: means ``loc`` of shape ``(S,) + y.shape`` and, where a density is
-  needed, the likelihood's standard deviation ``scale`` (a number or a tensor
-  broadcastable to ``loc``).
-
-Sampled labels, as :class:`~pyro.infer.Predictive` returns them for the
-observed site of a classifier, carry less information than the per-sample
-probabilities and are refused with a pointer to the logits.
-
-Inputs that would give a plausible but wrong number are refused with an error
-that says what to pass instead: ``logits`` whose every row is non-negative and
-sums to 1 (probabilities: pass ``probs=``), NaN in any input (a diverged model
-would otherwise get a finite error rate or entropy), ``+inf`` logits, and
-one-hot labels (pass class indices, ``y.argmax(-1)``). Labels may have any
-integer dtype, or be floats holding whole numbers.
-
-The Monte Carlo predictive distribution is the mixture of the ``S``
-likelihoods, :math:`p(y \\mid x) \\approx \\frac{1}{S} \\sum_s p(y \\mid x, w_s)`.
-
-Usage::
-
-    predictive = Predictive(model, guide=guide, num_samples=100, return_sites=["_RETURN"])
-    logits = predictive(x_test)["_RETURN"]            # (100, N, C) for BayesianClassifier
-    metrics.classification_metrics(y_test, logits=logits)
-"""
+"""Metrics of a whole test set held in memory as posterior samples."""
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple, Union, overload
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
+
+from pyro_vinit.metrics._math import (
+    _bin_edges,
+    _brier,
+    _calibration_sums,
+    _check_not_nan,
+    _check_num_bins,
+    _class_log_probs,
+    _class_nll,
+    _entropy,
+    _errors,
+    _predictive_log_probs,
+    _regression_inputs,
+    _regression_nll,
+    _squared_errors,
+)
 
 __all__ = [
     "Calibration",
@@ -55,197 +38,39 @@ __all__ = [
     "uncertainty_decomposition",
 ]
 
-# How far from 1 the row sums of non-negative "logits" may be for them to be
-# taken for probabilities (loose enough for probabilities saved in float16 or
-# rounded to a few decimals).
-_PROBS_ATOL = 1e-3
+
+class Calibration(NamedTuple):
+    """
+    Expected calibration error with the data of a reliability diagram (see
+    :func:`calibration`). Per-bin statistics are ``nan`` for empty bins.
+
+    :ivar torch.Tensor ece: The expected calibration error (0-dim).
+    :ivar torch.Tensor bin_edges: ``num_bins + 1`` edges from 0 to 1; bin ``b``
+        is the interval ``(bin_edges[b], bin_edges[b + 1]]``.
+    :ivar torch.Tensor confidence: Mean confidence of the points in each bin.
+    :ivar torch.Tensor accuracy: Fraction of correct predictions in each bin.
+    :ivar torch.Tensor count: Number of points in each bin (integers).
+    """
+
+    ece: torch.Tensor
+    bin_edges: torch.Tensor
+    confidence: torch.Tensor
+    accuracy: torch.Tensor
+    # The public field shadows tuple.count (a method), which a Calibration never needs.
+    count: torch.Tensor  # type: ignore[assignment]
 
 
-def _check_samples(
-    name: str, samples: torch.Tensor, y: Optional[torch.Tensor], extra_dims: int
-) -> None:
-    if not isinstance(samples, torch.Tensor) or not isinstance(y, (torch.Tensor, type(None))):
-        raise TypeError(
-            f"expected tensors for {name} and y, "
-            f"got {type(samples).__name__} and {type(y).__name__}"
-        )
-    expected = samples.shape[1 : samples.dim() - extra_dims]
-    if samples.dim() < 1 + extra_dims + 1 or (y is not None and expected != y.shape):
-        what = "(S,) + y.shape + (C,)" if extra_dims else "(S,) + y.shape"
-        got = "" if y is None else f" and y.shape = {tuple(y.shape)}"
-        raise ValueError(
-            f"{name} must have shape {what} with the posterior samples on the left, "
-            f"got {name}.shape = {tuple(samples.shape)}{got}; "
-            "for a single prediction use .unsqueeze(0), "
-            "for a (N, 1) network output use .squeeze(-1)"
-        )
-
-
-def _check_not_nan(name: str, value: torch.Tensor) -> None:
-    # A NaN would otherwise come out as NaN from some metrics and as a plausible
-    # number from others (argmax, binning, 0 * log 0 guards), so it is refused.
-    if value.is_floating_point():
-        nan = value.isnan()
-        if nan.any():
-            first = tuple(int(i) for i in nan.nonzero()[0])
-            raise ValueError(
-                f"{name} contains NaN ({int(nan.sum())} of {value.numel()} values, the first "
-                f"at index {first}); a metric of it would be meaningless: check the model and "
-                "the guide for divergence (e.g. a smaller learning rate), or drop those points"
-            )
-
-
-def _looks_one_hot(y: torch.Tensor) -> bool:
-    return bool(((y == 0) | (y == 1)).all() and (y.sum(-1) == 1).all())
-
-
-def _labels(y: torch.Tensor, samples: torch.Tensor, name: str) -> torch.Tensor:
-    # Class indices (N,) as long, or a clear error; checked before the shape so
-    # that one-hot labels get their own message.
-    num_classes = samples.shape[-1]
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"expected a tensor of labels y, got {type(y).__name__}")
-    if y.dim() >= 1 and y.shape == samples.shape[1:] and samples.dim() == 3:
-        kind = "one-hot labels" if _looks_one_hot(y) else "a class dimension"
-        raise ValueError(
-            f"y has shape {tuple(y.shape)} = {name}.shape[1:], as {kind} would: the metrics "
-            f"take class indices of shape (N,) in [0, {num_classes}); pass y.argmax(-1)"
-        )
-    if y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(
-            f"classification targets y must be integer class indices, got dtype {y.dtype}; "
-            "pass y.long()"
-        )
-    if y.is_floating_point():
-        _check_not_nan("y", y)
-        if not bool((y == y.round()).all()):
-            raise ValueError(
-                "classification targets y must be integer class indices, got floats that are "
-                f"not whole numbers (dtype {y.dtype}); pass the class indices, e.g. "
-                "probs.argmax(-1) for probability targets"
-            )
-    # every integer dtype (int32 from numpy, uint8 from image files, ...) becomes
-    # long, the index type that gather and one_hot need
-    return y.long()
-
-
-@overload
-def _class_log_probs(
-    y: torch.Tensor, logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
-) -> Tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@overload
-def _class_log_probs(
-    y: None, logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
-) -> Tuple[torch.Tensor, None]: ...
-
-
-def _class_log_probs(
-    y: Optional[torch.Tensor], logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    # Per-sample log class probabilities (S, N, C) and the labels as long.
-    if logits is not None and probs is None:
-        samples, name = logits, "logits"
-    elif probs is not None and logits is None:
-        samples, name = probs, "probs"
-    else:
-        raise ValueError("pass exactly one of logits= or probs= (shape (S, N, C))")
-    if isinstance(samples, torch.Tensor) and not samples.is_floating_point():
-        raise ValueError(
-            f"{name} must be floating point of shape (S, N, C), got dtype {samples.dtype} and "
-            f"shape {tuple(samples.shape)}; sampled labels (Predictive's observed site) are "
-            "not class probabilities: return the logits (return_sites=['_RETURN'] for "
-            "BayesianClassifier), or pass probs=F.one_hot(labels, C).float() for the cruder "
-            "estimate from labels"
-        )
-    if y is not None and isinstance(samples, torch.Tensor):
-        y = _labels(y, samples, name)
-    _check_samples(name, samples, y, extra_dims=1)
-    if samples.dim() != 3:
-        raise ValueError(f"{name} must have shape (S, N, C), got {tuple(samples.shape)}")
-    _check_not_nan(name, samples)
-    if y is not None:
-        num_classes = samples.shape[-1]
-        if y.numel() and (y.min() < 0 or y.max() >= num_classes):
-            raise ValueError(
-                f"labels y must lie in [0, {num_classes}), "
-                f"got min {int(y.min())} and max {int(y.max())}"
-            )
-    if logits is not None:
-        if (logits == math.inf).any():
-            raise ValueError(
-                "logits contain +inf, which has no softmax; -inf (probability 0) is allowed"
-            )
-        if (logits == -math.inf).all(-1).any():
-            raise ValueError("a row of logits is -inf for every class: no class has mass")
-        if (
-            logits.numel()
-            and logits.shape[-1] > 1
-            and (logits >= 0).all()
-            and ((logits.sum(-1) - 1).abs() <= _PROBS_ATOL).all()
-        ):
-            # Softmax of probabilities is a flattened, wrong distribution; genuine
-            # logits with every row on the simplex are all but impossible.
-            raise ValueError(
-                "logits look like probabilities (every row is non-negative and sums to 1): "
-                "pass them as probs= instead; if they really are logits, add a constant "
-                "(the softmax does not change)"
-            )
-        return torch.log_softmax(logits, dim=-1), y
-    if (samples < 0).any() or not torch.allclose(samples.sum(-1), samples.new_ones(())):
-        raise ValueError(
-            "probs must be non-negative and sum to 1 over the last dimension; "
-            "pass logits or log-probabilities as logits="
-        )
-    return samples.log(), y
-
-
-@overload
-def _regression_inputs(
-    y: Optional[torch.Tensor], loc: torch.Tensor, scale: Union[float, torch.Tensor]
-) -> torch.Tensor: ...
-
-
-@overload
-def _regression_inputs(y: Optional[torch.Tensor], loc: torch.Tensor, scale: None) -> None: ...
-
-
-def _regression_inputs(
-    y: Optional[torch.Tensor], loc: torch.Tensor, scale: Union[float, torch.Tensor, None]
-) -> Optional[torch.Tensor]:
-    # Checks the per-sample means (and targets); returns scale as a tensor.
-    _check_samples("loc", loc, y, extra_dims=0)
-    _check_not_nan("loc", loc)
-    if y is not None:
-        _check_not_nan("y", y)
-    if scale is None:
-        return None
-    scale = torch.as_tensor(scale, dtype=loc.dtype, device=loc.device)
-    if not (scale > 0).all():
-        # NaN fails the comparison too
-        raise ValueError(f"scale must be positive (and not NaN), got min {scale.min().item()}")
-    try:
-        # torch.broadcast_shapes is unannotated.
-        shape = torch.broadcast_shapes(scale.shape, loc.shape)  # type: ignore[no-untyped-call]
-    except RuntimeError:
-        shape = None
-    if shape != loc.shape:
-        raise ValueError(
-            f"scale of shape {tuple(scale.shape)} must broadcast to loc.shape = "
-            f"{tuple(loc.shape)} (a number, a per-point (N,) tensor, or per sample (S, N))"
-        )
-    return scale
-
-
-def _predictive_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
-    # log of the Monte Carlo mixture (N, C): logsumexp over samples minus log S
-    return torch.logsumexp(log_probs, dim=0) - math.log(log_probs.shape[0])
-
-
-def _entropy(log_p: torch.Tensor) -> torch.Tensor:
-    # over the last dimension; xlogy-style: a class of zero probability adds 0, not nan
-    return -torch.where(log_p > -math.inf, log_p.exp() * log_p, log_p.new_zeros(())).sum(-1)
+def _calibration_from_sums(
+    count: torch.Tensor, sum_conf: torch.Tensor, sum_correct: torch.Tensor
+) -> Calibration:
+    ece = (sum_correct - sum_conf).abs().sum() / count.sum()
+    denom = count.to(sum_conf.dtype)
+    empty = count == 0
+    nan = sum_conf.new_full((), math.nan)
+    confidence = torch.where(empty, nan, sum_conf / denom.clamp(min=1))
+    accuracy = torch.where(empty, nan, sum_correct / denom.clamp(min=1))
+    edges = _bin_edges(len(count), sum_conf.dtype, sum_conf.device)
+    return Calibration(ece, edges, confidence, accuracy, count)
 
 
 def predictive_probs(
@@ -316,12 +141,9 @@ def mnll(
                 "standard deviation)"
             )
         scale = _regression_inputs(y, loc, scale)
-        log_p = torch.distributions.Normal(loc, scale).log_prob(y)
-        log_p = log_p.reshape(log_p.shape[:2] + (-1,)).sum(-1)  # (S, N)
-        return -_predictive_log_probs(log_p).mean()
+        return _regression_nll(y, loc, scale).mean()
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = log_probs.gather(-1, y.expand(log_probs.shape[:-1]).unsqueeze(-1)).squeeze(-1)
-    return -_predictive_log_probs(log_p).mean()
+    return _class_nll(log_probs, y).mean()
 
 
 def rmse(y: torch.Tensor, *, loc: torch.Tensor) -> torch.Tensor:
@@ -345,7 +167,7 @@ def rmse(y: torch.Tensor, *, loc: torch.Tensor) -> torch.Tensor:
     :return: A 0-dim tensor.
     """
     _regression_inputs(y, loc, None)
-    return (loc.mean(0) - y).pow(2).mean().sqrt()
+    return _squared_errors(y, loc).mean().sqrt()
 
 
 def error_rate(
@@ -365,8 +187,7 @@ def error_rate(
     :return: A 0-dim tensor in [0, 1].
     """
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = _predictive_log_probs(log_probs)
-    return (log_p.argmax(-1) != y).to(log_p.dtype).mean()
+    return _errors(_predictive_log_probs(log_probs), y).mean()
 
 
 def brier_score(
@@ -393,9 +214,7 @@ def brier_score(
     [1] Brier (1950) "Verification of forecasts expressed in terms of probability"
     """
     log_probs, y = _class_log_probs(y, logits, probs)
-    p = _predictive_log_probs(log_probs).exp()
-    one_hot = torch.nn.functional.one_hot(y, p.shape[-1]).to(p.dtype)
-    return (p - one_hot).pow(2).sum(-1).mean()
+    return _brier(_predictive_log_probs(log_probs), y).mean()
 
 
 def predictive_entropy(
@@ -514,13 +333,13 @@ def uncertainty_decomposition(
     return UncertaintyDecomposition(total, aleatoric, epistemic)
 
 
-def _check_scores(name: str, scores: torch.Tensor) -> None:
+def _check_scores(name: str, scores: torch.Tensor, allow_empty: bool = False) -> None:
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"expected a tensor for {name}, got {type(scores).__name__}")
-    if scores.dim() != 1 or not scores.numel():
+    if scores.dim() != 1 or not (scores.numel() or allow_empty):
         raise ValueError(
-            f"{name} must be a non-empty tensor of shape (N,), one score per point, got shape "
-            f"{tuple(scores.shape)}"
+            f"{name} must be a {'' if allow_empty else 'non-empty '}tensor of shape (N,), one "
+            f"score per point, got shape {tuple(scores.shape)}"
         )
     if scores.is_complex():
         raise ValueError(f"{name} must be real, got dtype {scores.dtype}")
@@ -580,27 +399,6 @@ def ood_auroc(scores_in: torch.Tensor, scores_out: torch.Tensor) -> torch.Tensor
     return (u / (n_in * n_out)).to(dtype)
 
 
-class Calibration(NamedTuple):
-    """
-    Expected calibration error with the data of a reliability diagram (see
-    :func:`calibration`). Per-bin statistics are ``nan`` for empty bins.
-
-    :ivar torch.Tensor ece: The expected calibration error (0-dim).
-    :ivar torch.Tensor bin_edges: ``num_bins + 1`` edges from 0 to 1; bin ``b``
-        is the interval ``(bin_edges[b], bin_edges[b + 1]]``.
-    :ivar torch.Tensor confidence: Mean confidence of the points in each bin.
-    :ivar torch.Tensor accuracy: Fraction of correct predictions in each bin.
-    :ivar torch.Tensor count: Number of points in each bin (integers).
-    """
-
-    ece: torch.Tensor
-    bin_edges: torch.Tensor
-    confidence: torch.Tensor
-    accuracy: torch.Tensor
-    # The public field shadows tuple.count (a method), which a Calibration never needs.
-    count: torch.Tensor  # type: ignore[assignment]
-
-
 def calibration(
     y: torch.Tensor,
     *,
@@ -642,28 +440,12 @@ def calibration(
     [3] Niculescu-Mizil, Caruana (2005) "Predicting Good Probabilities with
     Supervised Learning"
     """
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
+    _check_num_bins(num_bins)
     log_probs, y = _class_log_probs(y, logits, probs)
-    log_p = _predictive_log_probs(log_probs)
     if y.numel() == 0:
         raise ValueError("calibration needs at least one test point")
-    log_conf, pred = log_p.max(-1)
-    conf = log_conf.exp()
-    correct = (pred == y).to(conf.dtype)
-    edges = torch.linspace(0, 1, num_bins + 1, dtype=conf.dtype, device=conf.device)
-    # right=False: bin b holds (edges[b], edges[b + 1]]
-    index = torch.bucketize(conf, edges[1:-1]).clamp(max=num_bins - 1)
-    count = torch.bincount(index, minlength=num_bins)
-    sum_conf = conf.new_zeros(num_bins).index_add_(0, index, conf)
-    sum_correct = conf.new_zeros(num_bins).index_add_(0, index, correct)
-    ece = (sum_correct - sum_conf).abs().sum() / y.numel()
-    denom = count.to(conf.dtype)
-    empty = count == 0
-    nan = conf.new_full((), math.nan)
-    confidence = torch.where(empty, nan, sum_conf / denom.clamp(min=1))
-    accuracy = torch.where(empty, nan, sum_correct / denom.clamp(min=1))
-    return Calibration(ece, edges, confidence, accuracy, count)
+    count, sum_conf, sum_correct = _calibration_sums(_predictive_log_probs(log_probs), y, num_bins)
+    return _calibration_from_sums(count, sum_conf, sum_correct)
 
 
 def expected_calibration_error(
@@ -738,3 +520,5 @@ def regression_metrics(
     :rtype: dict
     """
     return {"rmse": rmse(y, loc=loc).item(), "mnll": mnll(y, loc=loc, scale=scale).item()}
+
+

@@ -1,4 +1,4 @@
-"""The benchmarks' timing helper (pyro_vinit.testing.timing), on a fake clock."""
+"""The benchmarks' timing helper (benchmarks/harness.py), on a fake clock."""
 
 import json
 import math
@@ -8,13 +8,17 @@ import pyro
 import pytest
 import torch
 
-from pyro_vinit.testing.timing import (
+from benchmarks.harness import (
+    RESULTS,
     Ratio,
     Timings,
     fit_exponent,
     fit_fixed_and_rate,
     host_info,
+    make_parser,
     markdown_table,
+    parse_args,
+    result_stem,
     schedule,
     set_threads,
     time_interleaved,
@@ -226,3 +230,43 @@ def test_fit_fixed_and_rate():
                         ([-1.0, 2.0], [1.0, 1.0])]:
         with pytest.raises(ValueError):
             fit_fixed_and_rate(work, times)
+
+
+def test_make_parser_common_options():
+    args = parse_args(make_parser("A benchmark.\n\nMore."), [])
+    assert vars(args) == {"quick": False, "threads": 1, "out": RESULTS, "tag": ""}
+    assert make_parser("A benchmark.\n\nMore.").description == "A benchmark."
+    args = parse_args(make_parser(None, threads=False, out=False, tag=False,
+                                  timing=(10, 5, 3)), ["--rounds", "4"])
+    assert vars(args) == {"quick": False, "rounds": 4, "block": 5, "warmup": 3}
+
+
+def test_parse_args_quick_overrides_what_was_given():
+    parser = make_parser(None, timing=(10, 5, 3))
+    parser.add_argument("--sizes", type=int, nargs="+", default=[784, 10])
+    quick = {"rounds": 2, "sizes": [20, 3]}
+    args = parse_args(parser, ["--rounds", "7"], quick=quick)
+    assert args.rounds == 7 and args.sizes == [784, 10]
+    args = parse_args(parser, ["--quick", "--rounds", "7", "--block", "4"], quick=quick)
+    assert args.rounds == 2 and args.sizes == [20, 3] and args.block == 4
+    with pytest.raises(ValueError, match="'size'"):
+        parse_args(parser, ["--quick"], quick={"size": 1})
+
+
+@pytest.mark.parametrize("option", ["--threads", "--rounds", "--block"])
+def test_parse_args_rejects_nonpositive(option, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(make_parser(None, timing=(10, 5, 3)), [option, "0"])
+    assert f"{option} must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_result_stem():
+    args = parse_args(make_parser(None), ["--out", "/r"])
+    assert result_stem(args, "bench_x") == os.path.join("/r", "bench_x")
+    # a tag is joined with one underscore, given with it or without
+    for tag in ("1thread", "_1thread"):
+        args = parse_args(make_parser(None), ["--out", "/r", "--tag", tag])
+        assert result_stem(args, "bench_x") == os.path.join("/r", "bench_x_1thread")
+    # a script without --tag
+    args = parse_args(make_parser(None, tag=False), ["--out", "/r"])
+    assert result_stem(args, "bench_x") == os.path.join("/r", "bench_x")

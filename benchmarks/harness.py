@@ -1,13 +1,19 @@
 """
-Side-by-side timing for benchmarks: several configurations run in
+What the benchmark scripts share: the command line (:func:`make_parser`,
+:func:`parse_args`: ``--quick``, ``--threads``, ``--out``, ``--tag`` and the
+timing options), the result files (:func:`result_stem`, :func:`write_json`
+and :func:`write_report`: results with the host's versions, threads and load
+average), and side-by-side timing: several configurations run in
 interleaved rounds (each runs a block of steps per round, in an order that
 rotates from round to round), so that the load of a shared machine hits all
 of them alike; each configuration's time is the median over rounds of its
 per-step time, and a ratio of two configurations is computed within each
-round, then summarized by its median and range. Shared by the scripts under
-``benchmarks/``, which also use :func:`set_threads`, :func:`write_json`
-(results with the host's versions, threads and load average),
-:func:`markdown_table` and :func:`fit_exponent`.
+round, then summarized by its median and range (:func:`time_interleaved`).
+Also :func:`markdown_table`, :func:`fit_exponent` and
+:func:`fit_fixed_and_rate`.
+
+The scripts import it as ``benchmarks.harness``: they run as modules from
+the repository's root, ``python -m benchmarks.bench_floor``.
 
 Usage::
 
@@ -17,6 +23,7 @@ Usage::
     timings.median_ms("LRT"), timings.ratio("LRT", "plain").median
 """
 
+import argparse
 import datetime
 import json
 import math
@@ -31,18 +38,93 @@ import pyro
 import torch
 
 __all__ = [
+    "RESULTS",
     "Ratio",
     "Timings",
     "fit_exponent",
     "fit_fixed_and_rate",
     "host_info",
+    "make_parser",
     "markdown_table",
+    "parse_args",
+    "result_stem",
     "schedule",
     "set_threads",
     "time_interleaved",
     "write_json",
     "write_report",
 ]
+
+
+#: The default folder of the result files.
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def make_parser(doc: Optional[str], *, threads: bool = True, out: bool = True, tag: bool = True,
+                timing: Optional[Tuple[int, int, int]] = None,
+                quick_help: str = "smoke run, no files") -> argparse.ArgumentParser:
+    """
+    The options every benchmark script has: ``--quick``, and unless switched off
+    ``--threads`` (default 1), ``--out`` (the folder of the result files,
+    default :data:`RESULTS`) and ``--tag`` (a suffix of their names); with
+    ``timing=(rounds, block, warmup)`` also ``--rounds``, ``--block`` and
+    ``--warmup`` of :func:`time_interleaved`, with those defaults.
+
+    :param str doc: The script's docstring; its first paragraph describes it.
+    """
+    description = None if doc is None else doc.strip().split("\n\n")[0]
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    if threads:
+        parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    if timing is not None:
+        rounds, block, warmup = timing
+        parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds")
+        parser.add_argument("--block", type=int, default=block, help="steps per block")
+        parser.add_argument("--warmup", type=int, default=warmup,
+                            help="untimed steps per configuration")
+    if out:
+        parser.add_argument("--out", default=RESULTS, help="folder of the result files")
+    if tag:
+        parser.add_argument("--tag", default="",
+                            help="suffix of the result files' names (e.g. 1thread)")
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None, *,
+               quick: Optional[Mapping[str, Any]] = None) -> argparse.Namespace:
+    """
+    Parses the command line; with ``--quick``, sets the options in ``quick``
+    (the smoke run's sizes), whatever was given. Refuses a ``--threads`` or a
+    timing option below 1.
+
+    :param parser: From :func:`make_parser`.
+    :param list argv: The arguments (default ``sys.argv[1:]``).
+    :param dict quick: The values of ``--quick``, by option name (``dest``).
+    """
+    args = parser.parse_args(argv)
+    for name in ("threads", "rounds", "block"):
+        value = getattr(args, name, 1)
+        if value < 1:
+            parser.error(f"--{name} must be at least 1, got {value}")
+    if args.quick:
+        for name, value in (quick or {}).items():
+            if not hasattr(args, name):
+                raise ValueError(f"quick sets {name!r}, which is no option of this script")
+            setattr(args, name, value)
+    return args
+
+
+def result_stem(args: argparse.Namespace, name: str) -> str:
+    """
+    The path of a script's result files without the suffix: ``name`` in
+    ``args.out``, with ``_`` and ``args.tag`` appended if a tag was given
+    (``--tag 1thread`` and ``--tag _1thread`` both give ``name_1thread``).
+    """
+    tag = getattr(args, "tag", "")
+    if tag:
+        name += tag if tag.startswith("_") else "_" + tag
+    return os.path.join(args.out, name)
 
 
 def schedule(names: Sequence[str], rounds: int) -> List[List[str]]:

@@ -2,8 +2,8 @@
 The gradient-variance measurement of Kingma et al. [1] (Table 1): the
 variance, over minibatches and weight noise, of the gradient of an ELBO with
 respect to chosen parameters, for each estimator of the weight noise. Shared
-by ``examples/gradient_variance.py``, ``benchmarks/bench_gradient_variance.py`` and
-``benchmarks/reproduce/lrt.py``.
+by ``benchmarks/bench_gradient_variance.py`` and ``benchmarks/reproduce/lrt.py``
+(``examples/gradient_variance.py`` writes the same measurement out).
 
 Usage::
 

@@ -1,0 +1,87 @@
+"""I-BLM's fitted layers and noise, and step 4: writing them into the guide."""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from pyro_vinit.guides.site_params import set_loc_and_scale
+from pyro_vinit.initialization._regressions import unit_priors
+from pyro_vinit.initialization._rollback import write_param
+from pyro_vinit.initialization._tracing import Layer, Prepared
+
+
+@dataclass
+class Fit:
+    """A layer's fitted per-weight means and variances, in the op's layout
+    (``(units, fan_in [+ 1 for a latent bias])``)."""
+
+    layer: Layer
+    mean: torch.Tensor
+    var: torch.Tensor
+
+    def site_values(
+        self, site_shape: Callable[[str], torch.Size]
+    ) -> Dict[str, Tuple[torch.Tensor, ...]]:
+        """``{site: (mean, var)}`` in each site's layout."""
+        layer, d = self.layer, self.layer.fan_in
+        out = {
+            layer.weight_name: tuple(
+                layer.to_site(layer.weight_name, t[:, :d], site_shape(layer.weight_name))
+                for t in (self.mean, self.var)
+            )
+        }
+        if layer.bias_name is not None:
+            out[layer.bias_name] = tuple(
+                layer.to_site(layer.bias_name, t[:, d], site_shape(layer.bias_name))
+                for t in (self.mean, self.var)
+            )
+        return out
+
+
+@dataclass
+class NoiseFit:
+    """The estimated observation noise std, and the unconstrained value that
+    gives it to the noise site or param ``name`` (None for a scale head or a
+    fixed scale)."""
+
+    sigma: torch.Tensor
+    name: Optional[str]
+    level: Optional[torch.Tensor]
+
+
+def stage(site_shape: Callable[[str], torch.Size], values: Dict[str, torch.Tensor],
+          fits: Dict[str, Fit], fit: Fit, propagate: str) -> None:
+    """Records a fit and sets the layer's sites in ``values`` (its mean, or a
+    draw with ``propagate="sample"``) for the model runs that follow."""
+    fits[fit.layer.weight_name] = fit
+    for name, (mean, var) in fit.site_values(site_shape).items():
+        values[name] = torch.normal(mean, var.sqrt()) if propagate == "sample" else mean
+
+
+def write_fits(prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit],
+               max_scale_ratio: Optional[float]) -> None:
+    """Writes every fit (its stds capped at ``max_scale_ratio`` times the
+    prior's) and the noise level into the guide, through
+    :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`, emptying ``fits``."""
+    guide = prep.guide
+    # One site at a time through the guide's own projection, so that only one site's
+    # values are held twice in memory: a failure half-way is undone by GuideRollback.
+    for key in list(fits):
+        fit = fits.pop(key)
+        if max_scale_ratio is not None:
+            units = torch.arange(fit.layer.num_units, device=fit.var.device)
+            _, prior_scale = unit_priors(fit.layer, units)
+            cap = (max_scale_ratio * prior_scale).to(fit.var).square_()
+            fit.var = torch.minimum(fit.var, cap)
+        for name, (mean, var) in fit.site_values(prep.site_shape).items():
+            set_loc_and_scale(guide, name, mean, var.sqrt_())
+    if noise is not None and noise.name is not None:
+        level = noise.level
+        assert level is not None  # set with the noise site's or param's name
+        if prep.likelihood.noise == "site":
+            # the posterior std of log sigma from n residuals is about 1 / sqrt(2 n)
+            spread = min(0.1, (2.0 * prep.pool.num_rows) ** -0.5)
+            set_loc_and_scale(guide, noise.name, level, torch.full_like(level, spread))
+        else:
+            write_param(noise.name, level)

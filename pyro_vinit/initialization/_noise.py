@@ -1,0 +1,166 @@
+"""
+I-BLM's observation noise (regression with a learnable scale): the residual
+std of the fitted network, and the noise site's, param's or scale head's
+value that gives it, found by bisection through the model.
+"""
+
+from dataclasses import replace
+from typing import Any, Dict, Optional, Union, cast
+
+import pyro
+import torch
+from torch.distributions import Normal, StudentT, biject_to, transform_to
+
+from pyro_vinit.initialization._collective import Collective
+from pyro_vinit.initialization._fits import Fit, NoiseFit, stage
+from pyro_vinit.initialization._options import IBLMOptions
+from pyro_vinit.initialization._passes import layer_inputs, observed_sites
+from pyro_vinit.initialization._runs import observed_site, run_model
+from pyro_vinit.initialization._solve import solve_layer
+from pyro_vinit.initialization._targets import Targets
+from pyro_vinit.initialization._tracing import Layer, Prepared, unwrap_likelihood
+from pyro_vinit.poutine.layer_recorder import RecordedLayer
+
+# Unconstrained range searched for the noise level.
+_LINK_RANGE = 15.0
+
+
+def fit_noise(prep: Prepared, values: Dict[str, torch.Tensor], targets: Targets,
+              fits: Dict[str, Fit], options: IBLMOptions,
+              collective: Collective) -> Optional[NoiseFit]:
+    r"""
+    Regression: the residual std :math:`\hat\sigma` of the fitted network (at
+    ``values``), used in two refits of the output layer (updating ``fits`` and
+    ``values``), and the value that gives it to the noise site or param (or
+    the fit of the scale head that does).
+    """
+    likelihood = prep.likelihood
+    if targets.task != "regression" or targets.fixed_noise:
+        return None
+    output = prep.structure.output_layers[0]
+    if options.noise_scale is not None:
+        sigma = torch.tensor(options.noise_scale, dtype=targets.y.dtype,
+                             device=targets.y.device)
+    else:
+        inputs = layer_inputs(prep, values, output, options.chunk_rows, collective)
+        for _ in range(2):  # the residuals of a fit with the noise they imply
+            sigma = residual_std(prep, values, options.chunk_rows, collective)
+            refit = replace(targets, noise_var=_column_var(sigma, targets.y))
+            fit = solve_layer(prep.pool, output, inputs, refit, options, collective)
+            stage(prep.site_shape, values, fits, fit, options.propagate)
+        sigma = residual_std(prep, values, options.chunk_rows, collective)
+    if likelihood.noise == "layer":
+        head = next(layer for layer in prep.layers if layer.role == "scale")
+        level = link_inverse(prep, values, sigma, collective, head=head)
+        inputs = layer_inputs(prep, values, head, options.chunk_rows, collective)
+        fit = solve_layer(prep.pool, head, inputs, targets, options, collective, constant=level)
+        stage(prep.site_shape, values, fits, fit, options.propagate)
+        return NoiseFit(sigma, None, None)
+    if likelihood.noise in ("site", "param"):
+        level = link_inverse(prep, values, sigma, collective)
+        return NoiseFit(sigma, likelihood.noise_name, level)
+    return NoiseFit(sigma, None, None)
+
+
+def residual_std(prep: Prepared, values: Dict[str, torch.Tensor], chunk_rows: int,
+                 collective: Collective) -> torch.Tensor:
+    """Root mean square residual of the network at ``values``, per target column."""
+    squares: Union[float, torch.Tensor] = 0.0
+    n: Union[int, torch.Tensor] = 0
+    with collective.agree():
+        for site, rows_of in observed_sites(prep, values, chunk_rows, collective):
+            fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # regression
+            loc = fn.loc.expand(site["value"].shape)
+            loc = rows_of(loc, "the likelihood's mean")
+            obs = rows_of(site["value"], "the observed site")
+            resid = (obs - loc).reshape(obs.shape[0], -1)
+            squares = squares + resid.pow(2).sum(0)
+            n += resid.shape[0]
+    squares = cast(torch.Tensor, squares)  # the pool has rows: some chunk kept them
+    total = collective.all_reduce(torch.cat([squares, squares.new_tensor([n])]))
+    squares, n = total[:-1], total[-1]
+    return (squares / n).sqrt().clamp_min(1e-6)
+
+
+def link_inverse(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tensor,
+                 collective: Collective, head: Optional[Layer] = None) -> torch.Tensor:
+    """The unconstrained value of the noise site or param (or the constant
+    output of the scale head) at which the likelihood's scale is ``sigma``,
+    by bisection (the map is taken to be monotone and element-wise), on the
+    first rows (the first process's)."""
+    with collective.agree():
+        level = _bisect_link(prep, values, sigma, head)
+    return collective.broadcast(level)
+
+
+def _bisect_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tensor,
+                 head: Optional[Layer]) -> torch.Tensor:
+    likelihood = prep.likelihood
+    # the noise site's or param's name (or the scale head's): set whenever the noise is fitted
+    noise_name = cast(str, likelihood.noise_name)
+    args, rows = prep.first, None
+    if prep.structure.block_size is not None:
+        n = prep.pool.rows_of(args)
+        rows = torch.arange(prep.structure.block_size, device=prep.pool.device) % n
+    model, latent = prep.guide.model, prep.latent
+    if head is not None:
+        shape = torch.Size([head.num_units])
+        what = f"the scale head {head.weight_name!r}"
+    elif likelihood.noise == "site":
+        site = prep.guide.prototype_trace.nodes[noise_name]
+        shape, support = site["value"].shape, site["fn"].support
+        what = f"the noise site {noise_name!r}"
+    else:
+        store = pyro.get_param_store()
+        shape = store[noise_name].shape
+        support = store.get_state()["constraints"][noise_name]
+        what = f"the noise param {noise_name!r}"
+    target = sigma if sigma.numel() == shape.numel() else sigma.pow(2).mean().sqrt()
+
+    def scale_at(u: torch.Tensor) -> torch.Tensor:
+        kwargs: Dict[str, Any] = {}
+        run_values = values
+        if head is not None:
+            def on_layer(record: RecordedLayer) -> Optional[torch.Tensor]:
+                if record.weight_name != head.weight_name:
+                    return None
+                return u.to(record.call.input).expand(record.call.input.shape[:-1] + shape)
+
+            kwargs["on_layer"] = on_layer
+        elif likelihood.noise == "site":
+            run_values = {**values, noise_name: biject_to(support)(u)}
+        else:
+            kwargs["substitute"] = {noise_name: transform_to(support)(u)}
+        recorder = run_model(model, run_values, args, latent, plate_rows=rows, **kwargs)
+        site = observed_site(recorder)
+        fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # regression
+        scale = fn.scale.expand(site["value"].shape)
+        scale = scale.reshape(scale.shape[0], -1) if scale.dim() else scale.reshape(1, 1)
+        per_column = scale.mean(0)
+        if per_column.numel() == u.numel():
+            return per_column.reshape(u.shape)
+        return scale.mean().expand(u.shape)
+
+    dtype, device = target.dtype, target.device
+    lo = torch.full(shape, -_LINK_RANGE, dtype=dtype, device=device)
+    hi = torch.full(shape, _LINK_RANGE, dtype=dtype, device=device)
+    goal = target.reshape(shape) if target.numel() > 1 else target.reshape(()).expand(shape)
+    increasing = scale_at(hi) > scale_at(lo)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        right = (scale_at(mid) < goal) == increasing
+        lo, hi = torch.where(right, mid, lo), torch.where(right, hi, mid)
+    level = (lo + hi) / 2
+    reached = scale_at(level)
+    if not bool(((reached - goal).abs() <= 1e-3 * goal).all()):
+        raise ValueError(
+            f"I-BLM estimated the observation noise std as {goal.tolist()}, but {what} "
+            f"cannot make the likelihood's scale that (closest: {reached.tolist()}); "
+            "widen its prior's support, or pass noise_scale=..."
+        )
+    return level
+
+
+def _column_var(sigma: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Noise variances shaped like ``y`` from a residual std per column (or one)."""
+    return sigma.pow(2).to(y).expand(y.shape[1]).expand_as(y).clone()

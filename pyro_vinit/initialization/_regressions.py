@@ -1,0 +1,216 @@
+"""
+The per-unit Bayesian linear regressions of one layer: each unit's rows of
+the layer's input (patches, for a convolution), its targets, its prior, and
+the batched solves.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union, cast
+
+import torch
+import torch.nn.functional as F
+
+from pyro_vinit.initialization._tracing import Layer
+from pyro_vinit.initialization.bayesian_linear_regression import (
+    _cholesky,
+    bayesian_linear_regression,
+)
+
+__all__ = ["extract_patches"]
+
+
+def _ntuple(value: Union[int, Sequence[int]], n: int) -> Tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (cast(int, value),) * n
+
+
+def extract_patches(
+    x: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Union[int, Sequence[int]] = 1,
+    padding: Union[int, str, Sequence[int]] = 0,
+    dilation: Union[int, Sequence[int]] = 1,
+) -> torch.Tensor:
+    """
+    The patches a ``conv1d/2d/3d`` multiplies with its kernel, as rows.
+
+    :param torch.Tensor x: Input of shape ``(N, C, *spatial)``.
+    :param kernel_size: The kernel's spatial size.
+    :param stride: As for :func:`torch.nn.functional.conv2d`.
+    :param padding: An int, a tuple, ``"valid"`` or ``"same"``, as for the conv op.
+    :param dilation: As for the conv op.
+    :return: Shape ``(N, P, C * prod(kernel_size))``, with ``P`` output
+        positions in row-major order and each row ordered like
+        ``weight[j].reshape(-1)`` (channel, then kernel positions), so that
+        ``patches @ weight.reshape(out, -1).T`` is the convolution (groups = 1).
+    """
+    nd = len(kernel_size)
+    stride, dilation = _ntuple(stride, nd), _ntuple(dilation, nd)
+    if isinstance(padding, str):
+        if padding == "valid":
+            pads = [(0, 0)] * nd
+        elif padding == "same":
+            totals = [d * (k - 1) for d, k in zip(dilation, kernel_size)]
+            pads = [(t // 2, t - t // 2) for t in totals]
+        else:
+            raise ValueError(f"padding must be 'valid', 'same' or ints, got {padding!r}")
+    else:
+        pads = [(p, p) for p in _ntuple(padding, nd)]
+    flat_pads = [p for pair in reversed(pads) for p in pair]
+    if any(flat_pads):
+        x = F.pad(x, flat_pads)
+    for i in range(nd):
+        span = dilation[i] * (kernel_size[i] - 1) + 1
+        x = x.unfold(2 + i, span, stride[i])
+    x = x[(...,) + tuple(slice(None, None, d) for d in dilation)]
+    # (N, C, P_1..P_nd, k_1..k_nd) -> (N, P_1..P_nd, C, k_1..k_nd)
+    x = x.permute([0] + list(range(2, 2 + nd)) + [1] + list(range(2 + nd, 2 + 2 * nd)))
+    positions = math.prod(x.shape[1 : 1 + nd])
+    return x.reshape(x.shape[0], positions, -1)
+
+
+def unit_inputs(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    """The rows a layer's units regress from: ``(N, positions, groups, fan_in)``
+    for an input ``x`` of ``N`` data rows (conv patches, or the positions of a
+    linear layer applied to more than one leading dim)."""
+    if layer.op == "linear":
+        return x.reshape(x.shape[0], -1, 1, x.shape[-1])
+    kw = layer.kwargs
+    patches = extract_patches(x, layer.weight_shape[2:], kw["stride"], kw["padding"],
+                              kw["dilation"])
+    return patches.reshape(patches.shape[0], patches.shape[1], kw["groups"], -1)
+
+
+def unit_priors(layer: Layer, units: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The prior loc and scale ``(c, fan_in [+ 1])`` of some units, read from the
+    (possibly expanded) prior tensors without materializing the whole layer's."""
+    # I-BLM reads the layers with their priors (prepare's normal_priors=True), a
+    # latent bias's too
+    c = len(units)
+    loc = cast(torch.Tensor, layer.prior_loc)[units].reshape(c, -1)
+    scale = cast(torch.Tensor, layer.prior_scale)[units].reshape(c, -1)
+    if layer.bias_name is not None:
+        loc = torch.cat([loc, cast(torch.Tensor, layer.bias_prior_loc)[units, None]], 1)
+        scale = torch.cat([scale, cast(torch.Tensor, layer.bias_prior_scale)[units, None]], 1)
+    return loc, scale
+
+
+@dataclass
+class HiddenTargets:
+    """How a hidden unit's targets are made from its target column: centered
+    over its batch, with alternating signs (``signs[unit]``), and shrunk to
+    std ``scale``."""
+
+    signs: torch.Tensor
+    center: bool
+    alternate: bool
+    scale: Optional[float]
+
+    def __call__(self, t: torch.Tensor, noise: torch.Tensor,
+                 units: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.center:
+            t = t - t.mean(-1, keepdim=True)
+        if self.alternate:
+            t = t * self.signs[units][:, None].to(t)
+        if self.scale is not None:
+            # Into the linear range of saturating activations (tanh, sigmoid): targets of
+            # a few units would saturate them, and the next layer would see binary features.
+            # Shrink only: a unit whose batch has (nearly) one target value stays near zero.
+            factor = (self.scale / t.std(-1, keepdim=True).clamp_min(1e-12)).clamp_max(1.0)
+            t, noise = t * factor, noise * factor.pow(2)
+        return t, noise
+
+
+def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: torch.Tensor,
+                idx: torch.Tensor, lo: int, hi: int, *, cols: torch.Tensor,
+                hidden: Optional[HiddenTargets], solver: str, jitter: float,
+                max_chunk_elements: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The regressions of units ``lo, ..., hi - 1`` on their batches ``idx``
+    (rows of ``inputs``, ``y`` and ``noise_var``; unit :math:`j` regresses onto
+    column ``cols[j]``, made into ``hidden`` targets for a hidden layer): their
+    means and variances ``(hi - lo, fan_in [+ 1])``."""
+    h, d = layer.num_units, layer.fan_in
+    batch_size = idx.shape[1]
+    device, dtype = inputs.device, inputs.dtype
+    has_bias = layer.bias_name is not None
+    positions, groups = unit_inputs(layer, inputs[:1]).shape[1:3]
+    group_of = torch.arange(h, device=device) // (h // groups)
+    rows = batch_size * positions
+    width = d + has_bias
+    per_unit = 4 * rows * width + min(rows, width) ** 2
+    chunk = max(1, max_chunk_elements // per_unit)
+    # Filled in place chunk by chunk: many small chunks, concatenated, would leave the
+    # allocator's heap fragmented (resident memory that is never given back).
+    means = torch.empty(hi - lo, width, dtype=dtype, device=device)
+    variances = torch.empty(hi - lo, width, dtype=dtype, device=device)
+    for start in range(lo, hi, chunk):
+        units = torch.arange(start, min(hi, start + chunk), device=device)
+        c = len(units)
+        batch = idx[units]  # (c, B)
+        x = unit_inputs(layer, inputs[batch.reshape(-1)])
+        x = x.reshape(c, batch_size, positions, groups, d)
+        if groups == 1:
+            x = x.reshape(c, rows, d)
+        else:  # each unit sees its group's input channels
+            g = group_of[units].reshape(c, 1, 1, 1, 1).expand(c, batch_size, positions, 1, d)
+            x = x.gather(3, g).reshape(c, rows, d)
+        t = y[batch, cols[units, None]]  # (c, B)
+        noise = noise_var[batch, cols[units, None]]
+        if hidden is not None:
+            t, noise = hidden(t, noise, units)
+        if positions > 1:  # every patch (or position) is paired with its row's target
+            t = t[:, :, None].expand(c, batch_size, positions).reshape(c, rows)
+            noise = noise[:, :, None].expand(c, batch_size, positions).reshape(c, rows)
+        if layer.fixed_bias is not None:
+            t = t - layer.fixed_bias[units, None].to(t)
+        if has_bias:
+            x = torch.cat([x, torch.ones(c, rows, 1, dtype=dtype, device=device)], -1)
+        prior_loc, prior_scale = unit_priors(layer, units)
+        post = bayesian_linear_regression(
+            x, t.to(dtype), noise.to(dtype), prior_loc.to(dtype), prior_scale.to(dtype),
+            solver=solver, jitter=jitter,
+        )
+        means[start - lo : start - lo + c] = post.mean
+        torch.reciprocal(post.precision_diag, out=variances[start - lo : start - lo + c])
+    return means, variances
+
+
+
+def shared_rows_statistics(x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
+                           group_of: torch.Tensor,
+                           has_bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    ``(X^T L^{-1} X, X^T L^{-1} t)`` per unit, for the rows ``x`` ``(rows,
+    positions, groups, d)`` that every unit shares, targets and noise
+    variances ``(rows, units)`` (each repeated over the positions).
+    """
+    rows, positions, groups, d = x.shape
+    units = t.shape[1]
+    w = noise.reciprocal().repeat_interleave(positions, 0)  # (rows * positions, units)
+    wt = (t * noise.reciprocal()).repeat_interleave(positions, 0)
+    width = d + has_bias
+    gram = x.new_zeros(units, width, width)
+    rhs = x.new_zeros(units, width)
+    for g in range(groups):
+        members = torch.nonzero(group_of == g)[:, 0]
+        xg = x[:, :, g].reshape(rows * positions, d)
+        if has_bias:
+            xg = torch.cat([xg, xg.new_ones(len(xg), 1)], 1)
+        gram[members] = torch.einsum("nd,nu,ne->ude", xg, w[:, members], xg)
+        rhs[members] = (xg.T @ wt[:, members]).T
+    return gram, rhs
+
+
+def solve_statistics(gram: torch.Tensor, rhs: torch.Tensor, prior_loc: torch.Tensor,
+                     prior_scale: torch.Tensor,
+                     jitter: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The posterior mean and precision diagonal of Bayesian linear
+    regressions given their statistics (the primal form of
+    :func:`~pyro_vinit.initialization.bayesian_linear_regression`)."""
+    prior_var = prior_scale.pow(2)
+    a = gram.clone()
+    a.diagonal(dim1=-2, dim2=-1).add_(prior_var.reciprocal())
+    b = rhs + prior_loc / prior_var
+    factor = _cholesky(a, jitter)
+    mean = torch.cholesky_solve(b.unsqueeze(-1), factor).squeeze(-1)
+    return mean, a.diagonal(dim1=-2, dim2=-1).clone()

@@ -1,0 +1,123 @@
+"""
+One run of the model for the data-driven initializers: ``model(*args)`` with
+some latent sites set, under a
+:class:`~pyro_vinit.poutine.layer_recorder.LayerRecorderMessenger`. Every
+model run of I-BLM goes through :func:`run_model`.
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pyro.poutine as poutine
+import torch
+
+from pyro_vinit._typing import SampleSite
+from pyro_vinit.poutine.layer_recorder import LayerRecorderMessenger, RecordedLayer, StopModel
+
+#: batch-normalization statistics over several processes (see ``LayerRecorderMessenger``)
+NormSyncFn = Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]
+
+
+def run_model(
+    model: Callable[..., Any],
+    values: Dict[str, torch.Tensor],
+    args: Sequence[Any],
+    latent: Sequence[str],
+    *,
+    plate_rows: Optional[torch.Tensor] = None,
+    track_flow: bool = False,
+    on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
+    norm_statistics: Optional[Dict[int, List[Any]]] = None,
+    norm_sync: Optional[NormSyncFn] = None,
+    substitute: Optional[Dict[str, torch.Tensor]] = None,
+) -> LayerRecorderMessenger:
+    """Runs ``model(*args)`` with the latent sites set to ``values`` (hidden from
+    any handler outside, e.g. ``local_reparam``) under a layer recorder, which
+    it returns; ``on_layer`` may stop the run (:class:`StopModel`)."""
+    recorder = LayerRecorderMessenger(
+        latent,
+        track_flow=track_flow,
+        plate_subsample=plate_rows,
+        norm_statistics=norm_statistics,
+        on_layer=on_layer,
+        norm_sync=norm_sync,
+    )
+    fn = poutine.condition(model, data=values)
+    if substitute:
+        fn = poutine.substitute(fn, data=substitute)
+    with torch.no_grad(), poutine.block(), recorder:
+        fn(*args)
+    return recorder
+
+
+def observed_site(recorder: LayerRecorderMessenger) -> SampleSite:
+    """The single observed sample site of a recorded run (``pyro.deterministic``
+    sites and plate subsamples are not observations)."""
+    sites = recorder.observed
+    if len(sites) != 1:
+        found = [s["name"] for s in sites]
+        hint = (
+            "call it with its targets, e.g. init_guide_iblm(guide, (x, y))"
+            if not sites
+            else "I-BLM fits one likelihood; combine the observations into one site"
+        )
+        raise ValueError(
+            f"I-BLM needs a model with exactly one observed sample site (its likelihood); "
+            f"found {found}: {hint}"
+        )
+    return sites[0]
+
+
+def capture(
+    model: Callable[..., Any],
+    values: Dict[str, torch.Tensor],
+    args: Sequence[Any],
+    latent: Sequence[str],
+    weight_name: str,
+    *,
+    output: bool = False,
+    plate_rows: Optional[torch.Tensor] = None,
+    norm_sync: Optional[NormSyncFn] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The input (and output) of the layer with weight ``weight_name`` when
+    ``model(*args)`` runs with the latent sites set to ``values``; the model
+    stops there."""
+    found: Dict[str, torch.Tensor] = {}
+
+    def on_layer(record: RecordedLayer) -> Optional[torch.Tensor]:
+        if record.weight_name == weight_name:
+            found["input"] = record.call.input
+            if output:
+                found["output"] = record.call()
+            raise StopModel
+        return None
+
+    run_model(model, values, args, latent, plate_rows=plate_rows, on_layer=on_layer,
+              norm_sync=norm_sync)
+    if "input" not in found:
+        raise RuntimeError(
+            f"the model did not call the layer with weight {weight_name!r} on these "
+            "arguments; I-BLM needs the same layers to run on every batch"
+        )
+    return found["input"], found.get("output")
+
+
+def align_rows(tensor: torch.Tensor, what: str, *, n: int, rows: Optional[torch.Tensor],
+               keep: int) -> torch.Tensor:
+    """The rows of ``tensor`` for the block ``rows`` of a chunk of ``n`` rows."""
+    if rows is None:
+        if tensor.dim() == 0 or tensor.shape[0] != n:
+            raise ValueError(
+                f"{what} has shape {tuple(tensor.shape)} for {n} data rows; I-BLM needs the "
+                "data rows along the leading dim"
+            )
+        # keep < n only for a run that a sharded pool makes to take part in collectives
+        return tensor if keep == n else tensor[:keep]
+    if tensor.dim() and tensor.shape[0] == len(rows):
+        return tensor[:keep]
+    if tensor.dim() and tensor.shape[0] == n:
+        return tensor[rows[:keep]]
+    raise ValueError(
+        f"{what} has shape {tuple(tensor.shape)}, neither the {len(rows)} rows of the "
+        f"subsampled plate nor the {n} rows of the data; I-BLM needs the data rows along "
+        "the leading dim"
+    )

@@ -1,0 +1,126 @@
+"""I-BLM's regression targets: the observations, or the Dirichlet transform of the labels."""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Union, cast
+
+import torch
+import torch.nn.functional as F
+from torch.distributions import Categorical, Normal, StudentT
+
+from pyro_vinit._typing import SampleSite
+from pyro_vinit.initialization._collective import Collective
+from pyro_vinit.initialization._options import IBLMOptions
+from pyro_vinit.initialization._passes import observed_sites
+from pyro_vinit.initialization._tracing import Prepared, unwrap_likelihood
+
+__all__ = ["dirichlet_transform"]
+
+
+def dirichlet_transform(y: torch.Tensor, alpha: float = 0.01) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""
+    The label transformation of Milios et al. [1] used by I-BLM for
+    classification: one-hot labels :math:`y` become regression targets
+    :math:`\tilde y` with noise variances :math:`\tilde\sigma^2`,
+
+    .. math::
+
+        \tilde\sigma^2 = \log\Big(\frac{1}{y + \alpha} + 1\Big), \qquad
+        \tilde y = \log(y + \alpha) - \tilde\sigma^2 / 2,
+
+    (a log-Normal moment match of the Gamma variables whose normalization is
+    Dirichlet(:math:`y + \alpha`)), so that the softmax of the regression
+    recovers the class probabilities.
+
+    :param torch.Tensor y: One-hot labels (any shape, values in {0, 1}).
+    :param float alpha: The Dirichlet regularization :math:`\alpha > 0`.
+    :return: ``(targets, noise_variances)``, each shaped like ``y``.
+
+    [1] Milios, Camoriano, Michiardi, Rosasco, Filippone (2018) "Dirichlet-based
+    Gaussian Processes for Large-scale Calibrated Classification"
+    """
+    var = torch.log1p(1.0 / (y + alpha))
+    return torch.log(y + alpha) - var / 2, var
+
+
+@dataclass
+class Targets:
+    """The regression targets of the output layer, one column per output unit."""
+
+    task: str  # "regression" or "classification"
+    y: torch.Tensor  # (rows, k)
+    noise_var: torch.Tensor  # (rows, k)
+    softmax: bool  # whether a shift shared by all columns leaves the likelihood unchanged
+    fixed_noise: bool  # whether noise_var is the model's own (a fixed likelihood scale)
+
+
+def read_targets(prep: Prepared, values: Dict[str, torch.Tensor], options: IBLMOptions,
+                 collective: Collective) -> Targets:
+    """The output layer's regression targets, from the observed site of a pass
+    over the data with the latent sites at ``values``."""
+    likelihood = prep.likelihood
+    fixed = likelihood.noise == "fixed" and not options.estimate_noise
+    fixed = fixed and options.noise_scale is None
+    parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    with collective.agree():
+        for site, rows_of in observed_sites(prep, values, options.chunk_rows, collective):
+            obs = rows_of(site["value"], "the observed site")
+            scale = None
+            if fixed:
+                fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # "fixed": normal
+                scale = fn.scale.expand(site["value"].shape)
+                scale = rows_of(scale, "the likelihood's scale")
+            parts.append(site_targets(site, likelihood.family, obs, scale, options.alpha))
+    y = torch.cat([p[0] for p in parts])
+    noise_var = torch.cat([p[1] for p in parts])
+    task = "regression" if likelihood.family == "normal" else "classification"
+    if task == "regression" and not fixed:
+        std = collective.std(y)
+        noise = options.noise_scale or 0.1 * std.clamp_min(1e-6).item()
+        noise_var.fill_(noise**2)
+    softmax = likelihood.family in ("categorical", "onehot")
+    output = prep.structure.output_layers[0]
+    if output.num_units != y.shape[1]:
+        raise ValueError(
+            f"the output layer ({output.weight_name!r}) has {output.num_units} outputs but "
+            f"the likelihood has {y.shape[1]} target columns; I-BLM needs them to match"
+        )
+    return Targets(task, y, noise_var, softmax, fixed)
+
+
+def site_targets(site: SampleSite, family: str, obs: torch.Tensor,
+                 scale: Optional[torch.Tensor], alpha: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(targets (rows, k), noise variances (rows, k)) of an observed site's rows."""
+    fn = unwrap_likelihood(site)
+    rows = obs.shape[0] if obs.dim() else 0
+    if family == "normal":
+        y = obs.reshape(rows, -1)
+        var = scale.reshape(rows, -1).pow(2) if scale is not None else torch.empty_like(y)
+        return y, var
+    if family == "categorical":
+        logits = cast(Categorical, fn).logits
+        k = logits.shape[-1]
+        if obs.is_floating_point() and not bool((obs == obs.round()).all()):
+            raise ValueError("Categorical labels must be integers")
+        labels = obs.reshape(rows, -1)
+        if labels.shape[1] != 1 or bool(((labels < 0) | (labels >= k)).any()):
+            raise ValueError(
+                f"labels out of range: the Categorical likelihood has {k} classes, so "
+                f"labels must be integers in [0, {k - 1}]; got values in "
+                f"[{labels.min().item()}, {labels.max().item()}]"
+            )
+        onehot = F.one_hot(labels[:, 0].long(), k).to(logits.dtype)
+        return dirichlet_transform(onehot, alpha)
+    y = obs.reshape(rows, -1)
+    ok = ((y == 0) | (y == 1)).all()
+    if family == "onehot":
+        ok = ok & (y.sum(-1) == 1).all()
+    if not bool(ok):
+        raise ValueError(
+            f"labels out of range: {type(fn).__name__} observations must be "
+            + ("one-hot rows" if family == "onehot" else "0 or 1")
+        )
+    mean, var = dirichlet_transform(y, alpha)
+    if family == "bernoulli":  # the logit is the difference of the two classes
+        mean_0, var_0 = dirichlet_transform(1 - y, alpha)
+        return mean - mean_0, var + var_0
+    return mean, var
