@@ -10,7 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_vinit
-import pyro_vinit.training as training
+import pyro_vinit.training.config as training_config
+import pyro_vinit.training.loop as training_loop
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, fit, fit_config, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
@@ -90,7 +91,7 @@ def count_iblm(monkeypatch):
         calls.append(options)
         return init_guide_iblm(guide, data, **options)
 
-    monkeypatch.setattr(training, "init_guide_iblm", counting)
+    monkeypatch.setattr(training_loop, "init_guide_iblm", counting)
     return calls
 
 
@@ -286,7 +287,7 @@ def test_fit_config_drives_an_own_loop_like_fit():
         model = classifier()
         guide = AutoKTiedNormal(model)
         order = torch.Generator().manual_seed(int(torch.randint(2**62, ()).item()))
-        defaults = training.FitConfig()
+        defaults = training_config.FitConfig()
         init_guide_iblm(guide, (x, y), batch_size=min(defaults.iblm_batch_size, len(x)),
                         max_scale_ratio=defaults.max_scale_ratio)
         config = fit_config(guide)
@@ -469,7 +470,7 @@ def test_fit_with_other_guides(guide_class, monkeypatch):
         def spy(*args, _handler=handler, _name=name, **kwargs):
             used.append(_name)
             return _handler(*args, **kwargs)
-        monkeypatch.setattr(training, name, spy)
+        monkeypatch.setattr(training_config, name, spy)
     x, y = blobs()
     model = classifier()
     history = fit(model, guide_class(model), (x, y), steps=5, batch_size=60,
