@@ -11,9 +11,12 @@ with this library's guide, initializer and handlers:
    (:func:`~pyro_vinit.initialization.init_guide_iblm`) sets them, each rank
    passing its own shard of the training set and the process group, so that
    every rank ends with the initialization of the whole training set;
-2. the ELBO is a module, ``TraceMeanField_ELBO()(model, guide)`` (Pyro's
-   ``ELBOModule``), run inside a :class:`~pyro_vinit.poutine.KLAnnealingMessenger`
-   and :func:`~pyro_vinit.poutine.local_reparam` by
+2. the training configuration is :func:`~pyro_vinit.fit`'s
+   (:func:`~pyro_vinit.fit_config`: Adam at 1e-3, the KL term weighted by
+   0.01, I-BLM's stds capped at 0.1 × the prior's); the ELBO is a module,
+   ``config.elbo()(model, guide)`` (Pyro's ``ELBOModule``), run inside a
+   :class:`~pyro_vinit.poutine.KLAnnealingMessenger` and
+   :func:`~pyro_vinit.poutine.local_reparam` by
    :class:`~pyro_vinit.poutine.HandledELBO`, wrapped in
    :class:`~torch.nn.parallel.DistributedDataParallel` and trained with
    :class:`torch.optim.Adam`;
@@ -48,12 +51,12 @@ import time
 import pyro
 import torch
 import torch.distributed as dist
-from pyro.infer import Predictive, TraceMeanField_ELBO
+from pyro.infer import Predictive
 from pyro.infer.autoguide import init_to_sample
 from torch.nn.parallel import DistributedDataParallel
 
 import pyro_vinit.data
-from pyro_vinit import AutoKTiedNormal, init_guide_iblm
+from pyro_vinit import AutoKTiedNormal, FitConfig, fit_config, init_guide_iblm
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, local_reparam
@@ -114,7 +117,8 @@ def initialize(guide, x_train, y_train, rank, world_size, args):
     ranks' statistics (one process: the whole training set)."""
     group = dist.group.WORLD if world_size > 1 else None
     init_guide_iblm(guide, (x_train[rank::world_size], y_train[rank::world_size]),
-                    batch_size=args.iblm_batch_size, process_group=group)
+                    batch_size=args.iblm_batch_size, max_scale_ratio=args.max_scale_ratio,
+                    process_group=group)
     return "iblm, sharded" if world_size > 1 else "iblm"
 
 
@@ -226,8 +230,12 @@ def main(args):
         print(f"{data_name}, {world_size} process(es), {init} ({init_seconds:.2f} s): "
               f"test accuracy {after_init['accuracy']:.4f}, MNLL {after_init['mnll']:.4f}")
 
-    annealing = KLAnnealingMessenger(LinearWarmup(args.kl_warmup) if args.kl_warmup else 1.0)
-    loss_fn = HandledELBO(TraceMeanField_ELBO()(model, guide), annealing, local_reparam)
+    # fit's configuration (the learning rate is args.lr, used by train's torch.optim.Adam)
+    config = fit_config(guide, lr=args.lr, kl_weight=args.kl_weight)
+    assert config.weight_noise is local_reparam
+    kl = LinearWarmup(args.kl_warmup, end=config.kl_weight) if args.kl_warmup else config.kl_weight
+    loss_fn = HandledELBO(config.elbo()(model, guide), KLAnnealingMessenger(kl),
+                          config.weight_noise)
     curve = train(args, loss_fn, x_train, y_train, rank, world_size, device)
     difference = replica_difference(guide, world_size)
 
@@ -247,6 +255,9 @@ def main(args):
         dist.destroy_process_group()
 
 
+FIT = FitConfig()  # fit's defaults, which the flags start from
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
@@ -259,14 +270,19 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, nargs="+", default=[100])
     parser.add_argument("--rank", type=int, default=2, help="k of the k-tied guide")
     parser.add_argument("--init-scale", type=float, default=1e-2)
-    parser.add_argument("--prior-scale", type=float, default=1.0)
-    parser.add_argument("--iblm-batch-size", type=int, default=512)
+    parser.add_argument("--prior-scale", type=float, default=None,
+                        help="N(0, s²) priors (default: bayesianize's N(0, 1/D_in))")
+    parser.add_argument("--iblm-batch-size", type=int, default=FIT.iblm_batch_size)
+    parser.add_argument("--max-scale-ratio", type=float, default=FIT.max_scale_ratio,
+                        help="I-BLM's stds at most this times the prior's")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=128,
                         help="the global minibatch, split evenly across the processes")
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--kl-warmup", type=int, default=1000,
-                        help="global steps of the linear KL warm-up (0: none)")
+    parser.add_argument("--lr", type=float, default=FIT.lr)
+    parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
+                        help="the weight of the KL term (1: the full ELBO)")
+    parser.add_argument("--kl-warmup", type=int, default=0,
+                        help="global steps of a linear KL warm-up to --kl-weight (0: none)")
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--num-samples", type=int, default=100,
                         help="posterior samples of the test metrics")
@@ -276,7 +292,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="smoke run (seconds)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.kl_warmup, args.log_every, args.num_samples = 40, 20, 10, 16
+        args.steps, args.log_every, args.num_samples = 40, 10, 16
         args.max_train = args.max_train or 2000
         args.iblm_batch_size = 256
     return args

@@ -14,20 +14,23 @@ The whole recipe of the library in one script:
    of the labels, with its stds capped at a tenth of the prior's
    (``max_scale_ratio=0.1``): the network is a good, calibrated classifier
    before the first SVI step;
-4. SVI with :class:`~pyro.infer.TraceMeanField_ELBO` (closed-form KL) and
-   Adam at 1e-3, each step run inside :func:`~pyro_vinit.poutine.local_reparam`
-   (for the radial guide :func:`~pyro_vinit.poutine.flipout`: a radial
-   posterior has no Gaussian pre-activations to sample) and inside a
+4. SVI with the configuration of :func:`~pyro_vinit.fit` (from
+   :func:`~pyro_vinit.fit_config`): :class:`~pyro.infer.TraceMeanField_ELBO`
+   (closed-form KL) and Adam at 1e-3, each step run inside
+   :func:`~pyro_vinit.poutine.local_reparam` (for the radial guide
+   :func:`~pyro_vinit.poutine.flipout`: a radial posterior has no Gaussian
+   pre-activations to sample) and inside a
    :class:`~pyro_vinit.poutine.KLAnnealingMessenger` that weights the KL
-   term by 0.1;
+   term by 0.01;
 5. test accuracy, MNLL and expected calibration error from
    :mod:`pyro_vinit.metrics`, right after the initialization (step 0) and
    during training.
 
-Steps 3 and 4 are the I-BLM training recipe (the method page, "Training
-after I-BLM"): with 47,910 weights for 1,257 training images the full ELBO
-pulls the guide back towards its prior and washes the start out; the KL
-weight of 0.1 and the capped stds keep it. The tutorial page
+Steps 3 and 4 are :func:`~pyro_vinit.fit`'s recipe, written out so that
+each piece is a flag (the method page ``docs/methods/training.rst``): with
+47,910 weights for 1,257 training images the full ELBO pulls the guide back
+towards its prior and washes the start out; the KL weight of 0.01 and the
+capped stds keep it. Every default here is ``fit``'s. The tutorial page
 ``docs/tutorials/quick_start.rst`` measures each choice against the
 alternatives.
 
@@ -53,7 +56,7 @@ from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
 from pyro.infer.autoguide import init_to_sample
 from tqdm import tqdm
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_iblm
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, FitConfig, fit_config, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.metrics import calibration, classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
@@ -61,6 +64,8 @@ from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam
 from pyro_vinit.schedules import LinearWarmup
 
 from _outputs import save_results
+
+FIT = FitConfig()  # fit's defaults, which every flag below starts from
 
 
 def make_guide(args, model):
@@ -102,15 +107,18 @@ def evaluate(model, guide, elbo, data, num_samples):
 
 def train(args, model, guide, data):
     x_train, y_train = data[:2]
-    elbo = TraceMeanField_ELBO()
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": args.lr}), elbo)
+    # fit's configuration: Adam, TraceMeanField_ELBO, the KL weight and the weight-noise handler
+    config = fit_config(guide, lr=args.lr, kl_weight=args.kl_weight)
+    elbo = TraceMeanField_ELBO()  # the unannealed objective, for the curves
+    svi = SVI(model, guide, config.optimizer(), config.elbo())
     # the KL term weighted by λ = kl_weight throughout (optionally reached by a linear warm-up)
     schedule = LinearWarmup(args.kl_warmup, end=args.kl_weight) if args.kl_warmup else None
     annealing = KLAnnealingMessenger(schedule or args.kl_weight)
     # LRT samples each example's pre-activations from their Gaussian marginal;
     # a radial posterior's pre-activations are not Gaussian, but its weight
     # noise is sign-symmetric, which is all Flipout needs.
-    weight_noise = flipout if args.guide == "radial" else local_reparam
+    weight_noise = config.weight_noise
+    assert weight_noise is (flipout if args.guide == "radial" else local_reparam)
     curve, losses = [], []
     start = time.perf_counter()
     for step in tqdm(range(args.steps + 1), desc=f"SVI ({args.guide})"):
@@ -238,11 +246,11 @@ def parse_args(argv=None):
     parser.add_argument("--rank", type=int, default=2, help="k of the k-tied guide")
     parser.add_argument("--init", choices=["iblm", "sample"], default="iblm",
                         help="I-BLM, or weight means drawn from the prior")
-    parser.add_argument("--iblm-batch-size", type=int, default=512,
+    parser.add_argument("--iblm-batch-size", type=int, default=FIT.iblm_batch_size,
                         help="rows of each unit's regression in I-BLM")
     parser.add_argument("--init-scale", type=float, default=1e-2,
                         help="the guide's initial scales (replaced by I-BLM's variances)")
-    parser.add_argument("--max-scale-ratio", type=float, default=0.1,
+    parser.add_argument("--max-scale-ratio", type=float, default=FIT.max_scale_ratio,
                         help="I-BLM's stds at most this times the prior's")
     parser.add_argument("--prior-scale", type=float, default=0.0,
                         help="the N(0, s²) prior of every weight and bias "
@@ -251,8 +259,8 @@ def parse_args(argv=None):
                         help="hidden layer sizes")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--kl-weight", type=float, default=0.1,
+    parser.add_argument("--lr", type=float, default=FIT.lr)
+    parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
                         help="the weight λ of the KL term (1: the full ELBO)")
     parser.add_argument("--kl-warmup", type=int, default=0,
                         help="steps of a linear warm-up of the KL weight from 0 to λ (0: none)")

@@ -12,6 +12,7 @@ from pyro_vinit import (
     nn,
     poutine,
     schedules,
+    training,
 )
 from pyro_vinit.guides import (
     AutoKTiedNormal,
@@ -29,6 +30,7 @@ from pyro_vinit.poutine import (
     local_reparam,
     weight_noise,
 )
+from pyro_vinit.training import FitConfig, FitHistory, fit, fit_config
 
 __version__ = "0.1.0"
 
@@ -36,12 +38,16 @@ __all__ = [
     "AutoKTiedNormal",
     "AutoMeanFieldNormal",
     "AutoRadialNormal",
+    "FitConfig",
+    "FitHistory",
     "FlipoutMessenger",
     "IBLMGuideInitializer",
     "LocalReparamMessenger",
     "WeightNoiseMessenger",
     "data",
     "distributions",
+    "fit",
+    "fit_config",
     "flipout",
     "guides",
     "init_guide",
@@ -54,5 +60,6 @@ __all__ = [
     "poutine",
     "schedules",
     "set_priors",
+    "training",
     "weight_noise",
 ]

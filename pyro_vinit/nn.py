@@ -10,7 +10,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.nn import PyroModule, PyroSample
+from pyro.distributions import constraints
+from pyro.nn import PyroModule, PyroParam, PyroSample
 from torch import nn
 
 __all__ = ["BayesianClassifier", "BayesianRegressor", "bayesianize", "mlp"]
@@ -232,6 +233,30 @@ def _check_num_data(cls: type, num_data: Optional[int]) -> None:
         )
 
 
+def _warn_minibatches(
+    model: Union["BayesianClassifier", "BayesianRegressor"],
+    x: torch.Tensor,
+    y: Optional[torch.Tensor],
+) -> None:
+    """Warns once per model when it is conditioned on batches of different sizes
+    without ``num_data``: a sign of minibatches whose likelihood is not scaled."""
+    if y is None or model.num_data is not None or model._warned_num_data:
+        return
+    rows, seen = x.shape[0], model._observed_rows
+    if seen is None:
+        model._observed_rows = rows
+    elif rows != seen:
+        model._warned_num_data = True
+        warnings.warn(
+            f"{type(model).__name__}: conditioned on batches of {seen} and {rows} rows without "
+            "num_data. On minibatches pass num_data=<size of the training set>: without it "
+            "the likelihood is not scaled up to the data set and the KL term weighs "
+            "N / batch times too much",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _data_plate(x: torch.Tensor, num_data: Optional[int]) -> pyro.plate:
     # An explicit subsample makes the plate scale the likelihood by num_data / batch.
     n = x.shape[0]
@@ -262,8 +287,11 @@ class BayesianClassifier(PyroModule):
         super().__init__()
         self.net = net
         self.num_data = num_data
+        self._observed_rows: Optional[int] = None
+        self._warned_num_data = False
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _warn_minibatches(self, x, y)
         logits: torch.Tensor = self.net(x)
         with _data_plate(x, self.num_data):
             pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
@@ -272,16 +300,31 @@ class BayesianClassifier(PyroModule):
 
 class BayesianRegressor(PyroModule):
     """
-    A Pyro model ``model(x, y=None)`` with a Normal likelihood of fixed noise
-    scale around a Bayesian network's output.
+    A Pyro model ``model(x, y=None)`` with a Normal likelihood around a
+    Bayesian network's output, of fixed or learned noise scale.
+
+    Usage::
+
+        model = BayesianRegressor(bayesianize(mlp((10, 50, 1))), num_data=442, learn_noise=True)
+
+    With ``learn_noise=True`` the noise scale is a positive
+    :class:`~pyro.nn.PyroParam` (``model.noise_scale``, a point estimate that
+    SVI learns) started at ``noise_scale``;
+    :func:`~pyro_vinit.init_guide_iblm` sets it to the residual standard
+    deviation of the network it fits.
 
     :param torch.nn.Module net: A network mapping ``x`` to ``(batch, 1)`` or ``(batch,)``.
-    :param float noise_scale: The likelihood's standard deviation.
+    :param float noise_scale: The likelihood's standard deviation (its
+        initial value with ``learn_noise``).
     :param int num_data: Size of the full data set when the model is called on
-        minibatches.
+        minibatches; the likelihood is scaled by ``num_data / batch``.
+    :param bool learn_noise: Learn the noise scale.
     """
 
-    def __init__(self, net: nn.Module, noise_scale: float = 1.0, num_data: Optional[int] = None):
+    noise_scale: Union[float, torch.Tensor]
+
+    def __init__(self, net: nn.Module, noise_scale: float = 1.0, num_data: Optional[int] = None,
+                 *, learn_noise: bool = False):
         if not isinstance(net, nn.Module):
             raise TypeError(
                 f"BayesianRegressor: net must be an nn.Module, got {type(net).__name__}"
@@ -295,13 +338,26 @@ class BayesianRegressor(PyroModule):
             raise ValueError(
                 f"BayesianRegressor: noise_scale must be a positive number, got {noise_scale!r}"
             )
+        if not isinstance(learn_noise, bool):
+            raise TypeError(
+                f"BayesianRegressor: learn_noise must be a bool, got {type(learn_noise).__name__}"
+            )
         _check_num_data(type(self), num_data)
         super().__init__()
         self.net = net
-        self.noise_scale = noise_scale
+        if learn_noise:
+            # PyroModule's __setattr__ makes this a constrained param, read as its value
+            self.noise_scale = PyroParam(  # type: ignore[assignment]
+                torch.tensor(float(noise_scale)), constraint=constraints.positive
+            )
+        else:
+            self.noise_scale = noise_scale
         self.num_data = num_data
+        self._observed_rows: Optional[int] = None
+        self._warned_num_data = False
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _warn_minibatches(self, x, y)
         out: torch.Tensor = self.net(x)
         mean = out.squeeze(-1) if out.dim() > 1 else out
         # leading dims beyond the batch are allowed (e.g. vectorized particles)

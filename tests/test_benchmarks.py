@@ -29,6 +29,7 @@ SCRIPTS = {
     "bench_gradient_variance.py": ["| 1 |", "LRT / ordinary", "no weight noise"],
     "bench_floor.py": ["pure PyTorch, our estimator", "minimal Pyro", "tiny 8-8-8-3, batch 2",
                        "64-400-400-10, batch 1000", "load average"],
+    "bench_fit_recipe.py": ["digits_mlp", "λ=0.1 seed 0", " 0:", " 5:"],
 }
 
 

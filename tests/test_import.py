@@ -30,13 +30,15 @@ def test_public_modules_have_all():
 
 
 def test_top_level_api():
-    for name in ["AutoKTiedNormal", "AutoMeanFieldNormal", "AutoRadialNormal", "distributions"]:
+    for name in ["AutoKTiedNormal", "AutoMeanFieldNormal", "AutoRadialNormal", "distributions",
+                 "fit", "fit_config", "FitConfig", "FitHistory"]:
         assert name in pyro_vinit.__all__
     assert pyro_vinit.distributions.RadialNormal is importlib.import_module(
         "pyro_vinit.distributions.radial_normal"
     ).RadialNormal
     # Submodules are attributes after a plain ``import pyro_vinit``, as in Pyro.
-    for name in ["data", "guides", "initialization", "metrics", "nn", "poutine", "schedules"]:
+    for name in ["data", "guides", "initialization", "metrics", "nn", "poutine", "schedules",
+                 "training"]:
         assert name in pyro_vinit.__all__
         assert getattr(pyro_vinit, name) is importlib.import_module(f"pyro_vinit.{name}")
 

@@ -1,6 +1,7 @@
 import copy
 import math
 import pickle
+import warnings
 
 import pyro
 import pyro.poutine as poutine
@@ -381,3 +382,38 @@ def test_zero_width_layer(guide_cls):
 def test_zero_width_layer_with_prior_scale_does_not_warn(recwarn):
     bayesianize(nn.Sequential(nn.Linear(3, 0), nn.Linear(0, 2)), prior_scale=0.5)
     assert not [w for w in recwarn if "fan-in 0" in str(w.message)]
+
+
+def test_no_num_data_warns_once_on_batches_of_different_sizes():
+    model = BayesianClassifier(bayesianize(mlp((4, 3))))
+    x, y = torch.randn(30, 4), torch.randint(3, (30,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x[:10], y[:10])
+        model(x[:10], y[:10])
+        model(x, None)  # prediction: no observations, not counted
+        assert caught == []
+        model(x[:20], y[:20])
+        model(x, y)
+    assert len(caught) == 1 and "num_data" in str(caught[0].message)
+    scaled = BayesianRegressor(bayesianize(mlp((4, 1))), num_data=30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaled(x[:10], x[:10, 0])
+        scaled(x[:20], x[:20, 0])
+
+
+def test_learned_noise_is_a_positive_param():
+    model = BayesianRegressor(bayesianize(mlp((4, 1))), noise_scale=0.5, learn_noise=True)
+    x = torch.randn(8, 4)
+    trace = poutine.trace(model).get_trace(x, x[:, 0])
+    assert torch.allclose(trace.nodes["obs"]["fn"].scale, torch.tensor(0.5))
+    assert "noise_scale" in pyro.get_param_store()
+    guide = AutoNormal(model)
+    svi = SVI(model, guide, Adam({"lr": 0.1}), TraceMeanField_ELBO())
+    svi.step(x, 10 * x[:, 0])  # far-off targets: the noise grows
+    assert pyro.param("noise_scale").item() > 0.5
+    fixed = BayesianRegressor(bayesianize(mlp((4, 1))), noise_scale=0.5)
+    assert fixed.noise_scale == 0.5
+    with pytest.raises(TypeError, match="learn_noise"):
+        BayesianRegressor(bayesianize(mlp((4, 1))), learn_noise=1)  # type: ignore[arg-type]

@@ -1,0 +1,9 @@
+"""
+One call that trains a Bayesian neural network: I-BLM, then SVI with the
+recipe that keeps I-BLM's head start (see the "Training" method page).
+"""
+
+from pyro_vinit.training.config import FitConfig, FitHistory, fit_config, is_initialized
+from pyro_vinit.training.loop import fit
+
+__all__ = ["FitConfig", "FitHistory", "fit", "fit_config", "is_initialized"]

@@ -1,0 +1,313 @@
+"""
+The parts of :func:`~pyro_vinit.training.fit`'s loop: minibatches, the checks
+that run the model without changing anything, validation metrics and
+checkpoints.
+"""
+
+import contextlib
+import math
+import os
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Tuple,
+    Union,
+    cast,
+)
+
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import torch
+from pyro.infer.autoguide import AutoGuide
+from pyro.optim import PyroOptim
+from torch import nn
+
+from pyro_vinit.training.config import FitHistory
+
+__all__: List[str] = []
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+Data = Union[Batch, Iterable[Batch]]
+
+_CHECKPOINT_FORMAT = "pyro_vinit.fit/1"
+
+
+# ---- the data -------------------------------------------------------------------------
+
+
+def _is_pair(data: Any) -> bool:
+    return (isinstance(data, (tuple, list)) and len(data) == 2
+            and all(isinstance(t, torch.Tensor) for t in data))
+
+
+def _check_batch(batch: Any, what: str) -> Batch:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise TypeError(
+            f"fit: {what} must be a pair (x, y) of tensors, got "
+            f"{type(batch).__name__}" + (f" of length {len(batch)}"
+                                         if isinstance(batch, (tuple, list)) else "")
+        )
+    x, y = batch
+    if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"fit: x and y of {what} must have the same number of rows, got shapes "
+            f"{tuple(x.shape)} and {tuple(y.shape)}"
+        )
+    if x.shape[0] == 0:
+        raise ValueError(f"fit: {what} has no rows")
+    return x, y
+
+
+class _Batches:
+    """An endless stream of minibatches: shuffled epochs of an (x, y) pair, or the
+    batches of a re-iterable loader, pass after pass."""
+
+    def __init__(self, data: Data, batch_size: int) -> None:
+        self.pair: Optional[Batch] = None
+        self.loader: Optional[Iterable[Batch]] = None
+        self.batch_size = batch_size
+        if _is_pair(data):
+            self.pair = _check_batch(data, "data")
+            self.num_data = self.pair[0].shape[0]
+            self.first = (self.pair[0][:batch_size], self.pair[1][:batch_size])
+            self.batches_per_epoch = math.ceil(self.num_data / batch_size)
+        else:
+            if isinstance(data, torch.Tensor) or not isinstance(data, Iterable):
+                raise TypeError(
+                    "fit: data must be an (x, y) pair of tensors or an iterable of (x, y) "
+                    f"batches (e.g. a DataLoader), got {type(data).__name__}"
+                )
+            if iter(data) is data:
+                raise TypeError(
+                    "fit: data is an iterator, which can be read only once; pass a "
+                    "re-iterable such as a DataLoader or a list of batches"
+                )
+            self.loader = cast(Iterable[Batch], data)
+            count, first, batches = 0, None, 0
+            for i, batch in enumerate(self.loader):
+                xb, yb = _check_batch(batch, f"batch {i} of data")
+                first = (xb, yb) if first is None else first
+                count += xb.shape[0]
+                batches += 1
+            if first is None:
+                raise ValueError("fit: data (the loader) yields no batches")
+            self.first, self.num_data, self.batches_per_epoch = first, count, batches
+        self.generator = torch.Generator(device="cpu")
+        self.order: Optional[torch.Tensor] = None
+        self.position = 0
+        self._iter: Optional[Iterator[Batch]] = None
+
+    def start(self) -> None:
+        """Seeds the shuffling from the global RNG (after every check has passed)."""
+        self.generator.manual_seed(int(torch.randint(2**62, ()).item()))
+
+    def __next__(self) -> Batch:
+        if self.pair is not None:
+            x, y = self.pair
+            if self.order is None or self.position >= self.num_data:
+                self.order = torch.randperm(self.num_data, generator=self.generator)
+                self.position = 0
+            idx = self.order[self.position:self.position + self.batch_size].to(x.device)
+            self.position += self.batch_size
+            return x[idx], y[idx]
+        assert self.loader is not None
+        for _ in range(2):
+            if self._iter is None:
+                self._iter = iter(self.loader)
+            try:
+                return cast(Batch, tuple(next(self._iter)))
+            except StopIteration:
+                self._iter = None
+        raise ValueError("fit: data (the loader) yields no batches on a second pass")
+
+    def state(self) -> Dict[str, Any]:
+        return {"generator": self.generator.get_state(), "order": self.order,
+                "position": self.position}
+
+    def set_state(self, state: Dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.order, self.position = state["order"], state["position"]
+
+
+# ---- checks that run the model without changing anything -------------------------------
+
+
+def _base(fn: Any) -> Any:
+    while isinstance(fn, (dist.Independent, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return fn
+
+
+@contextlib.contextmanager
+def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
+    """Runs the block with the param store, the model's buffers and the RNG restored
+    afterwards."""
+    store = pyro.get_param_store()
+    names = set(store.keys())
+    buffers = ({k: b.clone() for k, b in model.named_buffers()}
+               if isinstance(model, nn.Module) else {})
+    rng = torch.get_rng_state()
+    # what BayesianClassifier / BayesianRegressor note of the batch sizes they see
+    notes = {k: v for k, v in vars(model).items() if k in ("_observed_rows", "_warned_num_data")}
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        vars(model).update(notes)
+        for name in set(store.keys()) - names:
+            del store[name]
+        if isinstance(model, nn.Module):
+            for k, b in model.named_buffers():
+                if k in buffers:
+                    b.copy_(buffers[k])
+        torch.set_rng_state(rng)
+
+
+def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> None:
+    x, y = batch
+    declared = getattr(model, "num_data", None)
+    if isinstance(declared, int) and declared != num_data:
+        raise ValueError(
+            f"fit: the model was built with num_data={declared} but the data has {num_data} "
+            f"rows; build it with num_data={num_data}"
+        )
+    with _sandbox(model):
+        try:
+            trace = poutine.trace(model).get_trace(x, y)
+        except Exception as e:  # the user's model: any error, said with context
+            raise ValueError(
+                f"fit: the model fails on the first batch (x {tuple(x.shape)} {x.dtype}, "
+                f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
+            ) from e
+    observed = [s for s in trace.nodes.values() if s["type"] == "sample" and s["is_observed"]]
+    if not observed:
+        raise ValueError(
+            "fit: the model has no observed sample site when called as model(x, y); it must "
+            "condition on y, e.g. pyro.sample('obs', dist.Categorical(logits=...), obs=y)"
+        )
+    for site in observed:
+        fn = _base(site["fn"])
+        if isinstance(fn, dist.Categorical) and (y.is_floating_point() or y.dtype == torch.bool):
+            raise TypeError(
+                f"fit: the likelihood {site['name']!r} is Categorical, so y must hold integer "
+                f"class labels (y.long()), got {y.dtype}"
+            )
+        if not fn.support.is_discrete and not y.is_floating_point():
+            raise TypeError(
+                f"fit: the likelihood {site['name']!r} is {type(fn).__name__}, continuous, "
+                f"so y must be floating point (y.float()), got {y.dtype}"
+            )
+        rows = x.shape[0]
+        scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
+            site["scale"].max())
+        if rows < num_data and abs(scale - 1.0) < 1e-6:
+            raise ValueError(
+                f"fit: the likelihood {site['name']!r} is not scaled to the data set: on a "
+                f"batch of {rows} of {num_data} rows its scale is 1, so the KL term would "
+                f"weigh {num_data / rows:.3g} times too much. Build the model with "
+                f"num_data={num_data} (BayesianClassifier / BayesianRegressor), or use "
+                f"pyro.plate('data', {num_data}, subsample=...) in your model"
+            )
+
+
+def _set_up(guide: Callable[..., Any], batch: Batch) -> None:
+    """Sets an autoguide up (its parameters take the param store's values where it
+    has them), leaving the RNG as it was."""
+    if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
+        rng = torch.get_rng_state()
+        with torch.no_grad():
+            poutine.block(guide)(*batch)
+        torch.set_rng_state(rng)
+
+
+# ---- evaluation ----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Tensor,
+              y: torch.Tensor, num_samples: int, chunk: int) -> Dict[str, float]:
+    """Monte Carlo predictive MNLL (and error rate or RMSE) of ``num_samples`` guide
+    draws, the model in eval mode, on chunks of at most ``chunk`` rows (a model built
+    with ``num_data`` takes no larger batch)."""
+    modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        log_probs, means, kind = [], [], ""
+        for _ in range(num_samples):
+            guide_trace = poutine.trace(guide).get_trace(x[:chunk], y[:chunk])
+            sample_lp, sample_means = [], []
+            for start in range(0, x.shape[0], chunk):
+                xc, yc = x[start:start + chunk], y[start:start + chunk]
+                trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(xc, yc)
+                lp = xc.new_zeros(xc.shape[0])
+                observed = [s for s in trace.nodes.values()
+                            if s["type"] == "sample" and s["is_observed"]]
+                for site in observed:
+                    fn: Any = site["fn"]
+                    site_lp = cast(torch.Tensor, fn.log_prob(site["value"]))
+                    site_lp = site_lp.reshape(site_lp.shape[:1] + (-1,)).sum(-1) if (
+                        site_lp.dim() and site_lp.shape[0] == xc.shape[0]) else site_lp.sum()
+                    lp = lp + site_lp
+                sample_lp.append(lp)
+                if len(observed) == 1:
+                    base = _base(observed[0]["fn"])
+                    if isinstance(base, dist.Categorical):
+                        kind = "error_rate"
+                        sample_means.append(base.probs)
+                    elif isinstance(base, (dist.Normal, dist.StudentT)):
+                        kind = "rmse"
+                        value = cast(torch.Tensor, observed[0]["value"])
+                        sample_means.append(base.loc.expand(value.shape))
+            log_probs.append(torch.cat(sample_lp))
+            if sample_means:
+                means.append(torch.cat(sample_means))
+        stacked = torch.stack(log_probs)
+        result = {"mnll": float(-(stacked.logsumexp(0) - math.log(num_samples)).mean())}
+        if kind == "error_rate":
+            pred = torch.stack(means).mean(0).argmax(-1)
+            result[kind] = float((pred != y).float().mean())
+        elif kind == "rmse":
+            mean = torch.stack(means).mean(0)
+            result[kind] = float((mean - y.reshape(mean.shape)).pow(2).mean().sqrt())
+        return result
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+
+
+# ---- checkpoints ---------------------------------------------------------------------
+
+
+def _save(path: str, step: int, optim: PyroOptim, model: Callable[..., Any],
+          batches: _Batches, history: FitHistory) -> None:
+    state = {
+        "format": _CHECKPOINT_FORMAT,
+        "step": step,
+        "param_store": pyro.get_param_store().get_state(),
+        "optim": optim.get_state(),
+        "model": model.state_dict() if isinstance(model, nn.Module) else None,
+        "rng": torch.get_rng_state(),
+        "batches": batches.state(),
+        "loss": list(history.loss),
+        "validation": list(history.validation),
+    }
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load(path: str) -> Dict[str, Any]:
+    # our own file, with the param store's constraints pickled: not weights only
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
+        raise ValueError(f"fit: {path!r} is not a checkpoint written by pyro_vinit.fit")
+    return cast(Dict[str, Any], state)

@@ -1,0 +1,184 @@
+"""
+The training configuration of :func:`~pyro_vinit.training.fit`, its history,
+and which guides count as initialized.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass, field, replace
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Optional,
+)
+
+import pyro
+import torch
+from pyro.infer import TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoGuide, AutoNormal
+from pyro.optim import PyroOptim
+
+from pyro_vinit.guides import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal
+from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam
+
+__all__ = ["FitConfig", "FitHistory", "fit_config", "is_initialized"]
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """
+    The training configuration :func:`fit` uses, for users who keep their own
+    SVI loop (see :func:`fit_config`).
+
+    Usage::
+
+        config = fit_config(guide)
+        svi = SVI(model, guide, config.optimizer(), config.elbo())
+        with config.handlers():
+            svi.step(x, y)
+
+    :param float lr: Adam's learning rate.
+    :param float kl_weight: The weight :math:`\\lambda` of the KL term
+        (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`).
+    :param int num_particles: Monte Carlo samples per ELBO evaluation.
+    :param callable weight_noise: Returns a fresh weight-noise handler
+        (:func:`~pyro_vinit.poutine.local_reparam` or
+        :func:`~pyro_vinit.poutine.flipout`), or None.
+    :param float max_scale_ratio: I-BLM's cap on the guide's standard
+        deviations, relative to the prior's.
+    :param int iblm_batch_size: I-BLM's rows per unit.
+    """
+
+    lr: float = 1e-3
+    kl_weight: float = 0.01
+    num_particles: int = 1
+    weight_noise: Optional[Callable[[], ContextManager[Any]]] = None
+    max_scale_ratio: Optional[float] = 0.1
+    iblm_batch_size: int = 512
+
+    def optimizer(self) -> PyroOptim:
+        """A fresh ``pyro.optim.Adam`` at :attr:`lr`."""
+        return PyroOptim(torch.optim.Adam, {"lr": self.lr})
+
+    def elbo(self) -> TraceMeanField_ELBO:
+        """A fresh ``TraceMeanField_ELBO`` with :attr:`num_particles`."""
+        return TraceMeanField_ELBO(
+            num_particles=self.num_particles, vectorize_particles=self.num_particles > 1
+        )
+
+    def handlers(self) -> ContextManager[Any]:
+        """A context in which to call ``svi.step``: the KL weight and the weight-noise
+        handler, entered afresh at each use."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(KLAnnealingMessenger(self.kl_weight))
+        if self.weight_noise is not None:
+            stack.enter_context(self.weight_noise())
+        return stack
+
+
+def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], ContextManager[Any]]]:
+    if isinstance(guide, AutoRadialNormal):
+        return flipout
+    if isinstance(guide, (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal)):
+        return local_reparam
+    return None
+
+
+def _check_positive(name: str, value: Any, kind: Any = (int, float)) -> None:
+    if (isinstance(value, bool) or not isinstance(value, kind)
+            or not math.isfinite(value) or not value > 0):
+        raise ValueError(f"fit: {name} must be a positive number, got {value!r}")
+
+
+def fit_config(
+    guide: Callable[..., Any],
+    *,
+    lr: Optional[float] = None,
+    kl_weight: Optional[float] = None,
+    num_particles: Optional[int] = None,
+) -> FitConfig:
+    """
+    The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
+    1e-3, ``TraceMeanField_ELBO`` with one particle, the KL term weighted by
+    0.01, under :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal
+    guides (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
+    :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal and no handler
+    for other guides; before training, I-BLM with 512 rows per unit and the
+    standard deviations capped at 0.1 times the prior's.
+
+    Usage::
+
+        config = fit_config(guide)  # after init_guide_iblm(guide, data, max_scale_ratio=0.1)
+        svi = SVI(model, guide, config.optimizer(), config.elbo())
+        with config.handlers():
+            svi.step(x, y)
+
+    :param guide: The guide.
+    :param float lr: Overrides the learning rate.
+    :param float kl_weight: Overrides the KL weight.
+    :param int num_particles: Overrides the number of particles.
+    """
+    changes: Dict[str, Any] = {"weight_noise": _default_weight_noise(guide)}
+    if lr is not None:
+        _check_positive("lr", lr)
+        changes["lr"] = float(lr)
+    if kl_weight is not None:
+        _check_positive("kl_weight", kl_weight)
+        changes["kl_weight"] = float(kl_weight)
+    if num_particles is not None:
+        _check_positive("num_particles", num_particles, int)
+        changes["num_particles"] = num_particles
+    return replace(FitConfig(), **changes)
+
+
+@dataclass
+class FitHistory:
+    """
+    What :func:`fit` returns: the loss of every SVI step and the validation
+    metrics at each evaluation.
+
+    :ivar list loss: ``svi.step``'s loss (the KL-weighted negative ELBO
+        estimate of the whole data set) at every step of this call, and of
+        the run it resumed.
+    :ivar list validation: One dict per evaluation, with ``"step"``,
+        ``"mnll"`` and ``"error_rate"`` (a Categorical likelihood) or
+        ``"rmse"`` (a Normal one).
+    :ivar bool initialized: Whether this call initialized the guide with I-BLM.
+    :ivar FitConfig config: The configuration it trained with.
+    """
+
+    loss: List[float] = field(default_factory=list)
+    validation: List[Dict[str, float]] = field(default_factory=list)
+    initialized: bool = False
+    config: FitConfig = field(default_factory=FitConfig)
+
+    @property
+    def steps(self) -> int:
+        """Number of SVI steps taken."""
+        return len(self.loss)
+
+
+def is_initialized(guide: Callable[..., Any]) -> bool:
+    """
+    Whether :func:`fit` takes ``guide`` as initialized (and so does not run
+    I-BLM on it): an autoguide that is set up (by an initializer, by
+    training, or by a call before ``load_state_dict``), or whose parameters
+    are in Pyro's param store (e.g. after ``pyro.get_param_store().load``).
+    A guide that is not an :class:`~pyro.infer.autoguide.AutoGuide` is never
+    taken as initialized (I-BLM cannot start it: train it with ``init=None``).
+
+    Usage::
+
+        is_initialized(AutoKTiedNormal(model))  # False
+
+    :param guide: The guide.
+    """
+    if isinstance(guide, AutoGuide):
+        if guide.prototype_trace is not None:
+            return True
+        prefix = f"{type(guide).__name__}."  # an autoguide's params are named after its class
+        return any(name.startswith(prefix) for name in pyro.get_param_store().keys())
+    return False

@@ -1,0 +1,232 @@
+"""
+:func:`fit`: I-BLM, then SVI with the recipe that keeps I-BLM's head start
+(see the "Training" method page).
+"""
+
+import math
+import os
+import warnings
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Optional,
+    Union,
+    cast,
+)
+
+import pyro
+import torch
+from pyro.infer import SVI
+from pyro.infer.autoguide import AutoGuide
+from pyro.optim import PyroOptim
+from torch import nn
+
+from pyro_vinit.initialization import init_guide_iblm
+from pyro_vinit.training._support import (
+    Batch,
+    Data,
+    _Batches,
+    _check_batch,
+    _check_model,
+    _evaluate,
+    _load,
+    _save,
+    _set_up,
+)
+from pyro_vinit.training.config import (
+    FitConfig,
+    FitHistory,
+    _check_positive,
+    fit_config,
+    is_initialized,
+)
+
+__all__ = ["fit"]
+
+
+# ---- fit -----------------------------------------------------------------------------
+
+
+def fit(
+    model: Callable[..., Any],
+    guide: Callable[..., Any],
+    data: Data,
+    *,
+    steps: Optional[int] = None,
+    epochs: Optional[float] = None,
+    batch_size: int = 128,
+    optim: Optional[PyroOptim] = None,
+    lr: Optional[float] = None,
+    kl_weight: Optional[float] = None,
+    num_particles: Optional[int] = None,
+    init: Optional[str] = "iblm",
+    init_options: Optional[Dict[str, Any]] = None,
+    validation: Optional[Batch] = None,
+    eval_every: Optional[int] = None,
+    num_samples: int = 32,
+    progress: bool = True,
+    checkpoint: Optional[Union[str, "os.PathLike[str]"]] = None,
+    checkpoint_every: Optional[int] = None,
+) -> FitHistory:
+    r"""
+    Trains a Bayesian neural network ``model(x, y)`` and its ``guide`` on
+    ``data``: initializes the guide with I-BLM unless it is initialized
+    already (see :func:`is_initialized`), then runs SVI with the configuration
+    of :func:`fit_config`, the recipe that keeps I-BLM's head start.
+
+    Usage::
+
+        model = BayesianClassifier(bayesianize(mlp((64, 100, 10))), num_data=len(x))
+        guide = AutoKTiedNormal(model, rank=2)
+        history = fit(model, guide, (x, y), steps=400, progress=False)
+        history = fit(model, guide, (x, y), steps=100, progress=False)  # continues
+
+    The model must condition on ``y`` through an observed site whose
+    likelihood is scaled to the full data set (``num_data=`` of
+    :class:`~pyro_vinit.nn.BayesianClassifier`, or a subsampled
+    ``pyro.plate``). Everything about ``data``, the model's first batch and
+    the options is checked before any parameter changes.
+
+    :param model: The Pyro model, called as ``model(x, y)``.
+    :param guide: Its guide (AutoKTiedNormal, AutoMeanFieldNormal,
+        AutoRadialNormal or AutoNormal for I-BLM; with ``init=None`` any).
+    :param data: An ``(x, y)`` pair of tensors, shuffled into minibatches of
+        ``batch_size`` each epoch, or a re-iterable of ``(x, y)`` batches
+        (e.g. a :class:`~torch.utils.data.DataLoader`), read pass after pass.
+    :param int steps: Number of SVI steps (with ``checkpoint``, the total
+        including the steps already in it); default 1000 unless ``epochs``.
+    :param float epochs: Alternatively, passes over the data.
+    :param int batch_size: Minibatch size for an ``(x, y)`` pair.
+    :param optim: A Pyro optimizer instead of :meth:`FitConfig.optimizer`
+        (pass the same one to a second call to keep Adam's moments).
+    :param float lr: Learning rate of the default optimizer.
+    :param float kl_weight: KL weight instead of 0.01.
+    :param int num_particles: Particles of the ELBO.
+    :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
+    :param dict init_options: Keyword options of
+        :func:`~pyro_vinit.init_guide_iblm`, over fit's (``batch_size=512``,
+        ``max_scale_ratio=0.1``).
+    :param tuple validation: An ``(x, y)`` pair evaluated every
+        ``eval_every`` steps and after the last one.
+    :param int eval_every: Steps between evaluations (default a tenth of the run).
+    :param int num_samples: Guide draws of the Monte Carlo predictive.
+    :param bool progress: Show a tqdm progress bar with the loss.
+    :param checkpoint: A file to which the guide's and model's parameters,
+        the optimizer's state, the RNG states and the step are saved every
+        ``checkpoint_every`` steps and at the end; if it exists, training
+        resumes from it (bit-identically for an ``(x, y)`` pair).
+    :type checkpoint: str or os.PathLike
+    :param int checkpoint_every: Steps between checkpoints (default: only at the end).
+    :return: A :class:`FitHistory`.
+    """
+    # ---- every check first: nothing is modified until they pass --------------------
+    if steps is not None and epochs is not None:
+        raise ValueError("fit: pass steps or epochs, not both")
+    _check_positive("batch_size", batch_size, int)
+    _check_positive("num_samples", num_samples, int)
+    for name, value, kind in (("steps", steps, int), ("epochs", epochs, (int, float)),
+                              ("eval_every", eval_every, int),
+                              ("checkpoint_every", checkpoint_every, int)):
+        if value is not None:
+            _check_positive(name, value, kind)
+    if lr is not None:
+        _check_positive("lr", lr)
+    if kl_weight is not None:
+        _check_positive("kl_weight", kl_weight)
+    if num_particles is not None:
+        _check_positive("num_particles", num_particles, int)
+    if init not in ("iblm", None):
+        raise ValueError(f"fit: init must be 'iblm' or None, got {init!r}")
+    if optim is not None and not isinstance(optim, PyroOptim):
+        raise TypeError(
+            f"fit: optim must be a Pyro optimizer (e.g. pyro.optim.Adam({{'lr': 1e-3}})), "
+            f"got {type(optim).__name__}"
+        )
+    if optim is not None and lr is not None:
+        raise ValueError("fit: pass lr or optim, not both (lr sets the default optimizer's)")
+    if not callable(model) or not callable(guide):
+        raise TypeError("fit: model and guide must be callables (a Pyro model and its guide)")
+    batches = _Batches(data, batch_size)
+    num_data = batches.num_data
+    if validation is not None:
+        validation = _check_batch(validation, "validation")
+    _check_model(model, batches.first, num_data)
+    initialized = is_initialized(guide)
+    if init == "iblm" and not initialized and not isinstance(guide, AutoGuide):
+        raise TypeError(
+            f"fit: I-BLM initializes autoguides, not a {type(guide).__name__}; pass init=None "
+            "to train this guide from its own initial values"
+        )
+    path = os.fspath(checkpoint) if checkpoint is not None else None
+    resumed = _load(path) if path is not None and os.path.exists(path) else None
+    if steps is None:
+        steps = (max(1, round(epochs * batches.batches_per_epoch)) if epochs is not None
+                 else 1000)
+    done = 0 if resumed is None else int(resumed["step"])
+
+    # ---- initialize, or restore --------------------------------------------------------
+    batches.start()
+    history = FitHistory()
+    defaults = FitConfig()
+    if resumed is not None:
+        _set_up(guide, batches.first)  # the checkpoint then overwrites its values
+        device = batches.first[0].device  # the checkpoint was loaded onto the CPU
+        store_state = resumed["param_store"]
+        pyro.get_param_store().set_state({
+            "params": {k: v.to(device) for k, v in store_state["params"].items()},
+            "constraints": store_state["constraints"]})
+        if isinstance(model, nn.Module) and resumed["model"] is not None:
+            model.load_state_dict(resumed["model"])
+        history.loss = list(resumed["loss"])
+        history.validation = list(resumed["validation"])
+    elif init == "iblm" and not initialized:
+        options = {"batch_size": min(defaults.iblm_batch_size, num_data),
+                   "max_scale_ratio": defaults.max_scale_ratio, **(init_options or {})}
+        init_data = batches.pair if batches.pair is not None else batches.loader
+        init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
+        history.initialized = True
+    elif not initialized:  # init=None: Pyro's own initial values, set up here
+        guide(*batches.first)
+    else:  # e.g. parameters loaded into the param store: set up, taking their values
+        _set_up(guide, batches.first)
+    config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles)
+    history.config = config
+    optim = optim if optim is not None else config.optimizer()
+    if resumed is not None:
+        optim.set_state(resumed["optim"])
+        batches.set_state(resumed["batches"])
+        torch.set_rng_state(resumed["rng"])
+    svi = SVI(model, guide, optim, config.elbo())
+    every = eval_every or max(1, steps // 10)
+    chunk = max(1, min(num_data, 4096))  # validation rows per model call
+
+    # ---- train ---------------------------------------------------------------------------
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]  # a dependency of Pyro
+
+    if validation is not None and done == 0:
+        history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
+                                                            num_samples, chunk)})
+    bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
+    try:
+        for step in range(done + 1, steps + 1):
+            xb, yb = next(batches)
+            with config.handlers():
+                loss = svi.step(xb, yb)
+            if not math.isfinite(loss):
+                warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
+                              stacklevel=2)
+            history.loss.append(float(loss))
+            bar.update(1)
+            if step % 10 == 0 or step == steps:
+                bar.set_postfix(loss=f"{loss / num_data:.4g}")
+            if validation is not None and (step % every == 0 or step == steps):
+                history.validation.append({"step": float(step),
+                                           **_evaluate(model, guide, *validation,
+                                                       num_samples, chunk)})
+            if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
+                                     or step == steps):
+                _save(path, step, optim, model, batches, history)
+    finally:
+        bar.close()
+    return history

@@ -1,0 +1,493 @@
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoNormal
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pyro_vinit
+import pyro_vinit.training.config as training_config
+import pyro_vinit.training.loop as training_loop
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, fit, fit_config, init_guide_iblm
+from pyro_vinit.data import load_digits
+from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
+from pyro_vinit.poutine import flipout, local_reparam
+from pyro_vinit.training import FitHistory, is_initialized
+
+
+def blobs(n=240, d=5, k=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centers = 3 * torch.randn(k, d, generator=g)
+    y = torch.arange(n) % k
+    x = centers[y] + torch.randn(n, d, generator=g)
+    return x, y
+
+
+def classifier(d=5, k=3, num_data=240, hidden=16):
+    return BayesianClassifier(bayesianize(mlp((d, hidden, k))), num_data=num_data)
+
+
+def snapshot():
+    store = pyro.get_param_store()
+    return {name: store.get_param(name).detach().clone() for name in store.keys()}
+
+
+def assert_identical(before, after):
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
+# ---- the two data forms -----------------------------------------------------------------
+
+
+def test_fit_on_a_tensor_pair():
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    history = fit(model, guide, (x, y), steps=30, batch_size=64, validation=(x, y),
+                  eval_every=10, num_samples=4, progress=False)
+    assert isinstance(history, FitHistory)
+    assert history.initialized and is_initialized(guide)
+    assert history.steps == len(history.loss) == 30
+    assert all(math.isfinite(v) for v in history.loss)
+    assert [v["step"] for v in history.validation] == [0, 10, 20, 30]
+    # well-separated blobs: I-BLM classifies them at once
+    assert history.validation[0]["error_rate"] < 0.05
+    assert history.validation[-1]["error_rate"] < 0.05
+
+
+def test_fit_on_a_data_loader():
+    x, y = blobs()
+    loader = DataLoader(TensorDataset(x, y), batch_size=50, shuffle=True)
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    history = fit(model, guide, loader, epochs=2, validation=(x, y), num_samples=4,
+                  progress=False)
+    assert history.steps == 2 * 5  # 240 rows in batches of 50
+    assert history.validation[-1]["error_rate"] < 0.05
+
+
+def test_epochs_count_batches_of_a_pair():
+    x, y = blobs()
+    model = classifier()
+    history = fit(model, AutoKTiedNormal(model), (x, y), epochs=1.5, batch_size=100,
+                  progress=False)
+    assert history.steps == round(1.5 * 3)
+
+
+# ---- initialized guides are never re-initialized -----------------------------------------
+
+
+@pytest.fixture
+def count_iblm(monkeypatch):
+    calls = []
+
+    def counting(guide, data, **options):
+        calls.append(options)
+        return init_guide_iblm(guide, data, **options)
+
+    monkeypatch.setattr(training_loop, "init_guide_iblm", counting)
+    return calls
+
+
+def test_second_fit_continues_without_reinit(count_iblm):
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    fit(model, guide, (x, y), steps=5, progress=False)
+    assert len(count_iblm) == 1
+    assert count_iblm[0] == {"batch_size": 240, "max_scale_ratio": 0.1}  # 512, at most N
+    trained = snapshot()
+    history = fit(model, guide, (x, y), steps=1, lr=1e-4, progress=False)
+    assert len(count_iblm) == 1 and not history.initialized
+    # one Adam step of size 1e-4 from where the first call ended, not a fresh start
+    for name, value in snapshot().items():
+        assert (value - trained[name]).abs().max() <= 1.1e-4, name
+
+
+def test_guide_initialized_outside_fit_is_kept(count_iblm):
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    init_guide_iblm(guide, (x, y))
+    fit(model, guide, (x, y), steps=2, progress=False)
+    assert count_iblm == []
+    # a set-up guide keeps its values in its own parameters, even without the param store
+    pyro.clear_param_store()
+    assert is_initialized(guide)
+    fit(model, guide, (x, y), steps=2, progress=False)
+    assert count_iblm == []
+
+
+def test_guide_loaded_into_the_param_store_is_kept(count_iblm, tmp_path):
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    fit(model, guide, (x, y), steps=2, progress=False)
+    pyro.get_param_store().save(tmp_path / "params.pt")
+    saved = snapshot()
+    pyro.clear_param_store()
+    pyro.get_param_store().load(tmp_path / "params.pt")
+    fresh = AutoKTiedNormal(model, rank=2)
+    assert is_initialized(fresh)
+    fit(model, fresh, (x, y), steps=1, lr=1e-6, progress=False)
+    assert len(count_iblm) == 1  # the first fit's only
+    for name, value in snapshot().items():
+        assert (value - saved[name]).abs().max() <= 1e-5, name
+
+
+def test_init_none_skips_iblm(count_iblm):
+    x, y = blobs()
+    model = classifier()
+    history = fit(model, AutoKTiedNormal(model), (x, y), steps=2, init=None, progress=False)
+    assert count_iblm == [] and not history.initialized
+
+
+# ---- bad input changes nothing -----------------------------------------------------------
+
+
+class _Once:
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(iter(self.batches))
+
+
+BAD = {
+    "lengths": (lambda x, y: (x, y[:-1]), {}, ValueError, "same number of rows"),
+    "float labels": (lambda x, y: (x, y.float()), {}, TypeError, "integer class labels"),
+    "empty loader": (lambda x, y: [], {}, ValueError, "no batches"),
+    "iterator": (lambda x, y: _Once([(x, y)]), {}, TypeError, "read only once"),
+    "not a pair": (lambda x, y: (x, y, y), {}, TypeError, "pair"),
+    "bad batch": (lambda x, y: [(x, y), (x,)], {}, TypeError, "batch 1"),
+    "wrong width": (lambda x, y: (x[:, :4], y), {}, ValueError, "fails on the first batch"),
+    "steps": (lambda x, y: (x, y), {"steps": 0}, ValueError, "steps"),
+    "both": (lambda x, y: (x, y), {"steps": 2, "epochs": 1}, ValueError, "not both"),
+    "lr": (lambda x, y: (x, y), {"lr": -1.0}, ValueError, "lr"),
+    "init": (lambda x, y: (x, y), {"init": "xavier"}, ValueError, "init"),
+    "validation": (lambda x, y: (x, y), {"validation": (x_ := torch.zeros(3, 5), x_[:2, 0])},
+                   ValueError, "validation"),
+}
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_changes_nothing(case, initialized):
+    make_data, options, error, match = BAD[case]
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    if initialized:
+        init_guide_iblm(guide, (x, y))
+    before, rng = snapshot(), torch.get_rng_state()
+    with pytest.raises(error, match=match):
+        fit(model, guide, make_data(x, y), progress=False, **{"steps": 2, **options})
+    assert_identical(before, snapshot())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert is_initialized(guide) == initialized
+
+
+def test_bad_regression_targets():
+    x, y = blobs()
+    model = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240)
+    with pytest.raises(TypeError, match="floating point"):
+        fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False)
+    assert snapshot() == {}
+
+
+# ---- num_data -----------------------------------------------------------------------------
+
+
+def test_fit_refuses_a_model_without_num_data_on_minibatches():
+    x, y = blobs()
+    model = BayesianClassifier(bayesianize(mlp((5, 16, 3))))
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(ValueError, match="num_data=240"):
+        fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    # full-batch training needs no scaling
+    fit(model, guide, (x, y), steps=2, batch_size=240, progress=False)
+
+
+def test_fit_refuses_an_unscaled_functional_model():
+    x, y = blobs()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 5]).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)), obs=y)
+
+    with pytest.raises(ValueError, match="not scaled to the data set"):
+        fit(model, AutoNormal(model), (x, y), steps=2, batch_size=64, progress=False)
+
+
+def test_fit_refuses_a_num_data_that_is_not_the_data_size():
+    x, y = blobs()
+    model = classifier(num_data=1000)
+    with pytest.raises(ValueError, match="num_data=1000"):
+        fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False)
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("guide_class, handler", [
+    (AutoKTiedNormal, local_reparam), (AutoNormal, local_reparam),
+    (pyro_vinit.AutoMeanFieldNormal, local_reparam), (AutoRadialNormal, flipout),
+    (AutoDiagonalNormal, None),
+])
+def test_fit_config_handler(guide_class, handler):
+    x, y = blobs()
+    model = classifier()
+    guide = guide_class(model)
+    config = fit_config(guide)
+    assert config.weight_noise is handler
+    assert (config.lr, config.kl_weight, config.num_particles) == (1e-3, 0.01, 1)
+    assert (config.iblm_batch_size, config.max_scale_ratio) == (512, 0.1)
+    other = fit_config(guide, lr=3e-3, kl_weight=1.0, num_particles=2)
+    assert (other.lr, other.kl_weight, other.num_particles) == (3e-3, 1.0, 2)
+    with pytest.raises(ValueError, match="kl_weight"):
+        fit_config(guide, kl_weight=0.0)
+
+
+def test_fit_config_handlers_weight_the_kl_term():
+    # the loss under config.handlers(): expected log-likelihood + λ KL, λ = 0.01
+    x, y = blobs()
+    model = classifier()
+    guide = AutoDelta(model)  # no weight noise: the loss is deterministic
+    guide(x, y)
+    config = fit_config(guide)
+    elbo = config.elbo()
+    full = elbo.loss(model, guide, x, y)
+    with pyro.poutine.block(hide_types=["param"]):
+        data_only = -pyro.poutine.trace(pyro.poutine.replay(
+            model, trace=pyro.poutine.trace(guide).get_trace(x, y))).get_trace(
+                x, y).nodes["obs"]["fn"].log_prob(y).sum()
+    with config.handlers():
+        tempered = elbo.loss(model, guide, x, y)
+    assert tempered == pytest.approx(float(data_only) + 0.01 * (full - float(data_only)),
+                                     rel=1e-5)
+
+
+def test_fit_config_drives_an_own_loop_like_fit():
+    # fit = I-BLM with FitConfig's options, then SVI steps under config.handlers()
+    x, y = blobs()
+
+    def own_loop():
+        pyro.set_rng_seed(1)
+        model = classifier()
+        guide = AutoKTiedNormal(model)
+        order = torch.Generator().manual_seed(int(torch.randint(2**62, ()).item()))
+        defaults = training_config.FitConfig()
+        init_guide_iblm(guide, (x, y), batch_size=min(defaults.iblm_batch_size, len(x)),
+                        max_scale_ratio=defaults.max_scale_ratio)
+        config = fit_config(guide)
+        svi = pyro.infer.SVI(model, guide, config.optimizer(), config.elbo())
+        losses, epoch = [], torch.randperm(240, generator=order)
+        for idx in epoch.split(120):
+            with config.handlers():
+                losses.append(svi.step(x[idx], y[idx]))
+        return losses
+
+    def with_fit():
+        pyro.set_rng_seed(1)
+        model = classifier()
+        return fit(model, AutoKTiedNormal(model), (x, y), steps=2, batch_size=120,
+                   progress=False).loss
+
+    own = own_loop()
+    pyro.clear_param_store()
+    assert with_fit() == own
+
+
+# ---- validation metrics ------------------------------------------------------------------
+
+
+def test_validation_metrics_of_a_point_mass():
+    # AutoDelta: the predictive is the network at the guide's values, in closed form
+    x, y = blobs()
+    model = classifier()
+    guide = AutoDelta(model)
+    history = fit(model, guide, (x, y), steps=3, init=None, validation=(x, y),
+                  num_samples=3, progress=False)
+    values = {k: v.detach() for k, v in guide.median(x, y).items()}
+    logits = pyro.poutine.condition(model, values)(x)
+    result = history.validation[-1]
+    assert result["mnll"] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-5)
+    assert result["error_rate"] == pytest.approx(float((logits.argmax(-1) != y).float().mean()))
+
+
+def test_regression_with_learned_noise():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 5, generator=g)
+    y = x @ torch.tensor([1.0, -0.5, 0.3, 0.0, 0.8]) + 0.3 * torch.randn(300, generator=g)
+    model = BayesianRegressor(bayesianize(mlp((5, 32, 1))), num_data=300, learn_noise=True)
+    guide = AutoKTiedNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=300, max_scale_ratio=0.1)
+    noise = float(model.noise_scale.detach())
+    assert 0.25 < noise < 0.4  # I-BLM's residual std; the data's noise is 0.3
+    assert pyro.get_param_store().get_param("noise_scale").item() == pytest.approx(noise)
+    history = fit(model, guide, (x, y), steps=100, batch_size=100, validation=(x, y),
+                  num_samples=8, progress=False)
+    assert history.validation[0]["rmse"] == pytest.approx(noise, rel=0.1)
+    learned = float(model.noise_scale.detach())
+    assert learned != noise and 0.2 < learned < 0.45  # trained, and still near 0.3
+    assert history.validation[-1]["rmse"] < 0.4
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+def _run(tmp_path, name, steps, every=None):
+    x, y = blobs()
+    pyro.set_rng_seed(3)
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    return fit(model, guide, (x, y), steps=steps, batch_size=64, progress=False,
+               checkpoint=tmp_path / name, checkpoint_every=every)
+
+
+def test_checkpoint_resumes_bit_identically(tmp_path):
+    straight = _run(tmp_path, "a.pt", 12)
+    params = snapshot()
+    pyro.clear_param_store()
+    _run(tmp_path, "b.pt", 5)  # stops at step 5 (a checkpoint at the end)
+    pyro.clear_param_store()
+    resumed = _run(tmp_path, "b.pt", 12)  # a fresh model and guide: resumes at step 6
+    assert not resumed.initialized
+    assert resumed.loss == straight.loss
+    assert_identical(params, snapshot())
+
+
+def test_checkpoint_every(tmp_path):
+    _run(tmp_path, "c.pt", 7, every=3)
+    state = torch.load(tmp_path / "c.pt", weights_only=False)
+    assert state["step"] == 7 and len(state["loss"]) == 7
+
+
+def test_not_a_checkpoint(tmp_path):
+    torch.save({"step": 3}, tmp_path / "x.pt")
+    x, y = blobs()
+    model = classifier()
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False,
+            checkpoint=tmp_path / "x.pt")
+    assert snapshot() == {}
+
+
+# ---- models a new user writes --------------------------------------------------------------
+
+
+def test_functional_model_with_f_linear():
+    x, y = blobs()
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 5**-0.5).expand([16, 5]).to_event(2))
+        b1 = pyro.sample("b1", dist.Normal(0.0, 1.0).expand([16]).to_event(1))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.25).expand([3, 16]).to_event(2))
+        logits = F.linear(torch.relu(F.linear(x, w1, b1)), w2)
+        with pyro.plate("data", 240, subsample=torch.arange(x.shape[0])):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    guide = AutoKTiedNormal(model)
+    history = fit(model, guide, (x, y), steps=20, batch_size=60, validation=(x, y),
+                  num_samples=4, progress=False)
+    assert history.initialized
+    assert history.validation[-1]["error_rate"] < 0.1
+
+
+def test_cnn_with_batchnorm():
+    x, y = load_digits(image=True)[:2]
+    x, y = x[:300], y[:300]
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(4 * 64, 10))
+    model = BayesianClassifier(bayesianize(net), num_data=300)
+    guide = AutoKTiedNormal(model)
+    history = fit(model, guide, (x, y), steps=10, batch_size=100, validation=(x, y),
+                  num_samples=4, progress=False)
+    assert history.initialized and len(history.validation) == 11
+    assert history.validation[-1]["error_rate"] < 0.3
+
+
+def test_small_data_head_start_survives():
+    # digits, 400 training images, 64-100-100-10: fit's defaults keep I-BLM's start
+    x, y, x_test, y_test = load_digits()
+    x, y = x[:400], y[:400]
+    model = BayesianClassifier(bayesianize(mlp((64, 100, 100, 10))), num_data=400)
+    guide = AutoKTiedNormal(model, rank=2)
+    history = fit(model, guide, (x, y), steps=400, validation=(x_test, y_test),
+                  eval_every=400, num_samples=32, progress=False)
+    start, end = history.validation[0], history.validation[-1]
+    assert start["error_rate"] < 0.15
+    assert end["error_rate"] <= start["error_rate"] + 0.01
+    assert end["mnll"] <= start["mnll"] + 0.05
+
+
+def test_validation_larger_than_the_training_set():
+    # a model built with num_data takes no batch larger than that: fit evaluates in chunks
+    x, y = blobs()
+    x_val, y_val = blobs(n=600, seed=1)
+    model = classifier()
+    guide = AutoDelta(model)
+    history = fit(model, guide, (x, y), steps=2, init=None, validation=(x_val, y_val),
+                  num_samples=2, progress=False)
+    values = {k: v.detach() for k, v in guide.median(x, y).items()}
+    logits = torch.cat([pyro.poutine.condition(model, values)(x_val[i:i + 240])
+                        for i in range(0, 600, 240)])
+    assert history.validation[-1]["mnll"] == pytest.approx(
+        float(F.cross_entropy(logits, y_val)), rel=1e-5)
+
+
+def test_bad_input_leaves_a_batchnorm_model_alone():
+    # the model runs once on the first batch to be checked: its deterministic params
+    # (registered in the param store as it runs) and running statistics are undone
+    x, y = blobs()
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    model = BayesianClassifier(bayesianize(net), num_data=240)
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    with pytest.raises(TypeError, match="integer class labels"):
+        fit(model, AutoKTiedNormal(model), (x + 5, y.float()), steps=2, progress=False)
+    assert snapshot() == {}
+    for k, b in model.named_buffers():
+        assert torch.equal(b, buffers[k]), k
+
+
+@pytest.mark.parametrize("guide_class", [AutoRadialNormal, AutoNormal,
+                                         pyro_vinit.AutoMeanFieldNormal])
+def test_fit_with_other_guides(guide_class, monkeypatch):
+    # each guide family is started by I-BLM and trained under its handler
+    used = []
+    for name, handler in (("local_reparam", local_reparam), ("flipout", flipout)):
+        def spy(*args, _handler=handler, _name=name, **kwargs):
+            used.append(_name)
+            return _handler(*args, **kwargs)
+        monkeypatch.setattr(training_config, name, spy)
+    x, y = blobs()
+    model = classifier()
+    history = fit(model, guide_class(model), (x, y), steps=5, batch_size=60,
+                  validation=(x, y), num_samples=4, progress=False)
+    assert history.initialized and all(math.isfinite(v) for v in history.loss)
+    assert history.validation[-1]["error_rate"] < 0.1
+    assert set(used) == {"flipout" if guide_class is AutoRadialNormal else "local_reparam"}
+    assert len(used) == 5
+
+
+def test_a_guide_function_needs_init_none():
+    x, y = blobs()
+    model = classifier()
+
+    def guide(x, y=None):
+        pass
+
+    with pytest.raises(TypeError, match="init=None"):
+        fit(model, guide, (x, y), steps=2, progress=False)
+    assert snapshot() == {}
