@@ -220,7 +220,7 @@ def solve_projected(layer: Layer, inputs: torch.Tensor, y: torch.Tensor,
     r"""
     :func:`solve_units` of a linear layer with the inputs projected onto their
     top ``rank`` principal directions :math:`V` (:func:`principal_directions`
-    of all rows of ``inputs``): unit :math:`j` regresses its targets on
+    of the rows that ``idx`` selects): unit :math:`j` regresses its targets on
     :math:`XV` with the prior :math:`\mathcal N(0, \lambda_j I)` of
     :math:`V^\top (w - m_0)` (exact for a prior :math:`\mathcal
     N(m_0, \lambda_j I)` of the weights), and gets the mean
@@ -231,7 +231,8 @@ def solve_projected(layer: Layer, inputs: torch.Tensor, y: torch.Tensor,
     has_bias = layer.bias_name is not None
     dtype = inputs.dtype
     x = inputs.reshape(inputs.shape[0], d)
-    basis = principal_directions(x, rank)  # (d, r)
+    # from the rows that the layer's units use (the same in every process of a group)
+    basis = principal_directions(x[idx.unique()], rank)  # (d, r)
     z = x @ basis  # (n, r)
     squares = x * x
     batch_size = idx.shape[1]
