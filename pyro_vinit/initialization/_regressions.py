@@ -232,7 +232,9 @@ def solve_projected(layer: Layer, inputs: torch.Tensor, y: torch.Tensor,
     dtype = inputs.dtype
     x = inputs.reshape(inputs.shape[0], d)
     # from the rows that the layer's units use (the same in every process of a group)
-    basis = principal_directions(x[idx.unique()], rank)  # (d, r)
+    used = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    used[idx.reshape(-1)] = True
+    basis = principal_directions(x[used], rank)  # (d, r)
     z = x @ basis  # (n, r)
     squares = x * x
     batch_size = idx.shape[1]
