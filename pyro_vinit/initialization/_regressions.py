@@ -149,17 +149,27 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
     # allocator's heap fragmented (resident memory that is never given back).
     means = torch.empty(hi - lo, width, dtype=dtype, device=device)
     variances = torch.empty(hi - lo, width, dtype=dtype, device=device)
+    # a linear layer's rows, with the bias column, gathered in one copy per chunk
+    rows_with_bias = None
+    if layer.op == "linear" and positions == 1 and groups == 1:
+        rows_with_bias = inputs.reshape(inputs.shape[0], d)
+        if has_bias:
+            rows_with_bias = torch.cat([rows_with_bias, rows_with_bias.new_ones(len(inputs), 1)],
+                                       1)
     for start in range(lo, hi, chunk):
         units = torch.arange(start, min(hi, start + chunk), device=device)
         c = len(units)
         batch = idx[units]  # (c, B)
-        x = unit_inputs(layer, inputs[batch.reshape(-1)])
-        x = x.reshape(c, batch_size, positions, groups, d)
-        if groups == 1:
-            x = x.reshape(c, rows, d)
-        else:  # each unit sees its group's input channels
-            g = group_of[units].reshape(c, 1, 1, 1, 1).expand(c, batch_size, positions, 1, d)
-            x = x.gather(3, g).reshape(c, rows, d)
+        if rows_with_bias is not None:
+            x = rows_with_bias[batch]  # (c, B, width)
+        else:
+            x = unit_inputs(layer, inputs[batch.reshape(-1)])
+            x = x.reshape(c, batch_size, positions, groups, d)
+            if groups == 1:
+                x = x.reshape(c, rows, d)
+            else:  # each unit sees its group's input channels
+                g = group_of[units].reshape(c, 1, 1, 1, 1).expand(c, batch_size, positions, 1, d)
+                x = x.gather(3, g).reshape(c, rows, d)
         t = y[batch, cols[units, None]]  # (c, B)
         noise = noise_var[batch, cols[units, None]]
         if hidden is not None:
@@ -169,7 +179,7 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
             noise = noise[:, :, None].expand(c, batch_size, positions).reshape(c, rows)
         if layer.fixed_bias is not None:
             t = t - layer.fixed_bias[units, None].to(t)
-        if has_bias:
+        if has_bias and rows_with_bias is None:
             x = torch.cat([x, torch.ones(c, rows, 1, dtype=dtype, device=device)], -1)
         prior_loc, prior_scale = unit_priors(layer, units)
         post = bayesian_linear_regression(
