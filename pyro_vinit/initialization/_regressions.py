@@ -278,7 +278,7 @@ def solve_projected(layer: Layer, inputs: torch.Tensor, y: torch.Tensor,
         mean[:, :d] += post.mean[:, :rank] @ basis.T
         # the exact precision diagonal: the rows' noise precisions, weighted squares
         weights = x.new_zeros(x.shape[0], c)
-        weights.scatter_(0, batch.T, noise.reciprocal().T)
+        weights.scatter_add_(0, batch.T, noise.reciprocal().T)  # (a row twice counts twice)
         precision = prior_scale.pow(-2)
         precision[:, :d] += (squares.T @ weights).T
         if has_bias:

@@ -90,8 +90,9 @@ def _wide_fit(x, y, noise, **kwargs):
 
 
 def test_projected_solve_is_exact_when_the_input_has_that_rank():
-    # 30 inputs of rank 5, 20 rows per unit: the dual form, projected for input_rank < 15
-    n, d, k = 60, 30, 3
+    # 30 inputs of rank 5, 20 rows per unit (the third unit's from two permutations of the
+    # 50 rows: some twice): the dual form, projected for input_rank < 15
+    n, d, k = 50, 30, 3
     x = torch.randn(n, 5, dtype=F64) @ torch.randn(5, d, dtype=F64)
     noise = torch.rand(n, dtype=F64) + 0.2
     y = x @ torch.randn(d, k, dtype=F64) / 5 + noise[:, None] * torch.randn(n, k, dtype=F64)
