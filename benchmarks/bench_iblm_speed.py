@@ -33,9 +33,9 @@ after initialization (for ``diabetes`` the RMSE and the MNLL with the drawn
 
 Usage::
 
-    python benchmarks/bench_iblm_speed.py                      # 7 rounds, main vs here
-    python benchmarks/bench_iblm_speed.py --baseline 96ab9cc --rounds 3
-    python benchmarks/bench_iblm_speed.py --quick               # smoke run, no files
+    python -m benchmarks.bench_iblm_speed                      # 7 rounds, main vs here
+    python -m benchmarks.bench_iblm_speed --baseline 5cae3f8 --rounds 3
+    python -m benchmarks.bench_iblm_speed --quick               # smoke run, no files
 """
 
 import argparse
