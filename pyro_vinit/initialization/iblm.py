@@ -66,6 +66,7 @@ def init_guide_iblm(
     max_pool_size: int = 10_000,
     chunk_rows: int = 4096,
     max_chunk_elements: int = 2**22,
+    input_rank: Optional[int] = 128,
 ) -> _G:
     r"""
     Iterative Bayesian Linear Modeling (I-BLM) [1]: initializes ``guide`` in
@@ -134,6 +135,10 @@ def init_guide_iblm(
     :param int chunk_rows: Rows per model run when propagating the data.
     :param int max_chunk_elements: Bound on the elements of the per-chunk design
         tensors.
+    :param int input_rank: A linear layer with more inputs than rows per unit
+        and than ``2 * input_rank`` regresses on the top ``input_rank``
+        principal directions of its input (the exact precision diagonal); None:
+        the exact regressions always.
     :return: ``guide``.
 
     [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
@@ -149,7 +154,7 @@ def init_guide_iblm(
         hidden_batches=hidden_batches, propagate=propagate, noise_scale=noise_scale,
         estimate_noise=estimate_noise, strict=strict, solver=solver, jitter=jitter,
         max_scale_ratio=max_scale_ratio, max_pool_size=max_pool_size, chunk_rows=chunk_rows,
-        max_chunk_elements=max_chunk_elements,
+        max_chunk_elements=max_chunk_elements, input_rank=input_rank,
     )
     check_process_group(process_group)
     return _initialize(guide, data, options, process_group)
@@ -231,6 +236,7 @@ class IBLMGuideInitializer:
         max_pool_size: int = 10_000,
         chunk_rows: int = 4096,
         max_chunk_elements: int = 2**22,
+    input_rank: Optional[int] = 128,
     ) -> None:
         self.options = IBLMOptions(
             batch_size=batch_size, output_rows=output_rows, alpha=alpha,
@@ -240,6 +246,7 @@ class IBLMGuideInitializer:
             estimate_noise=estimate_noise, strict=strict, solver=solver, jitter=jitter,
             max_scale_ratio=max_scale_ratio, max_pool_size=max_pool_size,
             chunk_rows=chunk_rows, max_chunk_elements=max_chunk_elements,
+            input_rank=input_rank,
         )
         check_process_group(process_group)
         self.process_group = process_group
