@@ -23,6 +23,7 @@ from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
 from pyro_vinit._pyro_compat import model_swapped
 from pyro_vinit.guides.site_params import check_supported, is_supported
+from pyro_vinit.initialization._batch_norm import write_with_norm_noise
 from pyro_vinit.initialization._collective import Collective
 from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
 from pyro_vinit.initialization._fits import Fit, stage, write_fits
@@ -201,7 +202,11 @@ def _initialize_member(guide: AutoGuide, data: Data, options: IBLMOptions,
             stage(prep.site_shape, values, fits, fit, options.propagate)
         noise = fit_noise(prep, values, targets, fits, options, collective)
         rollback.checkpoint()
-        write_fits(prep, fits, noise, options.max_scale_ratio)  # 4. set_loc_and_scale
+        # 4. set_loc_and_scale (with BatchNorm: the hidden layers' noise that eval mode
+        # normalizes as train mode does)
+        write_with_norm_noise(
+            prep, values, fits, lambda f: write_fits(prep, f, noise, options.max_scale_ratio),
+            options.chunk_rows, collective)
         refresh_norm_statistics(prep, values, options.chunk_rows, collective)
 
 

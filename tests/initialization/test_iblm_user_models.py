@@ -15,6 +15,7 @@ from torch import nn
 
 from pyro_vinit import (
     AutoKTiedNormal,
+    AutoMeanFieldNormal,
     AutoRadialNormal,
     IBLMGuideInitializer,
     init_guide,
@@ -633,3 +634,65 @@ def test_targets_as_a_third_argument_say_what_to_pass():
     with pytest.raises(TypeError, match="one tuple"):
         IBLMGuideInitializer()(guide, x)
     assert guide.prototype_trace is None
+
+
+class _ResBlock(PyroModule):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = _conv(c, c), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = _conv(c, c), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+def _conv(c_in, c_out):
+    conv = PyroModule[nn.Conv2d](c_in, c_out, 3, padding=1, bias=False)
+    conv.weight = PyroSample(dist.Normal(0.0, math.sqrt(2.0 / (9 * c_in)))
+                             .expand([c_out, c_in, 3, 3]).to_event(4))
+    return conv
+
+
+class _ResNet(PyroModule):
+    # A ResNet-style CNN as users write it: PyroSample kernels, BatchNorm2d, two residual
+    # blocks, global average pooling, a Bayesian linear head; returns the logits.
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem, self.bn = _conv(1, c), nn.BatchNorm2d(c)
+        self.blocks = PyroModule[nn.Sequential](_ResBlock(c), _ResBlock(c))
+        self.fc = PyroModule[nn.Linear](c, 10)
+        self.fc.weight = PyroSample(dist.Normal(0.0, 1 / math.sqrt(c)).expand([10, c]).to_event(2))
+        self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([10]).to_event(1))
+
+    def forward(self, x, y=None):
+        h = self.blocks(F.relu(self.bn(self.stem(x))))
+        logits = self.fc(h.mean((2, 3)))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+def _predictive_error(model, guide, x, y):
+    from pyro.infer import Predictive
+
+    with torch.no_grad():
+        logits = Predictive(model, guide=guide, num_samples=8, return_sites=["_RETURN"])(x)
+    return (logits["_RETURN"].softmax(-1).mean(0).argmax(-1) != y).float().mean().item()
+
+
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoKTiedNormal, AutoMeanFieldNormal])
+def test_batchnorm_resnet_predicts_in_eval_mode_as_in_train_mode(guide_class):
+    x, y, xt, yt = load_digits(image=True)
+    x, y = x[:600], y[:600]
+    pyro.set_rng_seed(0)
+    model = _ResNet()
+    guide = guide_class(model)
+    init_guide_iblm(guide, (x, y))
+    # predictions with guide draws, as users make them: eval mode normalizes with the
+    # running statistics, train mode with each draw's own batch statistics
+    model.eval()
+    eval_error = _predictive_error(model, guide, xt, yt)
+    model.train()
+    train_error = _predictive_error(model, guide, xt, yt)
+    assert train_error < 0.6  # (chance: 0.9)
+    assert abs(eval_error - train_error) <= 0.02, (eval_error, train_error)
