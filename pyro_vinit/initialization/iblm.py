@@ -100,9 +100,10 @@ def init_guide_iblm(
         \mu = A^{-1}(X^\top L^{-1} y + \Lambda^{-1} m_0), \qquad
         s_i^2 = 1 / A_{ii},
 
-    written through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`.
-    A learnable observation noise gets the residual std of the fitted
-    network. Nothing is written unless every step succeeds. See
+    written through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`
+    (with BatchNorm, the hidden layers' variances shrunk until guide draws
+    keep every BatchNorm input's statistics). A learnable observation noise
+    gets the residual std of the fitted network. Nothing is written unless every step succeeds. See
     :doc:`/methods/iblm` for the steps, the defaults and the measurements.
 
     Usage::
@@ -111,7 +112,8 @@ def init_guide_iblm(
         init_guide_iblm(guide, (x_train, y_train), batch_size=64)
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
-        AutoRadialNormal guide of the model (set up from the first rows if not yet).
+        AutoRadialNormal guide of the model (set up from the first rows if not
+        yet), or an ``AutoGuideList`` (each such member is initialized).
     :param data: One tuple of model arguments, ``model(*data)``, or an iterable
         of such tuples (e.g. a DataLoader).
     :param process_group: A :class:`torch.distributed.ProcessGroup` over whose
