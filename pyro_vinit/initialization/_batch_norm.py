@@ -43,8 +43,9 @@ def write_with_norm_noise(prep: Prepared, values: Dict[str, torch.Tensor],
     statistics, eval mode with the running ones (refreshed at the means):
     draws that move the statistics make the two disagree, more with depth.
     """
-    hidden = {name for fit in fits.values() if fit.layer.role == "hidden"
-              for name in fit.layer.site_names}
+    # (in model order: every rank broadcasts the same sites in the same order)
+    hidden = [name for fit in fits.values() if fit.layer.role == "hidden"
+              for name in fit.layer.site_names]
     if not prep.structure.batch_norm or not hidden:
         write(fits)
         return 1.0
