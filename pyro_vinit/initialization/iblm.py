@@ -15,7 +15,7 @@ Bayes for Deep Models"
 
 import warnings
 from contextlib import ExitStack
-from typing import Any, Dict, Optional, TypeVar, cast
+from typing import Any, Callable, Dict, Optional, TypeVar, cast
 
 import pyro.poutine as poutine
 import torch
@@ -103,8 +103,9 @@ def init_guide_iblm(
     written through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`
     (with BatchNorm, the hidden layers' variances shrunk until guide draws
     keep every BatchNorm input's statistics). A learnable observation noise
-    gets the residual std of the fitted network. Nothing is written unless every step succeeds. See
-    :doc:`/methods/iblm` for the steps, the defaults and the measurements.
+    gets the residual std of the fitted network. Nothing is written unless
+    every step succeeds. See :doc:`/methods/iblm` for the steps, the defaults
+    and the measurements.
 
     Usage::
 
@@ -174,22 +175,22 @@ def init_guide_iblm(
 def _initialize(guide: _G, data: Data, options: IBLMOptions,
                 process_group: Optional[Any]) -> _G:
     """I-BLM on ``guide``, or on each member it supports of an ``AutoGuideList``."""
-    _check_data(data, process_group)
     if isinstance(guide, AutoGuideList):
         _initialize_list(guide, data, options, process_group)
         return guide
     check_supported(guide)
     with GuideRollback(guide) as rollback:
-        _initialize_member(guide, data, options, process_group, rollback)
+        _initialize_member(guide, data, options, process_group, rollback.checkpoint)
     return guide
 
 
 def _initialize_member(guide: AutoGuide, data: Data, options: IBLMOptions,
-                       process_group: Optional[Any], rollback: GuideRollback,
+                       process_group: Optional[Any], checkpoint: Callable[[], None],
                        owner: Optional[AutoGuideList] = None) -> None:
-    """I-BLM's four steps, all or nothing: trace the model's structure, collect
-    each layer's inputs, solve its per-unit regressions (then the noise), write
-    the fits through the guide's ``set_loc_and_scale``."""
+    """I-BLM's four steps: trace the model's structure, collect each layer's
+    inputs, solve its per-unit regressions (then the noise), and, after
+    ``checkpoint`` (the rollback's copy), write the fits through the guide's
+    ``set_loc_and_scale``."""
     collective = collective_for(process_group)
     with ExitStack() as stack:
         prep = _trace_model(guide, data, options, collective, stack, owner)  # 1. the structure
@@ -203,7 +204,7 @@ def _initialize_member(guide: AutoGuide, data: Data, options: IBLMOptions,
             fit = solve_layer(prep.pool, layer, inputs, targets, options, collective)  # 3.
             stage(prep.site_shape, values, fits, fit, options.propagate)
         noise = fit_noise(prep, values, targets, fits, options, collective)
-        rollback.checkpoint()
+        checkpoint()
         # 4. set_loc_and_scale (with BatchNorm: the hidden layers' noise that eval mode
         # normalizes as train mode does)
         write_with_norm_noise(
@@ -231,6 +232,7 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
             "arguments, e.g. (x, y), or a DataLoader or list of batches, not a one-shot iterator"
         )
     with ExitStack() as stack:
+        # (each member's own state restored on failure, every value by the list's copy)
         rollbacks = [stack.enter_context(GuideRollback(g)) for g in [guides, *members]]
         if guides.prototype_trace is None:
             first = next(DataPool(data).chunks(256)) if is_args_tuple(data) else next(iter(data))
@@ -239,10 +241,9 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
                 for member in members:  # (what a member's model hides held fixed)
                     swaps.enter_context(model_swapped(member, hold_hidden_sites(member.model)[0]))
                 guides(*first)  # sets every member up
-        for rollback in rollbacks:
-            rollback.checkpoint()  # (a later member's failure undoes the earlier writes)
+        rollbacks[0].checkpoint()  # (a later member's failure undoes the earlier writes)
         for member in supported:
-            _initialize_member(member, data, options, process_group, _NoCheckpoint(), guides)
+            _initialize_member(member, data, options, process_group, _no_checkpoint, guides)
     if others:
         warnings.warn(
             f"init_guide_iblm initialized the members {[type(g).__name__ for g in supported]} "
@@ -250,14 +251,8 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
             f"values: {others}", UserWarning, stacklevel=4)
 
 
-class _NoCheckpoint(GuideRollback):
-    """A member's rollback within a guide list's, which has its copy already."""
-
-    def __init__(self) -> None:
-        pass
-
-    def checkpoint(self) -> None:
-        pass
+def _no_checkpoint() -> None:
+    """A member's within a guide list, whose rollback has its copy already."""
 
 
 def _check_data(data: Any, process_group: Optional[Any]) -> None:
@@ -346,4 +341,5 @@ class IBLMGuideInitializer:
         :param guide: As for :func:`init_guide_iblm`.
         :param data: One tuple of model arguments or an iterable of such tuples.
         """
+        _check_data(data, None)
         return _initialize(guide, data, self.options, self.process_group)
