@@ -102,7 +102,7 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
     if prep.structure.block_size is not None:
         n = prep.pool.rows_of(args)
         rows = torch.arange(prep.structure.block_size, device=prep.pool.device) % n
-    model, latent = prep.guide.model, prep.latent
+    model, latent = prep.model, prep.latent
     if head is not None:
         shape = torch.Size([head.num_units])
         what = f"the scale head {head.weight_name!r}"
@@ -134,7 +134,7 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
         recorder = run_model(model, run_values, args, latent, plate_rows=rows, **kwargs)
         site = observed_site(recorder)
         fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # regression
-        scale = fn.scale.expand(site["value"].shape)
+        scale = fn.scale.expand(site["fn"].shape())  # (the model's shape, not the value's)
         scale = scale.reshape(scale.shape[0], -1) if scale.dim() else scale.reshape(1, 1)
         per_column = scale.mean(0)
         if per_column.numel() == u.numel():
