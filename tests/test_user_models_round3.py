@@ -223,10 +223,6 @@ def test_conditioned_model_supported_or_refused_up_front():
 # ------------------------------------------------ 6. a weight used twice under the handlers
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "issue 23 item 6: a weight used twice in one forward pass (siamese net) gets "
-    "per-example noise at its first use and the ordinary draw at its second, with a "
-    "warning instead of an error"))
 @pytest.mark.parametrize("handler", [local_reparam, flipout])
 def test_shared_weight_refused_before_anything_changes(handler):
     um = USER_MODELS["siamese"]
