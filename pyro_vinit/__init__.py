@@ -24,9 +24,11 @@ from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_gui
 from pyro_vinit.poutine import (
     FlipoutMessenger,
     LocalReparamMessenger,
+    VectorizedLayersMessenger,
     WeightNoiseMessenger,
     flipout,
     local_reparam,
+    vectorized_layers,
     weight_noise,
 )
 
@@ -39,6 +41,7 @@ __all__ = [
     "FlipoutMessenger",
     "IBLMGuideInitializer",
     "LocalReparamMessenger",
+    "VectorizedLayersMessenger",
     "WeightNoiseMessenger",
     "data",
     "distributions",
@@ -54,5 +57,6 @@ __all__ = [
     "poutine",
     "schedules",
     "set_priors",
+    "vectorized_layers",
     "weight_noise",
 ]
