@@ -307,13 +307,25 @@ def batched_layer(
     if weight.dim() < w_event:
         # e.g. F.linear's 1-d weight: only the bias is batched
         out: torch.Tensor = getattr(F, op)(input, weight, None, **kwargs)
-    elif op == "linear":
+        return out if bias is None else out + bias.reshape(bias.shape + (1,) * nsp)
+    w_batch = weight.shape[: weight.dim() - w_event]
+    batch = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+        w_batch, input.shape[: input.dim() - nsp - 1]
+    )
+    # An expanded batch dim (stride 0: e.g. a guide's loc under Predictive) holds one
+    # weight: the layer runs once there and its output is expanded.
+    weight = weight[tuple(
+        slice(0, 1) if stride == 0 and size > 1 else slice(None)
+        for size, stride in zip(w_batch, weight.stride())
+    )]
+    if op == "linear":
         out = torch.einsum("...i,...oi->...o", input, weight)
     else:
         out = _batched_conv(op, nsp, input, weight, kwargs)
     if bias is not None:
         out = out + bias.reshape(bias.shape + (1,) * nsp)
-    return out
+    event = out.shape[out.dim() - nsp - 1:]
+    return out.expand(torch.broadcast_shapes(out.shape, batch + event))  # type: ignore[no-untyped-call]
 
 
 def run_layer(

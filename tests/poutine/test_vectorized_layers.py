@@ -178,3 +178,19 @@ def test_vectorized_particles_are_exact(make):
         expected = run.nodes["obs"]["fn"].log_prob(y).sum()
         assert_close(log_lik[p], expected, atol=1e-4, rtol=1e-5)
     pyro.clear_param_store()
+
+
+@pytest.mark.parametrize("op, x_shape, w_shape", [("linear", (7, 4), (3, 4)),
+                                                  ("conv1d", (7, 2, 9), (6, 2, 3))])
+def test_expanded_weight_runs_once_with_the_full_output_shape(op, x_shape, w_shape):
+    # A weight expanded over its sample dim (stride 0) gives the plain layer's output,
+    # expanded to the full batch: the same values as the loop, in the same shape.
+    S = 5
+    kwargs = {} if op == "linear" else dict(stride=1, padding=0, dilation=1, groups=1)
+    x = torch.randn(x_shape, dtype=torch.float64)
+    w = torch.randn((1, 1) + w_shape, dtype=torch.float64).expand((S, 1) + w_shape)
+    out = batched_layer(op, x, w, None, kwargs)
+    expected = _loop(op, x, w, None, kwargs)
+    assert out.shape == expected.shape
+    assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    assert out.stride(0) == 0  # computed once
