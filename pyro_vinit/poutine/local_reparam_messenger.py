@@ -99,9 +99,10 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     error instead, raised on exit (after the run: an SVI step has then been
     taken), which makes ``strict`` a check of a model, e.g. on its first step.
 
-    Vectorized particles (``vectorize_particles=True``) are refused before
-    the model runs: they give every weight a particle dim, which
-    ``nn.Linear`` and ``nn.Conv*d`` do not take. Under
+    Weights with leading batch dims (vectorized particles,
+    :class:`~pyro.infer.Predictive` with ``parallel=True``) get the same
+    treatment, each element of the batch its own per-example noise (see
+    :class:`~pyro_vinit.poutine.VectorizedLayersMessenger`). Under
     :func:`torch.compile` the handler runs eagerly (a graph break at each of
     its operations), and the compiled step equals the eager one.
 

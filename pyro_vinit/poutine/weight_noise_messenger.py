@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional, Set, Type, Union
 import torch
 from pyro.distributions import constraints
 
-from pyro_vinit._pyro_compat import is_vectorized_particles, prefill_log_prob, scale_and_mask
+from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._site_value import SiteValue, eager
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
@@ -128,21 +128,6 @@ class WeightNoiseMessenger(LayerCallMessenger):
         super()._start_run()
         self._untreated: Dict[str, str] = {}
         self._reached: Set[str] = set()
-
-    @eager
-    def _pyro_sample(self, msg: SampleSite) -> None:
-        if any(is_vectorized_particles(frame) for frame in msg["cond_indep_stack"]):
-            # Every weight would get a particle dim, which F.linear / F.conv*d do not take
-            # and the handlers do not treat: refuse before the model runs.
-            raise ValueError(
-                f"{type(self).__name__} does not support vectorized particles "
-                "(an ELBO with vectorize_particles=True): they give every latent site, such "
-                f"as {msg['name']!r}, a particle dim, which nn.Linear / nn.Conv*d (F.linear, "
-                "F.conv*d) do not accept and the handler does not treat. Use "
-                "vectorize_particles=False: num_particles then still averages that many "
-                "particles, one after another."
-            )
-        super()._pyro_sample(msg)
 
     @eager
     def __exit__(

@@ -118,23 +118,29 @@ def test_no_report_after_an_error(handler):
 
 
 @pytest.mark.parametrize("handler", HANDLERS)
-def test_vectorized_particles_refused_before_the_model_runs(handler):
+def test_vectorized_particles_get_per_example_noise(handler):
+    # Issue 23 item 2: vectorized particles run under the handlers, each particle with its
+    # own per-example noise: two identical rows differ, within and across particles,
+    # where ordinary sampling (vectorized_layers) gives them one output per particle.
+    from pyro_vinit import vectorized_layers
+
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    x[1] = x[0]
     model = BayesianClassifier(bayesianize(mlp((4, 8, 3))))
     guide = AutoNormal(model)
     guide(x, y)
-    calls = []
-    model.net.register_forward_pre_hook(lambda *args: calls.append(1))
     elbo = Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1)
-    with pytest.raises(ValueError, match="vectorize_particles=False"):
-        with handler():
-            elbo.differentiable_loss(model, guide, x, y)
-    assert calls == []
-    # one particle after another works
-    elbo = Trace_ELBO(num_particles=3, max_plate_nesting=1)
-    with handler(strict=True):
-        assert torch.isfinite(elbo.differentiable_loss(model, guide, x, y))
-    assert len(calls) == 3
+    logits = {}
+    for h in (handler, vectorized_layers):
+        with h():
+            assert torch.isfinite(elbo.differentiable_loss(model, guide, x, y))
+            trace, _ = elbo._get_vectorized_trace(model, guide, (x, y), {})
+        logits[h] = trace.nodes["_RETURN"]["value"]
+        assert logits[h].shape == (3, 8, 3)
+    assert torch.equal(logits[vectorized_layers][:, 0], logits[vectorized_layers][:, 1])
+    out = logits[handler]
+    assert not torch.isclose(out[:, 0], out[:, 1]).any()
+    assert not torch.isclose(out[0], out[1]).any()
 
 
 @pytest.mark.parametrize("elbo", [Trace_ELBO, TraceMeanField_ELBO])
