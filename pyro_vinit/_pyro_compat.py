@@ -47,6 +47,7 @@ __all__ = [
     "discrete_site_error",
     "handler_chain",
     "helpful_support_errors",
+    "is_predictive_samples",
     "is_vectorized_particles",
     "model_swapped",
     "prefill_log_prob",
@@ -61,6 +62,8 @@ __all__ = [
 
 # The name of the plate of pyro.infer.ELBO._vectorized_num_particles.
 _PARTICLE_PLATE = "num_particles_vectorized"
+# The name of the plate of pyro.infer.predictive._predictive (parallel=True).
+_PREDICTIVE_PLATE = "_num_predictive_samples"
 
 
 def unconstrained_param(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
@@ -169,6 +172,12 @@ def is_vectorized_particles(frame: CondIndepStackFrame) -> bool:
     """Whether the ``CondIndepStackFrame`` ``frame`` is the plate of an ELBO's
     vectorized particles."""
     return frame.name == _PARTICLE_PLATE
+
+
+def is_predictive_samples(frame: CondIndepStackFrame) -> bool:
+    """Whether the ``CondIndepStackFrame`` ``frame`` is the plate of the
+    samples of :class:`~pyro.infer.Predictive` with ``parallel=True``."""
+    return frame.name == _PREDICTIVE_PLATE
 
 
 def prefill_log_prob(

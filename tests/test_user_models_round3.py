@@ -25,6 +25,7 @@ from pyro_vinit import (
     flipout,
     init_guide_iblm,
     local_reparam,
+    vectorized_layers,
 )
 from pyro_vinit.testing.user_models import USER_MODELS, blobs, functional_tanh
 from tests.common import assert_close
@@ -110,9 +111,6 @@ def test_resnet_eval_mode_predicts_as_well_as_train_mode(guide_class):
 # ------------------------------------------------ 2. vectorized Predictive
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "issue 23 item 2: Predictive(parallel=True) on nn.Linear/nn.Conv*d layers raises "
-    "'t() expects a tensor with <= 2 dimensions' (batched weights reach F.linear)"))
 @pytest.mark.parametrize("handler", HANDLERS, ids=["plain", "local_reparam", "flipout"])
 def test_vectorized_predictive_equals_sequential(handler):
     um = USER_MODELS["heteroscedastic"]  # bayesianize(nn.Linear) layers
@@ -126,7 +124,9 @@ def test_vectorized_predictive_equals_sequential(handler):
         predictive = Predictive(model, guide=guide, num_samples=num_samples,
                                 parallel=parallel, return_sites=["_RETURN"])
         with torch.no_grad():
-            means[parallel] = _handled(handler, predictive)(xt)["_RETURN"]
+            # without a weight-noise handler, vectorized_layers runs the batched layers
+            parallel_handler = vectorized_layers if handler is None and parallel else handler
+            means[parallel] = _handled(parallel_handler, predictive)(xt)["_RETURN"]
     assert means[True].shape == means[False].shape == (num_samples, 20)
     # by moments: per test row, mean (z-score under 5) and standard deviation (within 30%)
     mean = {p: m.mean(0) for p, m in means.items()}
@@ -213,10 +213,6 @@ def test_conditioned_model_supported_or_refused_up_front():
 # ------------------------------------------------ 6. a weight used twice under the handlers
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "issue 23 item 6: a weight used twice in one forward pass (siamese net) gets "
-    "per-example noise at its first use and the ordinary draw at its second, with a "
-    "warning instead of an error"))
 @pytest.mark.parametrize("handler", [local_reparam, flipout])
 def test_shared_weight_refused_before_anything_changes(handler):
     um = USER_MODELS["siamese"]
