@@ -32,7 +32,7 @@ from pyro_vinit.poutine import (
     vectorized_layers,
     weight_noise,
 )
-from pyro_vinit.training import FitConfig, FitHistory, fit, fit_config
+from pyro_vinit.training import FitConfig, FitHistory, fit, fit_config, update_batch_norm
 
 __version__ = "0.1.0"
 
@@ -64,6 +64,7 @@ __all__ = [
     "schedules",
     "set_priors",
     "training",
+    "update_batch_norm",
     "vectorized_layers",
     "weight_noise",
 ]

@@ -16,7 +16,7 @@ from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, fit, fit_config, init_
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
 from pyro_vinit.poutine import flipout, local_reparam
-from pyro_vinit.training import FitHistory, is_initialized
+from pyro_vinit.training import FitHistory, is_initialized, update_batch_norm
 
 
 def blobs(n=240, d=5, k=3, seed=0):
@@ -491,3 +491,77 @@ def test_a_guide_function_needs_init_none():
     with pytest.raises(TypeError, match="init=None"):
         fit(model, guide, (x, y), steps=2, progress=False)
     assert snapshot() == {}
+
+
+# ---- update_batch_norm -------------------------------------------------------------------
+
+
+def _batchnorm_classifier(n):
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8, momentum=0.3), nn.ReLU(),
+                        nn.Linear(8, 3))
+    return BayesianClassifier(bayesianize(net), num_data=n)
+
+
+def test_update_batch_norm_is_the_data_statistics_at_the_median():
+    x, y = blobs()
+    model = _batchnorm_classifier(len(x))
+    guide = AutoNormal(model, init_scale=0.3)
+    guide(x, y)
+    model.eval()
+    params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    assert update_batch_norm(model, guide, (x, y), batch_size=len(x)) == 1
+    norm = model.net[1]
+    median = guide.median(x, y)
+    h = F.linear(x, median["net.0.weight"], median["net.0.bias"])
+    assert_close = torch.testing.assert_close
+    assert_close(norm.running_mean, h.mean(0), rtol=1e-5, atol=1e-6)
+    assert_close(norm.running_var, h.var(0), rtol=1e-5, atol=1e-6)  # unbiased, as torch's
+    # batches of 60 rows: the average of the batch statistics (momentum=None)
+    update_batch_norm(model, guide, (x, y), batch_size=60)
+    chunks = h.split(60)
+    assert_close(norm.running_mean, torch.stack([c.mean(0) for c in chunks]).mean(0),
+                 rtol=1e-5, atol=1e-6)
+    assert_close(norm.running_var, torch.stack([c.var(0) for c in chunks]).mean(0),
+                 rtol=1e-5, atol=1e-6)
+    # the layer's momentum and the model's mode are restored, no parameter moved
+    assert norm.momentum == 0.3 and not model.training
+    for k, v in pyro.get_param_store().items():
+        assert torch.equal(v.detach(), params[k]), k
+
+
+def test_update_batch_norm_leaves_models_without_batchnorm_alone():
+    x, y = blobs()
+    model = classifier()
+    guide = AutoNormal(model)
+    guide(x, y)
+    assert update_batch_norm(model, guide, (x, y)) == 0
+
+
+def test_update_batch_norm_bad_input_changes_nothing():
+    x, y = blobs()
+    model = _batchnorm_classifier(len(x))
+    guide = AutoNormal(model)
+    guide(x, y)
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        update_batch_norm(model, guide, (x, y), batch_size=0)
+    with pytest.raises(TypeError, match="has no median"):
+        update_batch_norm(model, lambda *a: None, (x, y))
+    with pytest.raises(RuntimeError):  # a batch the model cannot take: statistics restored
+        update_batch_norm(model, guide, (x[:, :3], y))
+    for k, b in model.named_buffers():
+        assert torch.equal(b, buffers[k]), k
+
+
+def test_fit_leaves_running_statistics_for_the_trained_posterior():
+    # eval mode predicts with running statistics: after fit they are the data's at the
+    # guide's median, not the lagging average of the training batches
+    x, y = blobs()
+    model = _batchnorm_classifier(len(x))
+    guide = AutoNormal(model)
+    fit(model, guide, (x, y), steps=5, batch_size=60, init=None, progress=False)
+    norm = model.net[1]
+    trained = norm.running_mean.clone(), norm.running_var.clone()
+    update_batch_norm(model, guide, (x, y), batch_size=len(x))
+    assert torch.equal(trained[0], norm.running_mean)
+    assert torch.equal(trained[1], norm.running_var)

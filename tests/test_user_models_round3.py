@@ -25,6 +25,7 @@ from pyro_vinit import (
     flipout,
     init_guide_iblm,
     local_reparam,
+    update_batch_norm,
     vectorized_layers,
 )
 from pyro_vinit.testing.user_models import USER_MODELS, blobs, functional_tanh
@@ -83,27 +84,24 @@ def _predictive_error(model, guide, x, y, num_samples=6):
     return (logits.softmax(-1).mean(0).argmax(-1) != y).float().mean().item()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 23 item 1: right after I-BLM eval mode predicts as well as train mode, but "
-    "after SVI steps the running statistics are stale for the moved weights, so "
-    "eval-mode predictions with sampled weights are far worse than train-mode ones"))
 @pytest.mark.parametrize("guide_class", [AutoNormal, AutoKTiedNormal])
 def test_resnet_eval_mode_predicts_as_well_as_train_mode(guide_class):
     um = USER_MODELS["resnet_pyrosample"]
     x, y, xt, yt = um.data()
-    x, y, xt, yt = x[:300], y[:300], xt[:200], yt[:200]
+    x, y, xt, yt = x[:300], y[:300], xt[:500], yt[:500]  # 500 test points: MC error < 0.01
     model = um.make(len(x))
     guide = guide_class(model)
     init_guide_iblm(guide, (x, y))
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), TraceMeanField_ELBO())
     for step in range(2):
-        if step:  # and after training
-            for _ in range(3):
+        if step:  # and after training, with the running statistics recomputed for the
+            for _ in range(3):  # trained posterior (as fit does; they lag behind in SVI)
                 svi.step(x, y)
+            update_batch_norm(model, guide, (x, y))
         model.eval()
-        eval_error = _predictive_error(model, guide, xt, yt)
+        eval_error = _predictive_error(model, guide, xt, yt, num_samples=30)
         model.train()  # (a train-mode pass moves the running statistics: after eval)
-        train_error = _predictive_error(model, guide, xt, yt)
+        train_error = _predictive_error(model, guide, xt, yt, num_samples=30)
         assert train_error <= 0.6, train_error  # the net predicts (chance is 0.9)
         assert eval_error <= train_error + 0.02, (step, eval_error, train_error)
 

@@ -34,6 +34,7 @@ from pyro_vinit.training._support import (
     _save,
     _set_up,
 )
+from pyro_vinit.training.batch_norm import update_batch_norm
 from pyro_vinit.training.config import (
     FitConfig,
     FitHistory,
@@ -207,6 +208,9 @@ def fit(
     if validation is not None and done == 0:
         history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
                                                             num_samples, chunk)})
+    norm_data = batches.pair if batches.pair is not None else batches.loader
+    has_norms = isinstance(model, nn.Module) and any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
     try:
         for step in range(done + 1, steps + 1):
@@ -220,6 +224,10 @@ def fit(
             bar.update(1)
             if step % 10 == 0 or step == steps:
                 bar.set_postfix(loss=f"{loss / num_data:.4g}")
+            if has_norms and (step == steps or (validation is not None and step % every == 0)):
+                # eval mode predicts with running statistics: recompute them for the
+                # posterior SVI has moved to (they lag behind while it trains)
+                update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
             if validation is not None and (step % every == 0 or step == steps):
                 history.validation.append({"step": float(step),
                                            **_evaluate(model, guide, *validation,

@@ -1,0 +1,111 @@
+"""
+:func:`update_batch_norm`: the running statistics of a Bayesian network's
+BatchNorm layers, recomputed for the guide's current posterior.
+"""
+
+from typing import Any, Callable, Iterable, List, Optional, Tuple, Union, cast
+
+import pyro.poutine as poutine
+import torch
+from torch import nn
+
+__all__ = ["update_batch_norm"]
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _batches(data: Union[Batch, Iterable[Batch]], batch_size: int) -> Iterable[Batch]:
+    if (isinstance(data, (tuple, list)) and len(data) == 2
+            and all(isinstance(t, torch.Tensor) for t in data)):
+        x, y = cast(Batch, tuple(data))
+        out: List[Batch] = []
+        for i in range(0, len(x), batch_size):
+            out.append((x[i:i + batch_size], y[i:i + batch_size]))
+        return out
+    return data  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def update_batch_norm(
+    model: Callable[..., Any],
+    guide: Callable[..., Any],
+    data: Union[Batch, Iterable[Batch]],
+    *,
+    batch_size: int = 1024,
+) -> int:
+    r"""
+    Recomputes the running statistics of every ``nn.BatchNorm*d`` of ``model``
+    over ``data``, with the latent sites at the guide's median.
+
+    In train mode a BatchNorm layer normalizes with the statistics of its
+    batch; in eval mode, with running statistics accumulated while training.
+    Those lag behind the weights as SVI moves them, and eval-mode predictions
+    go wrong. As ``torch.optim.swa_utils.update_bn`` does for averaged
+    weights, this recomputes them, as the average over ``data`` of each
+    batch's statistics, for the weights of the current posterior.
+    :func:`~pyro_vinit.fit` calls it after training a model that has
+    BatchNorm layers.
+
+    Usage::
+
+        update_batch_norm(model, guide, (x, y))
+        model.eval()  # predict
+
+    :param callable model: a Pyro model that is an ``nn.Module`` (e.g. a
+        ``PyroModule``); a model without BatchNorm layers is left as it is.
+    :param callable guide: its guide, with a ``median(*args)`` method (every
+        autoguide has one).
+    :param data: an ``(x, y)`` pair of tensors, or an iterable of ``(x, y)``
+        batches (e.g. a ``DataLoader``).
+    :param int batch_size: rows per model run for an ``(x, y)`` pair.
+    :return: the number of BatchNorm layers updated.
+    :rtype: int
+    """
+    if not isinstance(model, nn.Module):
+        return 0
+    norms: List[nn.modules.batchnorm._BatchNorm] = [
+        m for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+    if not norms:
+        return 0
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(
+            f"update_batch_norm: batch_size must be a positive int, got {batch_size!r}"
+        )
+    median = getattr(guide, "median", None)
+    if not callable(median):
+        raise TypeError(
+            f"update_batch_norm: the guide ({type(guide).__name__}) has no median(); pass an "
+            "autoguide"
+        )
+    batches = list(_batches(data, batch_size))
+    if not batches:
+        raise ValueError("update_batch_norm: data has no batches")
+    values = median(*batches[0])
+    momenta: List[Optional[float]] = [m.momentum for m in norms]
+    saved = [(m.running_mean.clone() if m.running_mean is not None else None,
+              m.running_var.clone() if m.running_var is not None else None,
+              m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
+             for m in norms]
+    was_training = model.training
+    try:
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the batches
+        model.train()
+        conditioned = poutine.block(poutine.condition(model, data=values))
+        for batch in batches:
+            conditioned(*batch)
+    except BaseException:
+        for m, (mean, var, count) in zip(norms, saved):
+            for buffer, value in ((m.running_mean, mean), (m.running_var, var),
+                                  (m.num_batches_tracked, count)):
+                if buffer is not None and value is not None:
+                    buffer.copy_(value)
+        raise
+    finally:
+        for m, momentum in zip(norms, momenta):
+            m.momentum = momentum
+        model.train(was_training)
+    return len(norms)
