@@ -30,7 +30,7 @@ from pyro_vinit.poutine import (
     local_reparam,
     weight_noise,
 )
-from pyro_vinit.training import FitConfig, FitHistory, fit, fit_config
+from pyro_vinit.training import CapturedSVI, FitConfig, FitHistory, fit, fit_config
 
 __version__ = "0.1.0"
 
@@ -38,6 +38,7 @@ __all__ = [
     "AutoKTiedNormal",
     "AutoMeanFieldNormal",
     "AutoRadialNormal",
+    "CapturedSVI",
     "FitConfig",
     "FitHistory",
     "FlipoutMessenger",

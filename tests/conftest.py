@@ -3,6 +3,23 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default="cpu",
+        help="torch device of the device-aware tests (those taking the `device` fixture), "
+             "e.g. cuda; `make gpu-check` runs them with --device cuda")
+
+
+@pytest.fixture
+def device(request):
+    """The torch device of ``--device``; the test is skipped where it is not available."""
+    name = request.config.getoption("--device")
+    found = torch.device(name)
+    if found.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"--device {name}: CUDA is not available here")
+    return found
+
+
 @pytest.fixture(autouse=True)
 def _pyro_defaults():
     """As in Pyro's own suite: seed, clear the param store, validate."""

@@ -3,7 +3,8 @@ One call that trains a Bayesian neural network: I-BLM, then SVI with the
 recipe that keeps I-BLM's head start (see the "Training" method page).
 """
 
+from pyro_vinit.training.captured import CapturedSVI
 from pyro_vinit.training.config import FitConfig, FitHistory, fit_config, is_initialized
 from pyro_vinit.training.loop import fit
 
-__all__ = ["FitConfig", "FitHistory", "fit", "fit_config", "is_initialized"]
+__all__ = ["CapturedSVI", "FitConfig", "FitHistory", "fit", "fit_config", "is_initialized"]
