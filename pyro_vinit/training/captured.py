@@ -97,7 +97,7 @@ class CapturedSVI(SVI):
 
     Usage::
 
-        model = BayesianClassifier(bayesianize(mlp((4, 16, 3))), num_data=len(x))
+        model = BayesianClassifier(bayesianize(mlp((64, 100, 10))), num_data=1000)
         guide = AutoKTiedNormal(model, rank=2)
         svi = CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), TraceMeanField_ELBO())
         for _ in range(5):
