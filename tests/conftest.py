@@ -32,3 +32,11 @@ def _pyro_defaults():
 
 def pytest_configure(config):
     torch.set_num_threads(2)
+    config.addinivalue_line(
+        "markers", "device: takes the `device` fixture (selected by `make gpu-check`: -m device)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)
