@@ -251,3 +251,36 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="max_signatures"):
         CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO(),
                     max_signatures=0)
+
+
+def test_dead_buffers_are_reused_only_where_safe():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from pyro_vinit.training.captured import _reuse_dead_buffers
+
+    def dies(x):
+        a = x * 2.0
+        return (a + 1.0).sqrt()  # a dies at the add, its result at the sqrt
+
+    def viewed(x):
+        a = x * 2.0
+        v = a.t()  # a view of a, read after the add: a must not be overwritten
+        b = a + 1.0
+        return b + v.sum(0, keepdim=True)  # b dies here: this add may be in place
+
+    def used_later(x):
+        a = x * 2.0
+        b = a + 1.0  # a is read again below: this add must make a new buffer
+        return b * a
+
+    def returned(x):
+        a = x * 2.0
+        return a, a + 1.0  # a is an output
+
+    x = torch.rand(3, 3)
+    for fn, expected in ((dies, 2), (viewed, 1), (used_later, 1), (returned, 0)):
+        graph = make_fx(fn)(x)
+        assert _reuse_dead_buffers(graph) == expected, fn.__name__
+        for got, want in zip(torch.utils._pytree.tree_leaves(graph(x)),
+                             torch.utils._pytree.tree_leaves(fn(x))):
+            assert torch.equal(got, want), fn.__name__
