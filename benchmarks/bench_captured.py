@@ -59,8 +59,8 @@ EAGER_NATIVE = "AutoKTiedNormal(2) + LRT, native loop"
 CAPTURED = "AutoKTiedNormal(2) + LRT, CapturedSVI"
 
 # (numerator, denominator, batch, target)
-TARGETS = [(CAPTURED, BT, 128, 0.8), (CAPTURED, BT, 1000, 1.0),
-           (CAPTURED, EAGER_SVI, 128, None), (CAPTURED, EAGER_NATIVE, 128, None)]
+TARGETS = [(CAPTURED, BT, 128, 0.8), (CAPTURED, BT, 1000, 1.0)] + [
+    (CAPTURED, eager, batch, None) for batch in BATCHES for eager in (EAGER_SVI, EAGER_NATIVE)]
 TRACE_TARGET_S = 2.0
 
 
