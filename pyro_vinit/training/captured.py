@@ -168,8 +168,8 @@ class CapturedSVI(SVI):
     computes them, become one graph of aten operations
     (``torch.fx.experimental.proxy_tensor.make_fx``) per input signature
     (the shapes, dtypes and devices of the tensor arguments, the other
-    arguments, and the effect handlers around the step with their float
-    settings); the optimizer then runs as in ``SVI``.
+    arguments, and the effect handlers around the step with their float,
+    bool and str settings); the optimizer then runs as in ``SVI``.
 
     Usage::
 
@@ -197,7 +197,9 @@ class CapturedSVI(SVI):
     replayed with its traced structure. Tensors the step updates in place
     (e.g. BatchNorm's running statistics, the buffers of ``model`` and
     ``guide`` when they are ``nn.Module`` s) are restored after tracing, so
-    each step updates them once.
+    each step updates them once. The graph reads the parameter tensors the
+    traced step found: after replacing them (e.g. loading a param store's
+    state), make a new ``CapturedSVI``.
 
     :param model: The Pyro model.
     :param guide: Its guide.
