@@ -25,9 +25,11 @@ from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_gui
 from pyro_vinit.poutine import (
     FlipoutMessenger,
     LocalReparamMessenger,
+    VectorizedLayersMessenger,
     WeightNoiseMessenger,
     flipout,
     local_reparam,
+    vectorized_layers,
     weight_noise,
 )
 from pyro_vinit.training import CapturedSVI, FitConfig, FitHistory, fit, fit_config
@@ -44,6 +46,7 @@ __all__ = [
     "FlipoutMessenger",
     "IBLMGuideInitializer",
     "LocalReparamMessenger",
+    "VectorizedLayersMessenger",
     "WeightNoiseMessenger",
     "data",
     "distributions",
@@ -62,5 +65,6 @@ __all__ = [
     "schedules",
     "set_priors",
     "training",
+    "vectorized_layers",
     "weight_noise",
 ]

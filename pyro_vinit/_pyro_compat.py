@@ -33,10 +33,10 @@ the installed Pyro.
   imported.
 """
 
-import contextlib
 import re
+from contextlib import contextmanager
 from operator import attrgetter
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
@@ -52,8 +52,11 @@ __all__ = [
     "active_messengers",
     "deep_setattr",
     "discrete_site_error",
+    "handler_chain",
     "helpful_support_errors",
+    "is_predictive_samples",
     "is_vectorized_particles",
+    "model_swapped",
     "prefill_log_prob",
     "pyro_sample_priors",
     "scale_and_mask",
@@ -62,10 +65,13 @@ __all__ = [
     "traceable_elbos",
     "unconstrained_param",
     "unwrap_init_messenger",
+    "wrap_inner",
 ]
 
 # The name of the plate of pyro.infer.ELBO._vectorized_num_particles.
 _PARTICLE_PLATE = "num_particles_vectorized"
+# The name of the plate of pyro.infer.predictive._predictive (parallel=True).
+_PREDICTIVE_PLATE = "_num_predictive_samples"
 
 
 def unconstrained_param(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
@@ -119,10 +125,67 @@ def unwrap_init_messenger(model: Callable[..., Any]) -> Callable[..., Any]:
         model = fn.args[1]
 
 
+def handler_chain(model: Callable[..., Any]) -> List[Tuple[Any, Callable[..., Any]]]:
+    """The effect handlers wrapped around ``model`` by calling them on it
+    (``poutine.block(model, ...)``, ``pyro.condition(model, ...)``, an
+    autoguide's ``InitMessenger``), outermost first, each with the callable
+    it wraps (Pyro keeps them in partials of its private ``_context_wrap``)."""
+    from functools import partial
+
+    from pyro.poutine.messenger import _context_wrap
+
+    chain: List[Tuple[Any, Callable[..., Any]]] = []
+    while True:
+        fn = model
+        while isinstance(fn, partial) and isinstance(fn.func, partial):
+            fn = fn.func
+        if not (isinstance(fn, partial) and fn.func is _context_wrap and len(fn.args) == 2):
+            return chain
+        chain.append((fn.args[0], fn.args[1]))
+        model = fn.args[1]
+
+
+def wrap_inner(model: Callable[..., Any], messenger: Any,
+               transform: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
+    """``model`` with the callable that ``messenger`` (one of its
+    :func:`handler_chain`) wraps replaced by ``transform`` of it, under the
+    same handlers."""
+    chain = handler_chain(model)
+    index = next(i for i, (m, _) in enumerate(chain) if m is messenger)
+    fn = transform(chain[index][1])
+    for outer, _ in reversed(chain[: index + 1]):
+        fn = outer(fn)
+    return fn
+
+
+@contextmanager
+def model_swapped(guide: AutoGuide, model: Callable[..., Any]) -> Iterator[None]:
+    """Inside, ``guide.model`` is ``model`` (an autoguide keeps its model in the
+    private ``_model``), e.g. to set the guide up on a model whose hidden
+    sites are held fixed."""
+    saved = getattr(guide, "_model", None)
+    if not (isinstance(saved, tuple) and len(saved) == 1 and guide.model is saved[0]):
+        raise RuntimeError(
+            f"expected {type(guide).__name__} to keep its model as _model = (model,); this "
+            "Pyro version stores it differently: update pyro_vinit/_pyro_compat.py"
+        )
+    guide._model = (model,)
+    try:
+        yield
+    finally:
+        guide._model = saved
+
+
 def is_vectorized_particles(frame: CondIndepStackFrame) -> bool:
     """Whether the ``CondIndepStackFrame`` ``frame`` is the plate of an ELBO's
     vectorized particles."""
     return frame.name == _PARTICLE_PLATE
+
+
+def is_predictive_samples(frame: CondIndepStackFrame) -> bool:
+    """Whether the ``CondIndepStackFrame`` ``frame`` is the plate of the
+    samples of :class:`~pyro.infer.Predictive` with ``parallel=True``."""
+    return frame.name == _PREDICTIVE_PLATE
 
 
 def prefill_log_prob(
@@ -220,7 +283,7 @@ def _no_nan_check(value: Any, msg: str = "", *args: Any, **kwargs: Any) -> None:
     return None
 
 
-@contextlib.contextmanager
+@contextmanager
 def traceable_elbos() -> Iterator[None]:
     """
     Within this context, :class:`~pyro.infer.Trace_ELBO` and

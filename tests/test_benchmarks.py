@@ -26,6 +26,7 @@ SCRIPTS = {
                          "batch 1000, validation off", "batch 128, validation on",
                          "AutoRadialNormal ÷ AutoNormal", "native loop", "load average"],
     "bench_lrt_step.py": ["k-tied LRT low-rank", "mean-field Flipout", "low-rank ÷ dense"],
+    "bench_vectorized_predictive.py": ["sequential ÷ parallel", "32 rows", "LRT"],
     "bench_gradient_variance.py": ["| 1 |", "LRT / ordinary", "no weight noise"],
     "bench_floor.py": ["pure PyTorch, our estimator", "minimal Pyro", "tiny 8-8-8-3, batch 2",
                        "64-400-400-10, batch 1000", "load average"],

@@ -293,3 +293,31 @@ def test_traceable_elbos_keep_the_loss_a_tensor():
             loss = elbo.differentiable_loss(model, guide)
         assert torch.is_tensor(loss) and loss.item() == expected.item()
     assert (trace_elbo.torch_item, trace_mean_field_elbo.warn_if_nan) == saved
+
+
+def test_handler_chain_wrap_inner_and_model_swapped():
+    from pyro.poutine.block_messenger import BlockMessenger
+    from pyro.poutine.condition_messenger import ConditionMessenger
+
+    from pyro_vinit._pyro_compat import handler_chain, model_swapped, wrap_inner
+
+    data = {"b": torch.zeros(5)}
+    wrapped = pyro.condition(pyro.poutine.block(model, hide=["a"]), data=data)
+    chain = handler_chain(wrapped)
+    assert [type(m) for m, _ in chain] == [ConditionMessenger, BlockMessenger]
+    assert chain[0][0].data is data and chain[1][1] is model
+    # a handler put inside the block sees the site the block hides from the outside
+    seen = []
+
+    class Spy(Messenger):
+        def _pyro_sample(self, msg):
+            seen.append(msg["name"])
+
+    rewrapped = wrap_inner(wrapped, chain[1][0], Spy())
+    trace = pyro.poutine.trace(rewrapped).get_trace()
+    assert "a" in seen and "a" not in trace.nodes and trace.nodes["b"]["is_observed"]
+    guide = AutoNormal(model)
+    original = guide.model
+    with model_swapped(guide, rewrapped):
+        assert guide.model is rewrapped
+    assert guide.model is original

@@ -74,6 +74,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_supported",
     "get_loc_and_scale",
+    "is_supported",
     "latent_sites",
     "rollback_on_error",
     "set_loc_and_scale",
@@ -127,6 +128,16 @@ def set_loc_and_scale(
     raise AssertionError("unreachable")
 
 
+def is_supported(guide: object) -> bool:
+    """
+    Whether :func:`get_loc_and_scale` and :func:`set_loc_and_scale` support ``guide``.
+
+    :param guide: An autoguide.
+    """
+    return all(fn.dispatch(type(guide)) is not fn.registry[object]
+               for fn in (get_loc_and_scale, set_loc_and_scale))
+
+
 def check_supported(guide: object) -> None:
     """
     Raises a :class:`TypeError` naming the supported guide classes unless
@@ -134,17 +145,16 @@ def check_supported(guide: object) -> None:
 
     :param guide: An autoguide.
     """
-    for fn in (get_loc_and_scale, set_loc_and_scale):
-        if fn.dispatch(type(guide)) is fn.registry[object]:
-            raise TypeError(
-                f"{type(guide).__name__} is not a supported guide: reading and writing "
-                f"per-site posteriors supports {', '.join(_supported_names())} and their "
-                "subclasses (a third-party AutoSiteGuide subclass is supported if it "
-                "implements get_loc_and_scale and set_loc_and_scale); build the guide "
-                "with one of these, or register the class with "
-                "pyro_vinit.guides.site_params.get_loc_and_scale.register and "
-                "set_loc_and_scale.register"
-            )
+    if not is_supported(guide):
+        raise TypeError(
+            f"{type(guide).__name__} is not a supported guide: reading and writing "
+            f"per-site posteriors supports {', '.join(_supported_names())} and their "
+            "subclasses (a third-party AutoSiteGuide subclass is supported if it "
+            "implements get_loc_and_scale and set_loc_and_scale); build the guide "
+            "with one of these, or register the class with "
+            "pyro_vinit.guides.site_params.get_loc_and_scale.register and "
+            "set_loc_and_scale.register"
+        )
 
 
 def _require_setup(guide: AutoGuide) -> Trace:

@@ -21,6 +21,7 @@ from typing import (
     Tuple,
 )
 
+import numpy as np
 import torch
 
 from pyro_vinit.initialization._data import Data, DataPool
@@ -116,6 +117,15 @@ class Collective(Protocol):
         ...
 
 
+def argsort_rows(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argsort(-1)`` of a matrix; on the CPU by NumPy's sort, several times
+    faster than torch's there (the order of tied scores is unspecified by both)."""
+    if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64):
+        return scores.argsort(-1)
+    order = np.argsort(scores.detach().contiguous().numpy(), axis=-1)
+    return torch.from_numpy(order).to(torch.long)
+
+
 class LocalCollective:
     """All the data in this process: :class:`Collective` with identities."""
 
@@ -163,9 +173,9 @@ class LocalCollective:
 
     def window(self, scores: torch.Tensor, start: torch.Tensor,
                batch_size: int) -> torch.Tensor:
-        order = scores.argsort(0)  # (n, units)
-        rows = start + torch.arange(batch_size, device=scores.device)[:, None]  # (batch, units)
-        return order.gather(0, rows).T.contiguous()
+        order = argsort_rows(scores.T)  # (units, n)
+        rows = start[:, None] + torch.arange(batch_size, device=scores.device)  # (units, batch)
+        return order.gather(1, rows)
 
     def solve_units(self, num_units: int, inputs: torch.Tensor, y: torch.Tensor,
                     noise_var: torch.Tensor, idx: torch.Tensor,

@@ -1,11 +1,11 @@
 """
 I-BLM's observation noise (regression with a learnable scale): the residual
 std of the fitted network, and the noise site's, param's or scale head's
-value that gives it, found by bisection through the model.
+value that gives it, found by false position through the model.
 """
 
 from dataclasses import replace
-from typing import Any, Dict, Optional, Union, cast
+from typing import Any, Callable, Dict, Optional, Tuple, Union, cast
 
 import pyro
 import torch
@@ -86,14 +86,14 @@ def link_inverse(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
                  collective: Collective, head: Optional[Layer] = None) -> torch.Tensor:
     """The unconstrained value of the noise site or param (or the constant
     output of the scale head) at which the likelihood's scale is ``sigma``,
-    by bisection (the map is taken to be monotone and element-wise), on the
+    by false position (the map is taken to be monotone and element-wise), on the
     first rows (the first process's)."""
     with collective.agree():
-        level = _bisect_link(prep, values, sigma, head)
+        level = _search_link(prep, values, sigma, head)
     return collective.broadcast(level)
 
 
-def _bisect_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tensor,
+def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tensor,
                  head: Optional[Layer]) -> torch.Tensor:
     likelihood = prep.likelihood
     # the noise site's or param's name (or the scale head's): set whenever the noise is fitted
@@ -102,7 +102,7 @@ def _bisect_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
     if prep.structure.block_size is not None:
         n = prep.pool.rows_of(args)
         rows = torch.arange(prep.structure.block_size, device=prep.pool.device) % n
-    model, latent = prep.guide.model, prep.latent
+    model, latent = prep.model, prep.latent
     if head is not None:
         shape = torch.Size([head.num_units])
         what = f"the scale head {head.weight_name!r}"
@@ -134,7 +134,7 @@ def _bisect_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
         recorder = run_model(model, run_values, args, latent, plate_rows=rows, **kwargs)
         site = observed_site(recorder)
         fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # regression
-        scale = fn.scale.expand(site["value"].shape)
+        scale = fn.scale.expand(site["fn"].shape())  # (the model's shape, not the value's)
         scale = scale.reshape(scale.shape[0], -1) if scale.dim() else scale.reshape(1, 1)
         per_column = scale.mean(0)
         if per_column.numel() == u.numel():
@@ -145,13 +145,7 @@ def _bisect_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
     lo = torch.full(shape, -_LINK_RANGE, dtype=dtype, device=device)
     hi = torch.full(shape, _LINK_RANGE, dtype=dtype, device=device)
     goal = target.reshape(shape) if target.numel() > 1 else target.reshape(()).expand(shape)
-    increasing = scale_at(hi) > scale_at(lo)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        right = (scale_at(mid) < goal) == increasing
-        lo, hi = torch.where(right, mid, lo), torch.where(right, hi, mid)
-    level = (lo + hi) / 2
-    reached = scale_at(level)
+    level, reached = monotone_inverse(scale_at, goal, lo, hi)
     if not bool(((reached - goal).abs() <= 1e-3 * goal).all()):
         raise ValueError(
             f"I-BLM estimated the observation noise std as {goal.tolist()}, but {what} "
@@ -159,6 +153,50 @@ def _bisect_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
             "widen its prior's support, or pass noise_scale=..."
         )
     return level
+
+
+def monotone_inverse(
+    fn: Callable[[torch.Tensor], torch.Tensor], goal: torch.Tensor, lo: torch.Tensor,
+    hi: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    ``(u, fn(u))`` with ``fn(u) = goal`` element-wise, ``lo <= u <= hi``, for an
+    element-wise monotone positive ``fn`` (increasing or decreasing), by the
+    Illinois variant of false position on ``log fn`` (one step where ``log fn``
+    is linear in ``u``, as for an exp link; a few for softplus), a bisection
+    step wherever false position leaves the bracket. It stops once every
+    element is within a relative 1e-6 of ``goal`` (or its bracket has closed),
+    or after 60 steps (two calls of ``fn`` for the ends, one per step); an
+    unreachable ``goal`` gives the nearer end of the range.
+    """
+    tol = max(1e-6, 8 * torch.finfo(goal.dtype).eps)
+    log_goal = goal.log()
+    f_lo, f_hi = fn(lo).log() - log_goal, fn(hi).log() - log_goal
+    # a: the end where log fn - log goal is below zero, b: above (for a reachable goal)
+    swap = f_lo > f_hi
+    a, b = torch.where(swap, hi, lo), torch.where(swap, lo, hi)
+    fa, fb = torch.where(swap, f_hi, f_lo), torch.where(swap, f_lo, f_hi)
+    side = torch.zeros_like(goal, dtype=torch.long)  # the end replaced last: -1 a, +1 b
+    u, value = lo, goal  # (set by the first step)
+    for _ in range(60):
+        u = a - fa * (b - a) / (fb - fa)
+        inside = torch.isfinite(u) & (u >= torch.minimum(a, b)) & (u <= torch.maximum(a, b))
+        u = torch.where(inside, u, (a + b) / 2)
+        value = fn(u)
+        f = value.log() - log_goal
+        closed = ((value - goal).abs() <= tol * goal) | ((b - a).abs() <= tol * (1 + u.abs()))
+        if bool(closed.all()):
+            break
+        below, above = (f < 0) & ~closed, (f > 0) & ~closed
+        # Illinois: an end kept twice in a row has its value halved
+        fb = torch.where(below & (side == -1), fb / 2, fb)
+        fa = torch.where(above & (side == 1), fa / 2, fa)
+        a, fa = torch.where(below, u, a), torch.where(below, f, fa)
+        b, fb = torch.where(above, u, b), torch.where(above, f, fb)
+        side = torch.where(below, -1, torch.where(above, 1, side))
+        a, b = torch.where(closed, u, a), torch.where(closed, u, b)  # settled: frozen at u
+        fa, fb = torch.where(closed, f, fa), torch.where(closed, f, fb)
+    return u, value
 
 
 def _column_var(sigma: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -34,14 +34,16 @@ class IBLMOptions:
     max_pool_size: int = 10_000
     chunk_rows: int = 4096
     max_chunk_elements: int = 2**22
+    input_rank: Optional[int] = 128
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_pool_size", "chunk_rows", "max_chunk_elements"):
             _check_positive(name, getattr(self, name), int)
         for name in ("alpha", "jitter"):
             _check_positive(name, getattr(self, name))
-        if self.output_rows is not None:
-            _check_positive("output_rows", self.output_rows, int)
+        for name in ("output_rows", "input_rank"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name), int)
         for name in ("noise_scale", "hidden_target_scale", "max_scale_ratio"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

@@ -23,7 +23,7 @@ def observed_sites(prep: Prepared, values: Dict[str, torch.Tensor], chunk_rows: 
     """The observed site of a run of the model over each chunk (or block) of the
     data, with a function picking a tensor's rows of that chunk, in order."""
     for chunk in collective.chunks(chunk_rows, prep.structure.block_size):
-        recorder = run_model(prep.guide.model, values, chunk.args, prep.latent,
+        recorder = run_model(prep.model, values, chunk.args, prep.latent,
                              plate_rows=chunk.plate_rows, norm_sync=chunk.norm_sync)
         if not chunk.keep:  # a run for the collectives only
             continue
@@ -38,7 +38,7 @@ def layer_inputs(prep: Prepared, values: Dict[str, torch.Tensor], layer: Layer,
     chunks: List[torch.Tensor] = []
     with collective.agree():
         for chunk in collective.chunks(chunk_rows, prep.structure.block_size):
-            x, _ = capture(prep.guide.model, values, chunk.args, prep.latent, layer.weight_name,
+            x, _ = capture(prep.model, values, chunk.args, prep.latent, layer.weight_name,
                            plate_rows=chunk.plate_rows, norm_sync=chunk.norm_sync)
             if chunk.keep:  # (0: a run for the collectives only)
                 chunks.append(align_rows(x, f"the input of layer {layer.weight_name!r}",
@@ -62,7 +62,7 @@ def refresh_norm_statistics(prep: Prepared, values: Dict[str, torch.Tensor], chu
         return
     accumulated: Dict[int, List[Any]] = {}
     for chunk in collective.chunks(chunk_rows, prep.structure.block_size):
-        run_model(prep.guide.model, values, chunk.args, prep.latent,
+        run_model(prep.model, values, chunk.args, prep.latent,
                   plate_rows=chunk.plate_rows, norm_sync=chunk.norm_sync,
                   norm_statistics=accumulated if chunk.keep else {})
     collective.reduce_norm_statistics(accumulated)

@@ -124,11 +124,17 @@ class HiddenTargets:
 def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: torch.Tensor,
                 idx: torch.Tensor, lo: int, hi: int, *, cols: torch.Tensor,
                 hidden: Optional[HiddenTargets], solver: str, jitter: float,
-                max_chunk_elements: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                max_chunk_elements: int,
+                input_rank: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The regressions of units ``lo, ..., hi - 1`` on their batches ``idx``
     (rows of ``inputs``, ``y`` and ``noise_var``; unit :math:`j` regresses onto
     column ``cols[j]``, made into ``hidden`` targets for a hidden layer): their
-    means and variances ``(hi - lo, fan_in [+ 1])``."""
+    means and variances ``(hi - lo, fan_in [+ 1])``; on the ``input_rank``
+    principal directions of the input where :func:`projects` says so."""
+    if input_rank is not None and projects(layer, inputs, idx, lo, hi, input_rank):
+        return solve_projected(layer, inputs, y, noise_var, idx, lo, hi, cols=cols,
+                               hidden=hidden, jitter=jitter,
+                               max_chunk_elements=max_chunk_elements, rank=input_rank)
     h, d = layer.num_units, layer.fan_in
     batch_size = idx.shape[1]
     device, dtype = inputs.device, inputs.dtype
@@ -143,17 +149,27 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
     # allocator's heap fragmented (resident memory that is never given back).
     means = torch.empty(hi - lo, width, dtype=dtype, device=device)
     variances = torch.empty(hi - lo, width, dtype=dtype, device=device)
+    # a linear layer's rows, with the bias column, gathered in one copy per chunk
+    rows_with_bias = None
+    if layer.op == "linear" and positions == 1 and groups == 1:
+        rows_with_bias = inputs.reshape(inputs.shape[0], d)
+        if has_bias:
+            rows_with_bias = torch.cat([rows_with_bias, rows_with_bias.new_ones(len(inputs), 1)],
+                                       1)
     for start in range(lo, hi, chunk):
         units = torch.arange(start, min(hi, start + chunk), device=device)
         c = len(units)
         batch = idx[units]  # (c, B)
-        x = unit_inputs(layer, inputs[batch.reshape(-1)])
-        x = x.reshape(c, batch_size, positions, groups, d)
-        if groups == 1:
-            x = x.reshape(c, rows, d)
-        else:  # each unit sees its group's input channels
-            g = group_of[units].reshape(c, 1, 1, 1, 1).expand(c, batch_size, positions, 1, d)
-            x = x.gather(3, g).reshape(c, rows, d)
+        if rows_with_bias is not None:
+            x = rows_with_bias[batch]  # (c, B, width)
+        else:
+            x = unit_inputs(layer, inputs[batch.reshape(-1)])
+            x = x.reshape(c, batch_size, positions, groups, d)
+            if groups == 1:
+                x = x.reshape(c, rows, d)
+            else:  # each unit sees its group's input channels
+                g = group_of[units].reshape(c, 1, 1, 1, 1).expand(c, batch_size, positions, 1, d)
+                x = x.gather(3, g).reshape(c, rows, d)
         t = y[batch, cols[units, None]]  # (c, B)
         noise = noise_var[batch, cols[units, None]]
         if hidden is not None:
@@ -163,7 +179,7 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
             noise = noise[:, :, None].expand(c, batch_size, positions).reshape(c, rows)
         if layer.fixed_bias is not None:
             t = t - layer.fixed_bias[units, None].to(t)
-        if has_bias:
+        if has_bias and rows_with_bias is None:
             x = torch.cat([x, torch.ones(c, rows, 1, dtype=dtype, device=device)], -1)
         prior_loc, prior_scale = unit_priors(layer, units)
         post = bayesian_linear_regression(
@@ -174,6 +190,103 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
         torch.reciprocal(post.precision_diag, out=variances[start - lo : start - lo + c])
     return means, variances
 
+
+def projects(layer: Layer, inputs: torch.Tensor, idx: torch.Tensor, lo: int, hi: int,
+             rank: int) -> bool:
+    """Whether units ``lo, ..., hi - 1`` are solved by :func:`solve_projected`:
+    a linear layer on one position, with more inputs than twice ``rank`` and
+    than rows per unit (an underdetermined regression, solved in the dual form
+    otherwise), and the same prior variance for every weight of a unit."""
+    d = layer.fan_in
+    if layer.op != "linear" or inputs.dim() != 2 or d <= 2 * rank or d < idx.shape[1]:
+        return False
+    _, scale = unit_priors(layer, torch.arange(lo, hi, device=inputs.device))
+    return bool((scale[:, :d] == scale[:, :1]).all())
+
+
+def principal_directions(x: torch.Tensor, rank: int, iterations: int = 1) -> torch.Tensor:
+    """
+    An orthonormal basis ``(d, rank)`` of the top ``rank`` right singular
+    vectors of ``x`` ``(n, d)``, by randomized subspace iteration [1] from a
+    fixed seed (the same basis every call; the global RNG is not drawn from).
+
+    [1] Halko, Martinsson, Tropp (2011) "Finding Structure with Randomness:
+    Probabilistic Algorithms for Constructing Approximate Matrix Decompositions"
+    """
+    width = min(rank + 10, *x.shape)
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    omega = torch.randn(x.shape[1], width, generator=generator, dtype=x.dtype, device=x.device)
+    q = torch.linalg.qr(x @ omega).Q
+    for _ in range(iterations):
+        q = torch.linalg.qr(x @ torch.linalg.qr(x.T @ q).Q).Q
+    vh: torch.Tensor = torch.linalg.svd(q.T @ x, full_matrices=False).Vh
+    return vh[:rank].T
+
+
+def solve_projected(layer: Layer, inputs: torch.Tensor, y: torch.Tensor,
+                    noise_var: torch.Tensor, idx: torch.Tensor, lo: int, hi: int, *,
+                    cols: torch.Tensor, hidden: Optional[HiddenTargets], jitter: float,
+                    max_chunk_elements: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""
+    :func:`solve_units` of a linear layer with the inputs projected onto their
+    top ``rank`` principal directions :math:`V` (:func:`principal_directions`
+    of the rows that ``idx`` selects): unit :math:`j` regresses its targets on
+    :math:`XV` with the prior :math:`\mathcal N(0, \lambda_j I)` of
+    :math:`V^\top (w - m_0)` (exact for a prior :math:`\mathcal
+    N(m_0, \lambda_j I)` of the weights), and gets the mean
+    :math:`m_0 + V\beta`. The precision diagonal is the exact one,
+    :math:`\lambda_j^{-1} + \sum_i x_{id}^2 / \sigma_i^2`.
+    """
+    d = layer.fan_in
+    has_bias = layer.bias_name is not None
+    dtype = inputs.dtype
+    x = inputs.reshape(inputs.shape[0], d)
+    # from the rows that the layer's units use (the same in every process of a group)
+    used = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    used[idx.reshape(-1)] = True
+    basis = principal_directions(x[used], rank)  # (d, r)
+    z = x @ basis  # (n, r)
+    squares = x * x
+    batch_size = idx.shape[1]
+    chunk = max(1, max_chunk_elements // (4 * batch_size * (rank + 1)))
+    means = torch.empty(hi - lo, d + has_bias, dtype=dtype, device=x.device)
+    variances = torch.empty_like(means)
+    for start in range(lo, hi, chunk):
+        units = torch.arange(start, min(hi, start + chunk), device=x.device)
+        c = len(units)
+        batch = idx[units]  # (c, B)
+        t = y[batch, cols[units, None]]
+        noise = noise_var[batch, cols[units, None]]
+        if hidden is not None:
+            t, noise = hidden(t, noise, units)
+        if layer.fixed_bias is not None:
+            t = t - layer.fixed_bias[units, None].to(t)
+        t, noise = t.to(dtype), noise.to(dtype)
+        prior_loc, prior_scale = (p.to(dtype) for p in unit_priors(layer, units))
+        w0 = prior_loc[:, :d]
+        if bool(w0.ne(0).any()):  # regress the residual of the prior mean
+            t = t - (x @ w0.T).gather(0, batch.T).T
+        zb = z[batch]  # (c, B, r)
+        scale = prior_scale[:, :1].expand(c, rank)
+        if has_bias:
+            t = t - prior_loc[:, d:]
+            zb = torch.cat([zb, zb.new_ones(c, batch_size, 1)], -1)
+            scale = torch.cat([scale, prior_scale[:, d:]], 1)
+        post = bayesian_linear_regression(zb, t, noise, torch.zeros_like(scale), scale,
+                                          solver="primal", jitter=jitter)
+        mean = prior_loc.clone()
+        mean[:, :d] += post.mean[:, :rank] @ basis.T
+        # the exact precision diagonal: the rows' noise precisions, weighted squares
+        weights = x.new_zeros(x.shape[0], c)
+        weights.scatter_add_(0, batch.T, noise.reciprocal().T)  # (a row twice counts twice)
+        precision = prior_scale.pow(-2)
+        precision[:, :d] += (squares.T @ weights).T
+        if has_bias:
+            mean[:, d] += post.mean[:, rank]
+            precision[:, d] += weights.sum(0)
+        means[start - lo : start - lo + c] = mean
+        torch.reciprocal(precision, out=variances[start - lo : start - lo + c])
+    return means, variances
 
 
 def shared_rows_statistics(x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pyro.poutine as poutine
 import torch
 
+from pyro_vinit._pyro_compat import unwrap_init_messenger
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine.layer_recorder import LayerRecorderMessenger, RecordedLayer, StopModel
 
@@ -41,6 +42,10 @@ def run_model(
         on_layer=on_layer,
         norm_sync=norm_sync,
     )
+    if all(name in values for name in latent):
+        # every latent site is conditioned: the autoguide's InitMessenger around the
+        # model would only draw initial values (a prior sample per site) to be overwritten
+        model = unwrap_init_messenger(model)
     fn = poutine.condition(model, data=values)
     if substitute:
         fn = poutine.substitute(fn, data=substitute)

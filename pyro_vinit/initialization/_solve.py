@@ -46,7 +46,8 @@ def solve_layer(pool: DataPool, layer: Layer, inputs: torch.Tensor, targets: Tar
                                                 options.alternate(classification),
                                                 options.hidden_target_scale)
     solve = partial(solve_units, layer, cols=cols, hidden=hidden, solver=options.solver,
-                    jitter=options.jitter, max_chunk_elements=options.max_chunk_elements)
+                    jitter=options.jitter, max_chunk_elements=options.max_chunk_elements,
+                    input_rank=options.input_rank)
     if output and options.output_rows is not None:
         # every output unit on the same rows, as many as allowed: the output layer has
         # few units, each with many rows to spare, and no reason to differ

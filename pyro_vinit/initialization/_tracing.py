@@ -11,6 +11,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, ca
 import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
+from pyro.poutine.block_messenger import BlockMessenger
+from pyro.poutine.condition_messenger import ConditionMessenger
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import (
     Bernoulli,
@@ -22,7 +25,12 @@ from torch.distributions import (
     StudentT,
 )
 
-from pyro_vinit._pyro_compat import unwrap_init_messenger
+from pyro_vinit._pyro_compat import (
+    handler_chain,
+    model_swapped,
+    unwrap_init_messenger,
+    wrap_inner,
+)
 from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
@@ -118,6 +126,9 @@ class ModelStructure:
     block_size: Optional[int] = None
     #: whether the model calls F.batch_norm
     batch_norm: bool = False
+    #: latent sites the guide does not own (hidden from it by ``poutine.block``), held
+    #: fixed for the whole call: name -> (value, where the value comes from)
+    held: Dict[str, Tuple[torch.Tensor, str]] = field(default_factory=dict)
 
     @property
     def output_layers(self) -> List[Layer]:
@@ -238,6 +249,71 @@ def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> SampleSi
     return sites[0]
 
 
+# ---------------------------------------------------------------------- what the guide owns
+
+
+def prior_median(fn: Distribution) -> torch.Tensor:
+    """The median of a prior (its ``icdf(0.5)``, else of 1001 draws), in its shape."""
+    shape = fn.batch_shape + fn.event_shape
+    base = _unwrap(fn)
+    try:
+        half = torch.full(base.batch_shape + base.event_shape, 0.5)
+        return base.icdf(half.to(base.sample().dtype)).expand(shape).clone()
+    except (NotImplementedError, AttributeError, ValueError, RuntimeError):
+        return fn.sample(torch.Size([1001])).median(0).values
+
+
+class _HoldMessenger(Messenger):
+    """Inside a ``poutine.block``: sets every unobserved sample site it hides
+    to a value fixed at the first encounter (``given``, else the prior's median)."""
+
+    def __init__(self, hide_fn: Callable[[Any], Any], given: Dict[str, torch.Tensor],
+                 held: Dict[str, Tuple[torch.Tensor, str]]) -> None:
+        super().__init__()
+        self.hide_fn, self.given, self.held = hide_fn, given, held
+
+    def _pyro_sample(self, msg: Any) -> None:
+        if msg["is_observed"] or site_is_subsample(msg) or not self.hide_fn(msg):
+            return
+        name = msg["name"]
+        if name not in self.held:
+            if name in self.given:
+                self.held[name] = (self.given[name].detach(), "the guide list's median")
+            else:
+                self.held[name] = (prior_median(msg["fn"]).detach(), "its prior's median")
+        msg["value"], msg["is_observed"] = self.held[name][0], True
+
+
+def hold_hidden_sites(
+    model: Callable[..., Any], given: Optional[Dict[str, torch.Tensor]] = None,
+) -> Tuple[Callable[..., Any], Dict[str, Tuple[torch.Tensor, str]]]:
+    """``model`` with every latent site that a ``poutine.block`` around it hides
+    (a site the guide does not own) held at its value in ``given`` (a guide
+    list's medians) or else its prior's median; and the values held so far,
+    filled as the model runs. A hidden site is out of the reach of any handler
+    outside, so each model run would otherwise draw it anew from its prior."""
+    held: Dict[str, Tuple[torch.Tensor, str]] = {}
+    for messenger, _ in handler_chain(model):
+        if isinstance(messenger, BlockMessenger):
+            hold = _HoldMessenger(messenger.hide_fn, given or {}, held)
+            model = wrap_inner(model, messenger, hold)
+    return model, held
+
+
+def _check_not_conditioned(model: Callable[..., Any], name: str) -> None:
+    """Refuses a likelihood whose observations ``pyro.condition`` fixes."""
+    for messenger, _ in handler_chain(model):
+        if isinstance(messenger, ConditionMessenger) and name in messenger.data:
+            raise ValueError(
+                f"the observed site {name!r} is set by pyro.condition(model, data="
+                f"{{{name!r}: ...}}): I-BLM runs the model on chunks and minibatches of the "
+                "data rows, which a conditioned value does not follow. Pass the observations "
+                "as a model argument instead, e.g. init_guide_iblm(AutoNormal(model), (x, y)) "
+                "on the unconditioned model; the guide then serves the conditioned model too "
+                "(it has the same latent sites)"
+            )
+
+
 # ---------------------------------------------------------------------- the first pass
 
 
@@ -250,6 +326,13 @@ class Prepared:
     sites: Dict[str, SampleSite]  # the guide's latent sites (prototype-trace nodes), in model order
     structure: ModelStructure
     first: Tuple[Any, ...]  # the first pass's model arguments
+    #: the model I-BLM runs: the guide's, with the latent sites it hides from the
+    #: guide held fixed (see :func:`hold_hidden_sites`)
+    model: Callable[..., Any] = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = self.guide.model
 
     def site_shape(self, name: str) -> torch.Size:
         return self.sites[name]["value"].shape
@@ -270,9 +353,10 @@ class Prepared:
         return self.structure.likelihood
 
 
-def _check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
-    # Before a fresh guide is set up: a model run without its targets would make the
-    # observed site a latent one of the guide.
+def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Before a fresh guide is set up: refuses arguments without the targets (a
+    model run without them would make the observed site a latent one of the guide)."""
+    model = unwrap_init_messenger(model)
     with torch.no_grad(), poutine.block():
         trace = poutine.trace(model).get_trace(*args)
     observed = [
@@ -345,14 +429,17 @@ def _roles(
 
 
 def trace_structure(
-    guide: AutoGuide, pool: DataPool, latent: List[str], normal_priors: bool
+    guide: AutoGuide, pool: DataPool, latent: List[str], normal_priors: bool,
+    model: Optional[Callable[..., Any]] = None,
 ) -> Tuple[ModelStructure, Tuple[Any, ...]]:
-    """The first pass: the model on up to 256 rows with the guide's medians."""
+    """The first pass: the model (the guide's, unless given) on up to 256 rows
+    with the guide's medians."""
+    model = guide.model if model is None else model
     first = next(pool.chunks(_STRUCTURE_ROWS))
     values = guide_medians(guide, first)
-    recorder = run_model(guide.model, values, first, latent, track_flow=True)
+    recorder = run_model(model, values, first, latent, track_flow=True)
     with torch.no_grad(), poutine.block():
-        trace = poutine.trace(poutine.condition(guide.model, data=values)).get_trace(*first)
+        trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*first)
     sites = {name: sample_site(trace.nodes[name]) for name in latent if name in trace.nodes}
     layers = [_layer_from_record(r, sites, normal_priors) for r in recorder.layers]
     seen: Set[str] = set()
@@ -372,7 +459,9 @@ def trace_structure(
                 "a latent sample site, so there is nothing to initialize; make the layers "
                 "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample"
             )
-        likelihood = _roles(recorder, layers, observed_site(recorder))
+        site = observed_site(recorder)
+        _check_not_conditioned(model, site["name"])
+        likelihood = _roles(recorder, layers, site)
     covered = seen | ({likelihood.noise_name} if likelihood and likelihood.noise == "site"
                       else set())
     uncovered = [name for name in latent if name not in covered]
@@ -409,23 +498,45 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str,
                   stacklevel=stacklevel)
 
 
+def report_held(structure: ModelStructure, who: str, stacklevel: int = 3) -> None:
+    """Names, in one warning, the latent sites hidden from the guide that the
+    initializer held fixed, and at what."""
+    if not structure.held:
+        return
+    held = ", ".join(
+        f"{name!r} at {source} ({value.item():.4g})" if value.numel() == 1
+        else f"{name!r} at {source}" for name, (value, source) in structure.held.items()
+    )
+    warnings.warn(
+        f"{who}: the guide does not own the latent sites {list(structure.held)} (a "
+        f"poutine.block around its model hides them), so it held them fixed for the whole "
+        f"call: {held}. Initialize them separately, e.g. with the member of an "
+        "AutoGuideList that owns them", UserWarning, stacklevel=stacklevel)
+
+
 def prepare(
     guide: AutoGuide, data: Optional[Data], max_rows: int, chunk_rows: int,
     normal_priors: bool = True, pool: Optional[DataPool] = None,
+    owner: Optional[AutoGuide] = None,
 ) -> Prepared:
     """Checks the guide class, reads the data (unless a ``pool`` of it is
     given), sets the guide up if needed (after checking that the model has a
-    likelihood on the data) and reads the model's structure."""
+    likelihood on the data), holds the latent sites hidden from the guide
+    fixed (at the medians of ``owner``, the guide list the guide belongs to,
+    or else of their priors) and reads the model's structure."""
     site_params.check_supported(guide)  # an unsupported guide fails before any work
     if pool is None:
         pool = DataPool(data, max_rows)
     first = next(pool.chunks(min(chunk_rows, _STRUCTURE_ROWS)))
+    given = None if owner is None else guide_medians(owner, first)
+    model, held = hold_hidden_sites(guide.model, given)
     if guide.prototype_trace is None:
-        _check_has_likelihood(unwrap_init_messenger(guide.model), first)
-        with torch.no_grad(), poutine.block():
+        check_has_likelihood(model, first)
+        with torch.no_grad(), poutine.block(), model_swapped(guide, model):
             guide(*first)
     sites = site_params.latent_sites(guide)
-    structure, first = trace_structure(guide, pool, list(sites), normal_priors)
+    structure, first = trace_structure(guide, pool, list(sites), normal_priors, model)
+    structure.held = held
     for layer in structure.layers:
         for name in layer.site_names:
             site_shape = sites[name]["value"].shape
@@ -435,4 +546,4 @@ def prepare(
                     f"site {name!r} has shape {tuple(site_shape)} in the guide but "
                     f"{tuple(expected)} in the layer call"
                 )
-    return Prepared(pool, guide, sites, structure, first)
+    return Prepared(pool, guide, sites, structure, first, model)

@@ -127,11 +127,11 @@ def bayesian_linear_regression(
     prior_var = prior_var.expand(batch + (d,))
 
     noise_prec = noise_var.reciprocal()
-    precision_diag = prior_var.reciprocal() + torch.einsum("...nd,...n->...d", x * x, noise_prec)
     if solver == "primal" or (solver == "auto" and d <= n):
         xw = x * noise_prec.unsqueeze(-1)
         a = xw.transpose(-1, -2) @ x
         a.diagonal(dim1=-2, dim2=-1).add_(prior_var.reciprocal())
+        precision_diag = a.diagonal(dim1=-2, dim2=-1).clone()
         b = (xw.transpose(-1, -2) @ y.unsqueeze(-1)).squeeze(-1) + prior_loc / prior_var
         factor = _cholesky(a, jitter)
         mean = torch.cholesky_solve(b.unsqueeze(-1), factor).squeeze(-1)
@@ -140,6 +140,8 @@ def bayesian_linear_regression(
             eye = torch.eye(d, dtype=dtype, device=device).expand(batch + (d, d))
             cov = torch.linalg.solve_triangular(factor, eye, upper=False).pow(2).sum(-2)
     else:
+        precision_diag = prior_var.reciprocal() + torch.einsum("...nd,...n->...d", x * x,
+                                                               noise_prec)
         xl = x * prior_var.unsqueeze(-2)
         k = xl @ x.transpose(-1, -2)
         k.diagonal(dim1=-2, dim2=-1).add_(noise_var)

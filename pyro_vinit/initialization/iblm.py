@@ -13,14 +13,19 @@ process group) is a :class:`~pyro_vinit.initialization._collective.Collective`.
 Bayes for Deep Models"
 """
 
+import warnings
 from contextlib import ExitStack
-from typing import Any, Dict, Optional, TypeVar
+from typing import Any, Callable, Dict, Optional, TypeVar, cast
 
-from pyro.infer.autoguide import AutoGuide
+import pyro.poutine as poutine
+import torch
+from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
-from pyro_vinit.guides.site_params import check_supported
+from pyro_vinit._pyro_compat import model_swapped
+from pyro_vinit.guides.site_params import check_supported, is_supported
+from pyro_vinit.initialization._batch_norm import write_with_norm_noise
 from pyro_vinit.initialization._collective import Collective
-from pyro_vinit.initialization._data import Data
+from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
 from pyro_vinit.initialization._fits import Fit, stage, write_fits
 from pyro_vinit.initialization._noise import fit_noise
 from pyro_vinit.initialization._options import IBLMOptions
@@ -30,7 +35,15 @@ from pyro_vinit.initialization._regressions import extract_patches
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.initialization._solve import solve_layer
 from pyro_vinit.initialization._targets import dirichlet_transform, read_targets
-from pyro_vinit.initialization._tracing import Prepared, guide_medians, prepare, report_uncovered
+from pyro_vinit.initialization._tracing import (
+    Prepared,
+    check_has_likelihood,
+    guide_medians,
+    hold_hidden_sites,
+    prepare,
+    report_held,
+    report_uncovered,
+)
 
 __all__ = [
     "IBLMGuideInitializer",
@@ -66,6 +79,7 @@ def init_guide_iblm(
     max_pool_size: int = 10_000,
     chunk_rows: int = 4096,
     max_chunk_elements: int = 2**22,
+    input_rank: Optional[int] = 128,
 ) -> _G:
     r"""
     Iterative Bayesian Linear Modeling (I-BLM) [1]: initializes ``guide`` in
@@ -87,10 +101,12 @@ def init_guide_iblm(
         \mu = A^{-1}(X^\top L^{-1} y + \Lambda^{-1} m_0), \qquad
         s_i^2 = 1 / A_{ii},
 
-    written through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`.
-    A learnable observation noise gets the residual std of the fitted
-    network. Nothing is written unless every step succeeds. See
-    :doc:`/methods/iblm` for the steps, the defaults and the measurements.
+    written through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`
+    (with BatchNorm, the hidden layers' variances shrunk until guide draws
+    keep every BatchNorm input's statistics). A learnable observation noise
+    gets the residual std of the fitted network. Nothing is written unless
+    every step succeeds. See :doc:`/methods/iblm` for the steps, the defaults
+    and the measurements.
 
     Usage::
 
@@ -98,7 +114,8 @@ def init_guide_iblm(
         init_guide_iblm(guide, (x_train, y_train), batch_size=64)
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
-        AutoRadialNormal guide of the model (set up from the first rows if not yet).
+        AutoRadialNormal guide of the model (set up from the first rows if not
+        yet), or an ``AutoGuideList`` (each such member is initialized).
     :param data: One tuple of model arguments, ``model(*data)``, or an iterable
         of such tuples (e.g. a DataLoader).
     :param process_group: A :class:`torch.distributed.ProcessGroup` over whose
@@ -134,6 +151,10 @@ def init_guide_iblm(
     :param int chunk_rows: Rows per model run when propagating the data.
     :param int max_chunk_elements: Bound on the elements of the per-chunk design
         tensors.
+    :param int input_rank: A linear layer with more inputs than rows per unit
+        and than ``2 * input_rank`` regresses on the top ``input_rank``
+        principal directions of its input (the exact precision diagonal); None:
+        the exact regressions always.
     :return: ``guide``.
 
     [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
@@ -149,21 +170,35 @@ def init_guide_iblm(
         hidden_batches=hidden_batches, propagate=propagate, noise_scale=noise_scale,
         estimate_noise=estimate_noise, strict=strict, solver=solver, jitter=jitter,
         max_scale_ratio=max_scale_ratio, max_pool_size=max_pool_size, chunk_rows=chunk_rows,
-        max_chunk_elements=max_chunk_elements,
+        max_chunk_elements=max_chunk_elements, input_rank=input_rank,
     )
+    _check_data(data, process_group)
     check_process_group(process_group)
     return _initialize(guide, data, options, process_group)
 
 
 def _initialize(guide: _G, data: Data, options: IBLMOptions,
                 process_group: Optional[Any]) -> _G:
-    """I-BLM's four steps, all or nothing: trace the model's structure, collect
-    each layer's inputs, solve its per-unit regressions (then the noise), write
-    the fits through the guide's ``set_loc_and_scale``."""
+    """I-BLM on ``guide``, or on each member it supports of an ``AutoGuideList``."""
+    if isinstance(guide, AutoGuideList):
+        _initialize_list(guide, data, options, process_group)
+        return guide
     check_supported(guide)
+    with GuideRollback(guide) as rollback:
+        _initialize_member(guide, data, options, process_group, rollback.checkpoint)
+    return guide
+
+
+def _initialize_member(guide: AutoGuide, data: Data, options: IBLMOptions,
+                       process_group: Optional[Any], checkpoint: Callable[[], None],
+                       owner: Optional[AutoGuideList] = None) -> None:
+    """I-BLM's four steps: trace the model's structure, collect each layer's
+    inputs, solve its per-unit regressions (then the noise), and, after
+    ``checkpoint`` (the rollback's copy), write the fits through the guide's
+    ``set_loc_and_scale``."""
     collective = collective_for(process_group)
-    with GuideRollback(guide) as rollback, ExitStack() as stack:
-        prep = _trace_model(guide, data, options, collective, stack)  # 1. the structure
+    with ExitStack() as stack:
+        prep = _trace_model(guide, data, options, collective, stack, owner)  # 1. the structure
         values = guide_medians(guide, prep.first)
         targets = read_targets(prep, values, options, collective)
         fits: Dict[str, Fit] = {}
@@ -174,24 +209,84 @@ def _initialize(guide: _G, data: Data, options: IBLMOptions,
             fit = solve_layer(prep.pool, layer, inputs, targets, options, collective)  # 3.
             stage(prep.site_shape, values, fits, fit, options.propagate)
         noise = fit_noise(prep, values, targets, fits, options, collective)
-        rollback.checkpoint()
-        write_fits(prep, fits, noise, options.max_scale_ratio)  # 4. set_loc_and_scale
+        checkpoint()
+        # 4. set_loc_and_scale (with BatchNorm: the hidden layers' noise that eval mode
+        # normalizes as train mode does)
+        write_with_norm_noise(
+            prep, values, fits, lambda f: write_fits(prep, f, noise, options.max_scale_ratio),
+            options.chunk_rows, collective)
         refresh_norm_statistics(prep, values, options.chunk_rows, collective)
-    return guide
+
+
+def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
+                     process_group: Optional[Any]) -> None:
+    """I-BLM on each member of ``guides`` that it supports, in order, with the
+    sites of the others held at the list's medians; the others are named."""
+    members = [cast(AutoGuide, g) for g in guides]
+    supported = [g for g in members if is_supported(g)]
+    others = [f"{i}: {type(g).__name__}" for i, g in enumerate(members) if g not in supported]
+    if not supported:
+        raise TypeError(
+            f"none of the members of this AutoGuideList ({others}) is a guide that I-BLM "
+            "initializes; make the member over the network's weights an AutoNormal, "
+            "AutoDiagonalNormal, AutoKTiedNormal or AutoRadialNormal"
+        )
+    if not is_args_tuple(data) and iter(data) is data and len(supported) > 1:
+        raise ValueError(
+            "I-BLM reads the data once per member of an AutoGuideList: pass a tuple of model "
+            "arguments, e.g. (x, y), or a DataLoader or list of batches, not a one-shot iterator"
+        )
+    with ExitStack() as stack:
+        # (each member's own state restored on failure, every value by the list's copy)
+        rollbacks = [stack.enter_context(GuideRollback(g)) for g in [guides, *members]]
+        if guides.prototype_trace is None:
+            first = next(DataPool(data).chunks(256)) if is_args_tuple(data) else next(iter(data))
+            check_has_likelihood(guides.model, first)
+            with torch.no_grad(), poutine.block(), ExitStack() as swaps:
+                for member in members:  # (what a member's model hides held fixed)
+                    swaps.enter_context(model_swapped(member, hold_hidden_sites(member.model)[0]))
+                guides(*first)  # sets every member up
+        rollbacks[0].checkpoint()  # (a later member's failure undoes the earlier writes)
+        for member in supported:
+            _initialize_member(member, data, options, process_group, _no_checkpoint, guides)
+    if others:
+        warnings.warn(
+            f"init_guide_iblm initialized the members {[type(g).__name__ for g in supported]} "
+            f"of the AutoGuideList; it leaves the members it does not support at their own "
+            f"values: {others}", UserWarning, stacklevel=4)
+
+
+def _no_checkpoint() -> None:
+    """A member's within a guide list, whose rollback has its copy already."""
+
+
+def _check_data(data: Any, process_group: Optional[Any]) -> None:
+    """Refuses, saying what to pass, data that is not model arguments."""
+    if isinstance(data, torch.Tensor):
+        got = ("the targets as the third positional argument (the process_group)"
+               if isinstance(process_group, torch.Tensor) else "a bare tensor")
+        raise TypeError(
+            f"init_guide_iblm takes the model's arguments as one tuple, "
+            f"init_guide_iblm(guide, (x, y)), or a DataLoader of such tuples; it was given "
+            f"{got}. Write init_guide_iblm(guide, (x, y))"
+        )
 
 
 def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective: Collective,
-                stack: ExitStack) -> Prepared:
+                stack: ExitStack, owner: Optional[AutoGuideList] = None) -> Prepared:
     """Step 1: reads the data into the pool (entering into ``stack`` what must
     last the whole call), sets the guide up if needed, and traces the model's
     layers, likelihood and what feeds it."""
     pool = collective.open_pool(data, options, stack)
     with collective.agree():
-        prep = prepare(guide, None, options.max_pool_size, options.chunk_rows, pool=pool)
+        prep = prepare(guide, None, options.max_pool_size, options.chunk_rows, pool=pool,
+                       owner=owner)
     collective.check_structure(prep.structure)
     # (the warnings point at the caller of init_guide_iblm or of the initializer)
-    report_uncovered(prep.structure, options.strict, "init_guide_iblm", stacklevel=5)
-    pool.effective_batch_size(options.batch_size, "init_guide_iblm", stacklevel=5)
+    stacklevel = 6 if owner is None else 7
+    report_uncovered(prep.structure, options.strict, "init_guide_iblm", stacklevel=stacklevel)
+    report_held(prep.structure, "init_guide_iblm", stacklevel=stacklevel)
+    pool.effective_batch_size(options.batch_size, "init_guide_iblm", stacklevel=stacklevel)
     return prep
 
 
@@ -231,6 +326,7 @@ class IBLMGuideInitializer:
         max_pool_size: int = 10_000,
         chunk_rows: int = 4096,
         max_chunk_elements: int = 2**22,
+    input_rank: Optional[int] = 128,
     ) -> None:
         self.options = IBLMOptions(
             batch_size=batch_size, output_rows=output_rows, alpha=alpha,
@@ -240,6 +336,7 @@ class IBLMGuideInitializer:
             estimate_noise=estimate_noise, strict=strict, solver=solver, jitter=jitter,
             max_scale_ratio=max_scale_ratio, max_pool_size=max_pool_size,
             chunk_rows=chunk_rows, max_chunk_elements=max_chunk_elements,
+            input_rank=input_rank,
         )
         check_process_group(process_group)
         self.process_group = process_group
@@ -251,4 +348,5 @@ class IBLMGuideInitializer:
         :param guide: As for :func:`init_guide_iblm`.
         :param data: One tuple of model arguments or an iterable of such tuples.
         """
+        _check_data(data, None)
         return _initialize(guide, data, self.options, self.process_group)

@@ -11,6 +11,7 @@ initializers (:mod:`~pyro_vinit.poutine.layer_recorder`) and the
 weight-noise handlers (:mod:`~pyro_vinit.poutine.layer_call_messenger`).
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -23,9 +24,12 @@ __all__ = [
     "LAYER_OPS",
     "MATMUL_OPS",
     "LayerCall",
+    "batched_layer",
     "find_layer_call",
+    "is_batched",
     "parse_layer_call",
     "parse_matmul",
+    "run_layer",
 ]
 
 _T = torch.Tensor
@@ -270,3 +274,98 @@ def find_layer_call(
         op, x, w, bias, extra, transposed=transposed, source=op_name(func),
         weight_msgs=weight_msgs(w), bias_msgs=weight_msgs(bias),
     )
+
+
+def _spatial(op: str) -> int:
+    return 0 if op == "linear" else int(op[-2])
+
+
+def is_batched(op: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether ``weight`` or ``bias`` of an ``F.<op>`` call has leading batch
+    dims (e.g. a sample dim of :class:`~pyro.infer.Predictive` with
+    ``parallel=True``), which ``F.<op>`` does not take."""
+    return weight.dim() > _spatial(op) + 2 or (bias is not None and bias.dim() > 1)
+
+
+def batched_layer(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    kwargs: Dict[str, Any],
+) -> torch.Tensor:
+    """
+    ``F.<op>(input, weight, bias, **kwargs)`` where ``weight`` (and ``bias``)
+    may have leading batch dims: the batch dims of the weight, of the bias
+    and of the input (those left of its feature or channel dim) broadcast, as
+    a plate's dims do, and each element of the batch is the layer with its
+    own weight. A linear layer is one ``einsum``; a convolution is one grouped
+    convolution over the weight's batch.
+    """
+    nsp = _spatial(op)
+    w_event = nsp + 2
+    if weight.dim() < w_event:
+        # e.g. F.linear's 1-d weight: only the bias is batched
+        out: torch.Tensor = getattr(F, op)(input, weight, None, **kwargs)
+        return out if bias is None else out + bias.reshape(bias.shape + (1,) * nsp)
+    w_batch = weight.shape[: weight.dim() - w_event]
+    batch = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+        w_batch, input.shape[: input.dim() - nsp - 1]
+    )
+    # An expanded batch dim (stride 0: e.g. a guide's loc under Predictive) holds one
+    # weight: the layer runs once there and its output is expanded.
+    weight = weight[tuple(
+        slice(0, 1) if stride == 0 and size > 1 else slice(None)
+        for size, stride in zip(w_batch, weight.stride())
+    )]
+    if op == "linear":
+        out = torch.einsum("...i,...oi->...o", input, weight)
+    else:
+        out = _batched_conv(op, nsp, input, weight, kwargs)
+    if bias is not None:
+        out = out + bias.reshape(bias.shape + (1,) * nsp)
+    event = out.shape[out.dim() - nsp - 1:]
+    return out.expand(torch.broadcast_shapes(out.shape, batch + event))  # type: ignore[no-untyped-call]
+
+
+def run_layer(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    kwargs: Dict[str, Any],
+) -> torch.Tensor:
+    """``F.<op>(input, weight, bias, **kwargs)``, batched
+    (:func:`batched_layer`) where the weight or the bias has batch dims."""
+    if is_batched(op, weight, bias):
+        return batched_layer(op, input, weight, bias, kwargs)
+    out: torch.Tensor = getattr(F, op)(input, weight, bias, **kwargs)
+    return out
+
+
+def _batched_conv(
+    op: str, nsp: int, x: torch.Tensor, w: torch.Tensor, kwargs: Dict[str, Any]
+) -> torch.Tensor:
+    # The weight's batch dims of size > 1 become groups of one grouped convolution; the
+    # other batch dims of the broadcast shape fold into the convolution's batch.
+    w_batch, w_event = w.shape[: w.dim() - nsp - 2], w.shape[w.dim() - nsp - 2:]
+    x_batch, x_event = x.shape[: x.dim() - nsp - 1], x.shape[x.dim() - nsp - 1:]
+    batch = torch.broadcast_shapes(w_batch, x_batch)  # type: ignore[no-untyped-call]
+    padded = (1,) * (len(batch) - len(w_batch)) + tuple(w_batch)
+    g_dims = [i for i, size in enumerate(padded) if size != 1]
+    r_dims = [i for i, size in enumerate(padded) if size == 1]
+    g = math.prod(batch[i] for i in g_dims)
+    r = math.prod(batch[i] for i in r_dims)
+    xe = x.expand(batch + x_event).permute(
+        r_dims + g_dims + list(range(len(batch), len(batch) + nsp + 1))
+    )
+    xe = xe.reshape((r, g * x_event[0]) + tuple(x_event[1:]))
+    groups = kwargs.get("groups", 1)
+    ww = w.reshape((g * w_event[0],) + tuple(w_event[1:]))
+    conv_kwargs = dict(kwargs, groups=groups * g)
+    out: torch.Tensor = getattr(F, op)(xe, ww, None, **conv_kwargs)
+    out_event = (w_event[0],) + tuple(out.shape[2:])
+    out = out.reshape([batch[i] for i in r_dims] + [batch[i] for i in g_dims] + list(out_event))
+    order = r_dims + g_dims
+    inverse = [order.index(i) for i in range(len(batch))]
+    return out.permute(inverse + list(range(len(batch), len(batch) + nsp + 1)))

@@ -88,12 +88,14 @@ class Uses:
     not mistaken for one.
     """
 
-    __slots__ = ("shape", "whole", "mask")
+    __slots__ = ("shape", "whole", "mask", "noised")
 
     def __init__(self, shape: torch.Size) -> None:
         self.shape = shape
         self.whole = False
         self.mask: Optional[torch.Tensor] = None
+        #: Whether a use got per-example noise (then no other use may follow).
+        self.noised = False
 
     def add(self, view_ops: Optional[Tuple[ViewOp, ...]]) -> bool:
         """Records a use of the elements that ``view_ops`` selects (all of

@@ -9,9 +9,10 @@ from pyro.poutine.messenger import Messenger
 
 from pyro_vinit.poutine.flipout_messenger import FlipoutMessenger
 from pyro_vinit.poutine.local_reparam_messenger import LocalReparamMessenger
+from pyro_vinit.poutine.vectorized_layers_messenger import VectorizedLayersMessenger
 from pyro_vinit.poutine.weight_noise_messenger import Config, WeightNoiseMessenger
 
-__all__ = ["flipout", "local_reparam", "weight_noise"]
+__all__ = ["flipout", "local_reparam", "vectorized_layers", "weight_noise"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _M = TypeVar("_M", bound=Messenger)
@@ -116,3 +117,29 @@ def weight_noise(
     :param bool strict: See :class:`~pyro_vinit.poutine.WeightNoiseMessenger`.
     """
     return _apply(WeightNoiseMessenger(config=config, strict=strict), fn)
+
+
+@overload
+def vectorized_layers(fn: None = ...) -> VectorizedLayersMessenger: ...
+
+
+@overload
+def vectorized_layers(fn: _F) -> _F: ...
+
+
+def vectorized_layers(
+    fn: Optional[Callable[..., Any]] = None,
+) -> Union[VectorizedLayersMessenger, Callable[..., Any]]:
+    """
+    Convenient wrapper of :class:`~pyro_vinit.poutine.VectorizedLayersMessenger`.
+
+    Usage::
+
+        predictive = Predictive(model, guide=guide, num_samples=100, parallel=True)
+        samples = vectorized_layers(predictive)(x)
+
+    :param callable fn: A callable that runs both the guide and the model
+        (e.g. a :class:`~pyro.infer.Predictive`); if None, the handler
+        itself, for use as a context manager.
+    """
+    return _apply(VectorizedLayersMessenger(), fn)

@@ -24,6 +24,12 @@ The handler sees
 * the other uses of site values by layer-like ops it does not treat
   (:meth:`~LayerCallMessenger._on_custom_op`).
 
+A layer call whose weight or bias has leading batch dims (the sample dim of
+:class:`~pyro.infer.Predictive` with ``parallel=True``), which ``F.linear``
+and ``F.conv*d`` do not take, runs as one batched layer
+(:func:`~pyro_vinit.poutine._layer_ops.batched_layer`) when the handler
+leaves it unchanged.
+
 It also lets a handler *defer* a draw until something needs the value
 (:meth:`~LayerCallMessenger._draw`). Site values stay ordinary tensors in
 every other respect, also after the context exits, and under
@@ -50,12 +56,15 @@ from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, Independent
 from typing_extensions import Self, TypeGuard
 
+from pyro_vinit._pyro_compat import is_predictive_samples
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._layer_ops import (
     LAYER_OPS,
     MATMUL_OPS,
     LayerCall,
+    batched_layer,
     find_layer_call,
+    is_batched,
     op_name,
 )
 from pyro_vinit.poutine._site_value import ACTIVE, SiteValue, Uses, eager, unwrap
@@ -79,6 +88,19 @@ def base_distribution(fn: object) -> object:
     while isinstance(fn, (Independent, dist.MaskedDistribution)):
         fn = fn.base_dist
     return fn
+
+
+def _align_predictive_sample(msg: SampleSite) -> None:
+    # Predictive(parallel=True) conditions the model on the guide's samples reshaped to
+    # (num_samples,) + (1,) * (max_plate_nesting - value dims) + value shape, which for a
+    # site with event dims (a weight) leaves the sample dim off its plate's dim. The
+    # site's distribution has the sample dim in place: take its shape (the same elements).
+    fn, value = msg["fn"], msg["value"]
+    if not (isinstance(fn, Distribution) and isinstance(value, torch.Tensor)):
+        return
+    shape = fn.batch_shape + fn.event_shape
+    if value.shape != shape and value.numel() == shape.numel() and len(fn.event_shape) > 0:
+        msg["value"] = value.reshape(shape)
 
 
 def _is_latent(value: object) -> TypeGuard[SiteValue]:
@@ -155,6 +177,10 @@ class LayerCallMessenger(Messenger):
 
     @eager
     def _pyro_sample(self, msg: SampleSite) -> None:
+        if msg["is_observed"] and any(
+            is_predictive_samples(frame) for frame in msg["cond_indep_stack"]
+        ):
+            _align_predictive_sample(msg)
         if (
             msg["value"] is not None
             or msg["is_observed"]
@@ -267,10 +293,18 @@ class LayerCallMessenger(Messenger):
         self._busy = True
         try:
             out = self._process_layer_call(call)
-            if out is None:  # unchanged: the program's own op, bit for bit
-                original: torch.Tensor = func(*unwrap(args), **unwrap(kwargs))
-                return original
-            return out
+            if out is not None:
+                return out
+            if is_batched(call.op, call.weight, call.bias):
+                # a weight with a sample dim (Predictive(parallel=True)): F.<op> takes none
+                batched: torch.Tensor = batched_layer(
+                    call.op, unwrap(call.input), unwrap(call.weight), unwrap(call.bias),
+                    call.kwargs,
+                )
+                return batched
+            # unchanged: the program's own op, bit for bit
+            original: torch.Tensor = func(*unwrap(args), **unwrap(kwargs))
+            return original
         finally:
             self._busy = False
 

@@ -81,10 +81,13 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     picks them by tensor-valued bounds (``w[i:i + 1]`` with ``i`` a tensor,
     possibly computed from the draw), a weight used by another op (e.g.
     ``F.bilinear``, ``F.embedding``, ``F.conv_transpose2d``, ``torch.bmm``),
-    a value set by a handler outside this one, and every use after the
-    first of weight elements or a sampled bias that several layer calls share
-    (tied weights: independent noise at each use would lose the correlation
-    between the uses; a use of the kinds above claims the whole draw). A
+    and a value set by a handler outside this one. A use of the kinds above
+    claims the whole draw: later layer calls on it use it as drawn. Weight
+    elements or a sampled bias that got per-example noise at one layer call
+    and are used again in the same run (tied weights, a siamese net) raise a
+    ``ValueError`` at that second use: independent noise at each use would
+    lose the correlation between the uses; leave such a site out of the
+    handler (see :class:`~pyro_vinit.poutine.WeightNoiseMessenger`). A
     bias with another distribution is used as sampled.
     Weights that are plain parameters or conditioned values are used as
     they are. When the handler exits, one warning names the latent sites of
@@ -96,9 +99,10 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     error instead, raised on exit (after the run: an SVI step has then been
     taken), which makes ``strict`` a check of a model, e.g. on its first step.
 
-    Vectorized particles (``vectorize_particles=True``) are refused before
-    the model runs: they give every weight a particle dim, which
-    ``nn.Linear`` and ``nn.Conv*d`` do not take. Under
+    Weights with leading batch dims (vectorized particles,
+    :class:`~pyro.infer.Predictive` with ``parallel=True``) get the same
+    treatment, each element of the batch its own per-example noise (see
+    :class:`~pyro_vinit.poutine.VectorizedLayersMessenger`). Under
     :func:`torch.compile` the handler runs eagerly (a graph break at each of
     its operations), and the compiled step equals the eager one.
 

@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional, Set, Type, Union
 import torch
 from pyro.distributions import constraints
 
-from pyro_vinit._pyro_compat import is_vectorized_particles, prefill_log_prob, scale_and_mask
+from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._site_value import SiteValue, eager
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
@@ -63,7 +63,11 @@ class WeightNoiseMessenger(LayerCallMessenger):
         with WeightNoiseMessenger(config=config):
             svi.step(x, y)
 
-    A weight a strategy cannot treat is used as its ordinary sample. When
+    A weight a strategy cannot treat is used as its ordinary sample. A draw
+    that got per-example noise and is used again in the same run (a shared
+    weight) is refused at that use with a ``ValueError`` naming the site:
+    a config that leaves the site alone (None) keeps its ordinary sample at
+    every use, which is exact. When
     the handler exits, one warning (or with ``strict``, one error) names the
     latent sites of the run that kept their ordinary sample: those it could
     not treat, with the reason, and the weight-like ones (real-valued, two
@@ -124,21 +128,6 @@ class WeightNoiseMessenger(LayerCallMessenger):
         super()._start_run()
         self._untreated: Dict[str, str] = {}
         self._reached: Set[str] = set()
-
-    @eager
-    def _pyro_sample(self, msg: SampleSite) -> None:
-        if any(is_vectorized_particles(frame) for frame in msg["cond_indep_stack"]):
-            # Every weight would get a particle dim, which F.linear / F.conv*d do not take
-            # and the handlers do not treat: refuse before the model runs.
-            raise ValueError(
-                f"{type(self).__name__} does not support vectorized particles "
-                "(an ELBO with vectorize_particles=True): they give every latent site, such "
-                f"as {msg['name']!r}, a particle dim, which nn.Linear / nn.Conv*d (F.linear, "
-                "F.conv*d) do not accept and the handler does not treat. Use "
-                "vectorize_particles=False: num_particles then still averages that many "
-                "particles, one after another."
-            )
-        super()._pyro_sample(msg)
 
     @eager
     def __exit__(
@@ -234,14 +223,16 @@ class WeightNoiseMessenger(LayerCallMessenger):
         if strategy is None:
             return None  # the config leaves the site alone
         if reused:
-            # Per-example noise drawn independently at each use would lose the correlation
-            # between the uses of one sample (tied weights, a layer called twice).
+            noised = [v for v in reused if v.uses.noised]
+            if noised:
+                self._refuse_reuse(noised[0], call.source)
+            # Every use so far was the ordinary draw: so are this one and the later ones.
             self._fallback(
                 reused[0],
                 "this sample was already used by an earlier layer call or matrix product "
-                "in this run (a shared or tied weight); the uses are then not jointly "
-                "exact. Give each layer its own sample site, or run such models without "
-                "the handler",
+                "in this run (a shared or tied weight) as drawn; every use keeps the "
+                "ordinary sample, which is exact. Give each layer its own sample site for "
+                "per-example noise",
             )
             return None
         if not weight.is_view:
@@ -264,9 +255,28 @@ class WeightNoiseMessenger(LayerCallMessenger):
         if isinstance(out, str):
             self._fallback(weight, out)
             return None
+        for value in noisy:
+            value.uses.noised = True
         return out
 
+    def _refuse_reuse(self, value: SiteValue, op_name: str) -> None:
+        # A second use of a draw that got per-example noise: the uses would not be jointly
+        # exact (each example's two uses must see one weight). Nothing persistent has
+        # changed yet: the step stops before its loss exists.
+        raise ValueError(
+            f"{type(self).__name__}: the sample of site {value.site!r} is used a second "
+            f"time (by {op_name}) in one run, after an earlier layer call gave it "
+            "per-example noise (a shared or tied weight, e.g. a siamese net): per-example "
+            "noise drawn at each use is not jointly exact, and the ordinary sample at this "
+            "use alone would bias the objective. Leave the site out of the handler "
+            f"(e.g. weight_noise(config=lambda msg: None if msg['name'] == {value.site!r} "
+            "else AutoWeightNoise())): every use then keeps the ordinary sample, which is "
+            "exact; or give each use its own sample site"
+        )
+
     def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
+        if value.uses.noised:
+            self._refuse_reuse(value, op_name)
         # A later layer call on the same sample must use it as drawn, too.
         value.uses.add(None)
         self._fallback(

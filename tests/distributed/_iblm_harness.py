@@ -100,6 +100,9 @@ CASES: Dict[str, Case] = {
     # units whose local batch has a constant target column get random batches
     "imbalanced_small_batches": Case(_mlp_classifier, AutoNormal, _imbalanced_data,
                                      {"batch_size": 16}),
+    # the second layer (24 inputs, 16 rows per unit) solved on 2 principal directions
+    "projected_wide_layer": Case(_mlp_classifier, AutoNormal, _classification_data,
+                                 {"batch_size": 16, "input_rank": 2}),
     # batch normalization, in chunks of 64 rows (rank 0 has no rows in the second and third
     # of the global chunks), from a pool of 160 of the 187 rows (a global random subset)
     "batchnorm_chunks_subsample": Case(_bn_classifier, AutoNormal, _classification_data,

@@ -13,7 +13,14 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide, init_guide_iblm
+from pyro_vinit import (
+    AutoKTiedNormal,
+    AutoMeanFieldNormal,
+    AutoRadialNormal,
+    IBLMGuideInitializer,
+    init_guide,
+    init_guide_iblm,
+)
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import bayesianize
 from pyro_vinit.poutine import local_reparam
@@ -542,3 +549,177 @@ def test_narrowed_output_weight_is_named():
     with pytest.raises(ValueError, match=r"sample site 'w2' reaches a layer call through an "
                        r"operation that repeats or drops elements \(narrow\)"):
         init_guide_iblm(guide, (x, y), batch_size=n)
+
+
+# ---------------------------------------------------------------- issue 23: guide lists,
+# hyperparameters hidden from the guide, pyro.condition, the data argument
+
+
+def _hierarchical_regression(record=None):
+    # Pyro's forum style: a prior scale tau on the weights and a noise sigma, both latent
+    def model(x, y=None):
+        tau = pyro.sample("tau", dist.HalfNormal(1.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+        if record is not None:
+            record.append((tau.item(), sigma.item()))
+        w1 = pyro.sample("w1", dist.Normal(0.0, tau / math.sqrt(10)).expand([50, 10]).to_event(2))
+        b1 = pyro.sample("b1", dist.Normal(0.0, 1.0).expand([50]).to_event(1))
+        w2 = pyro.sample("w2", dist.Normal(0.0, tau / math.sqrt(50)).expand([1, 50]).to_event(2))
+        b2 = pyro.sample("b2", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        mean = F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+        return mean
+
+    return model
+
+
+def _diabetes():
+    return USER_MODELS["matmul_halfnormal_noise"].data()  # standardized, 309 / 133 rows
+
+
+def test_guide_list_initializes_its_supported_members():
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList
+
+    x, y, xt, yt = _diabetes()
+    model = _hierarchical_regression()
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"])))
+    guide.append(AutoDelta(pyro.poutine.block(model, expose=["tau", "sigma"])))
+    guide(x, y)
+    delta = _state(guide[1])
+    with pytest.warns(UserWarning) as record:
+        init_guide_iblm(guide, (x, y))
+    messages = [str(w.message) for w in record]
+    assert any("'1: AutoDelta'" in m for m in messages)  # the member left alone is named
+    # ... with its values, at which the AutoNormal member's fit held tau and sigma
+    assert any("'tau' at the guide list's median" in m for m in messages)
+    _assert_state(guide[1], delta)
+    with torch.no_grad():
+        mean = pyro.poutine.condition(model, data=guide.median(x, y))(xt)
+    # the AutoNormal member fits (predicting the targets' mean gives about 1)
+    assert (mean - yt).pow(2).mean().sqrt() < 0.8
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    assert math.isfinite(svi.step(x, y))
+
+
+def test_guide_list_of_unsupported_members_is_refused():
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList
+
+    x, y, _, _ = _diabetes()
+    model = _hierarchical_regression()
+    guide = AutoGuideList(model)
+    guide.append(AutoDelta(model))
+    with pytest.raises(TypeError, match="0: AutoDelta.*AutoNormal"):
+        init_guide_iblm(guide, (x, y))
+    assert guide.prototype_trace is None
+
+
+def test_hyperparameters_hidden_from_the_guide_are_held_at_the_prior_median():
+    x, y, xt, yt = _diabetes()
+    seen = []
+    model = _hierarchical_regression(seen)
+    guide = AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"]))
+    with pytest.warns(UserWarning, match="'tau', 'sigma'.*held them fixed"):
+        init_guide_iblm(guide, (x, y))
+    median = dist.HalfNormal(1.0).icdf(torch.tensor(0.5))
+    # every model run of the call, the guide's set-up included, saw the prior's medians
+    assert len(seen) > 5
+    assert all(v == pytest.approx((median.item(), median.item()), abs=1e-6) for v in seen)
+    with torch.no_grad():
+        mean = pyro.poutine.condition(model, data={**guide.median(), "tau": median,
+                                                   "sigma": median})(xt)
+    assert (mean - yt).pow(2).mean().sqrt() < 0.8
+
+
+def test_conditioned_likelihood_is_refused_up_front():
+    x, y, _, _ = _diabetes()
+    assert len(x) > 256  # (more rows than the first pass: it used to fail deep in torch)
+    model = _hierarchical_regression()
+    conditioned = pyro.condition(model, data={"obs": y})
+    guide = AutoNormal(conditioned)
+    guide(x)
+    before = _state(guide)
+    with pytest.raises(ValueError, match=r"pyro\.condition.*init_guide_iblm\(AutoNormal\(model\)"):
+        init_guide_iblm(guide, (x,))
+    _assert_state(guide, before)
+    # what the message says to do works, and the guide serves the conditioned model
+    pyro.clear_param_store()
+    guide = AutoNormal(model)
+    with pytest.warns(UserWarning, match=r"initial values: \['tau'\]"):  # (not a layer's)
+        init_guide_iblm(guide, (x, y))
+    svi = SVI(conditioned, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    assert math.isfinite(svi.step(x))
+
+
+def test_targets_as_a_third_argument_say_what_to_pass():
+    x, y, _, _ = blobs()
+    guide = AutoNormal(functional_tanh(1))
+    for args in [(x, y), (x,)]:
+        with pytest.raises(TypeError, match=r"one tuple, init_guide_iblm\(guide, \(x, y\)\)"):
+            init_guide_iblm(guide, *args)
+    with pytest.raises(TypeError, match="one tuple"):
+        IBLMGuideInitializer()(guide, x)
+    assert guide.prototype_trace is None
+
+
+class _ResBlock(PyroModule):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = _conv(c, c), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = _conv(c, c), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+def _conv(c_in, c_out):
+    conv = PyroModule[nn.Conv2d](c_in, c_out, 3, padding=1, bias=False)
+    conv.weight = PyroSample(dist.Normal(0.0, math.sqrt(2.0 / (9 * c_in)))
+                             .expand([c_out, c_in, 3, 3]).to_event(4))
+    return conv
+
+
+class _ResNet(PyroModule):
+    # A ResNet-style CNN as users write it: PyroSample kernels, BatchNorm2d, two residual
+    # blocks, global average pooling, a Bayesian linear head; returns the logits.
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem, self.bn = _conv(1, c), nn.BatchNorm2d(c)
+        self.blocks = PyroModule[nn.Sequential](_ResBlock(c), _ResBlock(c))
+        self.fc = PyroModule[nn.Linear](c, 10)
+        self.fc.weight = PyroSample(dist.Normal(0.0, 1 / math.sqrt(c)).expand([10, c]).to_event(2))
+        self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([10]).to_event(1))
+
+    def forward(self, x, y=None):
+        h = self.blocks(F.relu(self.bn(self.stem(x))))
+        logits = self.fc(h.mean((2, 3)))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+def _predictive_error(model, guide, x, y):
+    from pyro.infer import Predictive
+
+    with torch.no_grad():
+        logits = Predictive(model, guide=guide, num_samples=8, return_sites=["_RETURN"])(x)
+    return (logits["_RETURN"].softmax(-1).mean(0).argmax(-1) != y).float().mean().item()
+
+
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoKTiedNormal, AutoMeanFieldNormal])
+def test_batchnorm_resnet_predicts_in_eval_mode_as_in_train_mode(guide_class):
+    x, y, xt, yt = load_digits(image=True)
+    x, y = x[:600], y[:600]
+    pyro.set_rng_seed(0)
+    model = _ResNet()
+    guide = guide_class(model)
+    init_guide_iblm(guide, (x, y))
+    # predictions with guide draws, as users make them: eval mode normalizes with the
+    # running statistics, train mode with each draw's own batch statistics
+    model.eval()
+    eval_error = _predictive_error(model, guide, xt, yt)
+    model.train()
+    train_error = _predictive_error(model, guide, xt, yt)
+    assert train_error < 0.6  # (chance: 0.9)
+    assert abs(eval_error - train_error) <= 0.02, (eval_error, train_error)

@@ -404,21 +404,24 @@ def test_repeating_view_and_custom_op_fall_back():
 
 
 @pytest.mark.parametrize("handler", [local_reparam, flipout])
-def test_shared_weight_falls_back(handler):
+def test_shared_weight_is_refused(handler):
     # One sample used by two layer calls (tied weights): independent noise at each use
-    # would lose the correlation between them, so the second use is reported.
+    # would lose the correlation between them, so the second use is refused, strict or
+    # not (issue 23 item 6), before the second layer runs.
     x = torch.randn(5, 4)
+    calls = []
 
     def tied():
         w = pyro.sample("w", _normal(torch.zeros(4, 4), torch.ones(4, 4)))
-        return F.linear(F.linear(x, w), w)
+        h = F.linear(x, w)
+        calls.append(1)
+        return F.linear(h, w)
 
-    with pytest.raises(ValueError, match="'w'.*shared or tied"):
-        with handler(strict=True):
-            tied()
-    with pytest.warns(UserWarning, match="'w'.*shared or tied"):
-        with handler():
-            tied()
+    for strict in (True, False):
+        with pytest.raises(ValueError, match="'w' is used a second time.*shared or tied"):
+            with handler(strict=strict):
+                tied()
+    assert len(calls) == 2  # each run reached the second use
 
     # An op the handler does not treat, before the layer call: both use the ordinary sample.
     def custom_then_layer():
@@ -440,7 +443,7 @@ def test_shared_weight_falls_back(handler):
             matmul_then_layer()
 
 
-def test_shared_bias_falls_back():
+def test_shared_bias_is_refused():
     # LRT gives a sampled bias per-example noise too, so a shared bias is a shared sample.
     x = torch.randn(5, 4)
     w_dist = _normal(torch.zeros(4, 4), torch.ones(4, 4))

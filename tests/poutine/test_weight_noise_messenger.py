@@ -118,23 +118,29 @@ def test_no_report_after_an_error(handler):
 
 
 @pytest.mark.parametrize("handler", HANDLERS)
-def test_vectorized_particles_refused_before_the_model_runs(handler):
+def test_vectorized_particles_get_per_example_noise(handler):
+    # Issue 23 item 2: vectorized particles run under the handlers, each particle with its
+    # own per-example noise: two identical rows differ, within and across particles,
+    # where ordinary sampling (vectorized_layers) gives them one output per particle.
+    from pyro_vinit import vectorized_layers
+
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    x[1] = x[0]
     model = BayesianClassifier(bayesianize(mlp((4, 8, 3))))
     guide = AutoNormal(model)
     guide(x, y)
-    calls = []
-    model.net.register_forward_pre_hook(lambda *args: calls.append(1))
     elbo = Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1)
-    with pytest.raises(ValueError, match="vectorize_particles=False"):
-        with handler():
-            elbo.differentiable_loss(model, guide, x, y)
-    assert calls == []
-    # one particle after another works
-    elbo = Trace_ELBO(num_particles=3, max_plate_nesting=1)
-    with handler(strict=True):
-        assert torch.isfinite(elbo.differentiable_loss(model, guide, x, y))
-    assert len(calls) == 3
+    logits = {}
+    for h in (handler, vectorized_layers):
+        with h():
+            assert torch.isfinite(elbo.differentiable_loss(model, guide, x, y))
+            trace, _ = elbo._get_vectorized_trace(model, guide, (x, y), {})
+        logits[h] = trace.nodes["_RETURN"]["value"]
+        assert logits[h].shape == (3, 8, 3)
+    assert torch.equal(logits[vectorized_layers][:, 0], logits[vectorized_layers][:, 1])
+    out = logits[handler]
+    assert not torch.isclose(out[:, 0], out[:, 1]).any()
+    assert not torch.isclose(out[0], out[1]).any()
 
 
 @pytest.mark.parametrize("elbo", [Trace_ELBO, TraceMeanField_ELBO])
@@ -171,17 +177,9 @@ _HEAD = ("LocalReparamMessenger: 1 latent site(s) kept their ordinary sample, sh
          "whole minibatch:\n  'w': ")
 _WARN_END = "\nEach site is named once per handler. Pass strict=True to make this an error."
 _STRICT_END = "\n(strict=True: pass strict=False to only warn about them.)"
-_REUSED = ("this sample was already used by an earlier layer call or matrix product in this "
-           "run (a shared or tied weight); the uses are then not jointly exact. Give each "
-           "layer its own sample site, or run such models without the handler.")
 _NOT_DISTINCT = ("its value is transformed (by __getitem__) before the layer call into one "
                  "whose elements are not distinct drawn elements; pass the sample to the layer "
                  "as drawn, or transposed, reshaped or sliced.")
-
-
-def _tied(x):
-    w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
-    return F.linear(F.linear(x, w), w)
 
 
 def _gathered(x):
@@ -189,8 +187,8 @@ def _gathered(x):
     return F.linear(x, w[[0, 0, 1]])
 
 
-@pytest.mark.parametrize("model, reason", [(_tied, _REUSED), (_gathered, _NOT_DISTINCT)],
-                         ids=["tied weight", "repeated elements"])
+@pytest.mark.parametrize("model, reason", [(_gathered, _NOT_DISTINCT)],
+                         ids=["repeated elements"])
 def test_fallback_reports_in_full(model, reason):
     # The complete text users see, as a warning and under strict=True as an error.
     from pyro_vinit import LocalReparamMessenger
@@ -204,6 +202,56 @@ def test_fallback_reports_in_full(model, reason):
     with pytest.raises(ValueError) as error, LocalReparamMessenger(strict=True):
         model(x)
     assert str(error.value) == _HEAD + reason + _STRICT_END
+
+
+def _tied(x):
+    w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+    return F.linear(F.linear(x, w), w)
+
+
+def _linear_then_mv(x):
+    w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+    return F.linear(x, w) + torch.mv(w, x[0])
+
+
+def _reused_message(handler_name, op):
+    return (
+        f"{handler_name}: the sample of site 'w' is used a second time (by {op}) in one run, "
+        "after an earlier layer call gave it per-example noise (a shared or tied weight, "
+        "e.g. a siamese net): per-example noise drawn at each use is not jointly exact, "
+        "and the ordinary sample at this use alone would bias the objective. Leave the "
+        "site out of the handler (e.g. weight_noise(config=lambda msg: None if msg['name'] "
+        "== 'w' else AutoWeightNoise())): every use then keeps the ordinary sample, which "
+        "is exact; or give each use its own sample site"
+    )
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("model, op", [(_tied, "linear"), (_linear_then_mv, "mv")],
+                         ids=["tied weight", "then mv"])
+@pytest.mark.parametrize("handler_name", ["LocalReparamMessenger", "FlipoutMessenger"])
+def test_second_use_of_a_noised_draw_is_refused(handler_name, model, op, strict):
+    # Issue 23 item 6: raised at the second use (strict or not), the site named, and the
+    # way out (the site left out of the config) works and is exact: the ordinary draw at
+    # both uses.
+    import pyro_vinit
+    from pyro_vinit.poutine import AutoWeightNoise, weight_noise
+
+    cls = getattr(pyro_vinit, handler_name)
+    x = torch.randn(5, 4)
+    with pytest.raises(ValueError) as error, cls(strict=strict):
+        model(x)
+    assert str(error.value) == _reused_message(handler_name, op)
+    config = lambda msg: None if msg["name"] == "w" else AutoWeightNoise()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace = poutine.trace(weight_noise(model, config=config, strict=True)).get_trace(x)
+    w = trace.nodes["w"]["value"]
+    assert torch.equal(trace.nodes["_RETURN"]["value"], _plain(model, x, w))
+
+
+def _plain(model, x, w):
+    return poutine.condition(model, {"w": w.detach().clone()})(x)
 
 
 def test_strict_must_be_a_bool():

@@ -3,11 +3,10 @@
 from typing import Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch.distributions import Distribution
 
 from pyro_vinit.distributions import is_sign_symmetric
-from pyro_vinit.poutine._layer_ops import LayerCall
+from pyro_vinit.poutine._layer_ops import LayerCall, run_layer
 from pyro_vinit.poutine._site_value import SiteValue, unwrap
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.poutine.noise.strategy import WeightNoise, spatial_dims, view_of
@@ -66,10 +65,9 @@ class Flipout(WeightNoise):
         sample = weight.concrete
         mean = view_of(weight, fn.mean)
         x, bias = unwrap(call.input), unwrap(call.bias)
-        op = getattr(F, call.op)
-        out: torch.Tensor = op(x, mean, bias, **call.kwargs)
+        out = run_layer(call.op, x, mean, bias, call.kwargs)
         nsp = spatial_dims(call)
         s = rademacher(x.shape[: x.dim() - nsp] + (1,) * nsp, x)
         r = rademacher(out.shape[: out.dim() - nsp] + (1,) * nsp, out)
-        noise: torch.Tensor = op(x * s, sample - mean, None, **call.kwargs)
+        noise = run_layer(call.op, x * s, sample - mean, None, call.kwargs)
         return out + noise * r

@@ -9,7 +9,7 @@ from torch.distributions import Distribution, Normal
 
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.distributions import factorized_normal, low_rank_scale
-from pyro_vinit.poutine._layer_ops import LayerCall
+from pyro_vinit.poutine._layer_ops import LayerCall, is_batched, run_layer
 from pyro_vinit.poutine._site_value import SiteValue, unwrap
 from pyro_vinit.poutine._tensor_ops import is_transpose
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
@@ -97,8 +97,7 @@ class LocalReparam(WeightNoise):
         bias = unwrap(bias)
         x = unwrap(call.input)
 
-        op = getattr(F, call.op)
-        mean = op(x, weight_loc, bias, **call.kwargs)
+        mean = run_layer(call.op, x, weight_loc, bias, call.kwargs)
         var = self._variance(call, weight, x * x, normal)
         if bias_var is not None:
             # A positive bias variance keeps sqrt away from 0, where its gradient is infinite.
@@ -113,10 +112,10 @@ class LocalReparam(WeightNoise):
     ) -> torch.Tensor:
         # f(x^2, sigma^2), through the low-rank factors where chosen.
         factors = self._low_rank_factors(call, weight, normal)
-        op = getattr(F, call.op)
         if factors is None:
-            var: torch.Tensor = op(x2, view_of(weight, normal.scale).pow(2), None, **call.kwargs)
-            return var
+            scale2 = view_of(weight, normal.scale).pow(2)
+            return run_layer(call.op, x2, scale2, None, call.kwargs)
+        op = getattr(F, call.op)
         # Row-major (r, m) and (r, n) factors: the thin products and their gradients then
         # run as (B, n) x (n, r)^T and (r, B) x (B, m) products, which BLAS does several
         # times faster than the column-major layouts autograd would otherwise pick.
@@ -131,8 +130,9 @@ class LocalReparam(WeightNoise):
     def _low_rank_factors(
         self, call: LayerCall, weight: SiteValue, normal: Normal
     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        if self.low_rank is False or call.kwargs.get("groups", 1) != 1:
-            return None
+        if (self.low_rank is False or call.kwargs.get("groups", 1) != 1
+                or is_batched(call.op, call.weight, None)):
+            return None  # (batched: the dense path, one batched layer)
         transposed = is_transpose(weight.view_ops, weight.uses.shape)
         if weight.view_ops and not transposed:
             return None  # the whole matrix, as drawn or transposed

@@ -1,0 +1,39 @@
+"""
+Layers with a sample dim: :class:`~pyro.infer.Predictive` with
+``parallel=True`` on models built from ``nn.Linear`` / ``nn.Conv*d``.
+"""
+
+from pyro_vinit.poutine.layer_call_messenger import LayerCallMessenger
+
+__all__ = ["VectorizedLayersMessenger"]
+
+
+class VectorizedLayersMessenger(LayerCallMessenger):
+    r"""
+    Effect handler that runs each ``F.linear`` / ``F.conv1d/2d/3d`` call
+    (so ``nn.Linear`` and ``nn.Conv*d`` too) whose weight or bias is a
+    sample site with leading batch dims as one batched layer, so that
+    :class:`~pyro.infer.Predictive` with ``parallel=True`` and an ELBO with
+    ``vectorize_particles=True`` run such models.
+
+    Usage::
+
+        predictive = Predictive(model, guide=guide, num_samples=100, parallel=True)
+        with VectorizedLayersMessenger():
+            samples = predictive(x)
+
+    The batch dims of the weight :math:`W` (shape ``batch + (out, in)``)
+    broadcast with those of the input :math:`x` (its dims left of the
+    features), as a plate's dims do, and each element of the batch is the
+    layer with its own weight:
+
+    .. math::
+
+        y_{b,o} = \sum_i x_{b,i} W_{b,o,i} + c_{b,o}.
+
+    A linear layer is one ``einsum``, a convolution one grouped convolution
+    over the weight's batch; layers whose weights have no batch dims run
+    unchanged. The weight-noise handlers
+    (:class:`~pyro_vinit.poutine.WeightNoiseMessenger` and its short forms)
+    do the same for every layer call, so they need no extra handler.
+    """
