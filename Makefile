@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck mutate demo docs bench reproduce clean
+.PHONY: install test lint typecheck mutate demo docs bench reproduce clean gpu-check gpu-wheels
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,24 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_memory
 	$(BIN)/python -m benchmarks.bench_time_to_quality --numpyro-python $(NUMPYRO_VENV)/bin/python
 
+# The GPU check (benchmarks/gpu_check.py, docs/performance.rst): the device-aware tests on
+# CUDA, step times, I-BLM's time and the captured step's float32 agreement, under 8 minutes on
+# one H100. It runs with the machine's own Python and CUDA torch (no .venv, no internet): the
+# pure-Python wheels it needs besides (Pyro, bayesian-torch, ...) are taken from GPU_WHEELS,
+# which `make gpu-wheels` fills on a machine with internet, into a folder of their own.
+GPU_PYTHON ?= python3
+GPU_WHEELS ?= gpu-wheels
+GPU_DEPS ?= .gpu-deps
+
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --no-deps -d $(GPU_WHEELS) pyro-ppl==$$($(BIN)/python -c \
+		"import pyro; print(pyro.__version__)") pyro-api==0.1.2 opt-einsum==3.4.0 \
+		bayesian-torch==0.5.0 pytest tqdm iniconfig pluggy
+
+gpu-check:
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --target $(GPU_DEPS) $(GPU_WHEELS)/*.whl
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(GPU_DEPS) $(GPU_PYTHON) -m benchmarks.gpu_check --device cuda
+
 # The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
 # docs/_static/reproduce/. About 23 minutes of CPU time on one thread.
 reproduce: $(STAMP)
@@ -85,4 +103,4 @@ reproduce: $(STAMP)
 	$(BIN)/python -m benchmarks.reproduce.iblm
 
 clean:
-	rm -rf $(VENV) $(NUMPYRO_VENV) docs/_build build *.egg-info .mypy_cache
+	rm -rf $(VENV) $(NUMPYRO_VENV) $(GPU_DEPS) docs/_build build *.egg-info .mypy_cache

@@ -32,7 +32,14 @@ from pyro_vinit.poutine import (
     vectorized_layers,
     weight_noise,
 )
-from pyro_vinit.training import FitConfig, FitHistory, fit, fit_config, update_batch_norm
+from pyro_vinit.training import (
+    CapturedSVI,
+    FitConfig,
+    FitHistory,
+    fit,
+    fit_config,
+    update_batch_norm,
+)
 
 __version__ = "0.1.0"
 
@@ -40,6 +47,7 @@ __all__ = [
     "AutoKTiedNormal",
     "AutoMeanFieldNormal",
     "AutoRadialNormal",
+    "CapturedSVI",
     "FitConfig",
     "FitHistory",
     "FlipoutMessenger",

@@ -25,6 +25,12 @@ the installed Pyro.
   ``log_prob_sum`` leaving alone the sites that already have them.
 * :func:`is_vectorized_particles`: recognizes the plate in which an ELBO with
   ``vectorize_particles=True`` runs the model and guide (by its name).
+* :func:`active_messengers`: the effect handlers active now
+  (``pyro.poutine.runtime._PYRO_STACK``).
+* :func:`traceable_elbos`: Pyro's ``Trace_ELBO`` and ``TraceMeanField_ELBO``
+  with their scalar reads (``torch_item``, ``warn_if_nan``) kept as tensor
+  ops, so that ``make_fx`` can trace them; swaps the names those modules
+  imported.
 """
 
 import re
@@ -43,6 +49,7 @@ from pyro_vinit._typing import SampleSite
 
 __all__ = [
     "ScoreParts",
+    "active_messengers",
     "deep_setattr",
     "discrete_site_error",
     "handler_chain",
@@ -55,6 +62,7 @@ __all__ = [
     "scale_and_mask",
     "setup_prototype",
     "share_prototype",
+    "traceable_elbos",
     "unconstrained_param",
     "unwrap_init_messenger",
     "wrap_inner",
@@ -251,3 +259,57 @@ def pyro_sample_priors(
             "PyroSamples differently: update pyro_vinit/_pyro_compat.py"
         )
     return dict(samples)
+
+
+def active_messengers() -> List[Any]:
+    """The effect handlers active now, outermost first (a copy of Pyro's
+    ``pyro.poutine.runtime._PYRO_STACK``, which lists them innermost last)."""
+    from pyro.poutine import runtime
+
+    stack = getattr(runtime, "_PYRO_STACK", None)
+    if not isinstance(stack, list):
+        raise RuntimeError(
+            "expected pyro.poutine.runtime._PYRO_STACK to be a list; this Pyro version keeps "
+            "its handlers differently: update pyro_vinit/_pyro_compat.py"
+        )
+    return list(stack)
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _no_nan_check(value: Any, msg: str = "", *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextmanager
+def traceable_elbos() -> Iterator[None]:
+    """
+    Within this context, :class:`~pyro.infer.Trace_ELBO` and
+    :class:`~pyro.infer.TraceMeanField_ELBO` read no scalar out of a tensor:
+    ``torch_item(x)`` gives ``x.detach()`` (the same value, as a tensor) and
+    ``warn_if_nan`` checks nothing, so that their ``differentiable_loss`` can be
+    traced by ``torch.fx.experimental.proxy_tensor.make_fx`` (the names those
+    modules imported from ``pyro.infer.util`` and ``pyro.util`` are swapped,
+    and restored on exit).
+    """
+    from pyro.infer import trace_elbo, trace_mean_field_elbo
+
+    swaps = [(module, name, value)
+             for module in (trace_elbo, trace_mean_field_elbo)
+             for name, value in (("torch_item", _detached), ("warn_if_nan", _no_nan_check))]
+    missing = [f"{m.__name__}.{n}" for m, n, _ in swaps if not hasattr(m, n)]
+    if missing:
+        raise RuntimeError(
+            f"expected {missing} in Pyro's ELBO modules; this Pyro version reads the loss "
+            "differently: update pyro_vinit/_pyro_compat.py"
+        )
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    try:
+        for module, name, value in swaps:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)

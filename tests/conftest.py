@@ -3,6 +3,23 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default="cpu",
+        help="torch device of the device-aware tests (those taking the `device` fixture), "
+             "e.g. cuda; `make gpu-check` runs them with --device cuda")
+
+
+@pytest.fixture
+def device(request):
+    """The torch device of ``--device``; the test is skipped where it is not available."""
+    name = request.config.getoption("--device")
+    found = torch.device(name)
+    if found.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"--device {name}: CUDA is not available here")
+    return found
+
+
 @pytest.fixture(autouse=True)
 def _pyro_defaults():
     """As in Pyro's own suite: seed, clear the param store, validate."""
@@ -15,3 +32,11 @@ def _pyro_defaults():
 
 def pytest_configure(config):
     torch.set_num_threads(2)
+    config.addinivalue_line(
+        "markers", "device: takes the `device` fixture (selected by `make gpu-check`: -m device)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)

@@ -31,6 +31,9 @@ SCRIPTS = {
     "bench_floor.py": ["pure PyTorch, our estimator", "minimal Pyro", "tiny 8-8-8-3, batch 2",
                        "64-400-400-10, batch 1000", "load average"],
     "bench_fit_recipe.py": ["digits_mlp", "λ=0.1 seed 0", " 0:", " 5:"],
+    "bench_captured.py": ["CapturedSVI ÷ bayesian-torch LinearReparameterization, batch 128",
+                          "CapturedSVI ÷ AutoKTiedNormal(2) + LRT, SVI", "Tracing step",
+                          "load average"],
 }
 
 
@@ -82,6 +85,21 @@ def test_script_quick(script, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for text in SCRIPTS[script]:
         assert text in result.stdout, (text, result.stdout[-3000:])
+
+
+def test_gpu_check_runs_on_the_cpu(tmp_path):
+    # every part of `make gpu-check` (tests, step times, I-BLM, agreement) on the CPU
+    result = _run(["-m", "benchmarks.gpu_check", "--device", "cpu", "--quick",
+                   "--out", str(tmp_path)], tmp_path)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    with open(tmp_path / "gpu_check.json") as f:
+        found = json.load(f)
+    assert found["tests"]["returncode"] == 0 and " passed" in found["tests"]["summary"]
+    assert found["agreement"]["agree"]
+    (row,) = found["steps"]
+    assert {"AutoKTiedNormal(2) + LRT, SVI (eager)",
+            "AutoKTiedNormal(2) + LRT, CapturedSVI (replayed)"} <= set(row["ms"])
+    assert "I-BLM initialization" in result.stdout
 
 
 def test_targets_without_bayesian_torch(tmp_path):

@@ -261,6 +261,40 @@ def test_pyro_sample_priors():
     assert pyro_sample_priors(torch.nn.Linear(2, 3)) == {}
 
 
+def test_active_messengers_lists_the_handlers_outermost_first():
+    from pyro_vinit._pyro_compat import active_messengers
+
+    assert active_messengers() == []
+    with pyro.poutine.scale(scale=2.0) as outer, pyro.poutine.mask(mask=True) as inner:
+        assert active_messengers() == [outer, inner]
+
+
+def test_traceable_elbos_keep_the_loss_a_tensor():
+    # Pyro's ELBOs read the loss with torch_item and warn_if_nan; under traceable_elbos
+    # the loss stays a tensor (what make_fx needs), with the same value, and both are
+    # restored on exit
+    from pyro.infer import trace_elbo, trace_mean_field_elbo
+
+    from pyro_vinit._pyro_compat import traceable_elbos
+
+    saved = trace_elbo.torch_item, trace_mean_field_elbo.warn_if_nan
+
+    def model():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+
+    guide = AutoNormal(model)
+    guide()  # its parameters, drawn once
+    for elbo in (Trace_ELBO(), TraceMeanField_ELBO()):
+        pyro.set_rng_seed(0)
+        expected = elbo.differentiable_loss(model, guide)
+        with traceable_elbos():
+            assert trace_elbo.torch_item(torch.tensor(3.0)).shape == ()
+            pyro.set_rng_seed(0)
+            loss = elbo.differentiable_loss(model, guide)
+        assert torch.is_tensor(loss) and loss.item() == expected.item()
+    assert (trace_elbo.torch_item, trace_mean_field_elbo.warn_if_nan) == saved
+
+
 def test_handler_chain_wrap_inner_and_model_swapped():
     from pyro.poutine.block_messenger import BlockMessenger
     from pyro.poutine.condition_messenger import ConditionMessenger

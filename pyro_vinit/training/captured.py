@@ -1,0 +1,377 @@
+"""
+:class:`CapturedSVI`: ``SVI`` whose loss and gradients are traced once per
+input signature into a graph of aten operations and replayed.
+"""
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Hashable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.infer import SVI
+from pyro.infer.elbo import ELBO
+from pyro.optim import PyroOptim
+from pyro.poutine.messenger import Messenger
+
+from pyro_vinit._pyro_compat import active_messengers, traceable_elbos
+
+__all__ = ["CapturedSVI"]
+
+# (name, is observed) of each sample site, in the order the step visits them, and
+# the names of the param sites (a guide's first call visits each twice, creating it)
+Structure = Tuple[Tuple[Tuple[str, bool], ...], FrozenSet[str]]
+
+
+class _SiteRecorder(Messenger):
+    """Records the sample and param sites one step visits (model and guide)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: List[Tuple[str, bool]] = []
+        self.params: Set[str] = set()
+
+    def _postprocess_message(self, msg: Any) -> None:
+        if msg["type"] == "sample":
+            self.samples.append((msg["name"], bool(msg.get("is_observed"))))
+        elif msg["type"] == "param":
+            self.params.add(msg["name"])
+
+    @property
+    def structure(self) -> Structure:
+        return tuple(self.samples), frozenset(self.params)
+
+
+@contextlib.contextmanager
+def _no_validation() -> Iterator[None]:
+    """Pyro's and PyTorch's validation off, also for distributions built while it
+    was on (e.g. a cached prior, whose ``_validate_args`` is its own)."""
+    base = torch.distributions.Distribution
+    check = base.__dict__["_validate_sample"]
+    base._validate_sample = lambda self, value: None  # type: ignore[method-assign]
+    try:
+        with pyro.validation_enabled(False):
+            yield
+    finally:
+        base._validate_sample = check  # type: ignore[method-assign]
+
+
+_aten = torch.ops.aten
+#: Operators whose first argument the graph may overwrite, where it dies there.
+_IN_PLACE = {
+    _aten.add.Tensor: _aten.add_.Tensor, _aten.mul.Tensor: _aten.mul_.Tensor,
+    _aten.sub.Tensor: _aten.sub_.Tensor, _aten.div.Tensor: _aten.div_.Tensor,
+    _aten.sqrt.default: _aten.sqrt_.default, _aten.exp.default: _aten.exp_.default,
+    _aten.log.default: _aten.log_.default, _aten.neg.default: _aten.neg_.default,
+    _aten.relu.default: _aten.relu_.default,
+    _aten.pow.Tensor_Scalar: _aten.pow_.Scalar,
+}
+#: Those of them whose two tensor arguments may be swapped (IEEE addition and
+#: multiplication are commutative, bit for bit).
+_COMMUTATIVE = {_aten.add.Tensor, _aten.mul.Tensor}
+
+
+def _schema(node: torch.fx.Node) -> Any:
+    target = node.target
+    return getattr(target, "_schema", None) if node.op == "call_function" else None
+
+
+def _reuse_dead_buffers(graph: torch.fx.GraphModule) -> int:
+    """
+    Rewrites the out-of-place elementwise operators of ``graph`` whose input
+    tensor is a fresh buffer that dies there (no later use, no view of it, not an
+    output) into their in-place forms, as autograd's engine accumulates
+    gradients in place where ``make_fx`` records ``add``: the same values,
+    fewer fresh buffers. Returns the number of operators rewritten.
+    """
+    order = {node: i for i, node in enumerate(graph.graph.nodes)}
+    outputs = {n for node in graph.graph.nodes if node.op == "output"
+               for n in node.all_input_nodes}
+
+    owned: Set[torch.fx.Node] = set()  # rewritten here: the buffer they overwrote, alone
+
+    def fresh(node: Any) -> bool:
+        if node in owned:
+            return True
+        schema = _schema(node) if isinstance(node, torch.fx.Node) else None
+        return (schema is not None and not schema.is_mutable
+                and all(r.alias_info is None for r in schema.returns))
+
+    def dies_at(buffer: torch.fx.Node, node: torch.fx.Node) -> bool:
+        if buffer in outputs or not fresh(buffer):
+            return False
+        for user in buffer.users:
+            if user is node:
+                continue
+            schema = _schema(user)
+            if order[user] > order[node] or schema is None or any(
+                    r.alias_info is not None for r in schema.returns):
+                return False  # used later, or viewed
+        mine, result = buffer.meta.get("val"), node.meta.get("val")
+        return (isinstance(mine, torch.Tensor) and isinstance(result, torch.Tensor)
+                and mine.shape == result.shape and mine.dtype == result.dtype
+                and mine.stride() == result.stride())
+
+    rewritten = 0
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target not in _IN_PLACE or node.kwargs:
+            continue
+        args = list(node.args)
+        if isinstance(args[0], torch.fx.Node) and dies_at(args[0], node):
+            pass
+        elif (node.target in _COMMUTATIVE and len(args) == 2
+              and isinstance(args[1], torch.fx.Node) and dies_at(args[1], node)):
+            args = [args[1], args[0]]
+        else:
+            continue
+        node.args = tuple(args)
+        node.target = _IN_PLACE[node.target]
+        owned.add(node)
+        rewritten += 1
+    graph.recompile()
+    return rewritten
+
+
+class _Capture:
+    """One traced step: the graph and the parameters it reads, in order."""
+
+    def __init__(self, graph: Callable[..., Any], params: List[torch.Tensor]) -> None:
+        self.graph = graph
+        self.params = params
+
+
+def _messenger_state(messenger: Any) -> Hashable:
+    # a handler's settings (e.g. a KL weight) are constants of the graph: part of the key
+    settings = tuple(sorted((k, v) for k, v in vars(messenger).items()
+                            if isinstance(v, (float, bool, str))))
+    return type(messenger), settings
+
+
+class CapturedSVI(SVI):
+    r"""
+    :class:`~pyro.infer.SVI` whose step is traced once and replayed: the
+    ELBO's loss and the gradients of the parameters, as ``loss.backward()``
+    computes them, become one graph of aten operations
+    (``torch.fx.experimental.proxy_tensor.make_fx``) per input signature
+    (the shapes, dtypes and devices of the tensor arguments, the other
+    arguments, and the effect handlers around the step with their float,
+    bool and str settings); the optimizer then runs as in ``SVI``.
+
+    Usage::
+
+        model = BayesianClassifier(bayesianize(mlp((64, 100, 10))), num_data=1000)
+        guide = AutoKTiedNormal(model, rank=2)
+        svi = CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), TraceMeanField_ELBO())
+        for _ in range(5):
+            with local_reparam():
+                loss = svi.step(x, y)
+
+    The first step of each signature runs eagerly (with Pyro's validation,
+    when on) and records the sites it visits; the second traces, checks
+    that it visits the same sites, and replays the graph. The random draws
+    are operations of the graph, drawn afresh at each replay from PyTorch's
+    generator: the same draws, loss and gradients as the eager step under
+    the same seed. Where the step cannot be captured (a model whose sites
+    change from step to step, a branch on a tensor's value, an ELBO other
+    than :class:`~pyro.infer.Trace_ELBO` or
+    :class:`~pyro.infer.TraceMeanField_ELBO`, more than ``max_signatures``
+    signatures), it warns once and runs every later step as ``SVI`` does.
+
+    Python code of the model runs only while tracing: a model that changes
+    its structure without a sign in its sites or its handlers' floats (e.g.
+    a Python random choice, a float attribute read as a constant) is
+    replayed with its traced structure. Tensors the step updates in place
+    (e.g. BatchNorm's running statistics, the buffers of ``model`` and
+    ``guide`` when they are ``nn.Module`` s) are restored after tracing, so
+    each step updates them once. The graph reads the parameter tensors the
+    traced step found: after replacing them (e.g. loading a param store's
+    state), make a new ``CapturedSVI``.
+
+    :param model: The Pyro model.
+    :param guide: Its guide.
+    :param ~pyro.optim.PyroOptim optim: A Pyro optimizer.
+    :param ~pyro.infer.ELBO loss: ``Trace_ELBO`` or ``TraceMeanField_ELBO``
+        (another ELBO falls back to ``SVI``'s step).
+    :param int max_signatures: Graphs kept; one more signature falls back.
+    """
+
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        guide: Callable[..., Any],
+        optim: PyroOptim,
+        loss: ELBO,
+        *,
+        max_signatures: int = 8,
+    ) -> None:
+        if not isinstance(loss, ELBO):
+            raise TypeError(
+                f"CapturedSVI: loss must be a Pyro ELBO (e.g. TraceMeanField_ELBO()), got "
+                f"{type(loss).__name__}"
+            )
+        if isinstance(max_signatures, bool) or not isinstance(max_signatures, int) \
+                or max_signatures < 1:
+            raise ValueError(f"CapturedSVI: max_signatures must be an int >= 1, got "
+                             f"{max_signatures!r}")
+        super().__init__(model, guide, optim, loss)  # type: ignore[no-untyped-call]
+        self.max_signatures = max_signatures
+        self._elbo = loss
+        self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
+        self._eager_sites: Dict[Hashable, Structure] = {}
+        self._eager_params: Dict[Hashable, List[torch.Tensor]] = {}
+        #: Why stepping fell back to ``SVI``'s eager step, or None.
+        self.fallback_reason: Optional[str] = None
+
+    @property
+    def num_traces(self) -> int:
+        """The number of graphs held (one per signature seen twice)."""
+        return len(self._captures)
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback_reason = reason
+        self._captures.clear()
+        warnings.warn(f"CapturedSVI: {reason}; every later step runs eagerly, as SVI.step",
+                      RuntimeWarning, stacklevel=3)
+
+    def _signature(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[Hashable]:
+        parts: List[Hashable] = []
+        for value in [*args, *(kwargs[k] for k in sorted(kwargs))]:
+            if isinstance(value, torch.Tensor):
+                parts.append(("tensor", tuple(value.shape), value.dtype, value.device,
+                              value.requires_grad))
+            else:
+                try:
+                    hash(value)
+                except TypeError:
+                    return None
+                parts.append(("value", type(value), value))
+        handlers = tuple(_messenger_state(m) for m in active_messengers())
+        return (tuple(parts), tuple(sorted(kwargs)), handlers)
+
+    def _eager_step(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> float:
+        return float(super().step(*args, **kwargs))  # type: ignore[no-untyped-call]
+
+    def step(self, *args: Any, **kwargs: Any) -> float:
+        """
+        Takes one SVI step: the loss and gradients (eager, traced or
+        replayed), then the optimizer.
+
+        :return: The loss estimate, as ``SVI.step`` returns it.
+        """
+        if self.fallback_reason is not None:
+            return self._eager_step(args, kwargs)
+        key = self._signature(args, kwargs)
+        if key is None:
+            self._fall_back("an argument that is neither a tensor nor hashable")
+            return self._eager_step(args, kwargs)
+        capture = self._captures.get(key)
+        if capture is None and key not in self._eager_sites:
+            recorder = _SiteRecorder()
+            with poutine.trace(param_only=True) as found, recorder:
+                loss = self._eager_step(args, kwargs)
+            self._eager_sites[key] = recorder.structure
+            params: Dict[int, torch.Tensor] = {}
+            for site in found.trace.nodes.values():
+                param = site["value"].unconstrained()  # type: ignore[union-attr]
+                params.setdefault(id(param), param)
+            self._eager_params[key] = list(params.values())
+            return float(loss)
+        if capture is None:
+            if len(self._captures) >= self.max_signatures:
+                self._fall_back(f"more than max_signatures={self.max_signatures} input "
+                                "signatures (shapes, handlers' settings)")
+                return self._eager_step(args, kwargs)
+            capture = self._trace(key, args, kwargs)
+            if capture is None:
+                return self._eager_step(args, kwargs)
+        self._captures.move_to_end(key)
+        tensors = [a for a in [*args, *(kwargs[k] for k in sorted(kwargs))]
+                   if isinstance(a, torch.Tensor)]
+        loss, grads = capture.graph(capture.params, tensors)
+        used = []
+        for param, grad in zip(capture.params, grads):
+            if grad is not None:
+                param.grad = grad
+                used.append(param)
+        self.optim(used)
+        for param in used:
+            param.grad = None
+        return float(loss)
+
+    def _trace(self, key: Hashable, args: Sequence[Any],
+               kwargs: Dict[str, Any]) -> Optional[_Capture]:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        names = sorted(kwargs)
+        positional = len(args)
+        recorder = _SiteRecorder()
+        differentiable_loss = getattr(self._elbo, "differentiable_loss", None)
+        if differentiable_loss is None:
+            self._fall_back(f"{type(self._elbo).__name__} has no differentiable_loss")
+            return None
+
+        def loss_and_grads(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> Any:
+            it = iter(tensors)
+            values = [next(it) if isinstance(a, torch.Tensor) else a
+                      for a in [*args, *(kwargs[k] for k in names)]]
+            call_args, call_kwargs = values[:positional], dict(zip(names, values[positional:]))
+            with recorder:
+                loss = differentiable_loss(self.model, self.guide, *call_args, **call_kwargs)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            return loss.detach(), list(grads)
+
+        params = self._eager_params[key]
+        tensors = [a for a in [*args, *(kwargs[k] for k in names)] if isinstance(a, torch.Tensor)]
+        buffers = self._buffers()
+        saved = [b.detach().clone() for b in buffers]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if any(
+            t.is_cuda for t in [*params, *tensors]) else None
+        try:
+            with _no_validation(), traceable_elbos():
+                graph = make_fx(loss_and_grads)(params, tensors)
+        except Exception as error:  # data-dependent Python, an ELBO that reads scalars, ...
+            self._restore(buffers, saved, cpu_rng, cuda_rng)
+            self._fall_back(f"the step could not be traced ({type(error).__name__}: "
+                            f"{str(error).splitlines()[0] if str(error) else ''})")
+            return None
+        self._restore(buffers, saved, cpu_rng, cuda_rng)
+        if recorder.structure != self._eager_sites[key]:
+            self._fall_back("the model's or guide's sites changed from one step to the next")
+            return None
+        _reuse_dead_buffers(graph)
+        capture = _Capture(graph, params)
+        self._captures[key] = capture
+        return capture
+
+    def _buffers(self) -> List[torch.Tensor]:
+        found: Dict[int, torch.Tensor] = {}
+        for owner in (self.model, self.guide):
+            if isinstance(owner, torch.nn.Module):
+                for buffer in owner.buffers():
+                    found.setdefault(id(buffer), buffer)
+        return list(found.values())
+
+    @staticmethod
+    def _restore(buffers: List[torch.Tensor], saved: List[torch.Tensor],
+                 cpu_rng: torch.Tensor, cuda_rng: Optional[List[torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

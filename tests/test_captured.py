@@ -1,0 +1,286 @@
+"""CapturedSVI against SVI's eager step: the same losses and gradients under the
+same seed (float64, 1e-10 relative), re-tracing, falling back, fresh draws."""
+
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule
+from pyro.optim import PyroOptim
+from torch import nn
+
+from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, CapturedSVI, local_reparam
+from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
+from pyro_vinit.poutine import KLAnnealingMessenger
+
+RTOL = 1e-10
+
+
+class GradRecorder(PyroOptim):
+    """Adam that keeps a copy of the gradients it was called with, by parameter order."""
+
+    def __init__(self, lr=1e-2):
+        super().__init__(torch.optim.Adam, {"lr": lr})
+        self.grads = []
+
+    def __call__(self, params, *args, **kwargs):
+        params = list(params)
+        found = {}
+        for p in params:
+            if p.grad is not None:
+                found[self._name(p)] = p.grad.detach().clone()
+        self.grads.append(found)
+        super().__call__(params, *args, **kwargs)
+
+    @staticmethod
+    def _name(p):
+        store = pyro.get_param_store()
+        return store.param_name(p)
+
+
+def _mlp(device):
+    x = torch.randn(32, 6, device=device)
+    y = torch.randint(0, 3, (32,), device=device)
+    model = BayesianClassifier(bayesianize(mlp((6, 16, 3))), num_data=320).to(device)
+    return model, (lambda m: AutoKTiedNormal(m, rank=2)), (x, y), local_reparam
+
+
+def _cnn(device):
+    x = torch.randn(8, 1, 6, 6, device=device)
+    y = torch.randint(0, 3, (8,), device=device)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    model = BayesianClassifier(bayesianize(net), num_data=80).to(device)
+    return model, (lambda m: AutoMeanFieldNormal(m)), (x, y), local_reparam
+
+
+def _batchnorm(device):
+    x = torch.randn(16, 5, device=device)
+    y = torch.randint(0, 3, (16,), device=device)
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    model = BayesianClassifier(bayesianize(net), num_data=160).to(device)
+    return model, (lambda m: AutoNormal(m)), (x, y), None
+
+
+def _learned_noise(device):
+    x = torch.randn(20, 4, device=device)
+    y = x.sum(-1) + 0.1 * torch.randn(20, device=device)
+    model = BayesianRegressor(bayesianize(mlp((4, 8, 1))), num_data=200,
+                              learn_noise=True).to(device)
+    return model, (lambda m: AutoMeanFieldNormal(m)), (x, y), None
+
+
+PROBLEMS = {"mlp": _mlp, "cnn": _cnn, "batchnorm": _batchnorm, "learned_noise": _learned_noise}
+
+
+def _run(cls, problem, device, steps=4, elbo=TraceMeanField_ELBO):
+    """Losses, gradients and final buffers of ``steps`` steps, from seed 0."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model, make_guide, data, handler = PROBLEMS[problem](device)
+    guide = make_guide(model)
+    optim = GradRecorder()
+    svi = cls(model, guide, optim, elbo())
+    losses = []
+    for _ in range(steps):
+        if handler is None:
+            losses.append(svi.step(*data))
+        else:
+            with handler():
+                losses.append(svi.step(*data))
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    return losses, optim.grads, buffers, svi
+
+
+def _close(a, b):
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-300)
+    return (a - b).abs().max().item() <= RTOL * scale
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_captured_step_equals_eager_step(problem, device):
+    with torch.device(device):
+        torch.set_default_dtype(torch.float64)
+        try:
+            eager = _run(SVI, problem, device)
+            captured = _run(CapturedSVI, problem, device)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    losses, grads, buffers, _ = eager
+    c_losses, c_grads, c_buffers, svi = captured
+    assert svi.num_traces == 1 and svi.fallback_reason is None
+    assert _close(losses, c_losses), (losses, c_losses)
+    assert len(set(losses)) == len(losses)  # a fresh draw (and parameter) every step
+    for step, (g, c) in enumerate(zip(grads, c_grads)):
+        assert g.keys() == c.keys(), step
+        for name in g:
+            assert _close(g[name], c[name]), (step, name)
+    assert buffers.keys() == c_buffers.keys()
+    for name in buffers:  # BatchNorm's running statistics: updated once per step
+        assert _close(buffers[name].double(), c_buffers[name].double()), name
+
+
+def test_replays_draw_afresh_and_follow_the_seed():
+    pyro.set_rng_seed(0)
+    model, make_guide, data, handler = _mlp("cpu")
+    svi = CapturedSVI(model, make_guide(model), PyroOptim(torch.optim.SGD, {"lr": 0.0}),
+                      TraceMeanField_ELBO())
+    for _ in range(2):
+        with handler():
+            svi.step(*data)
+    assert svi.num_traces == 1
+    with handler():
+        pyro.set_rng_seed(5)
+        first = [svi.step(*data) for _ in range(3)]
+        pyro.set_rng_seed(5)
+        again = svi.step(*data)
+    # lr 0: only the draws change the loss
+    assert len(set(first)) == 3
+    assert again == first[0]
+
+
+def test_new_signature_retraces():
+    torch.set_default_dtype(torch.float64)
+    try:
+        results = []
+        for cls in (SVI, CapturedSVI):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            model, make_guide, (x, y), handler = _mlp("cpu")
+            svi = cls(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO())
+            losses = []
+            with handler():
+                for rows in (32, 32, 32, 16, 16, 16, 32):
+                    losses.append(svi.step(x[:rows], y[:rows]))
+            results.append((losses, svi))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    (eager, _), (captured, svi) = results
+    assert svi.num_traces == 2 and svi.fallback_reason is None
+    assert _close(eager, captured)
+
+
+def test_kl_weight_change_retraces():
+    pyro.set_rng_seed(0)
+    model, make_guide, data, _ = _mlp("cpu")
+    svi = CapturedSVI(model, make_guide(model), PyroOptim(torch.optim.SGD, {"lr": 0.0}),
+                      TraceMeanField_ELBO())
+    losses = {}
+    for scale in (1.0, 1.0, 0.0, 0.0):
+        with KLAnnealingMessenger(scale), local_reparam():
+            pyro.set_rng_seed(1)
+            losses[scale] = svi.step(*data)
+    assert svi.num_traces == 2
+    # the KL term is weighted: weight 0 leaves the (positive) expected NLL alone
+    assert losses[0.0] < losses[1.0]
+    eager = SVI(model, svi.guide, PyroOptim(torch.optim.SGD, {"lr": 0.0}), TraceMeanField_ELBO())
+    with KLAnnealingMessenger(0.0), local_reparam():
+        pyro.set_rng_seed(1)
+        assert eager.step(*data) == pytest.approx(losses[0.0], rel=1e-6)
+
+
+class Switching(PyroModule):
+    """A model whose sample sites change from one call to the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        if self.calls % 2 == 0:
+            w = w + pyro.sample("extra", dist.Normal(0.0, 1.0))
+        pyro.sample("obs", dist.Normal(w, 1.0).expand(x.shape).to_event(1), obs=x)
+
+
+class ValueBranch(PyroModule):
+    """A model that branches on a sampled value."""
+
+    def forward(self, x):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        loc = w if w > 0 else -w
+        pyro.sample("obs", dist.Normal(loc, 1.0).expand(x.shape).to_event(1), obs=x)
+
+
+@pytest.mark.parametrize("model_cls, reason", [
+    (Switching, "sites changed"), (ValueBranch, "could not be traced")])
+def test_falls_back_with_one_warning(model_cls, reason):
+    x = torch.randn(10)
+    model = model_cls()
+    guide = AutoNormal(lambda x: model(x))  # the guide's own sites stay put
+    svi = CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [svi.step(x) for _ in range(5)]
+    mine = [w for w in caught if "CapturedSVI" in str(w.message)]
+    assert len(mine) == 1 and reason in str(mine[0].message)
+    assert svi.fallback_reason is not None and svi.num_traces == 0
+    assert all(isinstance(v, float) for v in losses)
+
+
+def test_too_many_signatures_fall_back():
+    model, make_guide, (x, y), handler = _mlp("cpu")
+    svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO(), max_signatures=1)
+    with handler(), pytest.warns(RuntimeWarning, match="max_signatures=1"):
+        for rows in (32, 32, 16, 16):
+            svi.step(x[:rows], y[:rows])
+    assert svi.num_traces == 0
+
+
+def test_validation_runs_on_the_first_step():
+    def model(x):
+        pyro.sample("obs", dist.Bernoulli(0.5).expand(x.shape).to_event(1), obs=x)
+
+    svi = CapturedSVI(model, lambda x: None, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+    with pytest.raises(ValueError, match="support"):
+        svi.step(torch.full((3,), 2.0))
+
+
+def test_bad_arguments():
+    model, make_guide, _, _ = _mlp("cpu")
+    guide = make_guide(model)
+    with pytest.raises(TypeError, match="must be a Pyro ELBO"):
+        CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), lambda m, g: 0.0)
+    with pytest.raises(ValueError, match="max_signatures"):
+        CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO(),
+                    max_signatures=0)
+
+
+def test_dead_buffers_are_reused_only_where_safe():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from pyro_vinit.training.captured import _reuse_dead_buffers
+
+    def dies(x):
+        a = x * 2.0
+        return (a + 1.0).sqrt()  # a dies at the add, its result at the sqrt
+
+    def viewed(x):
+        a = x * 2.0
+        v = a.t()  # a view of a, read after the add: a must not be overwritten
+        b = a + 1.0
+        return b + v.sum(0, keepdim=True)  # b dies here: this add may be in place
+
+    def used_later(x):
+        a = x * 2.0
+        b = a + 1.0  # a is read again below: this add must make a new buffer
+        return b * a
+
+    def returned(x):
+        a = x * 2.0
+        return a, a + 1.0  # a is an output
+
+    x = torch.rand(3, 3)
+    for fn, expected in ((dies, 2), (viewed, 1), (used_later, 1), (returned, 0)):
+        graph = make_fx(fn)(x)
+        assert _reuse_dead_buffers(graph) == expected, fn.__name__
+        for got, want in zip(torch.utils._pytree.tree_leaves(graph(x)),
+                             torch.utils._pytree.tree_leaves(fn(x))):
+            assert torch.equal(got, want), fn.__name__

@@ -1,0 +1,134 @@
+"""
+The library on the device of ``--device`` (default cpu; ``make gpu-check`` runs
+these with ``--device cuda``): distributions, guides, handlers, I-BLM, metrics
+and fit compute on that device, in float64, what they compute on the CPU (the
+deterministic parts to 1e-8 relative; the random ones to a finite loss with every
+gradient on the device).
+"""
+
+import pyro
+import pytest
+import torch
+from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
+from torch import nn
+
+from pyro_vinit import (
+    AutoKTiedNormal,
+    AutoMeanFieldNormal,
+    AutoRadialNormal,
+    fit,
+    flipout,
+    init_guide_iblm,
+    local_reparam,
+)
+from pyro_vinit.distributions import KTiedNormal
+from pyro_vinit.metrics import brier_score, error_rate, mnll
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+
+RTOL = 1e-8
+
+
+def _close(a, b):
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return torch.allclose(a, b, rtol=RTOL, atol=RTOL * b.abs().max().item())
+
+
+def _data(device, n=64, d=5, k=3):
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(n) % k
+    x = 3 * torch.randn(k, d, generator=g, dtype=torch.float64)[y] + torch.randn(
+        n, d, generator=g, dtype=torch.float64)
+    return x.to(device), y.to(device)
+
+
+def _model(device, num_data=64):
+    torch.manual_seed(0)
+    net = bayesianize(mlp((5, 16, 3))).double()
+    return BayesianClassifier(net, num_data=num_data).to(device)
+
+
+def test_k_tied_normal_on_device(device):
+    g = torch.Generator().manual_seed(0)
+    loc = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    u = torch.rand(4, 2, generator=g, dtype=torch.float64) + 0.1
+    v = torch.rand(6, 2, generator=g, dtype=torch.float64) + 0.1
+    value = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    on_cpu = KTiedNormal(loc, u, v, tied_dims=2).to_event(2)
+    on_device = KTiedNormal(loc.to(device), u.to(device), v.to(device), tied_dims=2).to_event(2)
+    assert on_device.rsample().device.type == device.type
+    assert _close(on_device.log_prob(value.to(device)), on_cpu.log_prob(value))
+    prior = pyro.distributions.Normal(torch.zeros(4, 6, dtype=torch.float64), 1.0).to_event(2)
+    prior_device = pyro.distributions.Normal(
+        torch.zeros(4, 6, dtype=torch.float64, device=device), 1.0).to_event(2)
+    assert _close(torch.distributions.kl_divergence(on_device, prior_device),
+                  torch.distributions.kl_divergence(on_cpu, prior))
+
+
+@pytest.mark.parametrize("guide_cls", [AutoKTiedNormal, AutoRadialNormal, AutoMeanFieldNormal])
+@pytest.mark.parametrize("handler", [None, local_reparam, flipout])
+def test_guides_and_handlers_on_device(guide_cls, handler, device):
+    if handler is not None and guide_cls is AutoRadialNormal:
+        pytest.skip("the weight-noise handlers need a Normal at the site")
+    x, y = _data(device)
+    model = _model(device)
+    guide = guide_cls(model)
+    elbo = TraceMeanField_ELBO() if guide_cls is not AutoRadialNormal else Trace_ELBO()
+    context = handler() if handler is not None else pyro.poutine.messenger.Messenger()
+    with context:
+        loss = elbo.differentiable_loss(model, guide, x, y)
+    loss.backward()
+    params = [p for p in guide.parameters()] + list(model.parameters())
+    assert loss.device.type == device.type and torch.isfinite(loss)
+    assert params and all(p.device.type == device.type for p in params)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for p in guide.parameters())
+
+
+def test_iblm_on_device(device):
+    x, y = _data(device)
+    results = []
+    for where in (torch.device("cpu"), device):
+        pyro.clear_param_store()
+        model = _model(where)
+        guide = AutoKTiedNormal(model)
+        init_guide_iblm(guide, (x.to(where), y.to(where)), batch_size=64)
+        results.append({k: v.detach() for k, v in guide.named_parameters()})
+    on_cpu, on_device = results
+    assert on_cpu.keys() == on_device.keys()
+    for name in on_cpu:
+        assert on_device[name].device.type == device.type
+        # I-BLM's regressions are deterministic: the same initialization on both
+        assert _close(on_device[name], on_cpu[name]), name
+
+
+def test_metrics_on_device(device):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 24, 10, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (24,), generator=g)
+    for metric in (error_rate, mnll, brier_score):
+        value = metric(y.to(device), logits=logits.to(device))
+        assert value.device.type == device.type
+        assert _close(value, metric(y, logits=logits)), metric.__name__
+
+
+def test_fit_on_device(device):
+    x, y = _data(device)
+    model = _model(device)
+    guide = AutoKTiedNormal(model)
+    history = fit(model, guide, (x, y), steps=4, batch_size=32, progress=False)
+    assert len(history.loss) == 4 and all(torch.isfinite(torch.tensor(history.loss)))
+    assert all(p.device.type == device.type for p in guide.parameters())
+
+
+def test_batchnorm_model_on_device(device):
+    # a deterministic layer beside the Bayesian ones: its parameters and buffers move too
+    x, y = _data(device)
+    torch.manual_seed(0)
+    net = bayesianize(nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(),
+                                    nn.Linear(8, 3))).double()
+    model = BayesianClassifier(net, num_data=64).to(device)
+    guide = AutoMeanFieldNormal(model)
+    with local_reparam():
+        loss = TraceMeanField_ELBO().differentiable_loss(model, guide, x, y)
+    assert torch.isfinite(loss)
+    assert net[1].running_mean.device.type == device.type
