@@ -239,8 +239,11 @@ def _warn_minibatches(
     y: Optional[torch.Tensor],
 ) -> None:
     """Warns once per model when it is conditioned on batches of different sizes
-    without ``num_data``: a sign of minibatches whose likelihood is not scaled."""
-    if y is None or model.num_data is not None or model._warned_num_data:
+    without ``num_data``: a sign of minibatches whose likelihood is not scaled.
+    Only runs that compute gradients (training steps) count: initializers and
+    predictions run the model on chunks of any size without them."""
+    if (y is None or model.num_data is not None or model._warned_num_data
+            or not torch.is_grad_enabled()):
         return
     rows, seen = x.shape[0], model._observed_rows
     if seen is None:
