@@ -100,8 +100,9 @@ def main(args):
         summary = {name: {k: statistics.median(r[name][k] for r in runs) for k in runs[0][name]}
                    for name in runs[0]}
         results["problems"][problem] = {"runs": runs, "median": summary}
-        trained = summary.pop("trained net")
-        table = [[name] + [f"{summary[name][c]:.3f}" for c in columns] for name in summary]
+        trained = summary["trained net"]
+        table = [[name] + [f"{summary[name][c]:.3f}" for c in columns]
+                 for name in summary if name != "trained net"]
         lines += [f"\n{problem}: trained net error {trained['error']:.3f}, "
                   f"MNLL {trained['mnll']:.3f} (median of {args.seeds} seeds; "
                   f"fit: {args.steps} steps)\n",
