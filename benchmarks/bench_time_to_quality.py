@@ -17,9 +17,10 @@ Methods:
   ``init_guide_iblm(batch_size=512, max_scale_ratio=0.1)`` (on the clock),
   then ``TraceMeanField_ELBO`` under ``KLAnnealingMessenger(0.1)`` and
   ``local_reparam()``, Adam 1e-3;
-* ``ours (trained net)``: the same guide and training, its means taken from a
-  deterministically pre-trained network and every standard deviation 0.1× the
-  smallest prior standard deviation (the pre-training on the clock);
+* ``ours (trained net)``: the same guide and training, started by
+  ``init_guide_pretrained`` from a deterministically pre-trained network (its
+  weights as the means, I-BLM's per-layer regressions for the standard
+  deviations; the pre-training on the clock);
 * ``Pyro AutoNormal``: Pyro's ``AutoNormal`` with its default init on the same
   model, ``Trace_ELBO``, Adam 1e-3;
 * the peers of ``_peers.py``: bayesian-torch from random init and from its
@@ -57,12 +58,12 @@ import time
 import pyro
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal, init_to_value
+from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_vinit
 from benchmarks import _peers
-from pyro_vinit import AutoKTiedNormal, init_guide_iblm
+from pyro_vinit import AutoKTiedNormal, init_guide_iblm, init_guide_pretrained
 from pyro_vinit.data import load_digits, load_mnist
 from pyro_vinit.metrics import error_rate, mnll
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
@@ -152,9 +153,10 @@ class _PyroRunner:
     def __init__(self, make_net, x, y, batch_size):
         self.make_net, self.x, self.y, self.batch_size = make_net, x, y, batch_size
 
-    def _model(self, net):
+    def _model(self, net, keep_weights=False):
         pyro.clear_param_store()
-        return BayesianClassifier(bayesianize(net), num_data=len(self.x))
+        return BayesianClassifier(bayesianize(net, keep_weights=keep_weights),
+                                  num_data=len(self.x))
 
     def _batch(self):
         batch = torch.randint(len(self.x), (self.batch_size,))
@@ -195,17 +197,10 @@ class Ours(_PyroRunner):
         net = self.make_net()
         if self.start == "trained":
             _peers.pretrain(net, self.x, self.y, self.pretrain_epochs, self.batch_size)
-            values = {f"net.{name}": p.detach().clone() for name, p in net.named_parameters()}
-        self.model = self._model(net)
+        self.model = self._model(net, keep_weights=self.start == "trained")
+        self.guide = AutoKTiedNormal(self.model, rank=2)
         if self.start == "trained":
-            prior_scale = min(float(m.prior_scale) for m in self.model.modules()
-                              if hasattr(m, "prior_scale"))
-            self.guide = AutoKTiedNormal(self.model, rank=2,
-                                         init_loc_fn=init_to_value(values=values),
-                                         init_scale=0.1 * prior_scale)
-            self.guide(self.x[:2], self.y[:2])  # its parameters, from those values
-        else:
-            self.guide = AutoKTiedNormal(self.model, rank=2)
+            init_guide_pretrained(self.guide, (self.x, self.y))
         self.optim = pyro.optim.Adam({"lr": 1e-3})
         if self.use_fit:
             # one call with the chosen init, then chunks of steps sharing one optimizer

@@ -21,7 +21,12 @@ from pyro_vinit.guides import (
     posterior_as_prior,
     set_priors,
 )
-from pyro_vinit.initialization import IBLMGuideInitializer, init_guide, init_guide_iblm
+from pyro_vinit.initialization import (
+    IBLMGuideInitializer,
+    init_guide,
+    init_guide_iblm,
+    init_guide_pretrained,
+)
 from pyro_vinit.poutine import (
     FlipoutMessenger,
     LocalReparamMessenger,
@@ -63,6 +68,7 @@ __all__ = [
     "guides",
     "init_guide",
     "init_guide_iblm",
+    "init_guide_pretrained",
     "initialization",
     "local_reparam",
     "metrics",

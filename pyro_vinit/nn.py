@@ -14,6 +14,8 @@ from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, PyroSample
 from torch import nn
 
+from pyro_vinit.initialization.pretrained import TRAINED_PREFIX
+
 __all__ = ["BayesianClassifier", "BayesianRegressor", "bayesianize", "mlp"]
 
 _LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -28,31 +30,41 @@ def _fan_in(module: _Layer) -> int:
 
 class _NormalPrior:
     """
-    The prior N(0, scale²) of one parameter, built at each access from the
-    layer's ``prior_scale`` buffer so that it follows the module through
-    ``.to()``, ``.double()`` and ``.cuda()``. A class rather than a lambda so
-    that converted modules pickle.
+    The prior N(loc, scale²) of one parameter, built at each access from the
+    layer's ``prior_scale`` buffer (and, for a prior centred at the trained
+    weights, the buffer ``loc``) so that it follows the module through
+    ``.to()``, ``.double()`` and ``.cuda()``; ``loc`` None is a zero mean. A
+    class rather than a lambda so that converted modules pickle.
     """
 
-    def __init__(self, shape: torch.Size) -> None:
+    def __init__(self, shape: torch.Size, loc: Optional[str] = None) -> None:
         self.shape = torch.Size(shape)
-        self._cached: Optional[Tuple[torch.Tensor, int, dist.Independent]] = None
+        self.loc = loc
+        self._cached: Optional[Tuple[Tuple[Any, ...], dist.Independent]] = None
 
     def __call__(self, module: nn.Module) -> dist.Independent:
         scale = cast(torch.Tensor, module.prior_scale)  # the buffer bayesianize registered
-        # The prior is rebuilt only when the buffer is replaced (.to(), .double(), a new
+        loc = None if self.loc is None else cast(torch.Tensor, getattr(module, self.loc))
+        # The prior is rebuilt only when a buffer is replaced (.to(), .double(), a new
         # tensor) or changed in place (its version counter moves): not at every step.
+        key = (scale, scale._version) + (() if loc is None else (loc, loc._version))
         cached = self._cached
-        if cached is not None and cached[0] is scale and cached[1] == scale._version:
-            return cached[2]
+        if cached is not None and len(cached[0]) == len(key) and all(
+            a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(cached[0], key)
+        ):
+            return cached[1]
+        mean = torch.zeros_like(scale) if loc is None else loc
         prior: dist.Independent = (
-            dist.Normal(torch.zeros_like(scale), scale).expand(self.shape).to_event(len(self.shape))
+            dist.Normal(mean, scale).expand(self.shape).to_event(len(self.shape))
         )
-        self._cached = (scale, scale._version, prior)
+        self._cached = (key, prior)
         return prior
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"shape": self.shape, "_cached": None}
+        return {"shape": self.shape, "loc": self.loc, "_cached": None}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update({"loc": None}, **state)
 
 
 def _check_exclude(
@@ -95,6 +107,8 @@ def bayesianize(
     *,
     prior_scale: Optional[float] = None,
     exclude: Iterable[Union[str, Type[nn.Module]]] = (),
+    keep_weights: bool = False,
+    prior_loc: str = "zero",
 ) -> PyroModule:
     r"""
     Turns every ``nn.Linear`` and ``nn.Conv1d/2d/3d`` of ``module`` (at any
@@ -107,7 +121,9 @@ def bayesianize(
         model = BayesianClassifier(net)
         guide = AutoKTiedNormal(model)
 
-    The default prior is the one of [1],
+    A trained network's weights are dropped unless ``keep_weights=True``
+    (see :func:`~pyro_vinit.init_guide_pretrained`). The default prior is the
+    one of [1],
 
     .. math::
 
@@ -140,6 +156,12 @@ def bayesianize(
         container's name excludes all layers inside it) or by type (e.g.
         ``nn.Conv2d``).
     :type exclude: str, type, list or tuple
+    :param bool keep_weights: Keep each converted layer's current (trained)
+        weight and bias in the buffers ``trained_weight`` and ``trained_bias``,
+        which :func:`~pyro_vinit.init_guide_pretrained` starts the guide from.
+        By default they are dropped.
+    :param str prior_loc: The prior mean: ``"zero"``, or ``"weights"`` (the
+        kept weights, with ``keep_weights=True``).
     :return: The converted module, now a :class:`~pyro.nn.PyroModule`.
 
     [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
@@ -155,6 +177,17 @@ def bayesianize(
     ):
         raise ValueError(
             f"bayesianize: prior_scale must be a positive finite number, got {prior_scale!r}"
+        )
+    if not isinstance(keep_weights, bool):
+        raise TypeError(
+            f"bayesianize: keep_weights must be a bool, got {type(keep_weights).__name__}"
+        )
+    if prior_loc not in ("zero", "weights"):
+        raise ValueError(f"bayesianize: prior_loc must be 'zero' or 'weights', got {prior_loc!r}")
+    if prior_loc == "weights" and not keep_weights:
+        raise ValueError(
+            "bayesianize: prior_loc='weights' centres the priors at the trained weights, "
+            "which only keep_weights=True keeps; pass keep_weights=True"
         )
     excluded_names, excluded_types = _check_exclude(module, exclude)
 
@@ -216,10 +249,17 @@ def bayesianize(
             torch.tensor(scale, dtype=weight.dtype, device=weight.device),
             persistent=False,
         )
+        locs: Dict[str, Optional[str]] = {"weight": None, "bias": None}
+        for name, param in (("weight", weight), ("bias", bias)):
+            if keep_weights and param is not None:
+                # the trained values, read by init_guide_pretrained (and the prior's mean)
+                sub.register_buffer(TRAINED_PREFIX + name, param.detach().clone())
+                if prior_loc == "weights":
+                    locs[name] = TRAINED_PREFIX + name
         # PyroModule's __setattr__ makes a PyroSample attribute a sample site.
-        sub.weight = PyroSample(_NormalPrior(weight.shape))  # type: ignore[assignment]
+        sub.weight = PyroSample(_NormalPrior(weight.shape, locs["weight"]))  # type: ignore[assignment]
         if bias is not None:
-            sub.bias = PyroSample(_NormalPrior(bias.shape))  # type: ignore[assignment]
+            sub.bias = PyroSample(_NormalPrior(bias.shape, locs["bias"]))  # type: ignore[assignment]
     pyro.nn.module.to_pyro_module_(module)
     return cast(PyroModule, module)  # to_pyro_module_ changed its class in place
 

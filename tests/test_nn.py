@@ -417,3 +417,64 @@ def test_learned_noise_is_a_positive_param():
     assert fixed.noise_scale == 0.5
     with pytest.raises(TypeError, match="learn_noise"):
         BayesianRegressor(bayesianize(mlp((4, 1))), learn_noise=1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- a trained network's weights
+
+
+def test_weights_are_dropped_by_default():
+    net = mlp((3, 4, 2))
+    converted = bayesianize(copy.deepcopy(net))
+    assert not [name for name, _ in converted.named_buffers() if "trained" in name]
+    loc, _ = _prior_loc_scale(_sites(converted, torch.randn(2, 3))["0.weight"])
+    assert not loc.any()
+
+
+def test_keep_weights_records_them_with_a_zero_prior_mean():
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2, bias=False))
+    trained = {k: v.detach().clone() for k, v in net.named_parameters()}
+    converted = bayesianize(net, keep_weights=True)
+    kept = dict(converted.named_buffers())
+    assert sorted(k for k in kept if "trained" in k) == [
+        "0.trained_bias", "0.trained_weight", "2.trained_weight"]
+    for name, value in trained.items():
+        layer, param = name.split(".")
+        assert torch.equal(kept[f"{layer}.trained_{param}"], value)
+    # saved with the model (the prior's mean, with prior_loc="weights")
+    assert "0.trained_weight" in converted.state_dict()
+    for site in _sites(converted, torch.randn(2, 3)).values():
+        loc, _ = _prior_loc_scale(site)
+        assert not loc.any()
+
+
+def test_prior_centred_at_the_weights_follows_the_buffers():
+    net = mlp((3, 4, 2))
+    trained = {k: v.detach().clone() for k, v in net.named_parameters()}
+    converted = bayesianize(net, keep_weights=True, prior_loc="weights")
+    x = torch.randn(2, 3)
+    sites = _sites(converted, x)
+    for name, value in trained.items():
+        loc, scale = _prior_loc_scale(sites[name])
+        assert torch.equal(loc, value)
+        assert_close(scale, torch.full_like(scale, (3 if name.startswith("0") else 4) ** -0.5))
+    assert _sites(converted, x)["0.weight"]["fn"] is sites["0.weight"]["fn"]  # cached
+    converted[0].trained_weight.add_(1.0)  # in place: the prior must follow
+    loc, _ = _prior_loc_scale(_sites(converted, x)["0.weight"])
+    assert torch.equal(loc, trained["0.weight"] + 1.0)
+    converted.double()
+    for clone in (converted, copy.deepcopy(converted), pickle.loads(pickle.dumps(converted))):
+        loc, _ = _prior_loc_scale(_sites(clone, x.double())["0.weight"])
+        assert loc.dtype == torch.float64
+        assert_close(loc, (trained["0.weight"] + 1.0).double())
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(prior_loc="weights"), ValueError, "which only keep_weights=True keeps"),
+    (dict(keep_weights=True, prior_loc="trained"), ValueError, "'zero' or 'weights'"),
+    (dict(keep_weights=1), TypeError, "keep_weights must be a bool"),
+])
+def test_bad_keep_weights_options(kwargs, error, match):
+    net = mlp((3, 2))
+    with pytest.raises(error, match=match):
+        bayesianize(net, **kwargs)
+    assert type(net) is nn.Sequential and isinstance(net[0].weight, nn.Parameter)  # unchanged

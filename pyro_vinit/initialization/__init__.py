@@ -8,5 +8,6 @@ Bayes for Deep Models"
 
 from pyro_vinit.initialization.baselines import init_guide
 from pyro_vinit.initialization.iblm import IBLMGuideInitializer, init_guide_iblm
+from pyro_vinit.initialization.pretrained import init_guide_pretrained
 
-__all__ = ["IBLMGuideInitializer", "init_guide", "init_guide_iblm"]
+__all__ = ["IBLMGuideInitializer", "init_guide", "init_guide_iblm", "init_guide_pretrained"]

@@ -1,0 +1,304 @@
+import copy
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import Predictive
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from torch import nn
+
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_pretrained
+from pyro_vinit.data import load_digits
+from pyro_vinit.guides.site_params import get_loc_and_scale
+from pyro_vinit.initialization.iblm import extract_patches
+from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
+from tests.common import assert_close
+
+GUIDES = [AutoNormal, AutoDiagonalNormal, AutoKTiedNormal, AutoRadialNormal]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()
+
+
+def _train(net, x, y, steps=300, seed=0):
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    for _ in range(steps):
+        batch = torch.randint(len(x), (128,))
+        opt.zero_grad()
+        F.cross_entropy(net(x[batch]), y[batch]).backward()
+        opt.step()
+    return net
+
+
+@pytest.fixture(scope="module")
+def trained_mlp(digits):
+    x, y, _, _ = digits
+    torch.manual_seed(0)
+    return _train(mlp((64, 32, 10)), x, y)
+
+
+@pytest.fixture(scope="module")
+def trained_cnn(digits):
+    x, y, _, _ = digits
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 8, 3, stride=2, groups=2),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(8 * 2 * 2, 10))
+    return _train(net, x.reshape(-1, 1, 8, 8), y)
+
+
+def _snapshot(guide):
+    store = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    return {k: v.detach().clone() for k, v in guide.state_dict().items()}, store
+
+
+def _assert_unchanged(guide, before):
+    state, store = before
+    after = guide.state_dict()
+    assert after.keys() == state.keys()
+    for k in state:
+        assert torch.equal(after[k], state[k]), k
+    assert set(pyro.get_param_store().keys()) == set(store)
+    for k, v in pyro.get_param_store().items():
+        assert torch.equal(v.detach(), store[k]), k
+
+
+def _median_logits(model, guide, x, y):
+    with torch.no_grad():
+        median = guide.median(x[:2], y[:2])
+        return pyro.poutine.condition(model, data=median)(x)
+
+
+# ---------------------------------------------------------------- the trained predictions
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+@pytest.mark.parametrize("scale", ["iblm", "moped"])
+def test_median_is_the_trained_network(digits, trained_mlp, guide_class, scale):
+    x, y, x_test, y_test = digits
+    net = copy.deepcopy(trained_mlp)
+    with torch.no_grad():
+        expected = net(x_test)
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    guide = guide_class(model)
+    assert init_guide_pretrained(guide, (x, y), scale=scale) is guide
+    logits = _median_logits(model, guide, x_test, y_test)
+    assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    # the predictive of posterior draws: within a small margin of the trained net
+    with torch.no_grad():
+        draws = Predictive(model, guide=guide, num_samples=32,
+                           return_sites=["_RETURN"])(x_test)["_RETURN"]
+    probs = draws.softmax(-1).mean(0)
+    error = (probs.argmax(-1) != y_test).double().mean()
+    trained_error = (expected.argmax(-1) != y_test).double().mean()
+    assert error <= trained_error + 0.02
+    nll = -probs[torch.arange(len(y_test)), y_test].log().mean()
+    assert nll <= F.cross_entropy(expected, y_test) + 0.05
+
+
+def test_conv_median_is_the_trained_network(digits, trained_cnn):
+    x, y, x_test, y_test = digits
+    x, x_test = x.reshape(-1, 1, 8, 8), x_test.reshape(-1, 1, 8, 8)
+    net = copy.deepcopy(trained_cnn)
+    with torch.no_grad():
+        expected = net(x_test)
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    guide = AutoKTiedNormal(model, rank=2)
+    init_guide_pretrained(guide, (x, y))
+    logits = _median_logits(model, guide, x_test, y_test)
+    assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the standard deviations
+
+
+def test_iblm_scales_closed_form(digits, trained_cnn):
+    x, y, _, _ = digits
+    x = x.reshape(-1, 1, 8, 8)[:300]
+    net = copy.deepcopy(trained_cnn)
+    with torch.no_grad():
+        hidden = F.relu(net[0](x))  # the second conv's input in the trained network
+    w, b = net[2].weight.detach(), net[2].bias.detach()
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (x, y[:300]), noise_ratio=0.5)
+    # By hand: unit j (group j // 4) regresses from its group's 3x3 patches (stride 2)
+    patches = extract_patches(hidden, (3, 3), stride=2)  # (N, P, 4 * 9)
+    expected_w, expected_b = torch.empty_like(w), torch.empty_like(b)
+    prior_var = 1.0 / (2 * 9)  # N(0, 1 / fan-in)
+    for j in range(8):
+        g = j // 4
+        rows = patches[..., g * 18:(g + 1) * 18].reshape(-1, 18)
+        z = rows @ w[j].reshape(-1)
+        noise_var = 0.25 * z.var(unbiased=False)
+        expected_w[j] = (1 / prior_var + rows.square().sum(0) / noise_var).reciprocal().sqrt() \
+            .reshape(w[j].shape)
+        expected_b[j] = (1 / prior_var + len(rows) / noise_var) ** -0.5
+    loc, scale = get_loc_and_scale(guide, "net.2.weight")
+    assert torch.equal(loc, w)
+    assert_close(scale, expected_w, rtol=1e-4, atol=1e-7)
+    loc, scale = get_loc_and_scale(guide, "net.2.bias")
+    assert torch.equal(loc, b)
+    assert_close(scale, expected_b, rtol=1e-4, atol=1e-7)
+
+
+def test_iblm_scales_of_a_constant_unit_are_the_prior(digits):
+    x, y, _, _ = digits
+    net = mlp((64, 3, 10))
+    with torch.no_grad():
+        net[0].weight[1] = 0.0  # unit 1's output is its bias on every row
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (x, y))
+    _, scale = get_loc_and_scale(guide, "net.0.weight")
+    assert_close(scale[1], torch.full((64,), 64**-0.5))
+    assert (scale[0] < 64**-0.5).any()
+
+
+def test_moped_scales_and_cap(digits, trained_mlp):
+    x, y, _, _ = digits
+    net = copy.deepcopy(trained_mlp)
+    w = net[2].weight.detach().clone()
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (x, y), scale="moped", delta=0.5)
+    assert_close(get_loc_and_scale(guide, "net.2.weight")[1], 0.5 * w.abs())
+    init_guide_pretrained(guide, (x, y), scale="moped", delta=0.5, max_scale_ratio=0.1)
+    cap = 0.1 * 32**-0.5
+    assert_close(get_loc_and_scale(guide, "net.2.weight")[1], (0.5 * w.abs()).clamp_max(cap))
+
+
+def test_weights_given_by_name(digits, trained_mlp):
+    x, y, x_test, y_test = digits
+    net = copy.deepcopy(trained_mlp)
+    with torch.no_grad():
+        expected = net(x_test)
+    weights = {f"net.{k}": v.detach().clone() for k, v in net.named_parameters()}
+    model = BayesianClassifier(bayesianize(net), num_data=len(x))  # the weights are not kept
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (x, y), weights=weights)
+    assert_close(_median_logits(model, guide, x_test, y_test), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_regression_with_prior_at_the_weights(digits):
+    x = torch.randn(200, 3)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(200)
+    net = mlp((3, 8, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(200):
+        opt.zero_grad()
+        F.mse_loss(net(x).squeeze(-1), y).backward()
+        opt.step()
+    with torch.no_grad():
+        expected = net(x).squeeze(-1)
+    model = BayesianRegressor(bayesianize(net, keep_weights=True, prior_loc="weights"), 0.1)
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (x, y))
+    assert_close(_median_logits(model, guide, x, y), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_weights_not_kept_leaves_guide_and_store_unchanged(digits, trained_mlp):
+    x, y, _, _ = digits
+    model = BayesianClassifier(bayesianize(copy.deepcopy(trained_mlp)), num_data=len(x))
+    guide = AutoNormal(model)
+    guide(x[:2], y[:2])
+    before = _snapshot(guide)
+    with pytest.raises(ValueError, match="keep_weights=True"):
+        init_guide_pretrained(guide, (x, y))
+    _assert_unchanged(guide, before)
+
+
+def test_fresh_guide_stays_unset_on_failure(digits, trained_mlp):
+    x, y, _, _ = digits
+    model = BayesianClassifier(bayesianize(copy.deepcopy(trained_mlp)), num_data=len(x))
+    guide = AutoNormal(model)
+    with pytest.raises(ValueError, match="keep_weights=True"):
+        init_guide_pretrained(guide, (x, y))
+    assert guide.prototype_trace is None
+    assert not list(pyro.get_param_store().keys())
+
+
+def test_untrained_network_is_refused(digits):
+    x, y, _, _ = digits
+    net = mlp((64, 8, 10))
+    for p in net.parameters():
+        nn.init.zeros_(p)
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    guide = AutoNormal(model)
+    guide(x[:2], y[:2])
+    before = _snapshot(guide)
+    with pytest.raises(ValueError, match="was the network trained"):
+        init_guide_pretrained(guide, (x, y))
+    _assert_unchanged(guide, before)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda w: w.update({"net.0.weight": torch.zeros(3, 3)}), "has shape"),
+    (lambda w: w.update({"net.5.weight": torch.zeros(3, 3)}), "not weight or bias sites"),
+    (lambda w: w.pop("net.2.bias"), r"no trained values for the layer sites \['net.2.bias'\]"),
+    (lambda w: w["net.0.bias"].fill_(float("nan")), "not finite"),
+])
+def test_bad_weights(digits, trained_mlp, change, match):
+    x, y, _, _ = digits
+    net = copy.deepcopy(trained_mlp)
+    weights = {f"net.{k}": v.detach().clone() for k, v in net.named_parameters()}
+    change(weights)
+    model = BayesianClassifier(bayesianize(net), num_data=len(x))
+    guide = AutoNormal(model)
+    guide(x[:2], y[:2])
+    before = _snapshot(guide)
+    with pytest.raises(ValueError, match=match):
+        init_guide_pretrained(guide, (x, y), weights=weights)
+    _assert_unchanged(guide, before)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(scale="map"), ValueError, "scale must be one of"),
+    (dict(noise_ratio=0.0), ValueError, "noise_ratio must be a positive"),
+    (dict(delta=float("nan")), ValueError, "delta must be a positive"),
+    (dict(max_scale_ratio=-1.0), ValueError, "max_scale_ratio must be a positive"),
+    (dict(strict=1), TypeError, "strict must be a bool"),
+    (dict(weights=[1.0]), TypeError, "weights must be a dict"),
+    (dict(max_pool_size=0), ValueError, "max_pool_size"),
+])
+def test_bad_options(digits, trained_mlp, kwargs, error, match):
+    x, y, _, _ = digits
+    net = bayesianize(copy.deepcopy(trained_mlp), keep_weights=True)
+    model = BayesianClassifier(net, num_data=len(x))
+    guide = AutoNormal(model)
+    with pytest.raises(error, match=match):
+        init_guide_pretrained(guide, (x, y), **kwargs)
+    assert guide.prototype_trace is None
+
+
+def test_other_latent_sites_warn_or_raise(digits, trained_mlp):
+    x, y, _, _ = digits
+    net = bayesianize(copy.deepcopy(trained_mlp), keep_weights=True)
+
+    def model(x, y=None):
+        temperature = pyro.sample("temperature", dist.LogNormal(0.0, 1.0))
+        logits = net(x) / temperature
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    # a function model: its sites are named after the net's own paths, and the
+    # trained values are given by name
+    weights = {k.replace("trained_", ""): v for k, v in net.named_buffers()
+               if "trained_" in k}
+    assert sorted(weights) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    guide = AutoNormal(model)
+    guide(x[:2], y[:2])
+    before = _snapshot(guide)
+    with pytest.raises(ValueError, match=r"keep the guide's own initial values: \['temperature"):
+        init_guide_pretrained(guide, (x, y), strict=True, weights=weights)
+    _assert_unchanged(guide, before)
+    with pytest.warns(UserWarning, match=r"initial values: \['temperature'\]"):
+        init_guide_pretrained(guide, (x, y), weights=weights)
