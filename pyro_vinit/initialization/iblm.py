@@ -326,7 +326,7 @@ class IBLMGuideInitializer:
         max_pool_size: int = 10_000,
         chunk_rows: int = 4096,
         max_chunk_elements: int = 2**22,
-    input_rank: Optional[int] = 128,
+        input_rank: Optional[int] = 128,
     ) -> None:
         self.options = IBLMOptions(
             batch_size=batch_size, output_rows=output_rows, alpha=alpha,
