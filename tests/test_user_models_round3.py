@@ -277,9 +277,6 @@ def one_rank_group():
         tdist.destroy_process_group()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 23 item 9: DDP built before the guide has been called gives torch's 'DDP is "
-    "not needed when a module doesn't have any parameter'"))
 def test_ddp_before_the_guide_has_run(one_rank_group):
     from torch.nn.parallel import DistributedDataParallel
 

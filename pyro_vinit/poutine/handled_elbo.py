@@ -72,6 +72,15 @@ class HandledELBO(torch.nn.Module):
                 "HandledELBO: weight_noise must be a function returning a handler (e.g. "
                 f"local_reparam, not local_reparam()), got {type(weight_noise).__name__}"
             )
+        guide = getattr(elbo_module, "guide", None)
+        if (getattr(guide, "prototype_trace", True) is None
+                and next(iter(elbo_module.parameters()), None) is None):
+            raise ValueError(
+                "HandledELBO: the guide has not been set up yet, so the ELBO module has no "
+                "parameters (DistributedDataParallel and optimizers would get none): run "
+                "guide(x, y) once on a batch, or init_guide_iblm(guide, (x, y)), before "
+                "building the module"
+            )
         super().__init__()
         self.elbo = elbo_module
         self.annealing = annealing
