@@ -42,22 +42,28 @@ from pyro.infer.autoguide import AutoNormal
 from tqdm import tqdm
 
 from benchmarks.harness import make_parser, parse_args, result_stem, write_json
-from pyro_vinit import init_guide
+from pyro_vinit import init_guide, update_batch_norm
 from pyro_vinit.initialization.baselines import METHODS
 from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.schedules import LinearWarmup
 from pyro_vinit.testing.user_models import USER_MODELS
 
 
-def metric(um, model, guide, x, y) -> float:
+def metric(um, model, guide, x, y, mode="eval") -> float:
+    """The median network's test error (or RMSE) with the model in ``mode``; a
+    train-mode pass leaves BatchNorm's running statistics as they were."""
     with torch.no_grad():
-        train_mode = getattr(model, "training", None)
-        if train_mode is not None:
-            model.eval()
+        was_training = getattr(model, "training", None)
+        buffers = ({k: b.clone() for k, b in model.named_buffers()}
+                   if isinstance(model, torch.nn.Module) else {})
+        if was_training is not None:
+            model.train(mode == "train")
         predict = (lambda: um.predict(model, x)) if um.predict else (lambda: model(x))
         out = poutine.condition(predict, data=guide.median())()
-        if train_mode:
-            model.train()
+        if was_training is not None:
+            model.train(was_training)
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
     if um.task == "classification":
         return (out.argmax(-1) != y).float().mean().item()
     return (out - y).pow(2).mean().sqrt().item()
@@ -81,7 +87,13 @@ def run(um, method, seed, steps, eval_every, batch_size, args, map_seconds=2.0):
         init_guide(guide, (x, y), method=method, **options)
         seconds = time.process_time() - start
         wall = time.perf_counter() - wall
-    curve = [(0, metric(um, model, guide, xt, yt))]
+    def point(step):  # eval mode (how users predict) beside train mode
+        if step:  # BatchNorm's running statistics for the trained posterior, as fit does
+            update_batch_norm(model, guide, (x, y))
+        return (step, metric(um, model, guide, xt, yt),
+                metric(um, model, guide, xt, yt, mode="train"))
+
+    curve = [point(0)]
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
     if args.full_elbo:
         annealing = KLAnnealingMessenger(LinearWarmup(max(1, steps // 2)))
@@ -93,7 +105,7 @@ def run(um, method, seed, steps, eval_every, batch_size, args, map_seconds=2.0):
             svi.step(x[idx], y[idx])
         annealing.step()
         if step % eval_every == 0:
-            curve.append((step, metric(um, model, guide, xt, yt)))
+            curve.append(point(step))
     return curve, seconds, wall
 
 
@@ -110,7 +122,7 @@ def main(args):
                                        args.eval_every, args.batch_size, args,
                                        map_seconds=iblm_wall.get((name, seed), 2.0))
         except ValueError as e:  # a baseline that cannot handle the model
-            curve, seconds, wall = [(0, math.nan)], math.nan, math.nan
+            curve, seconds, wall = [(0, math.nan, math.nan)], math.nan, math.nan
             tqdm.write(f"{name} {method}: {e}")
         results.setdefault(name, {}).setdefault(method, []).append(curve)
         cpu.setdefault(name, {}).setdefault(method, []).append(seconds)
@@ -125,7 +137,11 @@ def main(args):
             means[method] = (start, end)
         baselines = {m: v for m, v in means.items() if m != "iblm" and math.isfinite(v[1])}
         best = min(baselines, key=lambda m: baselines[m][1]) if baselines else None
+        curves = results[name]["iblm"]
+        train_mode = (sum(c[0][2] for c in curves) / len(curves),
+                      sum(c[-1][2] for c in curves) / len(curves))
         rows.append({"model": name, "task": USER_MODELS[name].task, "methods": means,
+                     "iblm_train_mode": train_mode,
                      "best_baseline": best,
                      "cpu_seconds": {m: sum(v) / len(v) for m, v in cpu[name].items()}})
     what = {"classification": "test error", "regression": "test RMSE"}
@@ -133,16 +149,19 @@ def main(args):
                 f"recipe (KL weight {args.kl_weight}, I-BLM stds capped at {args.scale_cap}"
                 " x prior)")
     print(f"\nAutoNormal, {args.steps} SVI steps, {protocol}, mean of {args.seeds} seeds\n")
-    print("| model | metric | I-BLM at init | I-BLM after | best baseline | at init | after | "
-          "I-BLM CPU s | baseline CPU s |")
-    print("|---|---|---:|---:|---|---:|---:|---:|---:|")
+    print("Eval mode, as users predict; I-BLM's train-mode figures (BatchNorm with batch "
+          "statistics) beside them.\n")
+    print("| model | metric | I-BLM at init | I-BLM after | (train mode: at init, after) | "
+          "best baseline | at init | after | I-BLM CPU s | baseline CPU s |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         i0, i1 = r["methods"]["iblm"]
         b = r["best_baseline"]
         b0, b1 = r["methods"][b] if b else (math.nan, math.nan)
         c = r["cpu_seconds"]
-        print(f"| {r['model']} | {what[r['task']]} | {i0:.3f} | {i1:.3f} | {b} | {b0:.3f} | "
-              f"{b1:.3f} | {c['iblm']:.2f} | {c.get(b, math.nan):.2f} |")
+        t0, t1 = r["iblm_train_mode"]
+        print(f"| {r['model']} | {what[r['task']]} | {i0:.3f} | {i1:.3f} | {t0:.3f}, {t1:.3f} | "
+              f"{b} | {b0:.3f} | {b1:.3f} | {c['iblm']:.2f} | {c.get(b, math.nan):.2f} |")
     if args.quick:
         return
     tag = "_full_elbo" if args.full_elbo else ""
