@@ -284,3 +284,25 @@ def test_dead_buffers_are_reused_only_where_safe():
         for got, want in zip(torch.utils._pytree.tree_leaves(graph(x)),
                              torch.utils._pytree.tree_leaves(fn(x))):
             assert torch.equal(got, want), fn.__name__
+
+
+def test_any_handler_setting_change_retraces():
+    # an int scale (not only float settings) is a constant of the graph: scale=3 after
+    # scale=2 re-traces and gives the eager loss, not the stale graph's
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+
+    x, y = torch.randn(50, 3), torch.randn(50)
+    losses = {}
+    for cls in (SVI, CapturedSVI):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(model)
+        svi = cls(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+        losses[cls] = []
+        for scale in (2, 2, 2, 3):
+            with pyro.poutine.scale(scale=scale):
+                losses[cls].append(svi.step(x, y))
+    assert losses[CapturedSVI] == pytest.approx(losses[SVI], rel=1e-5)

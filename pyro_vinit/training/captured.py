@@ -154,11 +154,30 @@ class _Capture:
         self.params = params
 
 
+def _setting_key(value: Any, depth: int = 0) -> Hashable:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):  # the same tensor, not changed in place
+        return ("tensor", id(value), value._version)
+    if depth == 0 and hasattr(value, "__dict__") and not isinstance(value, type):
+        # a strategy object (e.g. LocalReparam(low_rank=...)): its type and public settings
+        return (type(value), tuple(sorted(
+            (k, _setting_key(v, depth + 1)) for k, v in vars(value).items()
+            if not k.startswith("_"))))
+    return ("object", id(value))  # a dict of values, a schedule: the same object
+
+
 def _messenger_state(messenger: Any) -> Hashable:
-    # a handler's settings (e.g. a KL weight) are constants of the graph: part of the key
-    settings = tuple(sorted((k, v) for k, v in vars(messenger).items()
-                            if isinstance(v, (float, bool, str))))
-    return type(messenger), settings
+    # A handler's settings (a KL weight, a scale, a strategy) are constants of the graph:
+    # part of the key, so that a changed setting re-traces. Its public attributes are
+    # settings; of its private ones only the plain numbers and strings are (a KL weight
+    # held as _scale), not its counters and per-run containers.
+    settings = []
+    for k, v in vars(messenger).items():
+        if k.startswith("_") and not isinstance(v, (float, str)):
+            continue
+        settings.append((k, _setting_key(v)))
+    return type(messenger), tuple(sorted(settings, key=lambda kv: kv[0]))
 
 
 class CapturedSVI(SVI):

@@ -36,7 +36,7 @@ def test_iblm_call_passes_the_shard_and_group(example, monkeypatch, rank, world_
     monkeypatch.setattr(example, "init_guide_iblm", fake_iblm)
     x, y = torch.arange(10.0)[:, None], torch.arange(10)
     example.initialize(None, x, y, rank=rank, world_size=world_size,
-                       args=SimpleNamespace(iblm_batch_size=4))
+                       args=SimpleNamespace(iblm_batch_size=4, max_scale_ratio=0.1))
     (data, group), = calls
     assert torch.equal(data[0], x[rank::world_size]) and torch.equal(data[1], y[rank::world_size])
     assert group is (dist.group.WORLD if world_size > 1 else None)
