@@ -547,6 +547,9 @@ def test_update_batch_norm_bad_input_changes_nothing():
         update_batch_norm(model, guide, (x, y), batch_size=0)
     with pytest.raises(TypeError, match="has no median"):
         update_batch_norm(model, lambda *a: None, (x, y))
+    for data in (x, (x,), [(x, y), x]):  # not (x, y) batches: said before anything changes
+        with pytest.raises(TypeError, match=r"an \(x, y\) pair of tensors or an iterable"):
+            update_batch_norm(model, guide, data)
     with pytest.raises(RuntimeError):  # a batch the model cannot take: statistics restored
         update_batch_norm(model, guide, (x[:, :3], y))
     for k, b in model.named_buffers():

@@ -3,7 +3,7 @@
 BatchNorm layers, recomputed for the guide's current posterior.
 """
 
-from typing import Any, Callable, Iterable, List, Optional, Tuple, Union, cast
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import pyro.poutine as poutine
 import torch
@@ -14,15 +14,24 @@ __all__ = ["update_batch_norm"]
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
-def _batches(data: Union[Batch, Iterable[Batch]], batch_size: int) -> Iterable[Batch]:
-    if (isinstance(data, (tuple, list)) and len(data) == 2
-            and all(isinstance(t, torch.Tensor) for t in data)):
+def _is_pair(data: Any) -> bool:
+    return (isinstance(data, (tuple, list)) and len(data) == 2
+            and all(isinstance(t, torch.Tensor) for t in data))
+
+
+def _batches(data: Union[Batch, Iterable[Batch]], batch_size: int) -> Iterator[Batch]:
+    if _is_pair(data):
         x, y = cast(Batch, tuple(data))
-        out: List[Batch] = []
         for i in range(0, len(x), batch_size):
-            out.append((x[i:i + batch_size], y[i:i + batch_size]))
-        return out
-    return data  # type: ignore[return-value]
+            yield x[i:i + batch_size], y[i:i + batch_size]
+        return
+    for i, batch in enumerate(cast(Iterable[Any], data)):
+        if not _is_pair(batch):
+            raise TypeError(
+                "update_batch_norm: data must be an (x, y) pair of tensors or an iterable of "
+                f"(x, y) batches; batch {i} is a {type(batch).__name__}"
+            )
+        yield cast(Batch, tuple(batch))
 
 
 @torch.no_grad()
@@ -79,10 +88,16 @@ def update_batch_norm(
             f"update_batch_norm: the guide ({type(guide).__name__}) has no median(); pass an "
             "autoguide"
         )
-    batches = list(_batches(data, batch_size))
-    if not batches:
+    if isinstance(data, torch.Tensor) or not (_is_pair(data) or isinstance(data, Iterable)):
+        raise TypeError(
+            "update_batch_norm: data must be an (x, y) pair of tensors or an iterable of (x, y) "
+            f"batches, got {type(data).__name__}"
+        )
+    batches = _batches(data, batch_size)
+    first = next(batches, None)
+    if first is None:
         raise ValueError("update_batch_norm: data has no batches")
-    values = median(*batches[0])
+    values = median(*first)
     momenta: List[Optional[float]] = [m.momentum for m in norms]
     saved = [(m.running_mean.clone() if m.running_mean is not None else None,
               m.running_var.clone() if m.running_var is not None else None,
@@ -95,7 +110,8 @@ def update_batch_norm(
             m.momentum = None  # a cumulative average over the batches
         model.train()
         conditioned = poutine.block(poutine.condition(model, data=values))
-        for batch in batches:
+        conditioned(*first)
+        for batch in batches:  # one at a time: a loader is not held in memory
             conditioned(*batch)
     except BaseException:
         for m, (mean, var, count) in zip(norms, saved):
