@@ -568,3 +568,56 @@ def test_fit_leaves_running_statistics_for_the_trained_posterior():
     update_batch_norm(model, guide, (x, y), batch_size=len(x))
     assert torch.equal(trained[0], norm.running_mean)
     assert torch.equal(trained[1], norm.running_var)
+
+
+def test_bad_validation_is_refused_before_anything_changes():
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(ValueError, match="fails on the validation data"):
+        fit(model, guide, (x, y), steps=2, validation=(torch.randn(50, 4), y[:50]),
+            progress=False)
+    with pytest.raises(TypeError, match="integer class labels"):
+        fit(model, guide, (x, y), steps=2, validation=(x[:50], y[:50].float()),
+            progress=False)
+    assert snapshot() == {} and guide.prototype_trace is None
+
+
+def test_validation_needs_one_log_density_per_row():
+    # a functional model whose rows are an event dimension: its MNLL cannot be split
+    # into rows, so validation is refused up front rather than reported N times too large
+    x = torch.randn(200, 3)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(200)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        pyro.sample("obs", dist.Normal(x @ w, 0.1).to_event(1), obs=y)
+
+    guide = AutoNormal(model)
+    with pytest.raises(ValueError, match="one log-density per row"):
+        fit(model, guide, (x, y), steps=2, batch_size=200, init=None, validation=(x, y),
+            progress=False)
+    assert snapshot() == {}
+
+
+def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path):
+    x, y = blobs()
+    path = tmp_path / "run.ckpt"
+    model = classifier()
+    fit(model, AutoKTiedNormal(model), (x, y), steps=2, checkpoint=path, progress=False)
+    pyro.clear_param_store()
+    wider = classifier(hidden=7)
+    guide = AutoKTiedNormal(wider)
+    with pytest.raises(ValueError, match="does not fit this model and guide"):
+        fit(wider, guide, (x, y), steps=4, checkpoint=path, progress=False)
+    assert snapshot() == {} and guide.prototype_trace is None
+
+
+def test_stale_param_store_is_said(count_iblm):
+    x, y = blobs()
+    model = classifier()
+    fit(model, AutoNormal(model), (x, y), steps=1, progress=False)
+    again = classifier()  # a new model and guide, the store not cleared
+    with pytest.warns(UserWarning, match=r"clear_param_store\(\)"):
+        history = fit(again, AutoNormal(again), (x, y), steps=1, progress=False)
+    assert not history.initialized

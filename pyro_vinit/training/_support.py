@@ -170,6 +170,47 @@ def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
+def _check_targets(site: Any, y: torch.Tensor) -> None:
+    """The targets' dtype fits the likelihood of the observed ``site``."""
+    fn = _base(site["fn"])
+    if isinstance(fn, dist.Categorical) and (y.is_floating_point() or y.dtype == torch.bool):
+        raise TypeError(
+            f"fit: the likelihood {site['name']!r} is Categorical, so y must hold integer "
+            f"class labels (y.long()), got {y.dtype}"
+        )
+    if not fn.support.is_discrete and not y.is_floating_point():
+        raise TypeError(
+            f"fit: the likelihood {site['name']!r} is {type(fn).__name__}, continuous, "
+            f"so y must be floating point (y.float()), got {y.dtype}"
+        )
+
+
+def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> None:
+    """The model runs on the validation data and gives one log-density a row."""
+    x, y = batch[0][:chunk], batch[1][:chunk]
+    with _sandbox(model):
+        try:
+            trace = poutine.trace(model).get_trace(x, y)
+        except Exception as e:  # the user's model: any error, said with context
+            raise ValueError(
+                f"fit: the model fails on the validation data (x {tuple(x.shape)} {x.dtype}, "
+                f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
+            ) from e
+        for site in trace.nodes.values():
+            if site["type"] != "sample" or not site["is_observed"]:
+                continue
+            _check_targets(site, y)
+            fn: Any = site["fn"]
+            log_prob = cast(torch.Tensor, fn.log_prob(site["value"]))
+            if x.shape[0] > 1 and not (log_prob.dim() and log_prob.shape[0] == x.shape[0]):
+                raise ValueError(
+                    f"fit: validation needs one log-density per row, but the likelihood "
+                    f"{site['name']!r} gives {tuple(log_prob.shape)} for {x.shape[0]} rows "
+                    "(its rows are an event dimension, e.g. .to_event(1) over the data): put "
+                    "the rows in a pyro.plate('data', len(x)), or train without validation"
+                )
+
+
 def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> None:
     x, y = batch
     declared = getattr(model, "num_data", None)
@@ -193,17 +234,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> None
             "condition on y, e.g. pyro.sample('obs', dist.Categorical(logits=...), obs=y)"
         )
     for site in observed:
-        fn = _base(site["fn"])
-        if isinstance(fn, dist.Categorical) and (y.is_floating_point() or y.dtype == torch.bool):
-            raise TypeError(
-                f"fit: the likelihood {site['name']!r} is Categorical, so y must hold integer "
-                f"class labels (y.long()), got {y.dtype}"
-            )
-        if not fn.support.is_discrete and not y.is_floating_point():
-            raise TypeError(
-                f"fit: the likelihood {site['name']!r} is {type(fn).__name__}, continuous, "
-                f"so y must be floating point (y.float()), got {y.dtype}"
-            )
+        _check_targets(site, y)
         rows = x.shape[0]
         scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
             site["scale"].max())
@@ -303,6 +334,26 @@ def _save(path: str, step: int, optim: PyroOptim, model: Callable[..., Any],
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+def _check_checkpoint(path: Optional[str], resumed: Dict[str, Any],
+                      model: Callable[..., Any]) -> None:
+    """The checkpoint's parameters (and model state) have the names and shapes of
+    the set-up guide's (and the model's)."""
+    current = {name: tuple(p.shape) for name, p in pyro.get_param_store().named_parameters()}
+    saved = {name: tuple(v.shape) for name, v in resumed["param_store"]["params"].items()}
+    wrong = sorted(n for n, shape in saved.items() if current.get(n, shape) != shape)
+    missing = sorted(set(saved) - set(current))
+    if isinstance(model, nn.Module) and resumed.get("model") is not None:
+        state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        wrong += sorted(f"model {k}" for k, v in resumed["model"].items()
+                        if k not in state or state[k] != tuple(v.shape))
+    if wrong or missing:
+        raise ValueError(
+            f"fit: the checkpoint {path!r} does not fit this model and guide (shapes differ: "
+            f"{wrong[:5]}; not in the guide: {missing[:5]}); pass another checkpoint path to "
+            "start afresh"
+        )
 
 
 def _load(path: str) -> Dict[str, Any]:

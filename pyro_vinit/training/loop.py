@@ -23,12 +23,15 @@ from pyro.optim import PyroOptim
 from torch import nn
 
 from pyro_vinit.initialization import init_guide_iblm
+from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.training._support import (
     Batch,
     Data,
     _Batches,
     _check_batch,
+    _check_checkpoint,
     _check_model,
+    _check_validation,
     _evaluate,
     _load,
     _save,
@@ -153,6 +156,9 @@ def fit(
     if validation is not None:
         validation = _check_batch(validation, "validation")
     _check_model(model, batches.first, num_data)
+    chunk = max(1, min(num_data, 4096))  # validation rows per model call
+    if validation is not None:
+        _check_validation(model, validation, chunk)
     initialized = is_initialized(guide)
     if init == "iblm" and not initialized and not isinstance(guide, AutoGuide):
         raise TypeError(
@@ -171,7 +177,12 @@ def fit(
     history = FitHistory()
     defaults = FitConfig()
     if resumed is not None:
-        _set_up(guide, batches.first)  # the checkpoint then overwrites its values
+        with GuideRollback(cast(nn.Module, guide)):
+            _set_up(guide, batches.first)  # the checkpoint then overwrites its values
+            _check_checkpoint(path, resumed, model)  # before anything is overwritten
+        if done >= steps:
+            warnings.warn(f"fit: the checkpoint {path!r} is at step {done}, at or past "
+                          f"steps={steps}: nothing is trained", UserWarning, stacklevel=2)
         device = batches.first[0].device  # the checkpoint was loaded onto the CPU
         store_state = resumed["param_store"]
         pyro.get_param_store().set_state({
@@ -190,6 +201,12 @@ def fit(
     elif not initialized:  # init=None: Pyro's own initial values, set up here
         guide(*batches.first)
     else:  # e.g. parameters loaded into the param store: set up, taking their values
+        if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
+            warnings.warn(
+                f"fit: the param store already holds parameters of a {type(guide).__name__} "
+                "(loaded, or left by an earlier guide of this class), so I-BLM is skipped and "
+                "training continues from them; call pyro.clear_param_store() first to start "
+                "afresh", UserWarning, stacklevel=2)
         _set_up(guide, batches.first)
     config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles)
     history.config = config
@@ -200,7 +217,6 @@ def fit(
         torch.set_rng_state(resumed["rng"])
     svi = SVI(model, guide, optim, config.elbo())
     every = eval_every or max(1, steps // 10)
-    chunk = max(1, min(num_data, 4096))  # validation rows per model call
 
     # ---- train ---------------------------------------------------------------------------
     from tqdm.auto import tqdm  # type: ignore[import-untyped]  # a dependency of Pyro
