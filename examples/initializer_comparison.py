@@ -14,8 +14,9 @@ cost the same. The test metrics come from the Monte Carlo predictive.
 With the full KL term, SVI washes a good start out on a data set of 1,257
 images. The script therefore also runs I-BLM with the KL weight warmed up
 linearly from 0 to 1 over the run (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`,
-a dashed line) and with the library's training recipe (KL weight 0.1 and
-``max_scale_ratio=0.1``, a dotted line).
+a dashed line) and with the KL weight 0.1 and ``max_scale_ratio=0.1`` (a
+dotted line: the recipe these curves were measured with; ``pyro_vinit.fit``'s
+measured default is now 0.01, see the training method page).
 
 The problems and the protocol live in
 :mod:`pyro_vinit.testing.paper_problems`, shared with
