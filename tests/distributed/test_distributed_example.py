@@ -30,7 +30,7 @@ def test_iblm_call_passes_the_shard_and_group(example, monkeypatch, rank, world_
     process, all the data and no group."""
     calls = []
 
-    def fake_iblm(guide, data, *, batch_size=128, process_group=None):
+    def fake_iblm(guide, data, *, batch_size=128, max_scale_ratio=None, process_group=None):
         calls.append((data, process_group))
 
     monkeypatch.setattr(example, "init_guide_iblm", fake_iblm)
