@@ -145,6 +145,24 @@ def _base(fn: Any) -> Any:
     return fn
 
 
+def _rng_state() -> Dict[str, Any]:
+    """The CPU generator's state, and every CUDA device's where CUDA is in use."""
+    state: Dict[str, Any] = {"cpu": torch.get_rng_state()}
+    # (is_initialized: not annotated in torch)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Any) -> None:
+    if isinstance(state, torch.Tensor):  # a checkpoint of the CPU generator alone
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 @contextlib.contextmanager
 def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
     """Runs the block with the param store, the model's buffers and the RNG restored
@@ -153,7 +171,7 @@ def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
     names = set(store.keys())
     buffers = ({k: b.clone() for k, b in model.named_buffers()}
                if isinstance(model, nn.Module) else {})
-    rng = torch.get_rng_state()
+    rng = _rng_state()
     # what BayesianClassifier / BayesianRegressor note of the batch sizes they see
     notes = {k: v for k, v in vars(model).items() if k in ("_observed_rows", "_warned_num_data")}
     try:
@@ -167,7 +185,7 @@ def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
             for k, b in model.named_buffers():
                 if k in buffers:
                     b.copy_(buffers[k])
-        torch.set_rng_state(rng)
+        _set_rng_state(rng)
 
 
 def _check_targets(site: Any, y: torch.Tensor) -> None:
@@ -252,10 +270,10 @@ def _set_up(guide: Callable[..., Any], batch: Batch) -> None:
     """Sets an autoguide up (its parameters take the param store's values where it
     has them), leaving the RNG as it was."""
     if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
-        rng = torch.get_rng_state()
+        rng = _rng_state()
         with torch.no_grad():
             poutine.block(guide)(*batch)
-        torch.set_rng_state(rng)
+        _set_rng_state(rng)
 
 
 # ---- evaluation ----------------------------------------------------------------------
@@ -326,7 +344,7 @@ def _save(path: str, step: int, optim: PyroOptim, model: Callable[..., Any],
         "param_store": pyro.get_param_store().get_state(),
         "optim": optim.get_state(),
         "model": model.state_dict() if isinstance(model, nn.Module) else None,
-        "rng": torch.get_rng_state(),
+        "rng": _rng_state(),
         "batches": batches.state(),
         "loss": list(history.loss),
         "validation": list(history.validation),

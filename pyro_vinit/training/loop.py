@@ -16,7 +16,6 @@ from typing import (
 )
 
 import pyro
-import torch
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoGuide
 from pyro.optim import PyroOptim
@@ -35,6 +34,7 @@ from pyro_vinit.training._support import (
     _evaluate,
     _load,
     _save,
+    _set_rng_state,
     _set_up,
 )
 from pyro_vinit.training.batch_norm import update_batch_norm
@@ -214,7 +214,7 @@ def fit(
     if resumed is not None:
         optim.set_state(resumed["optim"])
         batches.set_state(resumed["batches"])
-        torch.set_rng_state(resumed["rng"])
+        _set_rng_state(resumed["rng"])
     svi = SVI(model, guide, optim, config.elbo())
     every = eval_every or max(1, steps // 10)
 
