@@ -225,8 +225,6 @@ def fit(
         history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
                                                             num_samples, chunk)})
     norm_data = batches.pair if batches.pair is not None else batches.loader
-    has_norms = isinstance(model, nn.Module) and any(
-        isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
     try:
         for step in range(done + 1, steps + 1):
@@ -240,14 +238,15 @@ def fit(
             bar.update(1)
             if step % 10 == 0 or step == steps:
                 bar.set_postfix(loss=f"{loss / num_data:.4g}")
-            if has_norms and (step == steps or (validation is not None and step % every == 0)):
+            if step == steps or (validation is not None and step % every == 0):
                 # eval mode predicts with running statistics: recompute them for the
-                # posterior SVI has moved to (they lag behind while it trains)
+                # posterior SVI has moved to (they lag behind while it trains); a model
+                # without BatchNorm layers is left alone
                 update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
-            if validation is not None and (step % every == 0 or step == steps):
-                history.validation.append({"step": float(step),
-                                           **_evaluate(model, guide, *validation,
-                                                       num_samples, chunk)})
+                if validation is not None:
+                    history.validation.append({"step": float(step),
+                                               **_evaluate(model, guide, *validation,
+                                                           num_samples, chunk)})
             if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
                                      or step == steps):
                 _save(path, step, optim, model, batches, history)
