@@ -3,21 +3,15 @@
 BatchNorm layers, recomputed for the guide's current posterior.
 """
 
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Union, cast
 
 import pyro.poutine as poutine
 import torch
 from torch import nn
 
+from pyro_vinit.training._support import Batch, _is_pair
+
 __all__ = ["update_batch_norm"]
-
-Batch = Tuple[torch.Tensor, torch.Tensor]
-
-
-def _is_pair(data: Any) -> bool:
-    return (isinstance(data, (tuple, list)) and len(data) == 2
-            and all(isinstance(t, torch.Tensor) for t in data))
-
 
 def _batches(data: Union[Batch, Iterable[Batch]], batch_size: int) -> Iterator[Batch]:
     if _is_pair(data):
