@@ -54,14 +54,14 @@ def update_batch_norm(
         update_batch_norm(model, guide, (x, y))
         model.eval()  # predict
 
-    :param callable model: a Pyro model that is an ``nn.Module`` (e.g. a
+    :param callable model: A Pyro model that is an ``nn.Module`` (e.g. a
         ``PyroModule``); a model without BatchNorm layers is left as it is.
-    :param callable guide: its guide, with a ``median(*args)`` method (every
+    :param callable guide: Its guide, with a ``median(*args)`` method (every
         autoguide has one).
-    :param data: an ``(x, y)`` pair of tensors, or an iterable of ``(x, y)``
+    :param data: An ``(x, y)`` pair of tensors, or an iterable of ``(x, y)``
         batches (e.g. a ``DataLoader``).
-    :param int batch_size: rows per model run for an ``(x, y)`` pair.
-    :return: the number of BatchNorm layers updated.
+    :param int batch_size: Rows per model run for an ``(x, y)`` pair.
+    :return: The number of BatchNorm layers updated.
     :rtype: int
     """
     if not isinstance(model, nn.Module):
