@@ -19,6 +19,7 @@ Usage::
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,9 @@ def main():
                         help="retest only these mutants (names as printed), keeping the other "
                              "results; implies --resume. Give the same --modules and --tests as "
                              "the run before: mutmut starts afresh when its settings change")
+    parser.add_argument("--pytest-args", default="",
+                        help="extra pytest arguments for every run, one string, e.g. "
+                             "'-k \"not slow_test\"' to leave out slow tests")
     parser.add_argument("--summary-only", action="store_true",
                         help="print the table of the last run without running mutmut")
     args = parser.parse_args()
@@ -136,7 +140,8 @@ def main():
                             ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "setup.cfg", args.workdir / "setup.cfg")
         (args.workdir / "pyproject.toml").write_text(
-            _config(args.modules, args.tests, ["-p", "no:cacheprovider", "-x", "-q"])
+            _config(args.modules, args.tests,
+                    ["-p", "no:cacheprovider", "-x", "-q"] + shlex.split(args.pytest_args))
         )
         mutmut = Path(sys.executable).with_name("mutmut")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
