@@ -21,6 +21,7 @@ from pyro_vinit.poutine import (
     Flipout,
     LocalReparam,
     LocalReparamMessenger,
+    WeightNoise,
     WeightNoiseMessenger,
     weight_noise,
 )
@@ -131,6 +132,46 @@ def test_weight_noise_handler_function():
     out1, out2 = weight_noise(step, config={"w2": Flipout()}, strict=True)(X)
     assert not _per_example(out1) and _per_example(out2)
     assert isinstance(weight_noise(config=Flipout()), WeightNoiseMessenger)
+
+
+def test_weight_noise_strict_is_off_by_default_and_passed_on():
+    # The Laplace site has no strategy: reported by a warning, or by an error with strict=True.
+    laplace = dist.Laplace(LOC2, SCALE2).to_event(2)
+
+    def step(x):
+        return _model(x, laplace)
+
+    with pytest.warns(UserWarning, match="'w2': no weight-noise strategy is known"):
+        weight_noise(step)(X)
+    with pytest.raises(ValueError, match="'w2': no weight-noise strategy is known"):
+        weight_noise(step, strict=True)(X)
+
+
+class _Counting(WeightNoise):
+    """A user's strategy wrapping another one (Pyro reparam style), counting its calls."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def apply(self, call, weight, fn):
+        self.calls += 1
+        return self.inner.apply(call, weight, fn)
+
+
+def test_auto_strategy_applied_through_a_wrapper_picks_per_distribution():
+    # The handler asks the wrapper (which does not choose) to apply; AutoWeightNoise.apply
+    # then picks LRT for w1 and Flipout for w2 itself: the same outputs under the same seed
+    # as each strategy wrapped alike (both wrappers draw w1 eagerly, which LRT does not use).
+    wrapper = _Counting(AutoWeightNoise())
+    pyro.set_rng_seed(1)
+    _, out1, out2 = _run(WeightNoiseMessenger(config=wrapper, strict=True))
+    assert wrapper.calls == 2
+    pyro.set_rng_seed(1)
+    _, ref1, ref2 = _run(WeightNoiseMessenger(config={"w1": _Counting(LocalReparam()),
+                                                      "w2": _Counting(Flipout())},
+                                              strict=True))
+    assert torch.equal(out1, ref1) and torch.equal(out2, ref2)
+    assert _per_example(out1) and _per_example(out2)
 
 
 @pytest.mark.parametrize(
