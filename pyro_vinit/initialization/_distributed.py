@@ -13,16 +13,27 @@ owns each global position and where the row is in that rank's shard.
 
 import math
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Type, cast
 
 import torch
 import torch.distributed as dist
 
 from pyro_vinit.initialization._data import DataPool
 
-# exception classes re-raised by name on every rank (others become RuntimeError)
-_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, KeyError,
-                                          IndexError, NotImplementedError)}
+# the standard exception classes every rank re-raises (see _error_class)
+_ERRORS = (ValueError, TypeError, RuntimeError, KeyError, IndexError, NotImplementedError)
+
+
+def _error_class(error: BaseException) -> Type[Exception]:
+    """The class every rank raises for ``error``: pyro_vinit's own (e.g.
+    ``NoLayersError``), else the first of ``_ERRORS`` it derives from, else
+    RuntimeError."""
+    cls = type(error)
+    if cls.__module__.startswith("pyro_vinit.") and issubclass(cls, _ERRORS):
+        return cast(Type[Exception], cls)
+    return next((base for base in cls.__mro__ if base in _ERRORS), RuntimeError)
+
+
 class Shards:
     """
     The ranks of a process group and the collectives the initializer uses,
@@ -120,10 +131,9 @@ class Shards:
         failed = self.all_reduce(torch.tensor([float(error is not None)]))
         if not failed.item():
             return
-        reports = self.gather_objects(
-            None if error is None else (type(error).__name__, str(error)))
-        rank, (kind, message) = next((r, m) for r, m in enumerate(reports) if m is not None)
-        cls = _ERRORS.get(kind, RuntimeError)
+        reports = self.gather_objects(None if error is None else (_error_class(error),
+                                                                  str(error)))
+        rank, (cls, message) = next((r, m) for r, m in enumerate(reports) if m is not None)
         raise cls(f"init_guide_iblm failed on rank {rank} of {self.size}: {message}") from error
 
     def check_equal(self, what: str, value: Any, fix: str) -> List[Any]:

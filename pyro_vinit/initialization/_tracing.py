@@ -45,6 +45,10 @@ SUPPORTED_LIKELIHOODS = (
 _STRUCTURE_ROWS = 256
 
 
+class NoLayersError(ValueError):
+    """The model has no layer whose weight is one of the guide's latent sites."""
+
+
 @dataclass
 class Layer:
     """
@@ -454,7 +458,7 @@ def trace_structure(
     likelihood = None
     if normal_priors:
         if not layers:
-            raise ValueError(
+            raise NoLayersError(
                 "the model has no F.linear / F.conv layer or matrix product whose weight is "
                 "a latent sample site, so there is nothing to initialize; make the layers "
                 "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample"

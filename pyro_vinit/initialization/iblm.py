@@ -36,6 +36,7 @@ from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.initialization._solve import solve_layer
 from pyro_vinit.initialization._targets import dirichlet_transform, read_targets
 from pyro_vinit.initialization._tracing import (
+    NoLayersError,
     Prepared,
     check_has_likelihood,
     guide_medians,
@@ -247,13 +248,28 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
                     swaps.enter_context(model_swapped(member, hold_hidden_sites(member.model)[0]))
                 guides(*first)  # sets every member up
         rollbacks[0].checkpoint()  # (a later member's failure undoes the earlier writes)
+        initialized = []
         for member in supported:
-            _initialize_member(member, data, options, process_group, _no_checkpoint, guides)
+            try:
+                _initialize_member(member, data, options, process_group, _no_checkpoint,
+                                   guides)
+            except NoLayersError:  # e.g. a member over the noise scale: nothing written
+                others.append(f"{members.index(member)}: {type(member).__name__} (no layer "
+                              "weight among its sites)")
+                continue
+            initialized.append(member)
+        if not initialized:
+            raise NoLayersError(
+                f"no member of this AutoGuideList has the weight of an F.linear / F.conv "
+                f"layer or matrix product among its latent sites ({others}), so there is "
+                "nothing to initialize; make the layers Bayesian with "
+                "pyro_vinit.nn.bayesianize or pyro.nn.PyroSample"
+            )
     if others:
         warnings.warn(
-            f"init_guide_iblm initialized the members {[type(g).__name__ for g in supported]} "
-            f"of the AutoGuideList; it leaves the members it does not support at their own "
-            f"values: {others}", UserWarning, stacklevel=4)
+            f"init_guide_iblm initialized the members "
+            f"{[type(g).__name__ for g in initialized]} of the AutoGuideList; it leaves the "
+            f"others at their own values: {others}", UserWarning, stacklevel=4)
 
 
 def _no_checkpoint() -> None:

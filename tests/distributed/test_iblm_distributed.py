@@ -103,3 +103,18 @@ def test_bad_process_group_is_refused_when_built(group, match):
         IBLMGuideInitializer(process_group=group)
     # None, and dist.group.WORLD before init_process_group (which is None), mean one process
     assert IBLMGuideInitializer(process_group=dist.group.WORLD).process_group is None
+
+
+def test_every_rank_raises_the_class_of_the_error():
+    # (the class travels to the other ranks: pyro_vinit's own, a standard base, or else
+    # RuntimeError)
+    from pyro_vinit.initialization._distributed import _error_class
+    from pyro_vinit.initialization._tracing import NoLayersError
+
+    class UsersError(KeyError):
+        pass
+
+    assert _error_class(NoLayersError("no layers")) is NoLayersError
+    assert _error_class(ValueError("bad")) is ValueError
+    assert _error_class(UsersError("k")) is KeyError
+    assert _error_class(OSError("disk")) is RuntimeError

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal, init_to_median
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
@@ -601,6 +601,58 @@ def test_guide_list_initializes_its_supported_members():
     assert (mean - yt).pow(2).mean().sqrt() < 0.8
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
     assert math.isfinite(svi.step(x, y))
+
+
+def test_guide_list_member_without_layers_is_left_alone():
+    # An AutoNormal (a guide I-BLM supports) over the hyperparameters only: no layer weight
+    # among its sites, so it keeps its values and is named; the other member is fitted
+    # exactly as in a list whose hyperparameter member is an AutoDelta at the same values.
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList
+
+    x, y, _, _ = _diabetes()
+    model = _hierarchical_regression()
+    fits, messages = [], []
+    for member in (AutoNormal, AutoDelta):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoGuideList(model)
+        guide.append(AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"])))
+        guide.append(member(pyro.poutine.block(model, expose=["tau", "sigma"]),
+                            init_loc_fn=init_to_median))
+        guide(x, y)
+        before = _state(guide[1])
+        pyro.set_rng_seed(0)  # (an AutoNormal's set-up draws from the guide, an AutoDelta's not)
+        with pytest.warns(UserWarning) as record:
+            init_guide_iblm(guide, (x, y))
+        messages.append([str(w.message) for w in record])
+        _assert_state(guide[1], before)
+        fits.append(_state(guide[0]))
+    assert any("initialized the members ['AutoNormal'] of the AutoGuideList; it leaves the "
+               "others at their own values: ['1: AutoNormal (no layer weight among its "
+               "sites)']" in m for m in messages[0])
+    assert any("others at their own values: ['1: AutoDelta']" in m for m in messages[1])
+    for name, value in fits[0].items():
+        assert torch.equal(value, fits[1][name]), name
+
+
+def test_guide_list_whose_supported_members_have_no_layers_is_refused():
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList
+
+    x, y, _, _ = _diabetes()
+    model = _hierarchical_regression()
+    guide = AutoGuideList(model)
+    guide.append(AutoDelta(pyro.poutine.block(model, hide=["tau", "sigma"])))
+    guide.append(AutoNormal(pyro.poutine.block(model, expose=["tau", "sigma"])))
+    guide(x, y)
+    before = _state(guide)
+    with pytest.raises(ValueError) as error:
+        init_guide_iblm(guide, (x, y))
+    assert str(error.value) == (
+        "no member of this AutoGuideList has the weight of an F.linear / F.conv layer or "
+        "matrix product among its latent sites (['0: AutoDelta', '1: AutoNormal (no layer "
+        "weight among its sites)']), so there is nothing to initialize; make the layers "
+        "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample")
+    _assert_state(guide, before)
 
 
 def test_guide_list_of_unsupported_members_is_refused():
