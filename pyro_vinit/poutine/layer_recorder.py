@@ -113,12 +113,13 @@ class RecordedLayer:
         return (self.weight_name,) + ((self.bias_name,) if self.bias_name else ())
 
 
-def _is_permutation(derived: _Derived, view_ops: Optional[Tuple[ViewOp, ...]] = None) -> bool:
-    # Whether the site value seen through view_ops holds each of its elements exactly once.
+def _is_permutation(derived: _Derived) -> bool:
+    # Whether the site value, seen through its views, holds each of its elements exactly
+    # once (also when the layer reads it transposed: a transpose permutes).
     if derived.derived is not None:
         return False
     shape = derived.root_shape
-    index = element_index(shape, derived.view_ops if view_ops is None else view_ops)
+    index = element_index(shape, derived.view_ops)
     if index is None:
         return True
     flat = index.reshape(-1)
@@ -424,8 +425,7 @@ class LayerRecorderMessenger(Messenger):
         return out
 
     def _layer_index(self, derived: _Derived, transposed: bool) -> Optional[torch.Tensor]:
-        view_ops = derived.view_ops + ((TRANSPOSE,) if transposed else ())
-        if not _is_permutation(derived, view_ops):
+        if not _is_permutation(derived):
             ops = [op_name(op[0]) for op in derived.view_ops]
             ops += [derived.derived] if derived.derived is not None else []
             raise ValueError(
@@ -433,7 +433,8 @@ class LayerRecorderMessenger(Messenger):
                 f"an operation that repeats or drops elements ({', '.join(ops)}); pass it to "
                 "the layer whole (reshaped or transposed at most)"
             )
-        index = element_index(derived.root_shape, view_ops)
+        index = element_index(derived.root_shape,
+                              derived.view_ops + ((TRANSPOSE,) if transposed else ()))
         if index is not None and torch.equal(index.reshape(-1), torch.arange(index.numel())):
             index = None
         return index

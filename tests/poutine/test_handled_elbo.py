@@ -84,3 +84,26 @@ def test_bad_arguments(kwargs, match):
     elbo, _, _ = _elbo_module()
     with pytest.raises(TypeError, match=match):
         HandledELBO(**{"elbo_module": elbo, **kwargs})
+
+
+def test_guide_not_set_up_is_refused_with_what_to_do():
+    # An autoguide that has not run has no parameters yet (DDP and optimizers would get
+    # none): refused. Once set up, or a guide with no prototype trace (a function), it is
+    # accepted.
+    with pyro.settings.context(module_local_params=True):
+        model = BayesianClassifier(bayesianize(mlp((4, 6, 3))), num_data=50)
+        guide = AutoNormal(model)
+        with pytest.raises(ValueError) as error:
+            HandledELBO(TraceMeanField_ELBO()(model, guide))
+        assert str(error.value) == (
+            "HandledELBO: the guide has not been set up yet, so the ELBO module has no "
+            "parameters (DistributedDataParallel and optimizers would get none): run "
+            "guide(x, y) once on a batch, or init_guide_iblm(guide, (x, y)), before "
+            "building the module")
+        guide(torch.randn(10, 4), torch.randint(0, 3, (10,)))
+        HandledELBO(TraceMeanField_ELBO()(model, guide))
+
+        def function_guide(x, y=None):  # its parameters live in the param store
+            pass
+
+        HandledELBO(TraceMeanField_ELBO()(model, function_guide))

@@ -47,6 +47,7 @@ CASES = {
                               dict(stride=1, padding=0, dilation=1, groups=1)),
     "conv3d": ("conv3d", (3, 2, 4, 4, 4), (4, 2, 2, 2, 2),
                dict(stride=1, padding=0, dilation=1, groups=1)),
+    "conv2d, default arguments": ("conv2d", (7, 2, 6, 6), (4, 2, 3, 3), {}),
 }
 
 
@@ -62,6 +63,18 @@ def test_batched_layer_equals_a_loop_over_samples(case, bias):
     out = batched_layer(op, x, w, b, kwargs)
     b_loop = b.expand(S, 1, w_shape[0]) if bias == "plain" else b
     expected = _loop(op, x, w, b_loop, kwargs)
+    assert out.shape == expected.shape
+    assert_close(out, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_batched_layer_with_more_input_batch_dims_than_the_weight():
+    # x (Q, S, N, ...) and w (S, 1, ...): output [q, s] is the layer of x[q, s] with w[s].
+    S, Q = 3, 2
+    x = torch.randn(Q, S, 7, 2, 6, 6, dtype=torch.float64)
+    w = torch.randn(S, 1, 4, 2, 3, 3, dtype=torch.float64)
+    out = batched_layer("conv2d", x, w, None, dict(stride=1, padding=1))
+    expected = torch.stack([torch.stack([F.conv2d(x[q, s], w[s, 0], padding=1)
+                                         for s in range(S)]) for q in range(Q)])
     assert out.shape == expected.shape
     assert_close(out, expected, atol=1e-12, rtol=1e-12)
 
