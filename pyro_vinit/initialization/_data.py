@@ -23,11 +23,17 @@ def _aligned(args: Sequence[Any]) -> Tuple[int, List[bool]]:
     return n, [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n for a in args]
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of a floating-point ``tensor`` is finite: read off
+    its sum (finite only if every element is, as NaN and inf propagate), which
+    is one pass and no intermediate; elementwise only if the sum is not
+    (an element is not finite, or the sum overflows)."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 def _check_finite(args: Sequence[Any]) -> None:
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.is_floating_point() and not bool(
-            torch.isfinite(a).all()
-        ):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and not all_finite(a):
             raise ValueError(
                 f"data argument {i} (shape {tuple(a.shape)}) contains NaN or inf; clean or "
                 "impute the data before initializing the guide"

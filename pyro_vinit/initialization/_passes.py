@@ -10,6 +10,7 @@ import torch
 
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.initialization._collective import Collective
+from pyro_vinit.initialization._data import all_finite
 from pyro_vinit.initialization._runs import align_rows, capture, observed_site, run_model
 from pyro_vinit.initialization._tracing import Layer, Prepared
 from pyro_vinit.poutine.layer_recorder import norm_statistics
@@ -45,7 +46,7 @@ def layer_inputs(prep: Prepared, values: Dict[str, torch.Tensor], layer: Layer,
                                          n=prep.pool.rows_of(chunk.args),
                                          rows=chunk.plate_rows, keep=chunk.keep))
         inputs = torch.cat(chunks)
-        if not bool(torch.isfinite(inputs).all()):
+        if not all_finite(inputs):
             raise ValueError(f"the input of layer {layer.weight_name!r} is not finite")
     return inputs
 

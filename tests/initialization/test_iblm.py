@@ -352,6 +352,22 @@ def test_nan_in_data_leaves_guide_unchanged(digits):
     _assert_unchanged(guide, before)
 
 
+def test_data_whose_sum_overflows_is_finite_and_opposite_infinities_are_not():
+    # (the finiteness check reads the sum first: it must not take an overflow for a
+    # non-finite element, nor inf + -inf, whose sum is NaN, for a finite one)
+    from pyro_vinit.initialization._data import all_finite
+
+    big = torch.full((4, 3), 3e38)
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        x = big.clone()
+        x[2, 1] = bad
+        assert not all_finite(x)
+    x = torch.zeros(4, 3)
+    x[0, 0], x[1, 1] = float("inf"), float("-inf")
+    assert not all_finite(x) and all_finite(torch.zeros(0, 3))
+
+
 def test_empty_data(digits):
     x, y, _, _ = digits
     _, guide = _setup(x, y)
