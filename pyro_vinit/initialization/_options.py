@@ -34,7 +34,7 @@ class IBLMOptions:
     max_pool_size: int = 10_000
     chunk_rows: int = 4096
     max_chunk_elements: int = 2**22
-    input_rank: Optional[int] = 128
+    input_rank: Optional[int] = 64
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_pool_size", "chunk_rows", "max_chunk_elements"):

@@ -80,7 +80,7 @@ def init_guide_iblm(
     max_pool_size: int = 10_000,
     chunk_rows: int = 4096,
     max_chunk_elements: int = 2**22,
-    input_rank: Optional[int] = 128,
+    input_rank: Optional[int] = 64,
 ) -> _G:
     r"""
     Iterative Bayesian Linear Modeling (I-BLM) [1]: initializes ``guide`` in
@@ -342,7 +342,7 @@ class IBLMGuideInitializer:
         max_pool_size: int = 10_000,
         chunk_rows: int = 4096,
         max_chunk_elements: int = 2**22,
-        input_rank: Optional[int] = 128,
+        input_rank: Optional[int] = 64,
     ) -> None:
         self.options = IBLMOptions(
             batch_size=batch_size, output_rows=output_rows, alpha=alpha,
