@@ -149,12 +149,12 @@ def main(args):
                         num_samples=args.samples)
         if args.protocol == "fit":
             curves, init_seconds = compare_fit(
-                problem, data, progress=progress, batch_size=args.batch_size or 128,
+                problem, data, progress=progress, batch_size=args.batch_size,
                 lr=args.lr, kl_weight=args.kl_weight, iblm_rows=args.iblm_batch_size,
                 **settings)
         else:  # the paper's optimizer: Adam 1e-3, Trace_ELBO, the full KL term
             curves, init_seconds = compare(problem, data, progress=progress,
-                                           batch_size=args.batch_size or 64, **settings)
+                                           batch_size=args.batch_size, **settings)
         results["problems"][problem] = {
             "task": PROBLEMS[problem]["task"], "steps": steps,
             "curves": curves, "init_seconds": init_seconds,
@@ -170,9 +170,10 @@ def main(args):
         curves = {p: r["curves"] for p, r in results["problems"].items()}
         if args.protocol == "fit":
             how = (f"fit's recipe (Adam lr {args.lr:g}, TraceMeanField_ELBO, KL weight "
-                   f"{args.kl_weight:g}, local_reparam, minibatches of {args.batch_size or 128})")
+                   f"{args.kl_weight:g}, local_reparam, minibatches of {args.batch_size})")
         else:
-            how = "the paper's optimizer (Adam lr 1e-3, Trace_ELBO, full KL, minibatches of 64)"
+            how = ("the paper's optimizer (Adam lr 1e-3, Trace_ELBO, full KL, minibatches of "
+                   f"{args.batch_size})")
         title = f"mean of {args.repeats} seeds; AutoNormal trained with\n{how}"
         written = [plot_curves(curves, os.path.join(args.out_dir, "initializer_comparison.png"),
                                title=title)]
@@ -212,6 +213,8 @@ def parse_args(argv=None):
             FIT.lr, FIT.kl_weight, FIT.iblm_batch_size):
         parser.error("--lr, --kl-weight and --iblm-batch-size set fit's recipe; "
                      "--protocol paper has its own")
+    if args.batch_size is None:
+        args.batch_size = 128 if args.protocol == "fit" else 64
     if args.quick:
         args.repeats, args.steps, args.eval_every, args.samples = 1, 10, 5, 2
     return args
