@@ -4,7 +4,13 @@ on a Bayesian MLP for scikit-learn's digits.
 
 In the spirit of Figure 6 of the k-tied paper [1] and Figure 4 of the radial
 paper [2], this script fits the same Bayesian MLP (64-32-10, N(0, 1) priors)
-with each guide and reports
+with each guide, with :func:`~pyro_vinit.fit`'s recipe: I-BLM with fit's
+options, then SVI with :func:`~pyro_vinit.fit_config`'s configuration (Adam
+at 1e-3, TraceMeanField_ELBO, the KL term weighted by 0.01, under
+:func:`~pyro_vinit.poutine.local_reparam`, or
+:func:`~pyro_vinit.poutine.flipout` for the radial guide; minibatches of
+128), written out as a loop so that it can be measured along the way. It
+reports
 
 - test metrics (error, MNLL, ECE, Brier) and the number of guide parameters,
   with learning curves;
@@ -13,9 +19,12 @@ with each guide and reports
   draws (minibatch and weight sample) at a fixed parameter point, summarized by
   the median over the weight sites' scale parameters (AutoNormal's per-weight
   scales, the radial guide's per-weight marginal scales, the k-tied guide's
-  factors U and V);
-- robustness: the final test accuracy over a small grid of ``init_scale`` and
-  learning rates.
+  factors U and V), with the training's KL weight and weight noise, for
+  TraceMeanField_ELBO (the training's) and Trace_ELBO;
+- a sensitivity study, not a recipe: the final test accuracy over a small
+  grid of ``init_scale`` and learning rates, from a random start (the weight
+  means drawn from the prior, the scales at ``init_scale``), trained with
+  fit's configuration at each learning rate.
 
 Usage::
 
@@ -40,7 +49,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
 from tqdm import tqdm
 
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal
+from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, FitConfig, fit_config, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
@@ -49,6 +58,7 @@ from _outputs import save_results
 
 GUIDES = ["AutoNormal", "k-tied k=1", "k-tied k=2", "k-tied k=3", "radial"]
 ELBOS = {"TraceMeanField_ELBO": TraceMeanField_ELBO, "Trace_ELBO": Trace_ELBO}
+FIT = FitConfig()  # fit's defaults, which the training flags below start from
 
 
 def make_model(sizes, num_data):
@@ -89,9 +99,12 @@ def weight_scale_parameters(guide):
 
 
 def minibatches(x, y, batch_size):
+    """Shuffled epochs of minibatches, as fit draws them."""
     while True:
-        idx = torch.randint(0, len(x), (batch_size,))
-        yield x[idx], y[idx]
+        order = torch.randperm(len(x))
+        for start in range(0, len(x), batch_size):
+            idx = order[start:start + batch_size]
+            yield x[idx], y[idx]
 
 
 @torch.no_grad()
@@ -112,17 +125,18 @@ def evaluate(model, guide, x, y, num_samples):
     return metrics
 
 
-def gradient_snr(model, guide, elbo, batches, num_draws):
+def gradient_snr(model, guide, elbo, config, batches, num_draws):
     """
     Per-element SNR |E[g]| / std[g] of the gradient g of the minibatch loss
-    with respect to the weight sites' scale parameters, estimated from
-    ``num_draws`` independent draws of minibatch and weight sample at the
-    current (fixed) parameters.
+    (under ``config``'s KL weight and weight noise) with respect to the weight
+    sites' scale parameters, estimated from ``num_draws`` independent draws of
+    minibatch and weight sample at the current (fixed) parameters.
     """
     params = weight_scale_parameters(guide)
     draws = {name: [] for name in params}
     for _ in range(num_draws):
-        loss = elbo.differentiable_loss(model, guide, *next(batches))
+        with config.handlers():
+            loss = elbo.differentiable_loss(model, guide, *next(batches))
         for name, grad in zip(params, torch.autograd.grad(loss, list(params.values()))):
             draws[name].append(grad.reshape(-1))
     snr = {}
@@ -132,12 +146,12 @@ def gradient_snr(model, guide, elbo, batches, num_draws):
     return snr
 
 
-def measure_snr(model, guide, batches, num_draws):
+def measure_snr(model, guide, config, batches, num_draws):
     # Snapshot the RNG so that measuring does not change the training run.
     state = pyro.util.get_rng_state()
     result = {}
     for name, elbo in ELBOS.items():
-        by_parameter = gradient_snr(model, guide, elbo(), batches, num_draws)
+        by_parameter = gradient_snr(model, guide, elbo(), config, batches, num_draws)
         snr = torch.cat(list(by_parameter.values()))
         result[name] = {
             "median": snr.median().item(),
@@ -152,16 +166,17 @@ def measure_snr(model, guide, batches, num_draws):
 
 def train(model, guide, data, *, steps, lr, batch_size, eval_every=0, eval_samples=16,
           snr_steps=(), snr_draws=0, desc=None):
-    """Fits the guide with TraceMeanField_ELBO and Adam; optionally records a
-    learning curve and the gradient SNR at the steps in ``snr_steps``."""
+    """Trains the (initialized) guide with fit's configuration at learning rate ``lr``;
+    optionally records a learning curve and the gradient SNR at the steps in
+    ``snr_steps``."""
     x_train, y_train, x_test, y_test = data
     batches = minibatches(x_train, y_train, batch_size)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), TraceMeanField_ELBO())
-    guide(*next(batches))  # set up the guide's parameters before measuring anything
+    config = fit_config(guide, lr=lr)  # fit's: Adam, TraceMeanField_ELBO, KL weight, handler
+    svi = SVI(model, guide, config.optimizer(), config.elbo())
     curve, snr, losses, step_times = [], {}, [], []
     for step in tqdm(range(steps + 1), desc=desc, leave=False, disable=desc is None):
         if step in snr_steps:
-            snr[step] = measure_snr(model, guide, batches, snr_draws)
+            snr[step] = measure_snr(model, guide, config, batches, snr_draws)
         if eval_every and (step % eval_every == 0 or step == steps):
             metrics = evaluate(model, guide, x_test, y_test, eval_samples)
             loss = sum(losses) / len(losses) if losses else math.nan
@@ -171,7 +186,8 @@ def train(model, guide, data, *, steps, lr, batch_size, eval_every=0, eval_sampl
         if step == steps:
             break
         start = time.perf_counter()
-        losses.append(svi.step(*next(batches)))
+        with config.handlers():
+            losses.append(svi.step(*next(batches)))
         step_times.append(time.perf_counter() - start)
     # the median ignores the first step's one-off costs and load spikes on a shared machine
     ms_per_step = 1e3 * torch.tensor(step_times).median().item() if step_times else math.nan
@@ -179,7 +195,7 @@ def train(model, guide, data, *, steps, lr, batch_size, eval_every=0, eval_sampl
 
 
 def compare(args, data):
-    """Each guide at the default hyperparameters, over ``args.seeds`` seeds."""
+    """Each guide with fit's recipe, over ``args.seeds`` seeds."""
     sizes = (data[0].shape[1], args.width, 10)
     results = {}
     for name in GUIDES:
@@ -188,7 +204,10 @@ def compare(args, data):
             pyro.clear_param_store()
             pyro.set_rng_seed(seed)
             model = make_model(sizes, len(data[0]))
-            guide = make_guide(name, model, args.init_scale)
+            guide = make_guide(name, model, 0.1)  # the scales are I-BLM's
+            # fit's start: I-BLM with fit's options
+            init_guide_iblm(guide, data[:2], batch_size=min(FIT.iblm_batch_size, len(data[0])),
+                            max_scale_ratio=FIT.max_scale_ratio)
             run = train(
                 model, guide, data, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                 eval_every=args.eval_every,
@@ -204,11 +223,12 @@ def compare(args, data):
 
 
 def robustness(args, data):
-    """Final test accuracy of each guide over the grid init_scale × lr."""
+    """A sensitivity study, not a recipe: the final test accuracy of each guide over the
+    grid init_scale × lr, from a random start trained with fit's configuration at lr."""
     sizes = (data[0].shape[1], args.width, 10)
     grid = [(s, lr) for s in args.grid_init_scales for lr in args.grid_lrs]
     results = {}
-    bar = tqdm(total=len(GUIDES) * len(grid), desc="robustness grid")
+    bar = tqdm(total=len(GUIDES) * len(grid), desc="sensitivity grid")
     for name in GUIDES:
         results[name] = []
         for init_scale, lr in grid:
@@ -216,6 +236,7 @@ def robustness(args, data):
             pyro.set_rng_seed(0)
             model = make_model(sizes, len(data[0]))
             guide = make_guide(name, model, init_scale)
+            guide(data[0][:1], data[1][:1])  # a random start: means drawn from the prior
             train(model, guide, data, steps=args.grid_steps, lr=lr, batch_size=args.batch_size)
             final = evaluate(model, guide, data[2], data[3], args.num_samples)
             results[name].append({"init_scale": init_scale, "lr": lr, **final})
@@ -261,9 +282,10 @@ def markdown_tables(args, summary, grid):
     lines = [
         f"Test metrics after {args.steps} steps ({seeds}); weight std = mean posterior std "
         f"of the weights; gradient SNR = median over the weight sites' scale parameters "
-        f"({args.snr_draws} draws, TraceMeanField_ELBO) at steps {first} and {report}; "
-        f"grid = {len(args.grid_init_scales)} init_scale × {len(args.grid_lrs)} learning "
-        f"rates, {args.grid_steps} steps each.",
+        f"({args.snr_draws} draws, TraceMeanField_ELBO with the training's KL weight and "
+        f"weight noise) at steps {first} and {report}; grid = the sensitivity study (not a "
+        f"recipe): a random start at {len(args.grid_init_scales)} init_scale × "
+        f"{len(args.grid_lrs)} learning rates, {args.grid_steps} steps each.",
         "",
         "| guide | parameters | accuracy | MNLL | ECE | Brier | weight std "
         f"| SNR @{first} | SNR @{report} | grid acc ≥ {args.good_accuracy:g} "
@@ -284,7 +306,9 @@ def markdown_tables(args, summary, grid):
     configs = [(g["init_scale"], g["lr"]) for g in grid[GUIDES[0]]]
     lines += [
         "",
-        "Test accuracy over the grid (init_scale, lr):",
+        "Sensitivity study, not a recipe: test accuracy from a random start at init_scale, "
+        f"trained with fit's configuration at learning rate lr for {args.grid_steps} steps "
+        "(init_scale, lr):",
         "",
         "| guide | " + " | ".join(f"{s:g}, {lr:g}" for s, lr in configs) + " |",
         "|---|" + "---:|" * len(configs),
@@ -312,7 +336,8 @@ def plot(args, comparison, grid, summary):
 
     # Learning curves, averaged over seeds.
     keys = ("train_loss", "error_rate", "mnll", "weight_std")
-    labels = ("training loss / N (-ELBO)", "test error", "test MNLL", "posterior std of weights")
+    labels = ("training loss / N (KL-weighted -ELBO)", "test error", "test MNLL",
+              "posterior std of weights")
     fig, axes = plt.subplots(1, len(keys), figsize=(16, 3.6))
     for name in GUIDES:
         curves = [r["curve"] for r in comparison[name]]
@@ -387,6 +412,8 @@ def plot(args, comparison, grid, summary):
         ax.set_title(name, fontsize=9)
     axes[0].set_ylabel("init_scale")
     fig.colorbar(image, ax=list(axes), label="test accuracy", shrink=0.9)
+    fig.suptitle("sensitivity study, not a recipe: a random start at init_scale, fit's "
+                 f"configuration at each learning rate, {args.grid_steps} steps", fontsize=9)
     fig.savefig(os.path.join(args.out_dir, "robustness.png"), dpi=100)
     plt.close(fig)
     written.append(os.path.join(args.out_dir, "robustness.png"))
@@ -431,9 +458,8 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=32, help="hidden units")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--init-scale", type=float, default=1e-2)
+    parser.add_argument("--batch-size", type=int, default=128, help="fit's default")
+    parser.add_argument("--lr", type=float, default=FIT.lr, help="Adam's (fit's default)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--num-samples", type=int, default=100,
                         help="posterior samples of the final test metrics")
@@ -443,8 +469,10 @@ def parse_args(argv=None):
                         help="the SNR step reported in the table")
     parser.add_argument("--snr-draws", type=int, default=200,
                         help="gradient draws per SNR estimate")
-    parser.add_argument("--grid-init-scales", type=float, nargs="+", default=[1e-2, 1e-1, 1.0])
-    parser.add_argument("--grid-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 1e-1])
+    parser.add_argument("--grid-init-scales", type=float, nargs="+", default=[1e-2, 1e-1, 1.0],
+                        help="init_scale values of the sensitivity study (a random start)")
+    parser.add_argument("--grid-lrs", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1],
+                        help="learning rates of the sensitivity study")
     parser.add_argument("--grid-steps", type=int, default=500)
     parser.add_argument("--good-accuracy", type=float, default=0.9,
                         help="accuracy counted as a success on the grid")

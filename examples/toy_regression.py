@@ -1,6 +1,6 @@
 """
-Toy regression: a deep Bayesian MLP trained by SVI from a random start and from
-an I-BLM start, in the spirit of Figure 1 of Rossi et al. [1].
+Toy regression: a deep Bayesian MLP trained from a random start and from an
+I-BLM start, in the spirit of Figure 1 of Rossi et al. [1].
 
 The data are the paper's toy problem (:func:`pyro_vinit.data.toy_regression`):
 500 points :math:`x \\sim U[-10, 10]`,
@@ -8,13 +8,21 @@ The data are the paper's toy problem (:func:`pyro_vinit.data.toy_regression`):
 :math:`\\varepsilon \\sim \\mathcal N(0, e^{-2})`. The model is a 1-500-500-500-1
 tanh MLP with N(0, 1/D_in) priors (about 500,000 weights) and a Normal
 likelihood with the true noise scale :math:`e^{-1}`; the guide is AutoNormal.
-Two starts get the same SVI budget (Adam, learning rate 1e-3, minibatches of
-64, Trace_ELBO with one sample, as in [1]):
+Two starts get the same budget of :func:`~pyro_vinit.fit` steps, with fit's
+configuration (:func:`~pyro_vinit.fit_config`: Adam at 1e-3,
+TraceMeanField_ELBO, the KL term weighted by 0.01, under
+:func:`~pyro_vinit.poutine.local_reparam`, minibatches of 128):
 
 - ``random``: the weight means drawn from the prior (``init_to_sample``, the
   usual random initialization of a deterministic network) and AutoNormal's
-  default ``init_scale=0.1``;
-- ``iblm``: :func:`~pyro_vinit.initialization.init_guide_iblm`.
+  default ``init_scale=0.1``, trained by ``fit(..., init=None)``;
+- ``iblm``: fit's own start, :func:`~pyro_vinit.initialization.init_guide_iblm`
+  with fit's options (stds capped at a tenth of the prior's) except for its
+  rows per unit: 128 (``--iblm-batch-size``) instead of fit's 512, which here
+  means all 500 points and gives a poor start on this network (see the
+  tutorial page). ``fit(model, guide, (x, y), init_options={"batch_size":
+  128})`` runs the same I-BLM itself; the script runs it first, to plot the
+  start, and then calls ``fit(..., init=None)``.
 
 The script plots the predictive mean ± 2 standard deviations (weight
 uncertainty plus the likelihood noise) on a grid over the data, right after
@@ -25,7 +33,7 @@ Usage::
 
     python examples/toy_regression.py            # a few minutes on 2 cores
     python examples/toy_regression.py --quick    # smoke run, seconds
-    python examples/toy_regression.py --kl-warmup 1000   # KL weight from 0 to 1
+    python examples/toy_regression.py --kl-weight 1   # the full ELBO, for comparison
 
 [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
 Bayes for Deep Models"
@@ -38,22 +46,20 @@ import time
 
 import pyro
 import torch
-from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer import Predictive
 from pyro.infer.autoguide import AutoNormal, init_to_sample
 from torch import nn
-from tqdm import tqdm
 
-from pyro_vinit import init_guide_iblm
+from pyro_vinit import FitConfig, fit, init_guide_iblm
 from pyro_vinit.data import toy_function, toy_regression
 from pyro_vinit.metrics import regression_metrics
 from pyro_vinit.nn import BayesianRegressor, bayesianize, mlp
-from pyro_vinit.poutine import KLAnnealingMessenger
-from pyro_vinit.schedules import LinearWarmup
 
 from _outputs import save_results
 
 INITS = ["random", "iblm"]
 NOISE = math.exp(-1)  # the data's noise scale, used as the likelihood's
+FIT = FitConfig()  # fit's defaults, which every training flag below starts from
 
 
 def make_model(width, depth, num_data):
@@ -62,12 +68,15 @@ def make_model(width, depth, num_data):
                              num_data=num_data)
 
 
-def initialized_guide(init, model, x, y):
+def initialized_guide(init, model, x, y, iblm_batch_size):
     if init == "random":
         guide = AutoNormal(model, init_loc_fn=init_to_sample)
         guide(x, y)  # draws the means now, before anything else touches the RNG
     elif init == "iblm":
-        guide = init_guide_iblm(AutoNormal(model), (x, y))
+        # the I-BLM of fit(model, guide, (x, y), init_options={"batch_size": iblm_batch_size})
+        guide = init_guide_iblm(AutoNormal(model), (x, y),
+                                batch_size=min(iblm_batch_size, len(x)),
+                                max_scale_ratio=FIT.max_scale_ratio)
     else:
         raise ValueError(f"unknown init {init!r}, expected one of {INITS}")
     return guide
@@ -98,29 +107,21 @@ def train(init, data, grid, args):
     pyro.set_rng_seed(args.seed)
     model = make_model(args.width, args.depth, len(x))
     start = time.perf_counter()
-    guide = initialized_guide(init, model, x, y)
+    guide = initialized_guide(init, model, x, y, args.iblm_batch_size)
     init_seconds = time.perf_counter() - start
     before = snapshot(model, guide, data, grid, args.num_samples)
 
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": args.lr}), Trace_ELBO())
-    annealing = KLAnnealingMessenger(LinearWarmup(args.kl_warmup) if args.kl_warmup else 1.0)
-    batches = torch.Generator().manual_seed(args.seed)
-    curve = []
+    # the guide is initialized: fit trains it from there, with its configuration
     start = time.perf_counter()
-    for step in tqdm(range(args.steps + 1), desc=init, leave=False):
-        if step % args.eval_every == 0 or step == args.steps:
-            f = predict(model, guide, x_test, args.eval_samples)
-            curve.append({"step": step, **regression_metrics(y_test, loc=f, scale=NOISE)})
-        if step == args.steps:
-            break
-        idx = torch.randint(0, len(x), (args.batch_size,), generator=batches)
-        with annealing:
-            svi.step(x[idx], y[idx])
-        annealing.step()
+    history = fit(model, guide, (x, y), steps=args.steps, batch_size=args.batch_size,
+                  lr=args.lr, kl_weight=args.kl_weight, init=None,
+                  validation=(x_test, y_test), eval_every=args.eval_every,
+                  num_samples=args.eval_samples, progress=not args.quick)
     svi_seconds = time.perf_counter() - start
     after = snapshot(model, guide, data, grid, args.num_samples)
     return {"init_seconds": init_seconds, "svi_seconds": svi_seconds,
-            "step_0": before, f"step_{args.steps}": after, "curve": curve}
+            "step_0": before, f"step_{args.steps}": after,
+            "curve": [{**c, "step": int(c["step"])} for c in history.validation]}
 
 
 def plot(args, data, grid, results):
@@ -143,7 +144,7 @@ def plot(args, data, grid, results):
             ax.plot(g, toy_function(g), color="k", lw=1, ls="--", label="true f")
             ax.scatter(x, y, s=3, color="C3", alpha=0.5, label="training data")
             ax.plot(g, mean, color="C0", lw=1.8, label="predictive mean")
-            when = "after init" if stage == "step_0" else f"after {args.steps} SVI steps"
+            when = "after init" if stage == "step_0" else f"after {args.steps} fit steps"
             ax.set_title(f"{init}, {when}: test RMSE {r['rmse']:.2f}, MNLL {r['mnll']:.2f}",
                          fontsize=9)
             ax.set_ylim(-6, 6)
@@ -163,7 +164,7 @@ def plot(args, data, grid, results):
         for ax, key in zip(axes, ("rmse", "mnll")):
             ax.plot(steps, [c[key] for c in results[init]["curve"]], label=init)
     for ax, label in zip(axes, ("test RMSE", "test MNLL")):
-        ax.set_xlabel("SVI step (Adam, lr 1e-3)" if args.lr == 1e-3 else "SVI step")
+        ax.set_xlabel(f"fit step (Adam, lr {args.lr:g}, KL weight {args.kl_weight:g})")
         ax.set_ylabel(label)
     axes[0].legend()
     fig.tight_layout()
@@ -207,10 +208,13 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=500)
     parser.add_argument("--depth", type=int, default=3, help="hidden layers")
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--kl-warmup", type=int, default=0,
-                        help="steps over which the KL weight grows from 0 to 1 (0: full ELBO)")
+    parser.add_argument("--lr", type=float, default=FIT.lr, help="Adam's (fit's default)")
+    parser.add_argument("--batch-size", type=int, default=128, help="fit's default")
+    parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
+                        help="the weight of the KL term (fit's default; 1: the full ELBO)")
+    parser.add_argument("--iblm-batch-size", type=int, default=128,
+                        help="I-BLM's rows per unit (fit's default, 512, is all 500 points "
+                        "here and gives a poor start)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-samples", type=int, default=16,
                         help="posterior samples of the learning-curve metrics")
