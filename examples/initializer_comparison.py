@@ -11,10 +11,8 @@ recipe users get (:func:`~pyro_vinit.fit_config`: Adam at 1e-3,
 TraceMeanField_ELBO, the KL term weighted by 0.01, under
 :func:`~pyro_vinit.poutine.local_reparam`, minibatches of 128), so the
 comparison is of starts under one recipe. The ``iblm`` start is fit's own:
-:func:`~pyro_vinit.init_guide_iblm` with fit's options (512 rows per unit,
-stds capped at a tenth of the prior's; on ``toy`` fit's 512 rows, all 500
-points, give a poor start, which ``--iblm-batch-size 128`` avoids, see
-``docs/tutorials/toy_regression.rst``). MAP gets the wall-clock time I-BLM
+:func:`~pyro_vinit.init_guide_iblm` with fit's options (512 rows per unit, at
+most half the data, stds capped at a tenth of the prior's). MAP gets the wall-clock time I-BLM
 took on the same seed, so the two data-driven starts cost the same. The
 test metrics come from fit's validation (the Monte Carlo predictive).
 
@@ -79,8 +77,7 @@ def run_fit(problem, method, data, seed, *, steps, eval_every, num_samples, batc
     x, y, x_test, y_test = data
     model, guide = make(problem, data, seed)
     if method == "iblm":  # the I-BLM that fit(model, guide, (x, y)) runs, with its options
-        options = dict(batch_size=min(iblm_rows, len(x)),
-                       max_scale_ratio=FIT.max_scale_ratio)
+        options = FitConfig(iblm_batch_size=iblm_rows).iblm_options(len(x))
     else:  # LSUV's data batch as in the paper's protocol; map_steps: map_seconds alone limits MAP
         options = dict(batch_size=iblm_batch_size(problem), map_steps=10**6,
                        map_seconds=map_seconds)
@@ -102,7 +99,8 @@ def compare_fit(problem, data, *, repeats, progress, **settings):
     time on the same seed. The mean curves and mean initialization times."""
     # pay one-time costs (imports, first solves) outside the timed initializations
     _, guide = make(problem, data, 0)
-    init_guide(guide, data[:2], method="iblm", batch_size=min(FIT.iblm_batch_size, len(data[0])))
+    init_guide(guide, data[:2], method="iblm",
+               batch_size=FIT.iblm_options(len(data[0]))["batch_size"])
     init_guide(guide, data[:2], method="map", map_steps=2)
     curves, init_seconds, iblm_seconds = {}, {}, {}
     for method in METHODS:  # I-BLM first: MAP's budget is its time

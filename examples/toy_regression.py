@@ -18,11 +18,11 @@ TraceMeanField_ELBO, the KL term weighted by 0.01, under
   default ``init_scale=0.1``, trained by ``fit(..., init=None)``;
 - ``iblm``: fit's own start, :func:`~pyro_vinit.initialization.init_guide_iblm`
   with fit's options (stds capped at a tenth of the prior's) except for its
-  rows per unit: 128 (``--iblm-batch-size``) instead of fit's 512, which here
-  means all 500 points and gives a poor start on this network (see the
-  tutorial page). ``fit(model, guide, (x, y), init_options={"batch_size":
-  128})`` runs the same I-BLM itself; the script runs it first, to plot the
-  start, and then calls ``fit(..., init=None)``.
+  rows per unit: 128 (``--iblm-batch-size``) instead of fit's 250 (512, at
+  most half the data), a slightly better start here (see the tutorial
+  page). ``fit(model, guide, (x, y), init_options={"batch_size": 128})``
+  runs the same I-BLM itself; the script runs it first, to plot the start,
+  and then calls ``fit(..., init=None)``.
 
 The script plots the predictive mean ± 2 standard deviations (weight
 uncertainty plus the likelihood noise) on a grid over the data, right after
@@ -213,8 +213,8 @@ def parse_args(argv=None):
     parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
                         help="the weight of the KL term (fit's default; 1: the full ELBO)")
     parser.add_argument("--iblm-batch-size", type=int, default=128,
-                        help="I-BLM's rows per unit (fit's default, 512, is all 500 points "
-                        "here and gives a poor start)")
+                        help="I-BLM's rows per unit (fit's is 250 here: 512, at most half "
+                        "the data)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-samples", type=int, default=16,
                         help="posterior samples of the learning-curve metrics")

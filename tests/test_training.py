@@ -101,13 +101,36 @@ def test_second_fit_continues_without_reinit(count_iblm):
     guide = AutoKTiedNormal(model, rank=2)
     fit(model, guide, (x, y), steps=5, progress=False)
     assert len(count_iblm) == 1
-    assert count_iblm[0] == {"batch_size": 240, "max_scale_ratio": 0.1}  # 512, at most N
+    assert count_iblm[0] == {"batch_size": 120, "max_scale_ratio": 0.1}  # 512, at most N/2
     trained = snapshot()
     history = fit(model, guide, (x, y), steps=1, lr=1e-4, progress=False)
     assert len(count_iblm) == 1 and not history.initialized
     # one Adam step of size 1e-4 from where the first call ended, not a fresh start
     for name, value in snapshot().items():
         assert (value - trained[name]).abs().max() <= 1.1e-4, name
+
+
+@pytest.mark.parametrize("iblm_rows", [None, 200])
+def test_iblm_rows_leave_the_hidden_units_distinct(iblm_rows):
+    # A regression of one output on 200 points: fit's I-BLM gives each hidden unit a slab
+    # of at most half the rows. With all of them (iblm_rows=200, what fit did before), the
+    # units fit one regression, up to sign: copies of one feature.
+    g = torch.Generator().manual_seed(0)
+    x = 6 * torch.rand(200, 1, generator=g) - 3
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(200, generator=g)
+    model = BayesianRegressor(bayesianize(mlp((1, 30, 1), nn.Tanh)), noise_scale=0.1,
+                              num_data=200)
+    guide = AutoNormal(model)
+    options = None if iblm_rows is None else {"batch_size": iblm_rows}
+    fit(model, guide, (x, y), steps=1, lr=1e-6, init_options=options, progress=False)
+    w = guide.median(x, y)["net.0.weight"].abs().flatten()
+    spread = (w.std() / w.mean()).item()
+    if iblm_rows is None:
+        assert fit_config(guide).iblm_options(200) == {"batch_size": 100,
+                                                       "max_scale_ratio": 0.1}
+        assert spread > 0.2
+    else:
+        assert spread < 1e-3
 
 
 def test_guide_initialized_outside_fit_is_kept(count_iblm):
@@ -287,10 +310,8 @@ def test_fit_config_drives_an_own_loop_like_fit():
         model = classifier()
         guide = AutoKTiedNormal(model)
         order = torch.Generator().manual_seed(int(torch.randint(2**62, ()).item()))
-        defaults = training_config.FitConfig()
-        init_guide_iblm(guide, (x, y), batch_size=min(defaults.iblm_batch_size, len(x)),
-                        max_scale_ratio=defaults.max_scale_ratio)
         config = fit_config(guide)
+        init_guide_iblm(guide, (x, y), **config.iblm_options(len(x)))
         svi = pyro.infer.SVI(model, guide, config.optimizer(), config.elbo())
         losses, epoch = [], torch.randperm(240, generator=order)
         for idx in epoch.split(120):

@@ -49,7 +49,8 @@ class FitConfig:
         :func:`~pyro_vinit.poutine.flipout`), or None.
     :param float max_scale_ratio: I-BLM's cap on the guide's standard
         deviations, relative to the prior's.
-    :param int iblm_batch_size: I-BLM's rows per unit.
+    :param int iblm_batch_size: I-BLM's rows per unit, at most half the
+        data (:meth:`iblm_options`).
     """
 
     lr: float = 1e-3
@@ -58,6 +59,14 @@ class FitConfig:
     weight_noise: Optional[Callable[[], ContextManager[Any]]] = None
     max_scale_ratio: Optional[float] = 0.1
     iblm_batch_size: int = 512
+
+    def iblm_options(self, num_data: int) -> Dict[str, Any]:
+        """The options of :func:`~pyro_vinit.init_guide_iblm` for ``num_data``
+        rows: ``max_scale_ratio``, and ``iblm_batch_size`` rows per unit but at
+        most half of them, so that the hidden units' slabs differ (with every
+        row, the units of a target column would fit one regression)."""
+        return {"batch_size": max(1, min(self.iblm_batch_size, num_data // 2)),
+                "max_scale_ratio": self.max_scale_ratio}
 
     def optimizer(self) -> PyroOptim:
         """A fresh ``pyro.optim.Adam`` at :attr:`lr`."""
@@ -106,12 +115,14 @@ def fit_config(
     0.01, under :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal
     guides (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
     :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal and no handler
-    for other guides; before training, I-BLM with 512 rows per unit and the
-    standard deviations capped at 0.1 times the prior's.
+    for other guides; before training, I-BLM with
+    :meth:`FitConfig.iblm_options` (512 rows per unit, at most half the data,
+    and the standard deviations capped at 0.1 times the prior's).
 
     Usage::
 
-        config = fit_config(guide)  # after init_guide_iblm(guide, data, max_scale_ratio=0.1)
+        config = fit_config(guide)
+        init_guide_iblm(guide, (x, y), **config.iblm_options(len(x)))
         svi = SVI(model, guide, config.optimizer(), config.elbo())
         with config.handlers():
             svi.step(x, y)

@@ -109,8 +109,8 @@ def fit(
     :param int num_particles: Particles of the ELBO.
     :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
     :param dict init_options: Keyword options of
-        :func:`~pyro_vinit.init_guide_iblm`, over fit's (``batch_size=512``,
-        ``max_scale_ratio=0.1``).
+        :func:`~pyro_vinit.init_guide_iblm`, over fit's
+        (:meth:`FitConfig.iblm_options`).
     :param tuple validation: An ``(x, y)`` pair evaluated every
         ``eval_every`` steps and after the last one.
     :param int eval_every: Steps between evaluations (default a tenth of the run).
@@ -193,8 +193,7 @@ def fit(
         history.loss = list(resumed["loss"])
         history.validation = list(resumed["validation"])
     elif init == "iblm" and not initialized:
-        options = {"batch_size": min(defaults.iblm_batch_size, num_data),
-                   "max_scale_ratio": defaults.max_scale_ratio, **(init_options or {})}
+        options = {**defaults.iblm_options(num_data), **(init_options or {})}
         init_data = batches.pair if batches.pair is not None else batches.loader
         init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
         history.initialized = True
