@@ -148,12 +148,15 @@ class FitHistory:
         ``"mnll"`` and ``"error_rate"`` (a Categorical likelihood) or
         ``"rmse"`` (a Normal one).
     :ivar bool initialized: Whether this call initialized the guide with I-BLM.
+    :ivar bool captured: Whether this call took its steps through
+        :class:`CapturedSVI`.
     :ivar FitConfig config: The configuration it trained with.
     """
 
     loss: List[float] = field(default_factory=list)
     validation: List[Dict[str, float]] = field(default_factory=list)
     initialized: bool = False
+    captured: bool = False
     config: FitConfig = field(default_factory=FitConfig)
 
     @property
