@@ -124,14 +124,18 @@ def test_capture_none_counts_the_steps_left_after_a_checkpoint(monkeypatch, tmp_
     assert not resumed.captured and resumed.steps == 16
 
 
-def test_capture_none_default_on_cpu():
-    threshold = training_loop._CAPTURE_MIN_STEPS["cpu"]
-    assert training_loop._use_capture(None, 400, torch.device("cpu")) is (
-        threshold is not None and threshold <= 400)
-    assert training_loop._use_capture(True, 1, torch.device("cpu"))
-    assert not training_loop._use_capture(False, 10**6, torch.device("cpu"))
-    if not torch.cuda.is_available():  # no CUDA: never the CUDA rule
-        assert not training_loop._use_capture(None, 10**6, torch.device("cuda"))
+def test_capture_none_rule_is_the_documented_one(monkeypatch):
+    # the measured rule of docs/methods/training.rst: never on a CPU, on CUDA from 500 steps
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not training_loop._use_capture(None, 10**6, cpu)
+    assert training_loop._use_capture(True, 1, cpu)
+    assert not training_loop._use_capture(False, 10**6, cpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert training_loop._use_capture(None, 500, cuda)
+    assert not training_loop._use_capture(None, 499, cuda)
+    assert not training_loop._use_capture(False, 10**6, cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not training_loop._use_capture(None, 10**6, cuda)  # no CUDA: not the CUDA rule
 
 
 def test_bad_capture_is_refused_before_anything_changes():
