@@ -51,11 +51,10 @@ from pyro_vinit.training.config import (
 __all__ = ["fit"]
 
 #: The fewest steps of one call for which ``capture=None`` takes the captured step,
-#: by device type; None: never. From the break-even of the tracing step against the
-#: time the replayed step saves on the race's problems (benchmarks/bench_fit_capture.py,
-#: docs/methods/training.rst): on CUDA 226-440 steps; on a CPU the replayed step was
-#: slower on two of the three, so it never pays there.
-_CAPTURE_MIN_STEPS: Dict[str, Optional[int]] = {"cpu": None, "cuda": 500}
+#: by device type (None: never): above the break-even of the tracing step against the
+#: time the replayed step saves, measured on the race's problems at 143-227 steps
+#: (benchmarks/bench_fit_capture.py, docs/methods/training.rst).
+_CAPTURE_MIN_STEPS: Dict[str, Optional[int]] = {"cpu": 250, "cuda": 200}
 
 
 def _use_capture(capture: Optional[bool], steps: int, device: torch.device) -> bool:
@@ -145,10 +144,10 @@ def fit(
     :param int checkpoint_every: Steps between checkpoints (default: only at the end).
     :param bool capture: Take the steps through :class:`CapturedSVI` (the
         step traced once and replayed: the same losses under the same seed);
-        None (default) does where it pays for its tracing: on CUDA, for a call
-        of 500 steps or more; on a CPU, never (see the "Training" method
-        page). Batches of another shape than the first (an epoch's last,
-        partial batch) take the eager step.
+        None (default) does where it pays for its tracing: for a call of 250
+        steps or more on a CPU, 200 on CUDA (see the "Training" method page).
+        Batches of another shape than the first (an epoch's last, partial
+        batch) take the eager step.
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------

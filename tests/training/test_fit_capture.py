@@ -125,17 +125,19 @@ def test_capture_none_counts_the_steps_left_after_a_checkpoint(monkeypatch, tmp_
 
 
 def test_capture_none_rule_is_the_documented_one(monkeypatch):
-    # the measured rule of docs/methods/training.rst: never on a CPU, on CUDA from 500 steps
+    # the measured rule of docs/methods/training.rst: from 250 steps on a CPU, 200 on CUDA
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not training_loop._use_capture(None, 10**6, cpu)
+    assert training_loop._use_capture(None, 250, cpu)
+    assert not training_loop._use_capture(None, 249, cpu)
     assert training_loop._use_capture(True, 1, cpu)
     assert not training_loop._use_capture(False, 10**6, cpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert training_loop._use_capture(None, 500, cuda)
-    assert not training_loop._use_capture(None, 499, cuda)
+    assert training_loop._use_capture(None, 200, cuda)
+    assert not training_loop._use_capture(None, 199, cuda)
     assert not training_loop._use_capture(False, 10**6, cuda)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not training_loop._use_capture(None, 10**6, cuda)  # no CUDA: not the CUDA rule
+    assert not training_loop._use_capture(None, 10**6, torch.device("meta"))  # no rule
 
 
 def test_bad_capture_is_refused_before_anything_changes():
