@@ -125,10 +125,10 @@ def test_capture_none_counts_the_steps_left_after_a_checkpoint(monkeypatch, tmp_
 
 
 def test_capture_none_rule_is_the_documented_one(monkeypatch):
-    # the measured rule of docs/methods/training.rst: from 250 steps on a CPU, 200 on CUDA
+    # the measured rule of docs/methods/training.rst: from 300 steps on a CPU, 200 on CUDA
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert training_loop._use_capture(None, 250, cpu)
-    assert not training_loop._use_capture(None, 249, cpu)
+    assert training_loop._use_capture(None, 300, cpu)
+    assert not training_loop._use_capture(None, 299, cpu)
     assert training_loop._use_capture(True, 1, cpu)
     assert not training_loop._use_capture(False, 10**6, cpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
