@@ -1,6 +1,6 @@
 """
 :class:`GroupedAdam`: a Pyro optimizer that steps all the parameters of a call
-with one multi-tensor ``torch.optim.Adam``.
+with one fused ``torch.optim.Adam``.
 """
 
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional
@@ -31,9 +31,10 @@ def _check_args(what: str, args: Any, allowed: FrozenSet[str]) -> Dict[str, Any]
 class GroupedAdam(PyroOptim):
     r"""
     Adam [1] as a Pyro optimizer whose step updates all the parameters of a
-    call together, with one multi-tensor (``foreach``) ``torch.optim.Adam``,
-    where ``pyro.optim.Adam`` keeps one optimizer per parameter and steps them
-    one after the other. The update is Adam's,
+    call together, with one ``torch.optim.Adam`` (its fused kernel on CPU and
+    CUDA, its ``foreach`` one elsewhere), where ``pyro.optim.Adam`` keeps one
+    optimizer per parameter and steps them one after the other. The update
+    is Adam's,
 
     .. math::
 
