@@ -12,6 +12,12 @@ the median of its per-round ratios, the range is over the rounds. Also the
 time of the tracing step (the second step of a fresh ``CapturedSVI``) and the
 size of its graph.
 
+Also *fit's step*, as :func:`~pyro_vinit.fit` runs it (the handlers of
+``fit_config(guide).handlers()``, entered afresh each step: the KL weight and
+``local_reparam()``), eager ``SVI`` with ``pyro.optim.Adam`` and with
+:class:`~pyro_vinit.GroupedAdam` (all parameters in one fused Adam step), and
+``CapturedSVI`` with ``GroupedAdam``.
+
 Targets of issue 25 (captured ÷ bayesian-torch ``LinearReparameterization``):
 ≤ 0.8 at batch 128, ≤ 1.0 at batch 1000; tracing ≤ 2 s.
 
@@ -24,7 +30,7 @@ Usage::
 import time
 
 import pyro
-from pyro.infer import TraceMeanField_ELBO
+from pyro.infer import SVI, TraceMeanField_ELBO
 
 from benchmarks._steps import (
     BAYESIAN_TORCH,
@@ -46,7 +52,13 @@ from benchmarks.harness import (
     time_interleaved,
     write_report,
 )
-from pyro_vinit import AutoKTiedNormal, CapturedSVI, LocalReparamMessenger
+from pyro_vinit import (
+    AutoKTiedNormal,
+    CapturedSVI,
+    GroupedAdam,
+    LocalReparamMessenger,
+    fit_config,
+)
 from pyro_vinit.data import load_digits
 
 SIZES = (64, 400, 400, 10)
@@ -57,10 +69,17 @@ BT = "bayesian-torch LinearReparameterization"
 EAGER_SVI = "AutoKTiedNormal(2) + LRT, SVI"
 EAGER_NATIVE = "AutoKTiedNormal(2) + LRT, native loop"
 CAPTURED = "AutoKTiedNormal(2) + LRT, CapturedSVI"
+FIT_PYRO_ADAM = "fit's step, SVI + pyro.optim.Adam"
+FIT_GROUPED = "fit's step, SVI + GroupedAdam"
+FIT_CAPTURED = "fit's step, CapturedSVI + GroupedAdam"
 
 # (numerator, denominator, batch, target)
 TARGETS = [(CAPTURED, BT, 128, 0.8), (CAPTURED, BT, 1000, 1.0)] + [
-    (CAPTURED, eager, batch, None) for batch in BATCHES for eager in (EAGER_SVI, EAGER_NATIVE)]
+    (CAPTURED, eager, batch, None) for batch in BATCHES for eager in (EAGER_SVI, EAGER_NATIVE)
+] + [(FIT_CAPTURED, BT, 128, 0.8), (FIT_CAPTURED, BT, 1000, 1.0)] + [
+    (num, FIT_PYRO_ADAM, batch, None) for batch in BATCHES
+    for num in (FIT_GROUPED, FIT_CAPTURED)] + [
+    (FIT_CAPTURED, FIT_GROUPED, batch, None) for batch in BATCHES]
 TRACE_TARGET_S = 2.0
 
 
@@ -84,6 +103,26 @@ def captured_step(x, y, num_data, lr=1e-3):
     return step, traced
 
 
+def fit_step(x, y, num_data, optim, captured=False):
+    """One step as :func:`~pyro_vinit.fit` takes it: ``svi.step`` under
+    ``fit_config(guide).handlers()``, with ``optim``; a captured step's first
+    (eager) and second (tracing) steps are taken here."""
+    model = make_model(SIZES, num_data)
+    guide = AutoKTiedNormal(model, rank=2)
+    config = fit_config(guide)
+    svi = (CapturedSVI if captured else SVI)(model, guide, optim, config.elbo())
+
+    def step():
+        with config.handlers():
+            svi.step(x, y)
+
+    for _ in range(2 if captured else 1):
+        step()
+    if captured:
+        assert svi.num_traces == 1, svi.fallback_reason
+    return step
+
+
 def configurations(batch, x, y):
     xb, yb = x[:batch], y[:batch]
     configs = {DETERMINISTIC: deterministic_step(SIZES, xb, yb)}
@@ -94,6 +133,9 @@ def configurations(batch, x, y):
         configs[name] = make_step(model, AutoKTiedNormal(model, rank=2), xb, yb,
                                   handler=LocalReparamMessenger())
     configs[CAPTURED], traced = captured_step(xb, yb, len(x))
+    configs[FIT_PYRO_ADAM] = fit_step(xb, yb, len(x), pyro.optim.Adam({"lr": 1e-3}))
+    configs[FIT_GROUPED] = fit_step(xb, yb, len(x), GroupedAdam({"lr": 1e-3}))
+    configs[FIT_CAPTURED] = fit_step(xb, yb, len(x), GroupedAdam({"lr": 1e-3}), captured=True)
     return configs, traced
 
 

@@ -34,6 +34,7 @@ SCRIPTS = {
     "bench_captured.py": ["CapturedSVI ÷ bayesian-torch LinearReparameterization, batch 128",
                           "CapturedSVI ÷ AutoKTiedNormal(2) + LRT, SVI", "Tracing step",
                           "load average"],
+    "bench_fit_capture.py": ["digits_mlp", "break-even steps", "load average"],
 }
 
 

@@ -320,7 +320,8 @@ class CapturedSVI(SVI):
         self._captures.move_to_end(key)
         tensors = [a for a in [*args, *(kwargs[k] for k in sorted(kwargs))]
                    if isinstance(a, torch.Tensor)]
-        loss, grads = capture.graph(capture.params, tensors)
+        with torch.no_grad():  # the graph computes the gradients itself: nothing to record
+            loss, grads = capture.graph(capture.params, tensors)
         used = []
         for param, grad in zip(capture.params, grads):
             if grad is not None:

@@ -16,13 +16,13 @@ from typing import (
 )
 
 import pyro
-import torch
 from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoGuide, AutoNormal
 from pyro.optim import PyroOptim
 
 from pyro_vinit.guides import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal
 from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam
+from pyro_vinit.training.optim import GroupedAdam
 
 __all__ = ["FitConfig", "FitHistory", "fit_config", "is_initialized"]
 
@@ -69,8 +69,9 @@ class FitConfig:
                 "max_scale_ratio": self.max_scale_ratio}
 
     def optimizer(self) -> PyroOptim:
-        """A fresh ``pyro.optim.Adam`` at :attr:`lr`."""
-        return PyroOptim(torch.optim.Adam, {"lr": self.lr})
+        """A fresh :class:`~pyro_vinit.training.GroupedAdam` at :attr:`lr`: the
+        values of ``pyro.optim.Adam`` with one fused step over all parameters."""
+        return GroupedAdam({"lr": self.lr})
 
     def elbo(self) -> TraceMeanField_ELBO:
         """A fresh ``TraceMeanField_ELBO`` with :attr:`num_particles`."""
@@ -111,7 +112,7 @@ def fit_config(
 ) -> FitConfig:
     """
     The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
-    1e-3, ``TraceMeanField_ELBO`` with one particle, the KL term weighted by
+    1e-3 (:class:`GroupedAdam`), ``TraceMeanField_ELBO`` with one particle, the KL term weighted by
     0.01, under :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal
     guides (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
     :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal and no handler
@@ -158,12 +159,15 @@ class FitHistory:
         ``"mnll"`` and ``"error_rate"`` (a Categorical likelihood) or
         ``"rmse"`` (a Normal one).
     :ivar bool initialized: Whether this call initialized the guide with I-BLM.
+    :ivar bool captured: Whether this call took its steps through
+        :class:`CapturedSVI`.
     :ivar FitConfig config: The configuration it trained with.
     """
 
     loss: List[float] = field(default_factory=list)
     validation: List[Dict[str, float]] = field(default_factory=list)
     initialized: bool = False
+    captured: bool = False
     config: FitConfig = field(default_factory=FitConfig)
 
     @property

@@ -16,6 +16,7 @@ from typing import (
 )
 
 import pyro
+import torch
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoGuide
 from pyro.optim import PyroOptim
@@ -38,6 +39,7 @@ from pyro_vinit.training._support import (
     _set_up,
 )
 from pyro_vinit.training.batch_norm import update_batch_norm
+from pyro_vinit.training.captured import CapturedSVI
 from pyro_vinit.training.config import (
     FitConfig,
     FitHistory,
@@ -47,6 +49,23 @@ from pyro_vinit.training.config import (
 )
 
 __all__ = ["fit"]
+
+#: The fewest steps of one call for which ``capture=None`` takes the captured step,
+#: by device type (None: never): above the break-even of the tracing step against the
+#: time the replayed step saves, measured on the race's problems at 156-255 steps on
+#: CPUs and 143-153 on an H100 (benchmarks/bench_fit_capture.py, docs/methods/training.rst).
+_CAPTURE_MIN_STEPS: Dict[str, Optional[int]] = {"cpu": 300, "cuda": 200}
+
+
+def _use_capture(capture: Optional[bool], steps: int, device: torch.device) -> bool:
+    """Whether this call takes captured steps: as asked, or where the run is long
+    enough to pay for the tracing."""
+    if capture is not None:
+        return capture
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return False
+    threshold = _CAPTURE_MIN_STEPS.get(device.type)
+    return threshold is not None and steps >= threshold
 
 
 # ---- fit -----------------------------------------------------------------------------
@@ -72,6 +91,7 @@ def fit(
     progress: bool = True,
     checkpoint: Optional[Union[str, "os.PathLike[str]"]] = None,
     checkpoint_every: Optional[int] = None,
+    capture: Optional[bool] = None,
 ) -> FitHistory:
     r"""
     Trains a Bayesian neural network ``model(x, y)`` and its ``guide`` on
@@ -122,6 +142,12 @@ def fit(
         resumes from it (bit-identically for an ``(x, y)`` pair).
     :type checkpoint: str or os.PathLike
     :param int checkpoint_every: Steps between checkpoints (default: only at the end).
+    :param bool capture: Take the steps through :class:`CapturedSVI` (the
+        step traced once and replayed: the same losses under the same seed);
+        None (default) does where it pays for its tracing: for a call of 300
+        steps or more on a CPU, 200 on CUDA (see the "Training" method page).
+        Batches of another shape than the first (an epoch's last, partial
+        batch) take the eager step.
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------
@@ -140,6 +166,8 @@ def fit(
         _check_positive("kl_weight", kl_weight)
     if num_particles is not None:
         _check_positive("num_particles", num_particles, int)
+    if capture is not None and not isinstance(capture, bool):
+        raise TypeError(f"fit: capture must be True, False or None (automatic), got {capture!r}")
     if init not in ("iblm", None):
         raise ValueError(f"fit: init must be 'iblm' or None, got {init!r}")
     if optim is not None and not isinstance(optim, PyroOptim):
@@ -214,7 +242,13 @@ def fit(
         optim.set_state(resumed["optim"])
         batches.set_state(resumed["batches"])
         _set_rng_state(resumed["rng"])
-    svi = SVI(model, guide, optim, config.elbo())
+    elbo = config.elbo()
+    svi = SVI(model, guide, optim, elbo)
+    captured: Optional[CapturedSVI] = None
+    if _use_capture(capture, steps - done, batches.first[0].device):
+        captured = CapturedSVI(model, guide, optim, elbo)
+        history.captured = True
+    shape = (batches.first[0].shape, batches.first[1].shape)
     every = eval_every or max(1, steps // 10)
 
     # ---- train ---------------------------------------------------------------------------
@@ -228,8 +262,10 @@ def fit(
     try:
         for step in range(done + 1, steps + 1):
             xb, yb = next(batches)
+            # a batch of another shape (an epoch's last) would cost a trace of its own
+            stepper = captured if captured is not None and (xb.shape, yb.shape) == shape else svi
             with config.handlers():
-                loss = svi.step(xb, yb)
+                loss = stepper.step(xb, yb)
             if not math.isfinite(loss):
                 warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
                               stacklevel=2)
