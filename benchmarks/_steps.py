@@ -105,6 +105,7 @@ def bayesian_torch_step(layer_cls, sizes, x, y, num_data, lr=1e-3):
     """An Adam step of a ReLU MLP of bayesian-torch layers (``layer_cls``, e.g.
     ``LinearReparameterization``), negative ELBO with its closed-form KL."""
     layers = torch.nn.ModuleList(layer_cls(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+    layers.to(x.device)  # (buffers it makes with legacy constructors stay on the CPU)
     opt = torch.optim.Adam(layers.parameters(), lr=lr)
 
     def step():

@@ -88,7 +88,9 @@ def run_tests(device, quick):
         command += ["-k", "fit or metrics or mlp"]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(
+                                  os.pathsep) if p])})
     lines = (done.stdout + done.stderr).strip().splitlines()
     return {"command": " ".join(command[1:]), "returncode": done.returncode,
             "summary": lines[-1] if lines else "", "seconds": time.perf_counter() - start}
