@@ -16,7 +16,7 @@ The whole recipe of the library in one script:
    before the first SVI step;
 4. SVI with the configuration of :func:`~pyro_vinit.fit` (from
    :func:`~pyro_vinit.fit_config`): :class:`~pyro.infer.TraceMeanField_ELBO`
-   (closed-form KL) and Adam at 1e-3, each step run inside
+   (closed-form KL) and Adam at 3e-3, each step run inside
    :func:`~pyro_vinit.poutine.local_reparam` (for the radial guide
    :func:`~pyro_vinit.poutine.flipout`: a radial posterior has no Gaussian
    pre-activations to sample) and inside a

@@ -274,7 +274,7 @@ def test_fit_config_handler(guide_class, handler):
     guide = guide_class(model)
     config = fit_config(guide)
     assert config.weight_noise is handler
-    assert (config.lr, config.kl_weight, config.num_particles) == (1e-3, 0.01, 1)
+    assert (config.lr, config.kl_weight, config.num_particles) == (3e-3, 0.01, 1)
     assert (config.iblm_batch_size, config.max_scale_ratio) == (512, 0.1)
     other = fit_config(guide, lr=3e-3, kl_weight=1.0, num_particles=2)
     assert (other.lr, other.kl_weight, other.num_particles) == (3e-3, 1.0, 2)

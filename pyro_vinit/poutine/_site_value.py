@@ -22,6 +22,7 @@ from torch.distributions import Distribution
 
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._tensor_ops import (
+    NEW_LIKE,
     SHAPE_QUERIES,
     ViewOp,
     element_index,
@@ -290,6 +291,12 @@ class SiteValue(torch.Tensor):
         kwargs = kwargs or {}
         if func in SHAPE_QUERIES:
             with torch._C.DisableTorchFunctionSubclass():
+                if func in NEW_LIKE and args and isinstance(args[0], SiteValue):
+                    # from a plain stand-in: a traced step (make_fx) cannot dispatch the
+                    # subclass itself (e.g. AutoNormal's zero log-Jacobian of a weight)
+                    like = args[0]
+                    stand_in = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+                    args = (stand_in,) + tuple(args[1:])
                 return func(*args, **kwargs)
         if func == _GRAD and args[0].is_deferred:
             return None  # e.g. torch.compile's hasattr(t, "grad")

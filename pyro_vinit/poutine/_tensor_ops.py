@@ -45,6 +45,11 @@ SHAPE_QUERIES: FrozenSet[Callable[..., Any]] = frozenset({
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
 })
 
+#: The shape queries that return a new tensor like their first argument.
+NEW_LIKE: FrozenSet[Callable[..., Any]] = frozenset({
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+})
+
 #: Functions that read a tensor's data or autograd state and return no tensor
 #: (so no data flows through them).
 DATA_READS: FrozenSet[Callable[..., Any]] = frozenset({

@@ -53,7 +53,7 @@ class FitConfig:
         data (:meth:`iblm_options`).
     """
 
-    lr: float = 1e-3
+    lr: float = 3e-3
     kl_weight: float = 0.01
     num_particles: int = 1
     weight_noise: Optional[Callable[[], ContextManager[Any]]] = None
@@ -112,9 +112,10 @@ def fit_config(
 ) -> FitConfig:
     """
     The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
-    1e-3 (:class:`GroupedAdam`), ``TraceMeanField_ELBO`` with one particle, the KL term weighted by
-    0.01, under :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal
-    guides (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
+    3e-3 (:class:`GroupedAdam`), ``TraceMeanField_ELBO`` with one particle,
+    the KL term weighted by 0.01, under
+    :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal guides
+    (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
     :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal and no handler
     for other guides; before training, I-BLM with
     :meth:`FitConfig.iblm_options` (512 rows per unit, at most half the data,
