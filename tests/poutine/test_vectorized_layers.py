@@ -67,6 +67,20 @@ def test_batched_layer_equals_a_loop_over_samples(case, bias):
     assert_close(out, expected, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("x_shape, b_shape", [((7, 4), (3, 1)), ((5, 7, 4), (3, 1, 1))])
+def test_batched_layer_with_a_1d_weight_and_a_batched_bias(x_shape, b_shape):
+    # A 1-d weight (x @ w, one output and no output dim) plus a latent bias: only the bias
+    # is batched, its batch dims (3, ...) broadcast with the input's.
+    x = torch.randn(x_shape, dtype=torch.float64)
+    w = torch.randn(4, dtype=torch.float64)
+    b = torch.randn(b_shape, dtype=torch.float64)
+    out = batched_layer("linear", x, w, b, {})
+    expected = torch.stack([x @ w + b[s] for s in range(3)])
+    assert out.shape == expected.shape
+    assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    assert torch.equal(batched_layer("linear", x, w, None, {}), x @ w)
+
+
 def test_batched_layer_with_more_input_batch_dims_than_the_weight():
     # x (Q, S, N, ...) and w (S, 1, ...): output [q, s] is the layer of x[q, s] with w[s].
     S, Q = 3, 2
