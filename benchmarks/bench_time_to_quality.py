@@ -12,7 +12,9 @@ method.
 Methods:
 
 * ``ours (I-BLM)``: ``pyro_vinit.fit`` with its defaults when the package has
-  it (``--fit-chunk`` steps per call, one optimizer throughout); otherwise the
+  it (``--fit-chunk`` steps per call, one optimizer throughout: fit's
+  ``GroupedAdam`` at fit's learning rate; chunks this short step eagerly, as
+  ``capture=None`` does below 300 steps); otherwise the
   README's recipe: ``AutoKTiedNormal(rank=2)``,
   ``init_guide_iblm(batch_size=512, max_scale_ratio=0.1)`` (on the clock),
   then ``TraceMeanField_ELBO`` under ``KLAnnealingMessenger(0.1)`` and
@@ -201,7 +203,8 @@ class Ours(_PyroRunner):
         self.guide = AutoKTiedNormal(self.model, rank=2)
         if self.start == "trained":
             init_guide_pretrained(self.guide, (self.x, self.y))
-        self.optim = pyro.optim.Adam({"lr": 1e-3})
+        # fit's own optimizer (GroupedAdam at fit's learning rate), shared by the chunks
+        self.optim = pyro_vinit.fit_config(self.guide).optimizer()
         if self.use_fit:
             # one call with the chosen init, then chunks of steps sharing one optimizer
             # (a pyro.optim keeps each parameter's Adam state across calls)
