@@ -245,6 +245,7 @@ def solve_projected(layer: Layer, inputs: torch.Tensor, y: torch.Tensor,
     used = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
     used[idx.reshape(-1)] = True
     basis = principal_directions(x[used], rank)  # (d, r)
+    rank = basis.shape[1]  # fewer when the rows are fewer: their span is then exact
     z = x @ basis  # (n, r)
     squares = x * x
     batch_size = idx.shape[1]

@@ -105,6 +105,19 @@ def test_projected_solve_is_exact_when_the_input_has_that_rank():
     assert_close(scale2, scale, atol=1e-12, rtol=1e-9)
 
 
+def test_projected_solve_with_fewer_rows_than_input_rank():
+    # 12 rows, 30 inputs, input_rank 14: the rows span at most 12 directions, which the
+    # basis holds (it used to fail on the rank it did not get); the mean is then exact.
+    n, d, k = 12, 30, 2
+    x = torch.randn(n, d, dtype=F64)
+    noise = torch.rand(n, dtype=F64) + 0.2
+    y = x @ torch.randn(d, k, dtype=F64) / 5 + noise[:, None] * torch.randn(n, k, dtype=F64)
+    loc, scale = _wide_fit(x, y, noise, input_rank=None)
+    loc14, scale14 = _wide_fit(x, y, noise, input_rank=14)
+    assert_close(loc14, loc, atol=1e-9, rtol=1e-7)
+    assert_close(scale14, scale, atol=1e-12, rtol=1e-9)
+
+
 def test_principal_directions_span_the_top_singular_vectors():
     u, _ = torch.linalg.qr(torch.randn(200, 40, dtype=F64))
     v, _ = torch.linalg.qr(torch.randn(50, 40, dtype=F64))
