@@ -12,7 +12,7 @@ with this library's guide, initializer and handlers:
    passing its own shard of the training set and the process group, so that
    every rank ends with the initialization of the whole training set;
 2. the training configuration is :func:`~pyro_vinit.fit`'s
-   (:func:`~pyro_vinit.fit_config`: Adam at 1e-3, the KL term weighted by
+   (:func:`~pyro_vinit.fit_config`: Adam at 3e-3, the KL term weighted by
    0.01, I-BLM's stds capped at 0.1 × the prior's); the ELBO is a module,
    ``config.elbo()(model, guide)`` (Pyro's ``ELBOModule``), run inside a
    :class:`~pyro_vinit.poutine.KLAnnealingMessenger` and
