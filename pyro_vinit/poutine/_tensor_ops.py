@@ -32,22 +32,21 @@ def getter(name: str) -> Callable[..., Any]:
     return getter
 
 
+#: The functions that return a new tensor like their first argument (e.g. the zero
+#: log-Jacobian of an identity transform).
+NEW_LIKE: FrozenSet[Callable[..., Any]] = frozenset({
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+})
+
 #: Functions answered from a tensor's shape, dtype and device alone (a stand-in
 #: answers them without computing its value).
-SHAPE_QUERIES: FrozenSet[Callable[..., Any]] = frozenset({
+SHAPE_QUERIES: FrozenSet[Callable[..., Any]] = NEW_LIKE | frozenset({
     getter("shape"), getter("dtype"), getter("device"), getter("ndim"), getter("layout"),
     getter("is_cuda"),
     getter("is_nested"),  # read by torch.compile on every tensor it meets
     getter("is_sparse"), getter("is_quantized"), getter("is_meta"),
     _T.dim, _T.size, _T.numel, _T.nelement, _T.ndimension, _T.__len__, _T.is_floating_point,
     _T.is_complex, _T.element_size, _T.get_device,
-    # new tensors of the same shape (e.g. the zero log-Jacobian of an identity transform)
-    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
-})
-
-#: The shape queries that return a new tensor like their first argument.
-NEW_LIKE: FrozenSet[Callable[..., Any]] = frozenset({
-    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
 })
 
 #: Functions that read a tensor's data or autograd state and return no tensor
