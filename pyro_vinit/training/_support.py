@@ -188,6 +188,20 @@ def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
         _set_rng_state(rng)
 
 
+def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
+                 what: str) -> Any:
+    """The trace of ``model(x, y)`` run in :func:`_sandbox`; any error of the
+    user's model is raised again, saying that it failed on ``what``."""
+    with _sandbox(model):
+        try:
+            return poutine.trace(model).get_trace(x, y)
+        except Exception as e:  # the user's model: any error, said with context
+            raise ValueError(
+                f"fit: the model fails on {what} (x {tuple(x.shape)} {x.dtype}, "
+                f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
+            ) from e
+
+
 def _check_targets(site: Any, y: torch.Tensor) -> None:
     """The targets' dtype fits the likelihood of the observed ``site``."""
     fn = _base(site["fn"])
@@ -206,14 +220,8 @@ def _check_targets(site: Any, y: torch.Tensor) -> None:
 def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> None:
     """The model runs on the validation data and gives one log-density a row."""
     x, y = batch[0][:chunk], batch[1][:chunk]
-    with _sandbox(model):
-        try:
-            trace = poutine.trace(model).get_trace(x, y)
-        except Exception as e:  # the user's model: any error, said with context
-            raise ValueError(
-                f"fit: the model fails on the validation data (x {tuple(x.shape)} {x.dtype}, "
-                f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
-            ) from e
+    trace = _trial_trace(model, x, y, "the validation data")
+    with torch.no_grad():
         for site in trace.nodes.values():
             if site["type"] != "sample" or not site["is_observed"]:
                 continue
@@ -237,14 +245,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> None
             f"fit: the model was built with num_data={declared} but the data has {num_data} "
             f"rows; build it with num_data={num_data}"
         )
-    with _sandbox(model):
-        try:
-            trace = poutine.trace(model).get_trace(x, y)
-        except Exception as e:  # the user's model: any error, said with context
-            raise ValueError(
-                f"fit: the model fails on the first batch (x {tuple(x.shape)} {x.dtype}, "
-                f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
-            ) from e
+    trace = _trial_trace(model, x, y, "the first batch")
     observed = [s for s in trace.nodes.values() if s["type"] == "sample" and s["is_observed"]]
     if not observed:
         raise ValueError(
