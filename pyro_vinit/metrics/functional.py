@@ -73,6 +73,26 @@ def _calibration_from_sums(
     return Calibration(ece, edges, confidence, accuracy, count)
 
 
+def _is_regression(logits: Optional[torch.Tensor], probs: Optional[torch.Tensor],
+                   loc: Optional[torch.Tensor], scale: Union[float, torch.Tensor, None],
+                   what: str) -> bool:
+    """Whether a metric is asked for a regression (``loc=``, ``scale=``) rather
+    than a classification (``logits=`` / ``probs=``); a mix, or one of ``loc``
+    and ``scale`` alone, is refused, naming ``what`` needs them."""
+    if loc is None and scale is None:
+        return False
+    if logits is not None or probs is not None:
+        raise ValueError(
+            "pass either logits=/probs= (classification) or loc=, scale= (regression)"
+        )
+    if loc is None or scale is None:
+        raise ValueError(
+            f"{what} needs both loc= (per-sample means) and scale= (the likelihood's "
+            "standard deviation)"
+        )
+    return True
+
+
 def predictive_probs(
     *,
     logits: Optional[torch.Tensor] = None,
@@ -130,16 +150,8 @@ def mnll(
     :type scale: float or torch.Tensor
     :return: A 0-dim tensor.
     """
-    if loc is not None or scale is not None:
-        if logits is not None or probs is not None:
-            raise ValueError(
-                "pass either logits=/probs= (classification) or loc=, scale= (regression)"
-            )
-        if loc is None or scale is None:
-            raise ValueError(
-                "regression MNLL needs both loc= (per-sample means) and scale= (the likelihood's "
-                "standard deviation)"
-            )
+    if _is_regression(logits, probs, loc, scale, "regression MNLL"):
+        assert loc is not None and scale is not None
         scale = _regression_inputs(y, loc, scale)
         return _regression_nll(y, loc, scale).mean()
     log_probs, y = _class_log_probs(y, logits, probs)
@@ -310,16 +322,8 @@ def uncertainty_decomposition(
     [3] Houlsby, Huszár, Ghahramani, Lengyel (2011) "Bayesian Active Learning
     for Classification and Preference Learning"
     """
-    if loc is not None or scale is not None:
-        if logits is not None or probs is not None:
-            raise ValueError(
-                "pass either logits=/probs= (classification) or loc=, scale= (regression)"
-            )
-        if loc is None or scale is None:
-            raise ValueError(
-                "the regression decomposition needs both loc= (per-sample means) and scale= "
-                "(the likelihood's standard deviation)"
-            )
+    if _is_regression(logits, probs, loc, scale, "the regression decomposition"):
+        assert loc is not None and scale is not None
         scale = _regression_inputs(None, loc, scale)
         aleatoric = scale.pow(2).expand(loc.shape).mean(0)
         # the variance of the S-sample mixture: divide by S, not S - 1
