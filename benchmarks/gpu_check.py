@@ -4,17 +4,20 @@ under 8 minutes on one H100: (a) the test suite's device-aware tests (those
 taking the ``device`` fixture: ``pytest -m device --device cuda``); (b) the step
 times of a Bayesian ReLU MLP 64→w→w→10 on the device: a deterministic network,
 bayesian-torch ``LinearReparameterization``, ``AutoKTiedNormal(rank=2)`` +
-``local_reparam()`` through ``SVI`` (eager) and through
-:class:`~pyro_vinit.CapturedSVI` (replayed), and NumPyro's ``AutoNormal`` with a
-``jax.jit`` step where NumPyro is installed, at batch 128 and 1024 and widths 400
-and 2000, plus I-BLM's initialization time; (c) the float32 agreement of the
-captured and eager steps under the same seed (loss and gradients, largest
-relative difference over four steps).
+``local_reparam()`` with fit's optimizer (``GroupedAdam``) through ``SVI``
+(eager), through :class:`~pyro_vinit.CapturedSVI` replayed operator by operator
+(``cuda_graph=False``) and replayed as a CUDA graph (its default on CUDA), and
+NumPyro's ``AutoNormal`` with a ``jax.jit`` step where NumPyro is installed, at
+batch 128 and 1024 and widths 400 and 2000, plus the capture's cost (the tracing
+step's time and the graph's memory) and I-BLM's initialization time; (c) the
+float32 agreement of the captured and eager steps under the same seed (loss and
+gradients, largest relative difference over four steps). Last, where time is
+left, an exploratory row: the traced graph compiled by ``torch.compile``
+(inductor, ``mode="reduce-overhead"``) at width 400, batch 128.
 
 Synthetic data (no download); the timings are interleaved rounds
-(``benchmarks/harness.py``), each step ending in a device synchronization. The
-replay runs the traced graph op by op (no CUDA graph yet). Prints tables and
-writes ``gpu_check.json`` / ``.md`` into ``--out``.
+(``benchmarks/harness.py``), each step ending in a device synchronization.
+Prints tables and writes ``gpu_check.json`` / ``.md`` into ``--out``.
 
 Usage::
 
@@ -49,13 +52,21 @@ from benchmarks.harness import (
     time_interleaved,
     write_report,
 )
-from pyro_vinit import AutoKTiedNormal, CapturedSVI, LocalReparamMessenger, init_guide_iblm
+from pyro_vinit import (
+    AutoKTiedNormal,
+    CapturedSVI,
+    GroupedAdam,
+    LocalReparamMessenger,
+    init_guide_iblm,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DETERMINISTIC = "nn (deterministic)"
 BT = "bayesian-torch LinearReparameterization"
 EAGER = "AutoKTiedNormal(2) + LRT, SVI (eager)"
-CAPTURED = "AutoKTiedNormal(2) + LRT, CapturedSVI (replayed)"
+REPLAYED = "AutoKTiedNormal(2) + LRT, CapturedSVI (op by op)"
+CAPTURED = "AutoKTiedNormal(2) + LRT, CapturedSVI (CUDA graph)"
+COMPILED = "the traced graph through torch.compile (reduce-overhead)"
 NUMPYRO = "NumPyro AutoNormal, jax.jit"
 #: float32 agreement of the captured and eager steps (relative, largest over 4 steps)
 AGREEMENT_RTOL = 1e-4
@@ -96,22 +107,44 @@ def run_tests(device, quick):
             "summary": lines[-1] if lines else "", "seconds": time.perf_counter() - start}
 
 
+def _make_svi(kind, sizes, num_data, device):
+    model = make_model(sizes, num_data).to(device)
+    guide = AutoKTiedNormal(model, rank=2)
+    optim, elbo = GroupedAdam({"lr": 1e-3}), TraceMeanField_ELBO()
+    if kind == EAGER:
+        return SVI(model, guide, optim, elbo)
+    return CapturedSVI(model, guide, optim, elbo, cuda_graph=False if kind == REPLAYED else None)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _pyro_steps(sizes, x, y, num_data, device):
-    steps = {}
-    for name, cls in ((EAGER, SVI), (CAPTURED, CapturedSVI)):
-        model = make_model(sizes, num_data).to(device)
-        svi = cls(model, AutoKTiedNormal(model, rank=2), pyro.optim.Adam({"lr": 1e-3}),
-                  TraceMeanField_ELBO())
+    """Our three steps, and the capture's cost: the tracing step's seconds and the
+    memory it keeps (CUDA: allocated bytes after it, less before it)."""
+    steps, cost = {}, {}
+    for name in (EAGER, REPLAYED, CAPTURED):
+        svi = _make_svi(name, sizes, num_data, device)
         handler = LocalReparamMessenger()
 
         def step(svi=svi, handler=handler):
             with handler:
                 svi.step(x, y)
 
-        for _ in range(2):  # the captured step's eager and tracing steps
-            step()
+        step()  # the eager first step (creates the parameters)
+        _sync(device)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        start = time.perf_counter()
+        step()  # the captured steps trace here
+        _sync(device)
+        if name != EAGER:
+            cost[name] = {"trace_seconds": time.perf_counter() - start, "memory_mib": (
+                torch.cuda.memory_allocated(device) - before) / 2**20
+                if device.type == "cuda" else None}
         steps[name] = step
-    return steps
+    return steps, cost
 
 
 def numpyro_step(sizes, batch):
@@ -164,7 +197,8 @@ def step_times(device, batches, widths, args):
                 configs = {DETERMINISTIC: deterministic_step(sizes, x, y)}
             if BAYESIAN_TORCH is not None:
                 configs[BT] = _on_device_bt(sizes, x, y, num_data, device)
-            configs.update(_pyro_steps(sizes, x, y, num_data, device))
+            ours, cost = _pyro_steps(sizes, x, y, num_data, device)
+            configs.update(ours)
             jit = numpyro_step(sizes, batch)
             if jit is not None:
                 configs[NUMPYRO] = jit
@@ -172,9 +206,11 @@ def step_times(device, batches, widths, args):
             t = time_interleaved(configs, rounds=args.rounds, block=args.block,
                                  warmup=args.warmup)
             ms = {name: t.median(name) * 1e3 for name in t.names}
-            row = {"width": width, "batch": batch, "ms": ms}
+            row = {"width": width, "batch": batch, "ms": ms, "capture_cost": cost}
             if BT in ms:
                 row["captured_over_bt"] = t.ratio(CAPTURED, BT).median
+            if NUMPYRO in ms:
+                row["captured_over_numpyro"] = t.ratio(CAPTURED, NUMPYRO).median
             row["captured_over_eager"] = t.ratio(CAPTURED, EAGER).median
             rows.append(row)
             print(f"  width {width}, batch {batch} done", flush=True)
@@ -221,7 +257,7 @@ def agreement(device, width, batch, steps=4):
     gradients (float32, the same seed)."""
     x, y = _data(batch, device, seed=2)
     recorded = []
-    for cls in (SVI, CapturedSVI):
+    for cls in (SVI, CapturedSVI):  # CapturedSVI: a CUDA graph on CUDA
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
         model = make_model((64, width, width, 10), 10 * batch).to(device)
@@ -245,29 +281,84 @@ def agreement(device, width, batch, steps=4):
             "agree": worst <= AGREEMENT_RTOL}
 
 
+def compiled_step(device, width, batch, args):
+    """Exploratory: the traced graph through ``torch.compile(mode="reduce-overhead")``
+    (inductor's fused kernels in a CUDA graph), timed beside our CUDA-graph step."""
+    x, y = _data(batch, device)
+    sizes, num_data = (64, width, width, 10), 10 * batch
+    ours, _ = _pyro_steps(sizes, x, y, num_data, device)
+    svi = _make_svi(REPLAYED, sizes, num_data, device)
+    handler = LocalReparamMessenger()
+    for _ in range(2):
+        with handler:
+            svi.step(x, y)
+    (capture,) = svi._captures.values()
+    compiled = torch.compile(capture.graph, mode="reduce-overhead")
+    start = time.perf_counter()
+    for _ in range(3):  # compiling, recording, replaying
+        compiled(capture.params, [x, y])
+    _sync(device)
+    compile_seconds = time.perf_counter() - start
+    capture.graph = compiled
+
+    def step():
+        with handler:
+            svi.step(x, y)
+
+    configs = {name: _synced(f, device) for name, f in
+               ((CAPTURED, ours[CAPTURED]), (COMPILED, step))}
+    t = time_interleaved(configs, rounds=args.rounds, block=args.block, warmup=args.warmup)
+    return {"width": width, "batch": batch, "compile_seconds": compile_seconds,
+            "ms": {name: t.median(name) * 1e3 for name in t.names},
+            "compiled_over_captured": t.ratio(COMPILED, CAPTURED).median}
+
+
+def _compiled_lines(compiled):
+    if not compiled:
+        return []
+    if "error" in compiled:
+        return [f"torch.compile of the traced graph: failed ({compiled['error']}).", ""]
+    ms, ratio = compiled["ms"], compiled["compiled_over_captured"]
+    return [f"Exploratory, width {compiled['width']}, batch {compiled['batch']}: the traced "
+            f"graph through torch.compile (reduce-overhead) {ms[COMPILED]:.2f} ms a step against "
+            f"the CUDA graph's {ms[CAPTURED]:.2f} ms (ratio {ratio:.2f}), "
+            f"after {compiled['compile_seconds']:.0f} s of compiling.", ""]
+
+
 def report(results, host):
     lines = [f"# gpu-check on {results['device']}", "",
              f"Device-aware tests: {results['tests']['summary']} "
              f"(exit status {results['tests']['returncode']}, "
              f"{results['tests']['seconds']:.0f} s)", ""]
-    names = [DETERMINISTIC, BT, EAGER, CAPTURED, NUMPYRO]
-    table = []
+    names = [DETERMINISTIC, BT, EAGER, REPLAYED, CAPTURED, NUMPYRO]
+    table, costs = [], []
     for row in results["steps"]:
         ms = row["ms"]
         table.append([row["width"], row["batch"],
                       *[f"{ms[n]:.2f}" if n in ms else "—" for n in names],
                       f"{row.get('captured_over_bt', float('nan')):.2f}",
+                      f"{row.get('captured_over_numpyro', float('nan')):.2f}",
                       f"{row['captured_over_eager']:.2f}"])
+        for name, cost in row["capture_cost"].items():
+            memory = cost["memory_mib"]
+            costs.append([row["width"], row["batch"], name, f"{cost['trace_seconds']:.2f}",
+                          "—" if memory is None else f"{memory:.1f}"])
     lines.append(markdown_table(["width", "batch", *[f"{n} (ms)" for n in names],
-                                 "captured ÷ bayesian-torch", "captured ÷ eager"], table))
+                                 "CUDA graph ÷ bayesian-torch", "CUDA graph ÷ NumPyro",
+                                 "CUDA graph ÷ eager"], table))
     if results["bayesian_torch"] is None:
         lines += ["", BAYESIAN_TORCH_MISSING]
+    lines += ["", "The capture's cost: the tracing step (eager step, trace, capture) and the "
+              "memory it keeps.", "",
+              markdown_table(["width", "batch", "step", "tracing step (s)", "memory (MiB)"],
+                             costs)]
     iblm = ", ".join(f"width {w}: {s:.2f} s" for w, s in results["iblm_seconds"].items())
     a = results["agreement"]
     lines += ["", f"I-BLM initialization (batch 512): {iblm}.", "",
               f"Captured vs eager, float32, same seed: largest relative difference "
               f"{a['max_relative_difference']:.2e} (≤ {a['rtol']}: "
               f"{'agree' if a['agree'] else 'DISAGREE'}).", "",
+              *_compiled_lines(results.get("compiled")),
               f"torch {host['torch']}, Pyro {host['pyro']}, bayesian-torch "
               f"{results['bayesian_torch'] or 'not installed'}; {results['seconds']:.0f} s in all."]
     return "\n".join(lines)
@@ -293,8 +384,19 @@ def main(args):
                "tests": tests, "steps": steps, "iblm_seconds": iblm, "agreement": agree,
                "seconds": time.perf_counter() - start}
     text = report(results, host)
-    print(text)
+    print(text, flush=True)
     write_report(result_stem(args, "gpu_check"), results, text, host_start=host)
+    if device.type == "cuda" and not args.quick and not args.no_compile:
+        # last, after the report is written: the compile time is not known beforehand
+        try:
+            with pyro.validation_enabled(False):
+                results["compiled"] = compiled_step(device, widths[0], batches[0], args)
+        except Exception as error:  # exploratory: record why, keep the check's verdict
+            results["compiled"] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        results["seconds"] = time.perf_counter() - start
+        text = report(results, host)
+        print(_compiled_lines(results["compiled"])[0], flush=True)
+        write_report(result_stem(args, "gpu_check"), results, text, host_start=host)
     ok = tests["returncode"] == 0 and agree["agree"]
     return results if ok else sys.exit(1)
 
@@ -302,4 +404,6 @@ def main(args):
 if __name__ == "__main__":
     parser = make_parser(__doc__, timing=(5, 10, 3))
     parser.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the exploratory torch.compile row")
     main(parse_args(parser, quick={"rounds": 1, "block": 1, "warmup": 1}))

@@ -113,6 +113,7 @@ def test_captured_step_equals_eager_step(problem, device):
     losses, grads, buffers, _ = eager
     c_losses, c_grads, c_buffers, svi = captured
     assert svi.num_traces == 1 and svi.fallback_reason is None
+    assert _replays_cuda_graph(svi) == (device.type == "cuda")
     assert _close(losses, c_losses), (losses, c_losses)
     assert len(set(losses)) == len(losses)  # a fresh draw (and parameter) every step
     for step, (g, c) in enumerate(zip(grads, c_grads)):
@@ -124,9 +125,14 @@ def test_captured_step_equals_eager_step(problem, device):
         assert _close(buffers[name].double(), c_buffers[name].double()), name
 
 
-def test_replays_draw_afresh_and_follow_the_seed():
+def _replays_cuda_graph(svi):
+    (capture,) = svi._captures.values()
+    return type(capture.graph).__name__ == "_CudaGraphReplay"
+
+
+def test_replays_draw_afresh_and_follow_the_seed(device):
     pyro.set_rng_seed(0)
-    model, make_guide, data, handler = _mlp("cpu")
+    model, make_guide, data, handler = _mlp(device)
     svi = CapturedSVI(model, make_guide(model), PyroOptim(torch.optim.SGD, {"lr": 0.0}),
                       TraceMeanField_ELBO())
     for _ in range(2):
@@ -163,6 +169,75 @@ def test_new_signature_retraces():
     (eager, _), (captured, svi) = results
     assert svi.num_traces == 2 and svi.fallback_reason is None
     assert _close(eager, captured)
+
+
+def test_each_step_reads_its_own_data(device):
+    # the same shapes, new values: a replay reads each step's batch (on CUDA, copied
+    # into the graph's static inputs)
+    torch.set_default_dtype(torch.float64)
+    try:
+        results = []
+        for cls in (SVI, CapturedSVI):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            model, make_guide, (x, y), handler = _mlp(device)
+            batches = [(x[:16], y[:16]), (x[16:], y[16:])]
+            svi = cls(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO())
+            with handler():
+                losses = [svi.step(*batches[i % 2]) for i in range(6)]
+            results.append((losses, svi))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    (eager, _), (captured, svi) = results
+    assert svi.num_traces == 1 and svi.fallback_reason is None
+    assert _close(eager, captured), (eager, captured)
+
+
+def test_cpu_draw_in_a_cuda_step_replays_op_by_op(device):
+    # a subsampled plate draws its indices on the CPU: a CUDA graph would freeze them
+    torch.set_default_dtype(torch.float64)
+    try:
+        x = torch.randn(40, 3, device=device)
+        y = x.sum(-1)
+
+        def model(x, y):
+            w = pyro.sample("w", dist.Normal(torch.zeros(3, device=device), 1.0).to_event(1))
+            with pyro.plate("data", 40, subsample_size=8) as idx:
+                pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
+
+        results = []
+        for cls in (SVI, CapturedSVI):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            svi = cls(model, AutoNormal(model), pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses = [svi.step(x, y) for _ in range(5)]
+            results.append((losses, svi, [str(w.message) for w in caught]))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    (eager, _, _), (captured, svi, caught) = results
+    assert svi.num_traces == 1 and svi.fallback_reason is None
+    assert _close(eager, captured), (eager, captured)
+    assert len(set(captured)) == len(captured)
+    op_by_op = [m for m in caught if "operator by operator" in m]
+    if device.type == "cuda":
+        assert len(op_by_op) == 1 and "randperm" in op_by_op[0]
+        assert not _replays_cuda_graph(svi)
+    else:
+        assert not op_by_op
+
+
+def test_cuda_graph_required_off_cuda_is_refused_before_the_step():
+    if torch.cuda.is_available():
+        pytest.skip("tests the refusal where the data is off CUDA")
+    model, make_guide, (x, y), handler = _mlp("cpu")
+    svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO(), cuda_graph=True)
+    with handler(), pytest.raises(ValueError, match="one CUDA device"):
+        svi.step(x, y)
+    assert len(pyro.get_param_store()) == 0 and svi.num_traces == 0
 
 
 def test_kl_weight_change_retraces():
@@ -251,6 +326,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="max_signatures"):
         CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO(),
                     max_signatures=0)
+    with pytest.raises(ValueError, match="cuda_graph must be None, True or False"):
+        CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO(),
+                    cuda_graph="yes")
 
 
 def test_dead_buffers_are_reused_only_where_safe():

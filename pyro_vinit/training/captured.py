@@ -154,6 +154,59 @@ class _Capture:
         self.params = params
 
 
+def _describe(error: Exception) -> str:
+    message = str(error).splitlines()
+    return f"{type(error).__name__}: {message[0] if message else ''}"
+
+
+def _off_device(graph: torch.fx.GraphModule, device: torch.device) -> Optional[str]:
+    """
+    The first operator of ``graph`` that a CUDA graph on ``device`` would run
+    only once, at capture, or None: a random draw off ``device`` (a CPU
+    ``randperm`` of a subsampled plate, say) or any off-device tensor with
+    elements. A CPU scalar computed from constants is the same at every step.
+    """
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        vals = node.meta.get("val")
+        random = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+        for val in vals if isinstance(vals, (tuple, list)) else (vals,):
+            if isinstance(val, torch.Tensor) and val.device != device and (
+                    random or val.dim() > 0):
+                return f"{node.target} computes on {val.device}"
+    return None
+
+
+class _CudaGraphReplay:
+    """
+    A traced step replayed as one CUDA graph: the data tensors are copied into
+    static inputs, the graph is launched once, and its loss and gradients are
+    static outputs, overwritten by the next replay. Random draws stay fresh:
+    PyTorch's CUDA generator hands each replay the next offsets of its stream.
+    """
+
+    def __init__(self, graph: Callable[..., Any], params: List[torch.Tensor],
+                 tensors: List[torch.Tensor], device: torch.device) -> None:
+        self.inputs = [t.detach().clone() for t in tensors]
+        self.cuda_graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad():
+            with torch.cuda.stream(side):  # warm-up (lazy library state) off the capture
+                graph(params, self.inputs)
+            torch.cuda.current_stream(device).wait_stream(side)
+            with torch.cuda.graph(self.cuda_graph):
+                self.outputs = graph(params, self.inputs)
+
+    def __call__(self, params: List[torch.Tensor], tensors: List[torch.Tensor]) -> Any:
+        for static, value in zip(self.inputs, tensors):
+            if static.data_ptr() != value.data_ptr():
+                static.copy_(value)
+        self.cuda_graph.replay()
+        return self.outputs
+
+
 def _setting_key(value: Any, depth: int = 0) -> Hashable:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -209,6 +262,8 @@ class CapturedSVI(SVI):
     than :class:`~pyro.infer.Trace_ELBO` or
     :class:`~pyro.infer.TraceMeanField_ELBO`, more than ``max_signatures``
     signatures), it warns once and runs every later step as ``SVI`` does.
+    On CUDA the graph is replayed as a CUDA graph: one launch a step, the
+    gradients handed to the optimizer are the graph's static outputs.
 
     Python code of the model runs only while tracing: a model that changes
     its structure without a sign in its sites or its handlers' floats (e.g.
@@ -226,6 +281,12 @@ class CapturedSVI(SVI):
     :param ~pyro.infer.ELBO loss: ``Trace_ELBO`` or ``TraceMeanField_ELBO``
         (another ELBO falls back to ``SVI``'s step).
     :param int max_signatures: Graphs kept; one more signature falls back.
+    :param bool cuda_graph: Replay each graph as one CUDA graph (its
+        operators launched at once, data copied into static inputs). The
+        default, None, does so where the parameters and tensor arguments
+        all live on one CUDA device and warns once where the step cannot be
+        captured (e.g. a random draw on the CPU); True requires it, False
+        replays operator by operator.
     """
 
     def __init__(
@@ -236,6 +297,7 @@ class CapturedSVI(SVI):
         loss: ELBO,
         *,
         max_signatures: int = 8,
+        cuda_graph: Optional[bool] = None,
     ) -> None:
         if not isinstance(loss, ELBO):
             raise TypeError(
@@ -246,8 +308,12 @@ class CapturedSVI(SVI):
                 or max_signatures < 1:
             raise ValueError(f"CapturedSVI: max_signatures must be an int >= 1, got "
                              f"{max_signatures!r}")
+        if cuda_graph not in (None, True, False):
+            raise ValueError(f"CapturedSVI: cuda_graph must be None, True or False, got "
+                             f"{cuda_graph!r}")
         super().__init__(model, guide, optim, loss)  # type: ignore[no-untyped-call]
         self.max_signatures = max_signatures
+        self.cuda_graph = cuda_graph
         self._elbo = loss
         self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
         self._eager_sites: Dict[Hashable, Structure] = {}
@@ -293,6 +359,9 @@ class CapturedSVI(SVI):
         """
         if self.fallback_reason is not None:
             return self._eager_step(args, kwargs)
+        if self.cuda_graph:  # before anything runs: the data must be on one CUDA device
+            self._graph_device([], [a for a in [*args, *kwargs.values()]
+                                    if isinstance(a, torch.Tensor)])
         key = self._signature(args, kwargs)
         if key is None:
             self._fall_back("an argument that is neither a tensor nor hashable")
@@ -356,6 +425,7 @@ class CapturedSVI(SVI):
 
         params = self._eager_params[key]
         tensors = [a for a in [*args, *(kwargs[k] for k in names)] if isinstance(a, torch.Tensor)]
+        device = self._graph_device(params, tensors)
         buffers = self._buffers()
         saved = [b.detach().clone() for b in buffers]
         cpu_rng = torch.get_rng_state()
@@ -366,17 +436,56 @@ class CapturedSVI(SVI):
                 graph = make_fx(loss_and_grads)(params, tensors)
         except Exception as error:  # data-dependent Python, an ELBO that reads scalars, ...
             self._restore(buffers, saved, cpu_rng, cuda_rng)
-            self._fall_back(f"the step could not be traced ({type(error).__name__}: "
-                            f"{str(error).splitlines()[0] if str(error) else ''})")
+            self._fall_back(f"the step could not be traced ({_describe(error)})")
             return None
         self._restore(buffers, saved, cpu_rng, cuda_rng)
         if recorder.structure != self._eager_sites[key]:
             self._fall_back("the model's or guide's sites changed from one step to the next")
             return None
         _reuse_dead_buffers(graph)
-        capture = _Capture(graph, params)
+        replay: Callable[..., Any] = graph
+        if device is not None:
+            try:
+                replay = self._capture_cuda_graph(graph, params, tensors, device)
+            finally:
+                self._restore(buffers, saved, cpu_rng, cuda_rng)  # the warm-up run's updates
+        capture = _Capture(replay, params)
         self._captures[key] = capture
         return capture
+
+    def _graph_device(self, params: List[torch.Tensor],
+                      tensors: List[torch.Tensor]) -> Optional[torch.device]:
+        """The CUDA device to replay on as a CUDA graph, or None."""
+        if self.cuda_graph is False:
+            return None
+        devices = {t.device for t in [*params, *tensors]}
+        device = devices.pop() if len(devices) == 1 else None
+        if device is None or device.type != "cuda":
+            if self.cuda_graph:
+                raise ValueError(
+                    f"CapturedSVI(cuda_graph=True): the step's parameters and tensor "
+                    f"arguments must all be on one CUDA device, found on "
+                    f"{sorted(str(d) for d in {t.device for t in [*params, *tensors]})}; "
+                    "move the model and data there, or leave cuda_graph=None")
+            return None
+        return device
+
+    def _capture_cuda_graph(self, graph: torch.fx.GraphModule, params: List[torch.Tensor],
+                            tensors: List[torch.Tensor],
+                            device: torch.device) -> Callable[..., Any]:
+        """``graph`` as a CUDA graph, or (with one warning) ``graph`` itself."""
+        reason = _off_device(graph, device)
+        if reason is None:
+            try:
+                return _CudaGraphReplay(graph, params, tensors, device)
+            except Exception as error:  # an operator that cannot be captured
+                reason = _describe(error)
+        if self.cuda_graph:
+            raise RuntimeError(f"CapturedSVI(cuda_graph=True): the step cannot be replayed as "
+                               f"a CUDA graph ({reason})")
+        warnings.warn(f"CapturedSVI: the step is replayed operator by operator, not as a CUDA "
+                      f"graph ({reason})", RuntimeWarning, stacklevel=4)
+        return graph
 
     def _buffers(self) -> List[torch.Tensor]:
         found: Dict[int, torch.Tensor] = {}
