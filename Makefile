@@ -83,6 +83,7 @@ bench: $(STAMP)
 GPU_PYTHON ?= python3
 GPU_WHEELS ?= gpu-wheels
 GPU_DEPS ?= .gpu-deps
+GPU_CHECK_ARGS ?=
 
 gpu-wheels: $(STAMP)
 	$(BIN)/pip download -q --no-deps -d $(GPU_WHEELS) pyro-ppl==$$($(BIN)/python -c \
@@ -91,7 +92,7 @@ gpu-wheels: $(STAMP)
 
 gpu-check:
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --target $(GPU_DEPS) $(GPU_WHEELS)/*.whl
-	PYTHONPATH=$(CURDIR):$(CURDIR)/$(GPU_DEPS) $(GPU_PYTHON) -m benchmarks.gpu_check --device cuda
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(GPU_DEPS) $(GPU_PYTHON) -m benchmarks.gpu_check --device cuda $(GPU_CHECK_ARGS)
 
 # The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into
 # docs/_static/reproduce/. About 23 minutes of CPU time on one thread.
