@@ -135,14 +135,20 @@ def _pyro_steps(sizes, x, y, num_data, device):
 
         step()  # the eager first step (creates the parameters)
         _sync(device)
-        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
         step()  # the captured steps trace here
         _sync(device)
         if name != EAGER:
-            cost[name] = {"trace_seconds": time.perf_counter() - start, "memory_mib": (
-                torch.cuda.memory_allocated(device) - before) / 2**20
-                if device.type == "cuda" else None}
+            cost[name] = {"trace_seconds": time.perf_counter() - start, "memory_mib": None,
+                          "peak_memory_mib": None}
+            if device.type == "cuda":  # kept by the graph (its pool), and the peak
+                cost[name]["memory_mib"] = (torch.cuda.memory_allocated(device)
+                                            - before) / 2**20
+                cost[name]["peak_memory_mib"] = (torch.cuda.max_memory_allocated(device)
+                                                 - before) / 2**20
         steps[name] = step
     return steps, cost
 
@@ -295,8 +301,9 @@ def compiled_step(device, width, batch, args):
     (capture,) = svi._captures.values()
     compiled = torch.compile(capture.graph, mode="reduce-overhead")
     start = time.perf_counter()
-    for _ in range(3):  # compiling, recording, replaying
-        compiled(capture.params, [x, y])
+    with torch.no_grad():  # as CapturedSVI calls its graph: nothing for autograd
+        for _ in range(3):  # compiling, recording, replaying
+            compiled(capture.params, [x, y])
     _sync(device)
     compile_seconds = time.perf_counter() - start
     capture.graph = compiled
@@ -341,17 +348,20 @@ def report(results, host):
                       f"{row['captured_over_eager']:.2f}"])
         for name, cost in row["capture_cost"].items():
             memory = cost["memory_mib"]
+            peak = cost["peak_memory_mib"]
             costs.append([row["width"], row["batch"], name, f"{cost['trace_seconds']:.2f}",
-                          "—" if memory is None else f"{memory:.1f}"])
+                          "—" if memory is None else f"{memory:.1f}",
+                          "—" if peak is None else f"{peak:.1f}"])
     lines.append(markdown_table(["width", "batch", *[f"{n} (ms)" for n in names],
                                  "CUDA graph ÷ bayesian-torch", "CUDA graph ÷ NumPyro",
                                  "CUDA graph ÷ eager"], table))
     if results["bayesian_torch"] is None:
         lines += ["", BAYESIAN_TORCH_MISSING]
-    lines += ["", "The capture's cost: the tracing step (eager step, trace, capture) and the "
-              "memory it keeps.", "",
-              markdown_table(["width", "batch", "step", "tracing step (s)", "memory (MiB)"],
-                             costs)]
+    lines += ["", "The capture's cost: the tracing step's time (trace, warm-up, capture, "
+              "replay) and memory (kept after it, and its peak, over what the eager first "
+              "step left).", "",
+              markdown_table(["width", "batch", "step", "tracing step (s)", "kept (MiB)",
+                              "peak (MiB)"], costs)]
     iblm = ", ".join(f"width {w}: {s:.2f} s" for w, s in results["iblm_seconds"].items())
     a = results["agreement"]
     lines += ["", f"I-BLM initialization (batch 512): {iblm}.", "",

@@ -139,6 +139,7 @@ def test_replays_draw_afresh_and_follow_the_seed(device):
         with handler():
             svi.step(*data)
     assert svi.num_traces == 1
+    assert _replays_cuda_graph(svi) == (device.type == "cuda")
     with handler():
         pyro.set_rng_seed(5)
         first = [svi.step(*data) for _ in range(3)]
@@ -191,6 +192,7 @@ def test_each_step_reads_its_own_data(device):
         torch.set_default_dtype(torch.float32)
     (eager, _), (captured, svi) = results
     assert svi.num_traces == 1 and svi.fallback_reason is None
+    assert _replays_cuda_graph(svi) == (device.type == "cuda")
     assert _close(eager, captured), (eager, captured)
 
 
@@ -227,6 +229,29 @@ def test_cpu_draw_in_a_cuda_step_replays_op_by_op(device):
         assert not _replays_cuda_graph(svi)
     else:
         assert not op_by_op
+
+
+def test_only_varying_off_device_operators_block_a_cuda_graph():
+    # placeholders on "the device" (meta here), other work on the CPU
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from pyro_vinit.training.captured import _off_device
+
+    meta = torch.device("meta")
+
+    def constant_on_cpu(p):
+        return p * 2, torch.arange(5) + 1, torch.tensor(())
+
+    def draw_on_cpu(p):
+        return p * 2, torch.randperm(5)[:3] + 1
+
+    def scalar_draw_on_cpu(p):
+        return p * torch.ones(()), torch.rand(()) * 2
+
+    p = torch.ones(3, device=meta)
+    assert _off_device(make_fx(constant_on_cpu)(p), meta) is None
+    assert "randperm" in _off_device(make_fx(draw_on_cpu)(p), meta)
+    assert "rand" in _off_device(make_fx(scalar_draw_on_cpu)(p), meta)
 
 
 def test_cuda_graph_required_off_cuda_is_refused_before_the_step():

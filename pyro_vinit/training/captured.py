@@ -162,19 +162,25 @@ def _describe(error: Exception) -> str:
 def _off_device(graph: torch.fx.GraphModule, device: torch.device) -> Optional[str]:
     """
     The first operator of ``graph`` that a CUDA graph on ``device`` would run
-    only once, at capture, or None: a random draw off ``device`` (a CPU
-    ``randperm`` of a subsampled plate, say) or any off-device tensor with
-    elements. A CPU scalar computed from constants is the same at every step.
+    only once, at capture, though its value changes from step to step, or
+    None: an operator off ``device`` that draws at random (a CPU
+    ``randperm`` of a subsampled plate, say) or reads such a draw or an
+    input. Off-device values of constants alone (Pyro's plate asks
+    ``torch.arange(size)`` on the CPU) are the same at every step.
     """
+    varying: Set[torch.fx.Node] = set()
     for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            varying.add(node)
         if node.op != "call_function":
             continue
-        vals = node.meta.get("val")
-        random = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-        for val in vals if isinstance(vals, (tuple, list)) else (vals,):
-            if isinstance(val, torch.Tensor) and val.device != device and (
-                    random or val.dim() > 0):
-                return f"{node.target} computes on {val.device}"
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) or any(
+                n in varying for n in node.all_input_nodes):
+            varying.add(node)
+            vals = node.meta.get("val")
+            for val in vals if isinstance(vals, (tuple, list)) else (vals,):
+                if isinstance(val, torch.Tensor) and val.device != device and val.numel():
+                    return f"{node.target} computes on {val.device}"
     return None
 
 
