@@ -53,8 +53,9 @@ __all__ = ["fit"]
 #: The fewest steps of one call for which ``capture=None`` takes the captured step,
 #: by device type (None: never): above the break-even of the tracing step against the
 #: time the replayed step saves, measured on the race's problems at 156-255 steps on
-#: CPUs and 143-153 on an H100 (benchmarks/bench_fit_capture.py, docs/methods/training.rst).
-_CAPTURE_MIN_STEPS: Dict[str, Optional[int]] = {"cpu": 300, "cuda": 200}
+#: CPUs and 57 on an H100 with the CUDA-graph replay (benchmarks/bench_fit_capture.py,
+#: docs/methods/training.rst).
+_CAPTURE_MIN_STEPS: Dict[str, Optional[int]] = {"cpu": 300, "cuda": 100}
 
 
 def _use_capture(capture: Optional[bool], steps: int, device: torch.device) -> bool:
@@ -145,7 +146,7 @@ def fit(
     :param bool capture: Take the steps through :class:`CapturedSVI` (the
         step traced once and replayed: the same losses under the same seed);
         None (default) does where it pays for its tracing: for a call of 300
-        steps or more on a CPU, 200 on CUDA (see the "Training" method page).
+        steps or more on a CPU, 100 on CUDA (see the "Training" method page).
         Batches of another shape than the first (an epoch's last, partial
         batch) take the eager step.
     :return: A :class:`FitHistory`.
