@@ -12,9 +12,11 @@ method.
 Methods:
 
 * ``ours (I-BLM)``: ``pyro_vinit.fit`` with its defaults when the package has
-  it (``--fit-chunk`` steps per call, one optimizer throughout: fit's
-  ``GroupedAdam`` at fit's learning rate; chunks this short step eagerly, as
-  ``capture=None`` does below 300 steps); otherwise the
+  it: one call of ``fit`` for I-BLM and the first step, then the steps of a
+  long ``fit`` call one at a time, as a user's own loop takes them with
+  ``fit_config``: fit's ELBO, handlers and optimizer (``GroupedAdam`` at
+  fit's learning rate) through :class:`~pyro_vinit.CapturedSVI` (which a
+  long ``fit`` call uses; its tracing step on the clock); otherwise the
   README's recipe: ``AutoKTiedNormal(rank=2)``,
   ``init_guide_iblm(batch_size=512, max_scale_ratio=0.1)`` (on the clock),
   then ``TraceMeanField_ELBO`` under ``KLAnnealingMessenger(0.1)`` and
@@ -190,10 +192,10 @@ class Ours(_PyroRunner):
     package has it (``use_fit``), else the README's loop."""
 
     def __init__(self, make_net, x, y, batch_size, start="iblm", pretrain_epochs=0,
-                 use_fit=False, fit_chunk=25):
+                 use_fit=False):
         super().__init__(make_net, x, y, batch_size)
         self.start, self.pretrain_epochs = start, pretrain_epochs
-        self.use_fit, self.fit_chunk = use_fit, fit_chunk
+        self.use_fit = use_fit
 
     def setup(self):
         net = self.make_net()
@@ -203,14 +205,17 @@ class Ours(_PyroRunner):
         self.guide = AutoKTiedNormal(self.model, rank=2)
         if self.start == "trained":
             init_guide_pretrained(self.guide, (self.x, self.y))
-        # fit's own optimizer (GroupedAdam at fit's learning rate), shared by the chunks
+        # fit's own optimizer (GroupedAdam at fit's learning rate), for every step
         self.optim = pyro_vinit.fit_config(self.guide).optimizer()
         if self.use_fit:
-            # one call with the chosen init, then chunks of steps sharing one optimizer
-            # (a pyro.optim keeps each parameter's Adam state across calls)
+            # one call with the chosen init, then fit's configuration step by step,
+            # captured as a long fit call takes its steps
             init = "iblm" if self.start == "iblm" else None
             pyro_vinit.fit(self.model, self.guide, (self.x, self.y), steps=1,
                            batch_size=self.batch_size, optim=self.optim, init=init, progress=False)
+            self.config = pyro_vinit.fit_config(self.guide)
+            captured = getattr(pyro_vinit, "CapturedSVI", SVI)  # an older package: eager
+            self.svi = captured(self.model, self.guide, self.optim, self.config.elbo())
             return
         if self.start == "iblm":
             init_guide_iblm(self.guide, (self.x, self.y), batch_size=512, max_scale_ratio=0.1)
@@ -218,9 +223,8 @@ class Ours(_PyroRunner):
 
     def step(self):
         if self.use_fit:
-            pyro_vinit.fit(self.model, self.guide, (self.x, self.y), steps=self.fit_chunk,
-                           batch_size=self.batch_size, optim=self.optim, init=None,
-                           progress=False)
+            with self.config.handlers():
+                self.svi.step(*self._batch())
             return
         with KLAnnealingMessenger(0.1), local_reparam():
             self.svi.step(*self._batch())
@@ -229,11 +233,10 @@ class Ours(_PyroRunner):
 def make_runner(method, spec, data, args):
     x, y = data[0], data[1]
     if method == OURS:
-        return Ours(spec["net"], x, y, BATCH_SIZE, use_fit=args.use_fit, fit_chunk=args.fit_chunk)
+        return Ours(spec["net"], x, y, BATCH_SIZE, use_fit=args.use_fit)
     if method == OURS_TRAINED:
         return Ours(spec["net"], x, y, BATCH_SIZE, start="trained",
-                    pretrain_epochs=spec["pretrain_epochs"], use_fit=args.use_fit,
-                    fit_chunk=args.fit_chunk)
+                    pretrain_epochs=spec["pretrain_epochs"], use_fit=args.use_fit)
     if method == "Pyro AutoNormal":
         return PyroAutoNormal(spec["net"], x, y, BATCH_SIZE)
     if method == "bayesian-torch":
@@ -518,8 +521,6 @@ def parse_args(argv=None):
                         help="ours through pyro_vinit.fit (the default when the package has it)")
     parser.add_argument("--no-fit", dest="use_fit", action="store_false",
                         help="ours through the README loop")
-    parser.add_argument("--fit-chunk", type=int, default=25,
-                        help="steps per pyro_vinit.fit call between evaluations")
     parser.add_argument("--numpyro-python", default=os.environ.get(
         "NUMPYRO_PYTHON", os.path.join(ROOT, ".venv-numpyro", "bin", "python")),
         help="the Python of an environment with jax and NumPyro")
