@@ -1,11 +1,14 @@
+import contextlib
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
-from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoNormal
+from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoGuideList, AutoNormal
+from pyro.nn import PyroModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -15,7 +18,7 @@ import pyro_vinit.training.loop as training_loop
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, fit, fit_config, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
-from pyro_vinit.poutine import flipout, local_reparam
+from pyro_vinit.poutine import flipout, local_reparam, weight_noise
 from pyro_vinit.training import FitHistory, is_initialized, update_batch_norm
 
 
@@ -280,6 +283,50 @@ def test_fit_config_handler(guide_class, handler):
     assert (other.lr, other.kl_weight, other.num_particles) == (3e-3, 1.0, 2)
     with pytest.raises(ValueError, match="kl_weight"):
         fit_config(guide, kl_weight=0.0)
+
+
+class _NoisyRegressor(PyroModule):
+    """A Bayesian MLP regression with a latent noise scale (the forum's style)."""
+
+    def __init__(self, num_data):
+        super().__init__()
+        self.net = bayesianize(mlp((5, 16, 1)))
+        self.num_data = num_data
+
+    def forward(self, x, y=None):
+        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+        mean = pyro.deterministic("mean", self.net(x).squeeze(-1))
+        with pyro.plate("data", self.num_data, subsample=torch.arange(len(x))):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+
+
+def test_fit_config_guide_list_takes_each_sites_weight_noise():
+    x = torch.randn(120, 5)
+    y = x.sum(-1) + 0.1 * torch.randn(120)
+    model = _NoisyRegressor(len(x))
+    guide = AutoGuideList(model)
+    guide.append(AutoKTiedNormal(pyro.poutine.block(model, hide=["sigma"]), rank=2))
+    guide.append(AutoNormal(pyro.poutine.block(model, expose=["sigma"])))
+    config = fit_config(guide)
+    assert config.weight_noise is weight_noise
+    assert fit_config(AutoGuideList(model)).weight_noise is None  # no member: no handler
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # I-BLM names the member it leaves alone
+        history = fit(model, guide, (x, y), steps=20, batch_size=40, progress=False,
+                      validation=(x[:40], y[:40]))
+    assert all(math.isfinite(v) for v in history.loss)
+    # pyro.deterministic's site is no likelihood: the one of "obs" gives the RMSE
+    assert {"mnll", "rmse"} <= set(history.validation[-1])
+    # under fit's handlers every example draws its own weights (LRT): one input
+    # repeated gives different outputs; without them, one draw for the batch
+    same = x[:1].expand(8, 5)
+    means = []
+    for handlers in (config.handlers, contextlib.nullcontext):
+        with handlers():
+            guide_trace = pyro.poutine.trace(guide).get_trace(same)
+            means.append(pyro.poutine.trace(pyro.poutine.replay(model, trace=guide_trace))
+                         .get_trace(same).nodes["mean"]["value"])
+    assert means[0].std() > 1e-2 and means[1].std() < 1e-5
 
 
 def test_fit_config_handlers_weight_the_kl_term():

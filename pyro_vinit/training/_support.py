@@ -217,14 +217,19 @@ def _check_targets(site: Any, y: torch.Tensor) -> None:
         )
 
 
+def _likelihoods(trace: poutine.Trace) -> List[Any]:
+    """The observed sample sites of a model's trace, less ``pyro.deterministic``'s
+    records (observed ``Delta`` sites)."""
+    return [site for site in trace.nodes.values() if site["type"] == "sample"
+            and site["is_observed"] and not (site["infer"] or {}).get("_deterministic")]
+
+
 def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> None:
     """The model runs on the validation data and gives one log-density a row."""
     x, y = batch[0][:chunk], batch[1][:chunk]
     trace = _trial_trace(model, x, y, "the validation data")
     with torch.no_grad():
-        for site in trace.nodes.values():
-            if site["type"] != "sample" or not site["is_observed"]:
-                continue
+        for site in _likelihoods(trace):
             _check_targets(site, y)
             fn: Any = site["fn"]
             log_prob = cast(torch.Tensor, fn.log_prob(site["value"]))
@@ -246,7 +251,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> None
             f"rows; build it with num_data={num_data}"
         )
     trace = _trial_trace(model, x, y, "the first batch")
-    observed = [s for s in trace.nodes.values() if s["type"] == "sample" and s["is_observed"]]
+    observed = _likelihoods(trace)
     if not observed:
         raise ValueError(
             "fit: the model has no observed sample site when called as model(x, y); it must "
@@ -299,8 +304,7 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
                 xc, yc = x[start:start + chunk], y[start:start + chunk]
                 trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(xc, yc)
                 lp = xc.new_zeros(xc.shape[0])
-                observed = [s for s in trace.nodes.values()
-                            if s["type"] == "sample" and s["is_observed"]]
+                observed = _likelihoods(trace)
                 for site in observed:
                     fn: Any = site["fn"]
                     site_lp = cast(torch.Tensor, fn.log_prob(site["value"]))

@@ -17,11 +17,11 @@ from typing import (
 
 import pyro
 from pyro.infer import TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoGuide, AutoNormal
+from pyro.infer.autoguide import AutoGuide, AutoGuideList, AutoNormal
 from pyro.optim import PyroOptim
 
 from pyro_vinit.guides import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal
-from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam
+from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam, weight_noise
 from pyro_vinit.training.optim import GroupedAdam
 
 __all__ = ["FitConfig", "FitHistory", "fit_config", "is_initialized"]
@@ -94,6 +94,9 @@ def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], Co
         return flipout
     if isinstance(guide, (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal)):
         return local_reparam
+    if isinstance(guide, AutoGuideList) and any(
+            _default_weight_noise(member) is not None for member in guide):
+        return weight_noise  # each site its own strategy: LRT or Flipout by its family
     return None
 
 
@@ -116,8 +119,10 @@ def fit_config(
     the KL term weighted by 0.01, under
     :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal guides
     (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
-    :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal and no handler
-    for other guides; before training, I-BLM with
+    :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal,
+    :func:`~pyro_vinit.poutine.weight_noise` (each site's strategy chosen by
+    its distribution) for an ``AutoGuideList`` with a member of those, and
+    no handler for other guides; before training, I-BLM with
     :meth:`FitConfig.iblm_options` (512 rows per unit, at most half the data,
     and the standard deviations capped at 0.1 times the prior's).
 
