@@ -35,6 +35,7 @@ SCRIPTS = {
                           "CapturedSVI ÷ AutoKTiedNormal(2) + LRT, SVI", "Tracing step",
                           "load average"],
     "bench_fit_capture.py": ["digits_mlp", "break-even steps", "load average"],
+    "gpu_step_breakdown.py": ["where the time goes", "optimizer (ms)", "| 400 | 16 |"],
 }
 
 
