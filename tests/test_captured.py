@@ -172,6 +172,32 @@ def test_new_signature_retraces():
     assert _close(eager, captured)
 
 
+def test_input_of_another_layout_retraces():
+    # the same shape, non-contiguous: the graph's view of the first layout would fail
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(6), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x.reshape(x.shape[0], -1) @ w, 1.0), obs=y)
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, y = torch.randn(8, 2, 3), torch.randn(8)
+        transposed = torch.randn(8, 3, 2).transpose(1, 2)
+        assert transposed.shape == x.shape and not transposed.is_contiguous()
+        results = []
+        for cls in (SVI, CapturedSVI):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            svi = cls(model, AutoNormal(model), pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+            results.append(([svi.step(xb, y) for xb in (x, x, x, transposed, transposed, x)],
+                            svi))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    (eager, _), (captured, svi) = results
+    assert svi.num_traces == 2 and svi.fallback_reason is None
+    assert _close(eager, captured), (eager, captured)
+
+
 def test_each_step_reads_its_own_data(device):
     # the same shapes, new values: a replay reads each step's batch (on CUDA, copied
     # into the graph's static inputs)
@@ -354,6 +380,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="cuda_graph must be None, True or False"):
         CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO(),
                     cuda_graph="yes")
+    for value in (0, 1):  # equal to False and True, but not a bool: refused, not "automatic"
+        with pytest.raises(ValueError, match="cuda_graph must be None, True or False"):
+            CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO(),
+                        cuda_graph=value)
 
 
 def test_dead_buffers_are_reused_only_where_safe():

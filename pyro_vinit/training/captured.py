@@ -245,7 +245,7 @@ class CapturedSVI(SVI):
     ELBO's loss and the gradients of the parameters, as ``loss.backward()``
     computes them, become one graph of aten operations
     (``torch.fx.experimental.proxy_tensor.make_fx``) per input signature
-    (the shapes, dtypes and devices of the tensor arguments, the other
+    (the shapes, strides, dtypes and devices of the tensor arguments, the other
     arguments, and the effect handlers around the step with their float,
     bool and str settings); the optimizer then runs as in ``SVI``.
 
@@ -314,7 +314,7 @@ class CapturedSVI(SVI):
                 or max_signatures < 1:
             raise ValueError(f"CapturedSVI: max_signatures must be an int >= 1, got "
                              f"{max_signatures!r}")
-        if cuda_graph not in (None, True, False):
+        if cuda_graph is not None and not isinstance(cuda_graph, bool):  # 0 == False
             raise ValueError(f"CapturedSVI: cuda_graph must be None, True or False, got "
                              f"{cuda_graph!r}")
         super().__init__(model, guide, optim, loss)  # type: ignore[no-untyped-call]
@@ -342,8 +342,9 @@ class CapturedSVI(SVI):
         parts: List[Hashable] = []
         for value in [*args, *(kwargs[k] for k in sorted(kwargs))]:
             if isinstance(value, torch.Tensor):
-                parts.append(("tensor", tuple(value.shape), value.dtype, value.device,
-                              value.requires_grad))
+                # strides too: the graph's views are traced for the first tensor's layout
+                parts.append(("tensor", tuple(value.shape), value.stride(), value.dtype,
+                              value.device, value.requires_grad))
             else:
                 try:
                     hash(value)
