@@ -36,6 +36,7 @@ SCRIPTS = {
                           "load average"],
     "bench_fit_capture.py": ["digits_mlp", "break-even steps", "load average"],
     "gpu_step_breakdown.py": ["where the time goes", "optimizer (ms)", "| 400 | 16 |"],
+    "bench_fit_warmup.py": ["digits_cnn: test error / MNLL", "| 50 |", "warm-up steps"],
 }
 
 

@@ -274,9 +274,20 @@ def test_only_varying_off_device_operators_block_a_cuda_graph():
     def scalar_draw_on_cpu(p):
         return p * torch.ones(()), torch.rand(()) * 2
 
+    held = torch.ones(3)  # a model's tensor: it may change in place between steps
+
+    def held_on_cpu(p):
+        return p * 2, held * 3
+
+    def copied_to_the_device(p):
+        return p[torch.arange(3)]
+
     p = torch.ones(3, device=meta)
     assert _off_device(make_fx(constant_on_cpu)(p), meta) is None
     assert "randperm" in _off_device(make_fx(draw_on_cpu)(p), meta)
+    assert "held" in _off_device(make_fx(held_on_cpu)(p), meta)
+    assert "reads a tensor from aten.arange" in _off_device(make_fx(copied_to_the_device)(p),
+                                                            meta)
     assert "rand" in _off_device(make_fx(scalar_draw_on_cpu)(p), meta)
 
 

@@ -279,6 +279,8 @@ def test_fit_config_handler(guide_class, handler):
     assert config.weight_noise is handler
     assert (config.lr, config.kl_weight, config.num_particles) == (3e-3, 0.01, 1)
     assert (config.iblm_batch_size, config.max_scale_ratio) == (512, 0.1)
+    # Adam warmed up over 50 steps (docs/methods/training.rst: its first steps undo I-BLM)
+    assert config.warmup_steps == 50 and config.optimizer().warmup_steps == 50
     other = fit_config(guide, lr=3e-3, kl_weight=1.0, num_particles=2)
     assert (other.lr, other.kl_weight, other.num_particles) == (3e-3, 1.0, 2)
     with pytest.raises(ValueError, match="kl_weight"):

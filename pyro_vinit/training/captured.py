@@ -154,33 +154,59 @@ class _Capture:
         self.params = params
 
 
-def _describe(error: Exception) -> str:
+def _describe(error: BaseException) -> str:
     message = str(error).splitlines()
-    return f"{type(error).__name__}: {message[0] if message else ''}"
+    text = f"{type(error).__name__}: {message[0] if message else ''}"
+    if error.__context__ is not None:  # e.g. the capture's end, raising after its cause
+        text += f", after {_describe(error.__context__)}"
+    return text
+
+
+def _node_tensors(graph: torch.fx.GraphModule, node: torch.fx.Node) -> List[torch.Tensor]:
+    """The tensors a node of ``graph`` computes (or holds, for a constant)."""
+    if node.op == "get_attr":
+        value: Any = graph
+        for name in str(node.target).split("."):
+            value = getattr(value, name)
+    else:
+        value = node.meta.get("val")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def _off_device(graph: torch.fx.GraphModule, device: torch.device) -> Optional[str]:
     """
-    The first operator of ``graph`` that a CUDA graph on ``device`` would run
-    only once, at capture, though its value changes from step to step, or
-    None: an operator off ``device`` that draws at random (a CPU
-    ``randperm`` of a subsampled plate, say) or reads such a draw or an
-    input. Off-device values of constants alone (Pyro's plate asks
-    ``torch.arange(size)`` on the CPU) are the same at every step.
+    Why a CUDA graph on ``device`` would not replay ``graph`` as it runs, or
+    None. Off-device operators run once, at capture, and their values are
+    frozen into it: refused are an off-device value that changes from step to
+    step (a random draw, such as a subsampled plate's CPU ``randperm``, or what
+    reads a draw or an input), an off-device tensor the graph holds rather than
+    makes (a model's tensor, which may change in place between steps), and an
+    off-device tensor with elements that a device operator reads (a copy from
+    host memory at each step). Off-device scalars made from constants (Pyro's
+    plate makes its zero log-density on the CPU) are the same at every step.
     """
     varying: Set[torch.fx.Node] = set()
+    fresh = {_aten.lift_fresh_copy.default, _aten.lift_fresh.default}
     for node in graph.graph.nodes:
         if node.op == "placeholder":
             varying.add(node)
+        elif node.op == "get_attr":
+            if any(t.device != device and t.numel() for t in _node_tensors(graph, node)) and any(
+                    user.target not in fresh for user in node.users):
+                return f"{node.target} is a tensor held on another device than {device}"
         if node.op != "call_function":
             continue
+        mine = _node_tensors(graph, node)
+        if any(t.device == device for t in mine):
+            for source in node.all_input_nodes:
+                if any(t.device != device and t.dim() for t in _node_tensors(graph, source)):
+                    return f"{node.target} reads a tensor from {source.target}, off {device}"
         if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) or any(
                 n in varying for n in node.all_input_nodes):
             varying.add(node)
-            vals = node.meta.get("val")
-            for val in vals if isinstance(vals, (tuple, list)) else (vals,):
-                if isinstance(val, torch.Tensor) and val.device != device and val.numel():
-                    return f"{node.target} computes on {val.device}"
+            if any(t.device != device and t.numel() for t in mine):
+                return f"{node.target} computes on another device than {device}"
     return None
 
 
@@ -195,17 +221,30 @@ class _CudaGraphReplay:
     def __init__(self, graph: Callable[..., Any], params: List[torch.Tensor],
                  tensors: List[torch.Tensor], device: torch.device) -> None:
         self.inputs = [t.detach().clone() for t in tensors]
+        self.storage = [p.data_ptr() for p in params]
         self.cuda_graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.no_grad():
-            with torch.cuda.stream(side):  # warm-up (lazy library state) off the capture
-                graph(params, self.inputs)
-            torch.cuda.current_stream(device).wait_stream(side)
-            with torch.cuda.graph(self.cuda_graph):
-                self.outputs = graph(params, self.inputs)
+        current = torch.cuda.current_stream(device)
+        try:
+            with torch.no_grad(), torch.cuda.device(device):
+                side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                side.wait_stream(current)
+                with torch.cuda.stream(side):  # warm-up (lazy library state) off the capture
+                    graph(params, self.inputs)
+                current.wait_stream(side)
+                # thread_local: another thread's CUDA work (a loader pinning memory) does
+                # not invalidate the capture
+                with torch.cuda.graph(self.cuda_graph, stream=side,
+                                      capture_error_mode="thread_local"):
+                    self.outputs = graph(params, self.inputs)
+                current.wait_stream(side)
+        finally:
+            torch.cuda.set_stream(current)  # also where the capture's end raised
 
     def __call__(self, params: List[torch.Tensor], tensors: List[torch.Tensor]) -> Any:
+        if [p.data_ptr() for p in params] != self.storage:
+            raise RuntimeError(
+                "CapturedSVI: a parameter's storage changed since its step was captured as a "
+                "CUDA graph (p.data = ..., module.to(...)); make a new CapturedSVI")
         for static, value in zip(self.inputs, tensors):
             if static.data_ptr() != value.data_ptr():
                 static.copy_(value)
@@ -291,8 +330,9 @@ class CapturedSVI(SVI):
         operators launched at once, data copied into static inputs). The
         default, None, does so where the parameters and tensor arguments
         all live on one CUDA device and warns once where the step cannot be
-        captured (e.g. a random draw on the CPU); True requires it, False
-        replays operator by operator.
+        captured (e.g. a random draw on the CPU); True raises an error
+        instead (a step that cannot be traced at all still falls back to
+        ``SVI``'s, as above); False replays operator by operator.
     """
 
     def __init__(
@@ -366,9 +406,9 @@ class CapturedSVI(SVI):
         """
         if self.fallback_reason is not None:
             return self._eager_step(args, kwargs)
-        if self.cuda_graph:  # before anything runs: the data must be on one CUDA device
-            self._graph_device([], [a for a in [*args, *kwargs.values()]
-                                    if isinstance(a, torch.Tensor)])
+        tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+        if self.cuda_graph and tensors:  # before anything runs: data on one CUDA device
+            self._graph_device([], tensors)
         key = self._signature(args, kwargs)
         if key is None:
             self._fall_back("an argument that is neither a tensor nor hashable")
@@ -466,16 +506,19 @@ class CapturedSVI(SVI):
         if self.cuda_graph is False:
             return None
         devices = {t.device for t in [*params, *tensors]}
-        device = devices.pop() if len(devices) == 1 else None
-        if device is None or device.type != "cuda":
-            if self.cuda_graph:
-                raise ValueError(
-                    f"CapturedSVI(cuda_graph=True): the step's parameters and tensor "
-                    f"arguments must all be on one CUDA device, found on "
-                    f"{sorted(str(d) for d in {t.device for t in [*params, *tensors]})}; "
-                    "move the model and data there, or leave cuda_graph=None")
-            return None
-        return device
+        if len(devices) == 1 and next(iter(devices)).type == "cuda":
+            return devices.pop()
+        found = sorted(str(d) for d in devices)
+        if self.cuda_graph:
+            raise ValueError(
+                f"CapturedSVI(cuda_graph=True): the step's parameters and tensor arguments "
+                f"must all be on one CUDA device, found on {found}; move the model and data "
+                "there, or leave cuda_graph=None")
+        if len(devices) > 1 and any(d.type == "cuda" for d in devices):
+            warnings.warn(f"CapturedSVI: the step's parameters and tensor arguments are on "
+                          f"{found}, not one CUDA device: it is replayed operator by operator, "
+                          "not as a CUDA graph", RuntimeWarning, stacklevel=4)
+        return None
 
     def _capture_cuda_graph(self, graph: torch.fx.GraphModule, params: List[torch.Tensor],
                             tensors: List[torch.Tensor],

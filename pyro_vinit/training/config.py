@@ -41,6 +41,9 @@ class FitConfig:
             svi.step(x, y)
 
     :param float lr: Adam's learning rate.
+    :param int warmup_steps: Steps over which the learning rate rises
+        linearly to ``lr`` (:class:`~pyro_vinit.training.GroupedAdam`), so
+        that Adam's first steps keep the initialization's head start.
     :param float kl_weight: The weight :math:`\\lambda` of the KL term
         (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`).
     :param int num_particles: Monte Carlo samples per ELBO evaluation.
@@ -54,6 +57,7 @@ class FitConfig:
     """
 
     lr: float = 3e-3
+    warmup_steps: int = 50
     kl_weight: float = 0.01
     num_particles: int = 1
     weight_noise: Optional[Callable[[], ContextManager[Any]]] = None
@@ -69,9 +73,10 @@ class FitConfig:
                 "max_scale_ratio": self.max_scale_ratio}
 
     def optimizer(self) -> PyroOptim:
-        """A fresh :class:`~pyro_vinit.training.GroupedAdam` at :attr:`lr`: the
-        values of ``pyro.optim.Adam`` with one fused step over all parameters."""
-        return GroupedAdam({"lr": self.lr})
+        """A fresh :class:`~pyro_vinit.training.GroupedAdam` at :attr:`lr`, warmed
+        up over :attr:`warmup_steps`: the values of ``pyro.optim.Adam`` (after the
+        warm-up) with one fused step over all parameters."""
+        return GroupedAdam({"lr": self.lr}, warmup_steps=self.warmup_steps)
 
     def elbo(self) -> TraceMeanField_ELBO:
         """A fresh ``TraceMeanField_ELBO`` with :attr:`num_particles`."""
@@ -115,7 +120,8 @@ def fit_config(
 ) -> FitConfig:
     """
     The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
-    3e-3 (:class:`GroupedAdam`), ``TraceMeanField_ELBO`` with one particle,
+    3e-3 (:class:`GroupedAdam`), reached by a linear warm-up over the first 50
+    steps, ``TraceMeanField_ELBO`` with one particle,
     the KL term weighted by 0.01, under
     :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal guides
     (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),

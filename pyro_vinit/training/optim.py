@@ -44,7 +44,12 @@ class GroupedAdam(PyroOptim):
         {\sqrt{v_t / (1 - \beta_2^t)} + \epsilon},
 
     for each parameter with its own step count :math:`t`: the values of
-    ``pyro.optim.Adam`` up to rounding.
+    ``pyro.optim.Adam`` up to rounding. With ``warmup_steps`` :math:`W > 0`
+    the learning rate rises linearly over the first :math:`W` steps,
+    :math:`\eta_s = \eta \min(1, s / W)` at the optimizer's step :math:`s`:
+    Adam's first steps move every parameter by about :math:`\eta` whatever
+    its gradient's size, which can throw a well-initialized network (e.g.
+    by I-BLM) far from its start.
 
     Usage::
 
@@ -62,12 +67,19 @@ class GroupedAdam(PyroOptim):
         ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``.
     :param dict clip_args: ``clip_norm`` and/or ``clip_value``, applied to
         each parameter's gradient separately, as ``pyro.optim.Adam`` does.
+    :param int warmup_steps: Steps of the linear learning-rate warm-up (0:
+        none). The optimizer's step is restored with its state
+        (:meth:`set_state`): the largest step count of its parameters.
 
     [1] Kingma, D. P., Ba, J. (2015) "Adam: A Method for Stochastic Optimization"
     """
 
     def __init__(self, optim_args: Dict[str, Any],
-                 clip_args: Optional[Dict[str, Any]] = None) -> None:
+                 clip_args: Optional[Dict[str, Any]] = None, *, warmup_steps: int = 0) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) \
+                or warmup_steps < 0:
+            raise ValueError(f"GroupedAdam: warmup_steps must be an int >= 0, got "
+                             f"{warmup_steps!r}")
         args = _check_args("optim_args", optim_args, _ADAM_ARGS)
         clip = _check_args("clip_args", clip_args if clip_args is not None else {}, _CLIP_ARGS)
         for name, value in clip.items():
@@ -75,7 +87,7 @@ class GroupedAdam(PyroOptim):
                 raise ValueError(f"GroupedAdam: clip_args {name!r} must be a positive number, "
                                  f"got {value!r}")
         try:  # torch's own checks of the settings, now rather than at the first step
-            torch.optim.Adam([torch.zeros(1, requires_grad=True)], **args)
+            probe = torch.optim.Adam([torch.zeros(1, requires_grad=True)], **args)
         except (TypeError, ValueError) as error:
             raise ValueError(f"GroupedAdam: bad optim_args {args!r}: {error}") from error
         super().__init__(torch.optim.Adam, args, clip)
@@ -83,6 +95,9 @@ class GroupedAdam(PyroOptim):
         self._clip = clip
         self._optim: Optional[torch.optim.Adam] = None
         self._known: Dict[torch.Tensor, None] = {}  # the parameters seen, in order
+        self.warmup_steps = warmup_steps
+        self._lr = probe.defaults["lr"]
+        self._steps = 0  # steps taken (or restored), for the warm-up
 
     def __call__(self, params: Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> None:
         """
@@ -104,6 +119,9 @@ class GroupedAdam(PyroOptim):
                 if "clip_value" in self._clip:
                     clip_grad_value_(p, self._clip["clip_value"])
         group = self._optim.param_groups[0]
+        self._steps += 1
+        if self.warmup_steps:
+            group["lr"] = self._lr * min(1.0, self._steps / self.warmup_steps)
         everything = group["params"]
         group["params"] = called  # only this call's parameters take a step
         try:
@@ -144,6 +162,8 @@ class GroupedAdam(PyroOptim):
         (state,) = states.values()
         assert self._optim is not None
         self._optim.state[p] = {k: self._cast(k, v, p).clone() for k, v in state.items()}
+        if "step" in state:  # where the warm-up had got to
+            self._steps = max(self._steps, int(torch.as_tensor(state["step"]).item()))
 
     def _cast(self, key: str, value: Any, p: torch.Tensor) -> torch.Tensor:
         # as torch.optim.Adam.load_state_dict: the moments take the parameter's device and

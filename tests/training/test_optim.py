@@ -239,3 +239,43 @@ def test_autonormal_trace_elbo():
 def test_bad_settings_are_refused_at_construction(args, clip, error, match):
     with pytest.raises(error, match=match):
         GroupedAdam(args, clip)
+
+
+def _constant_gradient_steps(optim, param, steps):
+    """How far each of ``steps`` calls moves ``param`` under a constant gradient
+    (for which Adam's bias-corrected step is the learning rate times its sign)."""
+    grad = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    moved = []
+    for _ in range(steps):
+        before = param.detach().clone()
+        param.grad = grad.clone()
+        optim([param])
+        param.grad = None
+        moved.append(((before - param.detach()) * grad.sign()).tolist())
+    return moved
+
+
+def test_warmup_rises_linearly_and_resumes_where_it_was():
+    pyro.clear_param_store()
+    param = pyro.param("w", torch.zeros(3, dtype=torch.float64)).unconstrained()
+    optim = GroupedAdam({"lr": 0.1}, warmup_steps=4)
+    moved = _constant_gradient_steps(optim, param, 6)
+    for step, rate in enumerate([0.025, 0.05, 0.075, 0.1, 0.1, 0.1]):
+        assert moved[step] == pytest.approx([rate] * 3, rel=1e-6), step
+    # without warm-up the first step is the whole learning rate
+    assert _constant_gradient_steps(GroupedAdam({"lr": 0.1}), param, 1)[0] == pytest.approx(
+        [0.1] * 3, rel=1e-6)
+    # a fresh optimizer given the state after two steps takes the third
+    pyro.clear_param_store()
+    param = pyro.param("w", torch.zeros(3, dtype=torch.float64)).unconstrained()
+    first = GroupedAdam({"lr": 0.1}, warmup_steps=4)
+    _constant_gradient_steps(first, param, 2)
+    resumed = GroupedAdam({"lr": 0.1}, warmup_steps=4)
+    resumed.set_state(first.get_state())
+    assert _constant_gradient_steps(resumed, param, 1)[0] == pytest.approx([0.075] * 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "10"])
+def test_bad_warmup_refused(bad):
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0"):
+        GroupedAdam({"lr": 0.1}, warmup_steps=bad)
