@@ -2,6 +2,7 @@
 vectorized particles on models built from nn.Linear / nn.Conv*d."""
 
 import pyro
+import pyro.distributions as dist
 import pyro.poutine as poutine
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pyro.infer import Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule, PyroSample
 
 from pyro_vinit import (
     AutoKTiedNormal,
@@ -187,6 +189,43 @@ def test_vectorized_predictive_equals_a_loop_over_its_samples(make, guide_class)
         samples = vectorized_layers(predictive)(x)
     assert samples["_RETURN"].shape == (num_samples, 10, 3)
     assert samples["obs"].shape == (num_samples, 10)
+
+
+def _latent_bias_model():
+    # A deterministic weight with a latent bias, and observed data with an event dim.
+    torch.manual_seed(0)
+    layer = PyroModule[nn.Linear](4, 3)
+    layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+    def model(x, y=None):
+        f = layer(x)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(f, 1.0).to_event(1), obs=y)
+        return f
+
+    return model, layer
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam, flipout])
+def test_vectorized_predictive_with_only_the_bias_latent_and_observed_data(handler):
+    # F.linear with a plain weight and a bias with a sample dim runs batched (F.linear
+    # alone refuses the bias), and the observed data (10, 3), which lack the sample dim,
+    # are left as they are: each sample's log-likelihood is the model's own.
+    model, layer = _latent_bias_model()
+    x, y = torch.randn(10, 4), torch.randn(10, 3)
+    guide = AutoNormal(model)
+    guide(x, y)
+    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True,
+                            return_sites=["_RETURN"])
+    with torch.no_grad(), handler():
+        trace = predictive.get_vectorized_trace(x, y)
+    b = trace.nodes["bias"]["value"]
+    assert b.shape == (4, 1, 3)
+    obs = trace.nodes["obs"]
+    assert torch.equal(obs["value"], y)
+    expected = F.linear(x, layer.weight.detach()) + b  # (4, 10, 3)
+    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-6, rtol=1e-6)
+    assert_close(obs["fn"].log_prob(y), dist.Normal(expected, 1.0).to_event(1).log_prob(y))
 
 
 @pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
