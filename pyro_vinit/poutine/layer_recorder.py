@@ -447,7 +447,8 @@ class LayerRecorderMessenger(Messenger):
                 continue
             layer = entry[1]
             derived = self._site_of(b)
-            if derived is None or derived.index is not None:
+            # only the site value itself (possibly cast): not a view, nor repeated elements
+            if derived is None or derived.derived is not None or derived.index is not None:
                 continue
             if b.dim() == 1 and b.shape[0] == layer.call.weight.shape[0]:
                 layer.bias_name = derived.name

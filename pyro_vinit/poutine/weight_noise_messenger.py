@@ -226,14 +226,25 @@ class WeightNoiseMessenger(LayerCallMessenger):
             noised = [v for v in reused if v.uses.noised]
             if noised:
                 self._refuse_reuse(noised[0], call.source)
-            # Every use so far was the ordinary draw: so are this one and the later ones.
-            self._fallback(
-                reused[0],
-                "this sample was already used by an earlier layer call or matrix product "
-                "in this run (a shared or tied weight) as drawn; every use keeps the "
-                "ordinary sample, which is exact. Give each layer its own sample site for "
-                "per-example noise",
-            )
+            # Every use so far was the ordinary draw: so are this one and the later ones,
+            # and the call runs on the ordinary samples of its other sites too.
+            for value in noisy:
+                if any(value is v for v in reused):
+                    self._fallback(
+                        value,
+                        "this sample was already used by an earlier layer call or matrix "
+                        "product in this run (a shared or tied weight) as drawn; every use "
+                        "keeps the ordinary sample, which is exact. Give each layer its own "
+                        "sample site for per-example noise",
+                    )
+                else:
+                    self._fallback(
+                        value,
+                        f"its layer call also uses the sample of site {reused[0].site!r}, "
+                        "which an earlier layer call or matrix product in this run used as "
+                        "drawn, so the call runs on the ordinary samples, which is exact. "
+                        "Give each layer its own sample sites for per-example noise",
+                    )
             return None
         if not weight.is_view:
             self._fallback(

@@ -107,3 +107,27 @@ def test_guide_not_set_up_is_refused_with_what_to_do():
             pass
 
         HandledELBO(TraceMeanField_ELBO()(model, function_guide))
+
+
+class _Loss(torch.nn.Module):
+    # A user's own loss module around the ELBO module: it has no guide attribute.
+    def __init__(self, elbo):
+        super().__init__()
+        self.inner = elbo
+
+    def forward(self, x, y):
+        return self.inner(x, y)
+
+
+def test_a_loss_module_without_a_guide_is_accepted():
+    # The set-up check reads a guide only where the module has one; the loss is the
+    # wrapped module's under the handlers.
+    elbo, x, y = _elbo_module()
+    loss_fn = HandledELBO(_Loss(elbo), KLAnnealingMessenger(0.25))
+    assert not hasattr(loss_fn.elbo, "guide")
+    pyro.set_rng_seed(1)
+    actual = loss_fn(x, y)
+    pyro.set_rng_seed(1)
+    with KLAnnealingMessenger(0.25):
+        expected = elbo(x, y)
+    assert torch.equal(actual, expected)

@@ -191,3 +191,16 @@ def test_layer_call_reruns_with_replaced_arguments():
     torch.testing.assert_close(call(bias=b2), F.conv2d(x, w, b2, **kwargs))
     torch.testing.assert_close(call(bias=False), F.conv2d(x, w, None, **kwargs))
     torch.testing.assert_close(call(x2, w2, b2), F.conv2d(x2, w2, b2, **kwargs))
+
+
+def test_op_name():
+    # The names users spell; a callable without a __name__ (which reaches the handlers only
+    # through a third-party __torch_function__ dispatch) is named by its str.
+    import functools
+
+    from pyro_vinit.poutine._layer_ops import op_name
+
+    assert [op_name(f) for f in (torch.mm, _T.__matmul__, _T.__rmatmul__, F.conv2d)] == \
+        ["mm", "matmul", "matmul", "conv2d"]
+    unnamed = functools.partial(F.linear, bias=None)
+    assert op_name(unnamed) == str(unnamed)

@@ -57,6 +57,7 @@ LINEAR_CALLS = {
     "F.linear": (lambda x, w, b: F.linear(x, w), False, "linear"),
     "F.linear with bias": (lambda x, w, b: F.linear(x, w, b), True, "linear"),
     "F.linear keywords": (lambda x, w, b: F.linear(input=x, weight=w, bias=b), True, "linear"),
+    "F.linear, weight keyword": (lambda x, w, b: F.linear(x, weight=w, bias=b), True, "linear"),
     "einsum bi,oi->bo": (lambda x, w, b: torch.einsum("bi,oi->bo", x, w), False, "einsum"),
 }
 
@@ -281,6 +282,17 @@ def test_view_as_its_own_dtype_is_the_weight():
     assert_close(out, F.linear(X.double(), value.t()))
 
 
+def test_view_as_its_own_dtype_by_keyword_is_the_weight():
+    def model(x):
+        return F.linear(x, _latent("w", 3, 4, dtype=torch.float64).view(dtype=torch.float64))
+
+    value = torch.randn(3, 4, dtype=torch.float64)
+    rec, out = _record(model, {"w": value}, X.double())
+    layer = _only_layer(rec)
+    assert layer.weight_name == "w" and layer.weight_index is None
+    assert_close(out, F.linear(X.double(), value))
+
+
 def test_transposed_product_of_a_transposed_weight():
     # x @ w.t() is F.linear(x, w): the two transpositions cancel.
     def model(x):
@@ -351,6 +363,9 @@ SLICED = {
     "transposed, then sliced": (lambda w: w.t()[:3], "t, getitem"),
     "clone, then narrow": (lambda w: w.clone().narrow(0, 1, 3), "clone, narrow"),
     "repeating expand": (lambda w: w[:1].expand(3, 4), "getitem, expand"),
+    # the ops up to the first that repeats (the later ones are not views of the site)
+    "repeating expand, then transposed": (lambda w: w[:, :1].expand(4, 3).t(),
+                                          "getitem, expand"),
 }
 
 
@@ -441,6 +456,10 @@ NOT_BIASES = {
     "plain vector": lambda x, w, s: x @ w + s["plain"],
     "scaled by alpha": lambda x, w, s: torch.add(x @ w, s["b"], alpha=2.0),
     "one-element latent": lambda x, w, s: x @ w + s["one"],
+    # each output sharing one element: no bias site in the layer's layout (regression: it
+    # was recorded as the bias site "one", and I-BLM failed on its shape)
+    "one-element latent, expanded": lambda x, w, s: x @ w + s["one"].expand(3),
+    "one-element latent, expanded, cast": lambda x, w, s: x @ w + s["one"].expand(3).float(),
     "latent row": lambda x, w, s: x @ w + s["row"],
     "reshaped latent vector": lambda x, w, s: x @ w + s["row"].reshape(3),
     "after F.linear": lambda x, w, s: F.linear(x, w.t()) + s["b"],
@@ -465,6 +484,29 @@ def test_additions_that_are_no_bias(name):
     assert layer.bias_name is None and layer.site_names == ("w",)
     assert layer.output is not out
     assert_close(out, program(X, W_IN_OUT, {**values, "plain": plain}))
+
+
+def test_iblm_on_a_product_plus_an_expanded_one_element_site():
+    # Regression: the expanded site was taken for the layer's bias site, and I-BLM failed
+    # with "shape '[3]' is invalid for input of size 1"; it is a fixed bias, as it is
+    # through F.linear, and the site keeps the guide's values (named in the warning).
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro_vinit import init_guide_iblm
+
+    def model(x, y=None):
+        f = x @ _latent("w", 4, 3) + _latent("one", 1).expand(3)
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("obs", dist.Normal(f, 0.1).to_event(1), obs=y)
+
+    x = torch.randn(50, 4)
+    y = x @ W_IN_OUT + 0.1 * torch.randn(50, 3)
+    guide = AutoNormal(model)
+    guide(x, y)
+    before = guide.locs.w.detach().clone()
+    with pytest.warns(UserWarning, match=r"keep the guide's own initial values: \['one'\]"):
+        init_guide_iblm(guide, (x, y), batch_size=50)
+    assert not torch.equal(guide.locs.w.detach(), before)
 
 
 # ---------------------------------------------------------------- plates

@@ -2,6 +2,7 @@
 vectorized particles on models built from nn.Linear / nn.Conv*d."""
 
 import pyro
+import pyro.distributions as dist
 import pyro.poutine as poutine
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pyro.infer import Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule, PyroSample
 
 from pyro_vinit import (
     AutoKTiedNormal,
@@ -81,6 +83,51 @@ def test_batched_layer_with_a_1d_weight_and_a_batched_bias(x_shape, b_shape):
     assert torch.equal(batched_layer("linear", x, w, None, {}), x @ w)
 
 
+# name -> (op, input shape, weight shape, bias shape or None, kwargs): one batch dim of
+# size 3 (and no plate dim) on the weight, the bias or both, and on the input or not.
+ONE_BATCH_DIM = {
+    "linear, batched weight": ("linear", (3, 4), (3, 2, 4), None, {}),
+    "linear, batched weight and bias": ("linear", (3, 4), (3, 2, 4), (3, 2), {}),
+    "linear, unbatched input, batched weight": ("linear", (4,), (3, 2, 4), None, {}),
+    "linear, unbatched input, batched bias": ("linear", (4,), (2, 4), (3, 2), {}),
+    "conv2d, batched weight": ("conv2d", (3, 2, 6, 6), (3, 4, 2, 3, 3), None,
+                               dict(stride=1, padding=1, dilation=1, groups=1)),
+    "conv2d, unbatched input, batched bias": ("conv2d", (2, 6, 6), (4, 2, 3, 3), (3, 4),
+                                              dict(stride=2, padding=1, dilation=1, groups=1)),
+}
+
+
+@pytest.mark.parametrize("case", ONE_BATCH_DIM, ids=list(ONE_BATCH_DIM))
+def test_run_layer_batches_a_weight_or_a_bias_with_a_batch_dim(case):
+    # run_layer is F.<op> per element s of the batch, which F.<op> alone does not take (a
+    # linear weight must be 2-d, a conv's bias 1-d): element s uses x[s], w[s] and b[s]
+    # (each where batched).
+    from pyro_vinit.poutine._layer_ops import is_batched, run_layer
+
+    op, x_shape, w_shape, b_shape, kwargs = ONE_BATCH_DIM[case]
+    nsp = 0 if op == "linear" else 2
+    x = torch.randn(x_shape, dtype=torch.float64)
+    w = torch.randn(w_shape, dtype=torch.float64)
+    b = None if b_shape is None else torch.randn(b_shape, dtype=torch.float64)
+
+    def element(t, s, event_dims):
+        return t if t is None or t.dim() == event_dims else t[s]
+
+    assert is_batched(op, w, b)
+    out = run_layer(op, x, w, b, kwargs)
+    expected = torch.stack([
+        getattr(F, op)(element(x, s, nsp + 1), element(w, s, nsp + 2), element(b, s, 1),
+                       **kwargs)
+        for s in range(3)
+    ])
+    assert out.shape == expected.shape
+    assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    # element 0 alone has no batch dims: F.<op> itself
+    x0, w0, b0 = element(x, 0, nsp + 1), element(w, 0, nsp + 2), element(b, 0, 1)
+    assert not is_batched(op, w0, b0)
+    assert torch.equal(run_layer(op, x0, w0, b0, kwargs), getattr(F, op)(x0, w0, b0, **kwargs))
+
+
 def test_batched_layer_with_more_input_batch_dims_than_the_weight():
     # x (Q, S, N, ...) and w (S, 1, ...): output [q, s] is the layer of x[q, s] with w[s].
     S, Q = 3, 2
@@ -142,6 +189,43 @@ def test_vectorized_predictive_equals_a_loop_over_its_samples(make, guide_class)
         samples = vectorized_layers(predictive)(x)
     assert samples["_RETURN"].shape == (num_samples, 10, 3)
     assert samples["obs"].shape == (num_samples, 10)
+
+
+def _latent_bias_model():
+    # A deterministic weight with a latent bias, and observed data with an event dim.
+    torch.manual_seed(0)
+    layer = PyroModule[nn.Linear](4, 3)
+    layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+    def model(x, y=None):
+        f = layer(x)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(f, 1.0).to_event(1), obs=y)
+        return f
+
+    return model, layer
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam, flipout])
+def test_vectorized_predictive_with_only_the_bias_latent_and_observed_data(handler):
+    # F.linear with a plain weight and a bias with a sample dim runs batched (F.linear
+    # alone refuses the bias), and the observed data (10, 3), which lack the sample dim,
+    # are left as they are: each sample's log-likelihood is the model's own.
+    model, layer = _latent_bias_model()
+    x, y = torch.randn(10, 4), torch.randn(10, 3)
+    guide = AutoNormal(model)
+    guide(x, y)
+    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True,
+                            return_sites=["_RETURN"])
+    with torch.no_grad(), handler():
+        trace = predictive.get_vectorized_trace(x, y)
+    b = trace.nodes["bias"]["value"]
+    assert b.shape == (4, 1, 3)
+    obs = trace.nodes["obs"]
+    assert torch.equal(obs["value"], y)
+    expected = F.linear(x, layer.weight.detach()) + b  # (4, 10, 3)
+    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-6, rtol=1e-6)
+    assert_close(obs["fn"].log_prob(y), dist.Normal(expected, 1.0).to_event(1).log_prob(y))
 
 
 @pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
@@ -207,12 +291,12 @@ def test_vectorized_particles_are_exact(make):
     pyro.clear_param_store()
 
 
+@pytest.mark.parametrize("S", [2, 5])
 @pytest.mark.parametrize("op, x_shape, w_shape", [("linear", (7, 4), (3, 4)),
                                                   ("conv1d", (7, 2, 9), (6, 2, 3))])
-def test_expanded_weight_runs_once_with_the_full_output_shape(op, x_shape, w_shape):
+def test_expanded_weight_runs_once_with_the_full_output_shape(op, x_shape, w_shape, S):
     # A weight expanded over its sample dim (stride 0) gives the plain layer's output,
     # expanded to the full batch: the same values as the loop, in the same shape.
-    S = 5
     kwargs = {} if op == "linear" else dict(stride=1, padding=0, dilation=1, groups=1)
     x = torch.randn(x_shape, dtype=torch.float64)
     w = torch.randn((1, 1) + w_shape, dtype=torch.float64).expand((S, 1) + w_shape)

@@ -204,6 +204,44 @@ def test_fallback_reports_in_full(model, reason):
     assert str(error.value) == _HEAD + reason + _STRICT_END
 
 
+def _shared_bias(x):
+    # The first layer cannot be treated (its weight repeats elements): its bias b is used
+    # as drawn there, so the second layer, which shares b, runs on the ordinary samples.
+    w1 = pyro.sample("w1", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+    w2 = pyro.sample("w2", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+    b = pyro.sample("b", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    return F.linear(x, w1[[0, 0, 1]], b), F.linear(x, w2, b)
+
+
+_SHARED_BIAS = (
+    "LocalReparamMessenger: 3 latent site(s) kept their ordinary sample, shared by the "
+    "whole minibatch:\n"
+    "  'w1': " + _NOT_DISTINCT[:-1] + ";\n"
+    "  'w2': its layer call also uses the sample of site 'b', which an earlier layer call "
+    "or matrix product in this run used as drawn, so the call runs on the ordinary samples, "
+    "which is exact. Give each layer its own sample sites for per-example noise;\n"
+    "  'b': this sample was already used by an earlier layer call or matrix product in this "
+    "run (a shared or tied weight) as drawn; every use keeps the ordinary sample, which is "
+    "exact. Give each layer its own sample site for per-example noise."
+)
+
+
+def test_a_layer_sharing_a_sample_used_as_drawn_names_all_its_sites():
+    # Regression: w2 kept its ordinary sample (with b's) but was named nowhere.
+    x = torch.randn(5, 4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with poutine.trace() as tr, LocalReparamMessenger():
+            out1, out2 = _shared_bias(x)
+    assert [str(w.message) for w in record] == [_SHARED_BIAS + _WARN_END]
+    w1, w2, b = (tr.trace.nodes[name]["value"] * 1.0 for name in ("w1", "w2", "b"))
+    assert torch.equal(out1, F.linear(x, w1[[0, 0, 1]], b))
+    assert torch.equal(out2, F.linear(x, w2, b))
+    with pytest.raises(ValueError) as error, LocalReparamMessenger(strict=True):
+        _shared_bias(x)
+    assert str(error.value) == _SHARED_BIAS + _STRICT_END
+
+
 def _tied(x):
     w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
     return F.linear(F.linear(x, w), w)

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pyro import poutine
+from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
 from pyro_vinit.distributions import (
     KTiedNormal,
@@ -14,6 +16,7 @@ from pyro_vinit.distributions import (
     factorized_normal,
     is_sign_symmetric,
     low_rank_scale,
+    register_factorized_normal,
     register_sign_symmetric,
 )
 from pyro_vinit.poutine import (
@@ -145,6 +148,10 @@ def test_weight_noise_strict_is_off_by_default_and_passed_on():
         weight_noise(step)(X)
     with pytest.raises(ValueError, match="'w2': no weight-noise strategy is known"):
         weight_noise(step, strict=True)(X)
+    # the handler's own default
+    with pytest.warns(UserWarning, match="'w2': no weight-noise strategy is known"):
+        with WeightNoiseMessenger():
+            step(X)
 
 
 class _Counting(WeightNoise):
@@ -190,9 +197,78 @@ def test_bad_config_is_refused(config, message):
 
 
 def test_callable_config_returning_a_non_strategy_is_refused():
-    with pytest.raises(TypeError, match="config returned 'lrt' for site 'w1'; it must return "
-                       "a WeightNoise strategy or None"):
+    with pytest.raises(TypeError) as error:
         _run(WeightNoiseMessenger(config=lambda msg: "lrt"))
+    assert str(error.value) == ("WeightNoiseMessenger: config returned 'lrt' for site 'w1'; "
+                                "it must return a WeightNoise strategy or None")
+
+
+def test_flipout_names_a_distribution_not_known_to_be_sign_symmetric():
+    laplace = dist.Laplace(LOC2, SCALE2).to_event(2)
+    with pytest.raises(ValueError) as error:
+        _run(WeightNoiseMessenger(config=Flipout(), strict=True), laplace)
+    assert str(error.value) == (
+        "WeightNoiseMessenger: 1 latent site(s) kept their ordinary sample, shared by the "
+        "whole minibatch:\n  'w2': its distribution is Laplace, whose perturbations are not "
+        "known to be symmetric under sign flips.\n"
+        "(strict=True: pass strict=False to only warn about them.)"
+    )
+
+
+class _RowShared(dist.Normal):
+    pass
+
+
+def test_a_registered_normal_of_another_shape_is_not_the_weights():
+    # A registration whose Normal lacks the value's shape (here one row's, which would
+    # broadcast over the rows) does not give the weight's elements: LocalReparam leaves
+    # the site to its ordinary sample, drawn as usual, and says why.
+    register_factorized_normal(_RowShared)(lambda d: dist.Normal(d.loc[0], d.scale[0]))
+    fn = _RowShared(LOC2, SCALE2).to_event(2)
+    with pytest.warns(UserWarning) as record:
+        trace, _, out2 = _run(WeightNoiseMessenger(config=LocalReparam()), fn)
+    assert [str(r.message).split("\n")[1] for r in record] == [
+        "  'w2': its distribution is _RowShared, not a factorized Normal (FlipoutMessenger "
+        "gives per-example noise for sign-symmetric ones such as RadialNormal)."
+    ]
+    w2 = trace.nodes["w2"]["value"]
+    assert not w2.is_deferred and not _per_example(out2)
+    assert torch.equal(out2, F.linear(X, w2 * 1.0))
+
+
+def _shared_bias_model(x):
+    w1 = pyro.sample("w1", dist.Normal(LOC1, SCALE1).to_event(2))
+    w2 = pyro.sample("w2", dist.Normal(LOC1, SCALE1).to_event(2))
+    b = pyro.sample("b", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    return F.linear(x, w1, b), F.linear(x, w2, b)
+
+
+def test_auto_config_refuses_a_shared_bias_that_got_noise():
+    # AutoWeightNoise picks LocalReparam, which gives the bias noise too: a second use of
+    # the bias is refused, as with LocalReparam itself.
+    for config in (None, LocalReparam()):
+        with pytest.raises(ValueError, match=r"^WeightNoiseMessenger: the sample of site 'b' "
+                           r"is used a second time \(by linear\) in one run"):
+            with WeightNoiseMessenger(config=config):
+                _shared_bias_model(X)
+
+
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoDiagonalNormal])
+def test_config_is_never_asked_about_a_guides_auxiliary_sites(guide_class):
+    # Only latent sites are offered to the config: the guide's auxiliary sites
+    # (AutoNormal's "w1_unconstrained", AutoDiagonalNormal's "_AutoDiagonalNormal_latent")
+    # are not.
+    asked = set()
+
+    def config(msg):
+        asked.add(msg["name"])
+        return AutoWeightNoise()
+
+    guide = guide_class(_model)
+    guide(X)
+    with WeightNoiseMessenger(config=config, strict=True):
+        Trace_ELBO().loss(_model, guide, X)
+    assert asked == {"w1", "w2"}
 
 
 def test_bad_low_rank_is_refused():
