@@ -291,6 +291,22 @@ def test_only_varying_off_device_operators_block_a_cuda_graph():
     assert "rand" in _off_device(make_fx(scalar_draw_on_cpu)(p), meta)
 
 
+def test_replaced_parameter_storage_is_refused(device):
+    if device.type != "cuda":
+        pytest.skip("a CUDA graph reads its parameters' memory; op by op follows the tensors")
+    model, make_guide, data, handler = _mlp(device)
+    svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO())
+    with handler():
+        for _ in range(3):
+            svi.step(*data)
+    assert _replays_cuda_graph(svi)
+    param = next(iter(pyro.get_param_store().values())).unconstrained()
+    param.data = param.data.clone()
+    with handler(), pytest.raises(RuntimeError, match="storage changed"):
+        svi.step(*data)
+
+
 def test_cuda_graph_required_off_cuda_is_refused_before_the_step():
     if torch.cuda.is_available():
         pytest.skip("tests the refusal where the data is off CUDA")
