@@ -12,7 +12,8 @@ with this library's guide, initializer and handlers:
    passing its own shard of the training set and the process group, so that
    every rank ends with the initialization of the whole training set;
 2. the training configuration is :func:`~pyro_vinit.fit`'s
-   (:func:`~pyro_vinit.fit_config`: Adam at 3e-3, the KL term weighted by
+   (:func:`~pyro_vinit.fit_config`: Adam at 3e-3 after a 50-step linear
+   warm-up, the KL term weighted by
    0.01, I-BLM's stds capped at 0.1 × the prior's); the ELBO is a module,
    ``config.elbo()(model, guide)`` (Pyro's ``ELBOModule``), run inside a
    :class:`~pyro_vinit.poutine.KLAnnealingMessenger` and
@@ -155,6 +156,9 @@ def train(args, loss_fn, x_train, y_train, rank, world_size, device):
     else:
         ddp = loss_fn
     optim = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    # fit's warm-up: the learning rate rises linearly over the first warmup_steps steps
+    warmup = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda done: min(1.0, (done + 1) / max(1, args.warmup_steps)))
     shard = args.batch_size // world_size
     # The same global batches on every rank (one generator, one seed), each rank its slice.
     batches = torch.Generator().manual_seed(args.seed)
@@ -170,6 +174,7 @@ def train(args, loss_fn, x_train, y_train, rank, world_size, device):
         loss = ddp(x_train[idx], y_train[idx])
         loss.backward()
         optim.step()
+        warmup.step()
         loss_fn.annealing.step()  # on every rank: λ follows the global step
         running.append(loss.detach())
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
@@ -279,6 +284,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=128,
                         help="the global minibatch, split evenly across the processes")
     parser.add_argument("--lr", type=float, default=FIT.lr)
+    parser.add_argument("--warmup-steps", type=int, default=FIT.warmup_steps,
+                        help="steps of the learning rate's linear warm-up (0: none)")
     parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
                         help="the weight of the KL term (1: the full ELBO)")
     parser.add_argument("--kl-warmup", type=int, default=0,

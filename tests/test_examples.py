@@ -49,7 +49,8 @@ RECIPE_DEFAULTS = {
     "quick_start": {"lr": FIT.lr, "kl_weight": FIT.kl_weight, "kl_warmup": 0,
                     "batch_size": FIT_BATCH_SIZE, "iblm_batch_size": FIT.iblm_batch_size,
                     "max_scale_ratio": FIT.max_scale_ratio, "init": "iblm"},
-    "distributed_mnist": {"lr": FIT.lr, "kl_weight": FIT.kl_weight, "kl_warmup": 0,
+    "distributed_mnist": {"lr": FIT.lr, "warmup_steps": FIT.warmup_steps,
+                          "kl_weight": FIT.kl_weight, "kl_warmup": 0,
                           "batch_size": FIT_BATCH_SIZE, "iblm_batch_size": FIT.iblm_batch_size,
                           "max_scale_ratio": FIT.max_scale_ratio},
 }
