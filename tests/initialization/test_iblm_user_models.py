@@ -662,9 +662,89 @@ def test_guide_list_of_unsupported_members_is_refused():
     model = _hierarchical_regression()
     guide = AutoGuideList(model)
     guide.append(AutoDelta(model))
-    with pytest.raises(TypeError, match="0: AutoDelta.*AutoNormal"):
+    with pytest.raises(TypeError) as error:
         init_guide_iblm(guide, (x, y))
+    assert str(error.value) == (
+        "none of the members of this AutoGuideList (['0: AutoDelta']) is a guide that I-BLM "
+        "initializes; make the member over the network's weights an AutoNormal, "
+        "AutoDiagonalNormal, AutoKTiedNormal or AutoRadialNormal")
     assert guide.prototype_trace is None
+
+
+def _hyperparameter_list(model, hyperparameters, first=False):
+    """An AutoGuideList of an AutoNormal over the layers and a ``hyperparameters``
+    guide over tau and sigma (the first member if ``first``), not set up."""
+    from pyro.infer.autoguide import AutoGuideList
+
+    members = [AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"])),
+               hyperparameters(pyro.poutine.block(model, expose=["tau", "sigma"]),
+                               init_loc_fn=init_to_median)]
+    guide = AutoGuideList(model)
+    for member in reversed(members) if first else members:
+        guide.append(member)
+    return guide
+
+
+@pytest.mark.parametrize("kind", ["list", "iterator"])
+def test_guide_list_set_up_by_the_call_reads_every_batch(kind):
+    # The call sets the list up from the first batch; a one-shot iterator's first batch
+    # is then read again, not lost: the fit is that of the same rows as one tuple.
+    from pyro.infer.autoguide import AutoDelta
+
+    x, y, _, _ = _diabetes()
+    model = _hierarchical_regression()
+    batches = [(x[:100], y[:100]), (x[100:], y[100:])]
+    fits = []
+    for data in ((x, y), batches if kind == "list" else iter(batches)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = _hyperparameter_list(model, AutoDelta)
+        with pytest.warns(UserWarning, match="others at their own values: \\['1: AutoDelta'\\]"):
+            init_guide_iblm(guide, data)
+        fits.append(_state(guide[0]))
+    assert fits[0].keys() == fits[1].keys()
+    for name, value in fits[0].items():
+        assert torch.equal(value, fits[1][name]), name
+
+
+def test_guide_list_set_up_by_the_call_refuses_empty_data():
+    from pyro.infer.autoguide import AutoDelta
+
+    guide = _hyperparameter_list(_hierarchical_regression(), AutoDelta)
+    with pytest.raises(ValueError, match="^the data is empty: the iterable yielded no batch$"):
+        init_guide_iblm(guide, [])
+    assert guide.prototype_trace is None
+
+
+def test_guide_list_refuses_a_one_shot_iterator_for_two_members():
+    # two members I-BLM supports read the data twice
+    x, y, _, _ = _diabetes()
+    guide = _hyperparameter_list(_hierarchical_regression(), AutoNormal)
+    with pytest.raises(ValueError) as error:
+        init_guide_iblm(guide, iter([(x, y)]))
+    assert str(error.value) == (
+        "I-BLM reads the data once per member of an AutoGuideList: pass a tuple of model "
+        "arguments, e.g. (x, y), or a DataLoader or list of batches, not a one-shot iterator")
+    assert guide.prototype_trace is None
+    # a list of batches is read once per member
+    with pytest.warns(UserWarning, match="no layer weight among its sites"):
+        init_guide_iblm(guide, [(x, y)])
+    assert guide.prototype_trace is not None
+
+
+def test_guide_list_member_without_layers_before_the_layers_member():
+    # the member without layers comes first: it is named, and the next one is initialized
+    x, y, xt, yt = _diabetes()
+    model = _hierarchical_regression()
+    guide = _hyperparameter_list(model, AutoNormal, first=True)
+    with pytest.warns(UserWarning) as record:
+        init_guide_iblm(guide, (x, y))
+    assert any("initialized the members ['AutoNormal'] of the AutoGuideList; it leaves the "
+               "others at their own values: ['0: AutoNormal (no layer weight among its "
+               "sites)']" in str(w.message) for w in record)
+    with torch.no_grad():
+        mean = pyro.poutine.condition(model, data=guide.median(x, y))(xt)
+    assert (mean - yt).pow(2).mean().sqrt() < 0.8
 
 
 def test_hyperparameters_hidden_from_the_guide_are_held_at_the_prior_median():
