@@ -254,6 +254,41 @@ def test_subsampled_plate_inside_the_network():
     assert _error(logits, yt) <= 0.1
 
 
+@pytest.mark.parametrize("sigma_shape", [(), (2,)], ids=["one_sigma", "sigma_per_column"])
+def test_learned_noise_of_a_subsampled_regression_is_the_residual_std(sigma_shape):
+    # Two target columns with different noise, a subsampled plate and a LogNormal noise
+    # site (found through runs of the model on one block of the plate): the guide's
+    # median of sigma is the fitted network's residual std over all rows, per column or
+    # their root mean square for one sigma.
+    g = torch.Generator().manual_seed(0)
+    n, d = 300, 3
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    y = torch.stack([x[:, 0] - x[:, 1], torch.sin(x[:, 2])], 1)
+    y = y + torch.tensor([0.05, 1.0], dtype=torch.float64) * torch.randn(n, 2, generator=g,
+                                                                         dtype=torch.float64)
+
+    def net(x, w1, w2):
+        return F.linear(torch.tanh(F.linear(x, w1)), w2)
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=x.dtype)
+        w1 = pyro.sample("w1", dist.Normal(0.0, one).expand([16, d]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.25 * one).expand([2, 16]).to_event(2))
+        sigma = pyro.sample("sigma", dist.LogNormal(0.0, one).expand(sigma_shape)
+                            .to_event(len(sigma_shape)))
+        with pyro.plate("data", x.shape[0], subsample_size=64) as ind:
+            pyro.sample("obs", dist.Normal(net(x[ind], w1, w2), sigma).to_event(1),
+                        obs=None if y is None else y[ind])
+
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=64)
+    med = guide.median()
+    residual = (y - net(x, med["w1"], med["w2"])).pow(2).mean(0).sqrt()
+    expected = residual if sigma_shape else residual.pow(2).mean().sqrt()
+    assert residual[1] > 1.5 * residual[0]  # (the columns' noise differ)
+    assert_close(med["sigma"], expected, rtol=1e-5, atol=0)
+
+
 # ---------------------------------------------------------------- several heads
 
 
