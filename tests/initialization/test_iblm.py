@@ -328,6 +328,85 @@ def test_regression_with_latent_noise(noise_scale):
     assert_close(median["sigma"], expected, rtol=2e-3, atol=0)
 
 
+def _noisy_linear_model(noise):
+    """y = x w + b + noise, with w ~ N(0.3, 0.7^2), b ~ N(-0.2, 1.5^2) and the noise std
+    ``noise()`` (a latent site or a param), in float64."""
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.3, dtype=F64), 0.7)
+                        .expand([1, x.shape[1]]).to_event(2))
+        b = pyro.sample("b", dist.Normal(torch.tensor(-0.2, dtype=F64), 1.5)
+                        .expand([1]).to_event(1))
+        sigma = noise()
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, w, b).squeeze(-1), sigma), obs=y)
+
+    return model
+
+
+def test_learned_noise_equals_closed_form():
+    # The noise iteration in closed form: a first fit with noise 0.1 std(y), two refits
+    # with the residual std of the fit before, and the last fit's residual std as the noise
+    # site's median (its std 1 / sqrt(2 n), the posterior std of log sigma).
+    n, d = 200, 3
+    x = torch.randn(n, d, dtype=F64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=F64) + 0.5 + 0.3 * torch.randn(n, dtype=F64)
+    model = _noisy_linear_model(
+        lambda: pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0, dtype=F64), 1.0)))
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n)
+
+    design = torch.cat([x, torch.ones(n, 1, dtype=F64)], 1)
+    m0 = torch.tensor([0.3] * d + [-0.2], dtype=F64)
+    s0 = torch.tensor([0.7] * d + [1.5], dtype=F64)
+
+    def fit(noise_std):
+        precision = torch.diag(s0.pow(-2)) + design.T @ design / noise_std**2
+        mean = torch.linalg.solve(precision, design.T @ y / noise_std**2 + m0 / s0.pow(2))
+        return mean, 1 / precision.diagonal(), (y - design @ mean).pow(2).mean().sqrt()
+
+    mean, var, residual = fit(0.1 * y.std())
+    for _ in range(2):
+        mean, var, residual = fit(residual)
+    assert_close(guide.locs.w, mean[:d][None], atol=1e-10, rtol=1e-9)
+    assert_close(guide.scales.w.pow(2), var[:d][None], atol=1e-12, rtol=1e-9)
+    assert_close(guide.locs.b, mean[d:], atol=1e-10, rtol=1e-9)
+    assert_close(guide.scales.b.pow(2), var[d:], atol=1e-12, rtol=1e-9)
+    assert_close(guide.median()["sigma"], residual, atol=0, rtol=2e-6)
+    assert_close(guide.scales.sigma, torch.tensor((2.0 * n) ** -0.5, dtype=F64), atol=0,
+                 rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["site", "param"])
+@pytest.mark.parametrize("noise_scale", [1e-3, 0.3])
+def test_unreachable_noise_is_refused(kind, noise_scale):
+    # a noise whose support stops at 0.5 cannot be the noise_scale asked for (reached
+    # within 0.1%, it would be)
+    x = torch.randn(30, 3, dtype=F64)
+    y = x.sum(1)
+    support = dist.constraints.interval(0.5, 2.0)
+    if kind == "site":
+        model = _noisy_linear_model(lambda: pyro.sample(
+            "sigma", dist.Uniform(torch.tensor(0.5, dtype=F64), 2.0)))
+    else:
+        model = _noisy_linear_model(
+            lambda: pyro.param("sigma", torch.tensor(1.0, dtype=F64), constraint=support))
+    guide = AutoNormal(model)
+    guide(x, y)
+    before = _snapshot(guide)
+    sigma = pyro.param("sigma").detach().clone() if kind == "param" else None
+    with pytest.raises(ValueError) as error:
+        init_guide_iblm(guide, (x, y), batch_size=30, noise_scale=noise_scale)
+    message = str(error.value)
+    assert message.startswith(
+        f"I-BLM estimated the observation noise std as {noise_scale}, but the noise {kind} 'sigma' "
+        "cannot make the likelihood's scale that (closest: 0.5")
+    assert message.endswith("); widen its prior's support, or pass noise_scale=...")
+    _assert_unchanged(guide, before)
+    if kind == "param":
+        assert torch.equal(pyro.param("sigma").detach(), sigma)
+
+
 # ---------------------------------------------------------------- bad input
 
 
