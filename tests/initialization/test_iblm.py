@@ -106,6 +106,9 @@ def test_dirichlet_transform_values():
     mean, var = dirichlet_transform(torch.tensor([1.0, 0.0], dtype=F64), alpha=0.01)
     assert_close(var, [0.6882, 4.6151], atol=1e-4, rtol=0)
     assert_close(mean, [-0.3341, -6.9127], atol=1e-4, rtol=0)
+    # the default alpha is 0.01
+    default = dirichlet_transform(torch.tensor([1.0, 0.0], dtype=F64))
+    assert torch.equal(default[0], mean) and torch.equal(default[1], var)
 
 
 def _loop_patches(x, kernel, stride, padding, dilation):
