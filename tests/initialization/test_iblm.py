@@ -607,6 +607,48 @@ def test_local_hidden_batches_fit_the_toy_function():
     assert rmse["local"] < 0.7 * rmse["random"]
 
 
+def test_hidden_units_on_silent_inputs_get_a_random_batch():
+    # The Bayesian hidden layer's input is a ReLU that is zero wherever x_0 < 0.5: a unit
+    # whose slab of the data lies there would regress on zeros and keep its prior mean
+    # (zero weights, a dead feature); it gets a random batch instead, so no unit is dead.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 2, generator=g, dtype=F64)
+    y = torch.sin(2 * x[:, 0]) + x[:, 1]
+    lift = torch.tensor([[1.0, 0.5, 0.25, 2.0]], dtype=F64)
+
+    def model(x, y=None):
+        h = torch.relu((x[:, :1] - 0.5) @ lift)  # (silent for x_0 < 0.5: 69% of the rows)
+        w1 = pyro.sample("w1", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0)
+                         .expand([32, 4]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(torch.tensor(0.0, dtype=F64), 0.2)
+                         .expand([1, 32]).to_event(2))
+        mean = F.linear(torch.tanh(F.linear(h, w1)), w2).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, 0.1), obs=y)
+
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=32)
+    dead = (guide.locs.w1 == 0).all(1)
+    assert not dead.any(), f"{int(dead.sum())} of 32 hidden units kept zero weights"
+
+
+def test_hidden_slabs_of_integer_data_are_in_the_layers_input_space():
+    # data without a floating-point tensor (token ids): the slabs are taken in the space
+    # of the hidden layer's own input (the embedding's output)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 10, (300, 3), generator=g)
+    labels = tokens[:, 0] % 3
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 32), nn.Tanh(),
+                        nn.Linear(32, 3))
+    with pytest.warns(UserWarning, match="stay deterministic"):
+        model = BayesianClassifier(bayesianize(net), num_data=300)
+    guide = AutoNormal(model)
+    pyro.set_rng_seed(0)
+    init_guide_iblm(guide, (tokens, labels), batch_size=32)
+    assert _median_accuracy(model, guide, tokens, labels) > 0.7  # (0.81; the majority: 0.4)
+
+
 def test_local_batches_are_slabs():
     from pyro_vinit.initialization._collective import LocalCollective
     from pyro_vinit.initialization._minibatches import local_batches
