@@ -649,6 +649,26 @@ def test_hidden_slabs_of_integer_data_are_in_the_layers_input_space():
     assert _median_accuracy(model, guide, tokens, labels) > 0.7  # (0.81; the majority: 0.4)
 
 
+@pytest.mark.parametrize("every, kept", [(2, True), (3, False)])
+def test_hidden_slab_needs_half_its_inputs_active(every, kept):
+    # one input dim, the rows in its order: a slab is a run of consecutive rows. With
+    # every other row's input active, each slab has exactly half of its rows active and
+    # is kept; with every third row, a third: each unit gets a random batch instead.
+    from pyro_vinit.initialization._collective import LocalCollective
+    from pyro_vinit.initialization._data import DataPool
+    from pyro_vinit.initialization._minibatches import hidden_batches
+
+    n, units, batch = 120, 20, 12
+    x = torch.linspace(0, 1, n, dtype=F64)[:, None]
+    inputs = (torch.arange(n) % every == 0).to(F64)[:, None]
+    pool = DataPool((x,))
+    torch.manual_seed(0)
+    idx = hidden_batches(pool, inputs, x, torch.zeros(units, dtype=torch.long), batch,
+                         LocalCollective())
+    runs = (idx.sort(1).values.diff(dim=1) == 1).all(1)  # a run of consecutive rows
+    assert runs.all() if kept else not runs.any()
+
+
 def test_local_batches_are_slabs():
     from pyro_vinit.initialization._collective import LocalCollective
     from pyro_vinit.initialization._minibatches import local_batches
