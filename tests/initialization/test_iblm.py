@@ -669,6 +669,27 @@ def test_hidden_slab_needs_half_its_inputs_active(every, kept):
     assert runs.all() if kept else not runs.any()
 
 
+@pytest.mark.parametrize("scale", [100.0, 0.01])
+def test_hidden_slab_with_constant_targets_is_replaced(scale):
+    # one input dim, the rows in its order: the targets rise over the first half of the
+    # rows and are flat (to 1e-3) over the second. A slab whose targets spread less than
+    # 1e-3 of their std gets a random batch, the others are kept, at any scale of y.
+    from pyro_vinit.initialization._collective import LocalCollective
+    from pyro_vinit.initialization._data import DataPool
+    from pyro_vinit.initialization._minibatches import hidden_batches
+
+    n, units, batch = 120, 40, 12
+    x = torch.linspace(0, 1, n, dtype=F64)[:, None]
+    y = scale * torch.where(x < 0.5, x, 0.5 + 1e-3 * (x - 0.5))
+    pool = DataPool((x,))
+    torch.manual_seed(0)
+    idx = hidden_batches(pool, torch.ones(n, 1, dtype=F64), y,
+                         torch.zeros(units, dtype=torch.long), batch, LocalCollective())
+    kept = (idx.sort(1).values.diff(dim=1) == 1).all(1)  # a run of consecutive rows
+    assert 0 < kept.sum() < units
+    assert (y[idx[kept], 0].std(1) > 1e-3 * y.std()).all()
+
+
 def test_local_batches_are_slabs():
     from pyro_vinit.initialization._collective import LocalCollective
     from pyro_vinit.initialization._minibatches import local_batches
