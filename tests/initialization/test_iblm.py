@@ -379,6 +379,16 @@ def test_learned_noise_equals_closed_form():
     assert_close(guide.scales.sigma, torch.tensor((2.0 * n) ** -0.5, dtype=F64), atol=0,
                  rtol=1e-12)
 
+    # noise_scale: one fit with that noise, written into the site (the exp link's search
+    # is exact in one step, in the targets' float64)
+    pyro.clear_param_store()
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n, noise_scale=0.3)
+    mean, var, _ = fit(torch.tensor(0.3, dtype=F64))
+    assert_close(guide.locs.w, mean[:d][None], atol=1e-10, rtol=1e-9)
+    assert_close(guide.scales.w.pow(2), var[:d][None], atol=1e-12, rtol=1e-9)
+    assert_close(guide.median()["sigma"], torch.tensor(0.3, dtype=F64), atol=0, rtol=1e-12)
+
 
 @pytest.mark.parametrize("kind", ["site", "param"])
 @pytest.mark.parametrize("noise_scale", [1e-3, 0.3])
