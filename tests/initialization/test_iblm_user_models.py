@@ -315,6 +315,27 @@ def test_heteroscedastic_heads(guide_class):
     assert med["scale_head.weight"].abs().max() < 0.05
 
 
+def test_scale_head_predicts_the_residual_std_of_scaled_targets():
+    # the same model on targets three times as large: the scale head's output is the
+    # residual std, not softplus(0) = 0.69 (about the residual std of the targets as they are)
+    from pyro_vinit.testing.user_models import HeteroscedasticRegressor
+
+    x, y, _, _ = USER_MODELS["heteroscedastic"].data()
+    y = 3 * y
+    model = HeteroscedasticRegressor(x.shape[1])
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y))
+
+    def heads(a):
+        h = model.body(a)
+        return model.mean_head(h).squeeze(-1), F.softplus(model.scale_head(h)).squeeze(-1)
+
+    mean, scale = _predict(model, guide, heads, x)
+    residual_std = (mean - y).pow(2).mean().sqrt()
+    assert residual_std > 1.5
+    assert_close(scale, residual_std.expand(len(x)), rtol=0.05, atol=0)
+
+
 def _two_head_model(spelling):
     # A functional heteroscedastic regression whose heads are written as matrix products
     # plus a latent bias (h @ w + b) or as F.linear: the same model.
