@@ -13,6 +13,7 @@ process group) is a :class:`~pyro_vinit.initialization._collective.Collective`.
 Bayes for Deep Models"
 """
 
+import itertools
 import warnings
 from contextlib import ExitStack
 from typing import Any, Callable, Dict, Optional, TypeVar, cast
@@ -241,7 +242,15 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
         # (each member's own state restored on failure, every value by the list's copy)
         rollbacks = [stack.enter_context(GuideRollback(g)) for g in [guides, *members]]
         if guides.prototype_trace is None:
-            first = next(DataPool(data).chunks(256)) if is_args_tuple(data) else next(iter(data))
+            if is_args_tuple(data):
+                first = next(DataPool(data).chunks(256))
+            else:
+                batch = next(iter(data), None)
+                if batch is None:
+                    raise ValueError("the data is empty: the iterable yielded no batch")
+                first = tuple(batch)
+                if iter(data) is data:  # a one-shot iterator: its first batch is read again
+                    data = itertools.chain([batch], data)
             check_has_likelihood(guides.model, first)
             with torch.no_grad(), poutine.block(), ExitStack() as swaps:
                 for member in members:  # (what a member's model hides held fixed)

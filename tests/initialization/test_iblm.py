@@ -106,6 +106,9 @@ def test_dirichlet_transform_values():
     mean, var = dirichlet_transform(torch.tensor([1.0, 0.0], dtype=F64), alpha=0.01)
     assert_close(var, [0.6882, 4.6151], atol=1e-4, rtol=0)
     assert_close(mean, [-0.3341, -6.9127], atol=1e-4, rtol=0)
+    # the default alpha is 0.01
+    default = dirichlet_transform(torch.tensor([1.0, 0.0], dtype=F64))
+    assert torch.equal(default[0], mean) and torch.equal(default[1], var)
 
 
 def _loop_patches(x, kernel, stride, padding, dilation):
@@ -328,6 +331,95 @@ def test_regression_with_latent_noise(noise_scale):
     assert_close(median["sigma"], expected, rtol=2e-3, atol=0)
 
 
+def _noisy_linear_model(noise):
+    """y = x w + b + noise, with w ~ N(0.3, 0.7^2), b ~ N(-0.2, 1.5^2) and the noise std
+    ``noise()`` (a latent site or a param), in float64."""
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.3, dtype=F64), 0.7)
+                        .expand([1, x.shape[1]]).to_event(2))
+        b = pyro.sample("b", dist.Normal(torch.tensor(-0.2, dtype=F64), 1.5)
+                        .expand([1]).to_event(1))
+        sigma = noise()
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, w, b).squeeze(-1), sigma), obs=y)
+
+    return model
+
+
+def test_learned_noise_equals_closed_form():
+    # The noise iteration in closed form: a first fit with noise 0.1 std(y), two refits
+    # with the residual std of the fit before, and the last fit's residual std as the noise
+    # site's median (its std 1 / sqrt(2 n), the posterior std of log sigma).
+    n, d = 200, 3
+    x = torch.randn(n, d, dtype=F64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=F64) + 0.5 + 0.3 * torch.randn(n, dtype=F64)
+    model = _noisy_linear_model(
+        lambda: pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0, dtype=F64), 1.0)))
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n)
+
+    design = torch.cat([x, torch.ones(n, 1, dtype=F64)], 1)
+    m0 = torch.tensor([0.3] * d + [-0.2], dtype=F64)
+    s0 = torch.tensor([0.7] * d + [1.5], dtype=F64)
+
+    def fit(noise_std):
+        precision = torch.diag(s0.pow(-2)) + design.T @ design / noise_std**2
+        mean = torch.linalg.solve(precision, design.T @ y / noise_std**2 + m0 / s0.pow(2))
+        return mean, 1 / precision.diagonal(), (y - design @ mean).pow(2).mean().sqrt()
+
+    mean, var, residual = fit(0.1 * y.std())
+    for _ in range(2):
+        mean, var, residual = fit(residual)
+    assert_close(guide.locs.w, mean[:d][None], atol=1e-10, rtol=1e-9)
+    assert_close(guide.scales.w.pow(2), var[:d][None], atol=1e-12, rtol=1e-9)
+    assert_close(guide.locs.b, mean[d:], atol=1e-10, rtol=1e-9)
+    assert_close(guide.scales.b.pow(2), var[d:], atol=1e-12, rtol=1e-9)
+    assert_close(guide.median()["sigma"], residual, atol=0, rtol=2e-6)
+    assert_close(guide.scales.sigma, torch.tensor((2.0 * n) ** -0.5, dtype=F64), atol=0,
+                 rtol=1e-12)
+
+    # noise_scale: one fit with that noise, written into the site (the exp link's search
+    # is exact in one step, in the targets' float64)
+    pyro.clear_param_store()
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n, noise_scale=0.3)
+    mean, var, _ = fit(torch.tensor(0.3, dtype=F64))
+    assert_close(guide.locs.w, mean[:d][None], atol=1e-10, rtol=1e-9)
+    assert_close(guide.scales.w.pow(2), var[:d][None], atol=1e-12, rtol=1e-9)
+    assert_close(guide.median()["sigma"], torch.tensor(0.3, dtype=F64), atol=0, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["site", "param"])
+@pytest.mark.parametrize("noise_scale", [1e-3, 0.3])
+def test_unreachable_noise_is_refused(kind, noise_scale):
+    # a noise whose support stops at 0.5 cannot be the noise_scale asked for (reached
+    # within 0.1%, it would be)
+    x = torch.randn(30, 3, dtype=F64)
+    y = x.sum(1)
+    support = dist.constraints.interval(0.5, 2.0)
+    if kind == "site":
+        model = _noisy_linear_model(lambda: pyro.sample(
+            "sigma", dist.Uniform(torch.tensor(0.5, dtype=F64), 2.0)))
+    else:
+        model = _noisy_linear_model(
+            lambda: pyro.param("sigma", torch.tensor(1.0, dtype=F64), constraint=support))
+    guide = AutoNormal(model)
+    guide(x, y)
+    before = _snapshot(guide)
+    sigma = pyro.param("sigma").detach().clone() if kind == "param" else None
+    with pytest.raises(ValueError) as error:
+        init_guide_iblm(guide, (x, y), batch_size=30, noise_scale=noise_scale)
+    message = str(error.value)
+    assert message.startswith(
+        f"I-BLM estimated the observation noise std as {noise_scale}, but the noise {kind} 'sigma' "
+        "cannot make the likelihood's scale that (closest: 0.5")
+    assert message.endswith("); widen its prior's support, or pass noise_scale=...")
+    _assert_unchanged(guide, before)
+    if kind == "param":
+        assert torch.equal(pyro.param("sigma").detach(), sigma)
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -523,6 +615,89 @@ def test_local_hidden_batches_fit_the_toy_function():
         rmse[batches] = (pred - y_test).pow(2).mean().sqrt().item()
     assert rmse["random"] > 0.9 * y_test.std()  # about a linear fit
     assert rmse["local"] < 0.7 * rmse["random"]
+
+
+def test_hidden_units_on_silent_inputs_get_a_random_batch():
+    # The Bayesian hidden layer's input is a ReLU that is zero wherever x_0 < 0.5: a unit
+    # whose slab of the data lies there would regress on zeros and keep its prior mean
+    # (zero weights, a dead feature); it gets a random batch instead, so no unit is dead.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 2, generator=g, dtype=F64)
+    y = torch.sin(2 * x[:, 0]) + x[:, 1]
+    lift = torch.tensor([[1.0, 0.5, 0.25, 2.0]], dtype=F64)
+
+    def model(x, y=None):
+        h = torch.relu((x[:, :1] - 0.5) @ lift)  # (silent for x_0 < 0.5: 69% of the rows)
+        w1 = pyro.sample("w1", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0)
+                         .expand([32, 4]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(torch.tensor(0.0, dtype=F64), 0.2)
+                         .expand([1, 32]).to_event(2))
+        mean = F.linear(torch.tanh(F.linear(h, w1)), w2).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, 0.1), obs=y)
+
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=32)
+    dead = (guide.locs.w1 == 0).all(1)
+    assert not dead.any(), f"{int(dead.sum())} of 32 hidden units kept zero weights"
+
+
+def test_hidden_slabs_of_integer_data_are_in_the_layers_input_space():
+    # data without a floating-point tensor (token ids): the slabs are taken in the space
+    # of the hidden layer's own input (the embedding's output)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 10, (300, 3), generator=g)
+    labels = tokens[:, 0] % 3
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 32), nn.Tanh(),
+                        nn.Linear(32, 3))
+    with pytest.warns(UserWarning, match="stay deterministic"):
+        model = BayesianClassifier(bayesianize(net), num_data=300)
+    guide = AutoNormal(model)
+    pyro.set_rng_seed(0)
+    init_guide_iblm(guide, (tokens, labels), batch_size=32)
+    assert _median_accuracy(model, guide, tokens, labels) > 0.7  # (0.81; the majority: 0.4)
+
+
+@pytest.mark.parametrize("every, kept", [(2, True), (3, False)])
+def test_hidden_slab_needs_half_its_inputs_active(every, kept):
+    # one input dim, the rows in its order: a slab is a run of consecutive rows. With
+    # every other row's input active, each slab has exactly half of its rows active and
+    # is kept; with every third row, a third: each unit gets a random batch instead.
+    from pyro_vinit.initialization._collective import LocalCollective
+    from pyro_vinit.initialization._data import DataPool
+    from pyro_vinit.initialization._minibatches import hidden_batches
+
+    n, units, batch = 120, 20, 12
+    x = torch.linspace(0, 1, n, dtype=F64)[:, None]
+    inputs = (torch.arange(n) % every == 0).to(F64)[:, None]
+    pool = DataPool((x,))
+    torch.manual_seed(0)
+    idx = hidden_batches(pool, inputs, x, torch.zeros(units, dtype=torch.long), batch,
+                         LocalCollective())
+    runs = (idx.sort(1).values.diff(dim=1) == 1).all(1)  # a run of consecutive rows
+    assert runs.all() if kept else not runs.any()
+
+
+@pytest.mark.parametrize("scale", [100.0, 0.01])
+def test_hidden_slab_with_constant_targets_is_replaced(scale):
+    # one input dim, the rows in its order: the targets rise over the first half of the
+    # rows and are flat (to 1e-3) over the second. A slab whose targets spread less than
+    # 1e-3 of their std gets a random batch, the others are kept, at any scale of y.
+    from pyro_vinit.initialization._collective import LocalCollective
+    from pyro_vinit.initialization._data import DataPool
+    from pyro_vinit.initialization._minibatches import hidden_batches
+
+    n, units, batch = 120, 40, 12
+    x = torch.linspace(0, 1, n, dtype=F64)[:, None]
+    y = scale * torch.where(x < 0.5, x, 0.5 + 1e-3 * (x - 0.5))
+    pool = DataPool((x,))
+    torch.manual_seed(0)
+    idx = hidden_batches(pool, torch.ones(n, 1, dtype=F64), y,
+                         torch.zeros(units, dtype=torch.long), batch, LocalCollective())
+    kept = (idx.sort(1).values.diff(dim=1) == 1).all(1)  # a run of consecutive rows
+    assert 0 < kept.sum() < units
+    assert (y[idx[kept], 0].std(1) > 1e-3 * y.std()).all()
 
 
 def test_local_batches_are_slabs():

@@ -81,3 +81,54 @@ def test_no_import_cycle_among_the_modules():
 
     for module in sorted(graph):
         visit(module)
+
+
+# every option away from its default (and from None), valid together
+_NON_DEFAULTS = dict(
+    batch_size=7, output_rows=9, alpha=0.5, center_targets=True, alternate_hidden_signs=False,
+    hidden_target_scale=0.5, hidden_columns="random", hidden_batches="random",
+    propagate="sample", noise_scale=0.3, estimate_noise=False, strict=True, solver="dual",
+    jitter=1e-4, max_scale_ratio=0.25, max_pool_size=99, chunk_rows=33,
+    max_chunk_elements=1000, input_rank=5,
+)
+
+
+def test_options_and_process_group_reach_the_pipeline(monkeypatch):
+    # what init_guide_iblm and IBLMGuideInitializer hand on: the options (defaults, and
+    # each one given) and the process group, down to every guide's collective
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
+
+    from pyro_vinit.initialization import iblm
+    from pyro_vinit.initialization._collective import LocalCollective
+
+    assert {f.name for f in dataclasses.fields(IBLMOptions)} == set(_NON_DEFAULTS)
+    group = object()  # (check_process_group refuses it outside torch.distributed)
+    monkeypatch.setattr(iblm, "check_process_group", lambda process_group: None)
+    calls = []
+    monkeypatch.setattr(iblm, "_initialize",
+                        lambda guide, data, options, pg: calls.append((options, pg)) or guide)
+    guide, data = object(), (torch.zeros(2, 4),)
+    for kwargs in ({}, _NON_DEFAULTS):
+        init_guide_iblm(guide, data, group, **kwargs)
+        IBLMGuideInitializer(group, **kwargs)(guide, data)
+        assert calls == [(IBLMOptions(**kwargs), group)] * 2
+        calls.clear()
+    monkeypatch.undo()
+
+    groups = []
+
+    def collective_for(process_group):
+        groups.append(process_group)
+        return LocalCollective()
+
+    monkeypatch.setattr(iblm, "check_process_group", lambda process_group: None)
+    monkeypatch.setattr(iblm, "collective_for", collective_for)
+    model = BayesianClassifier(bayesianize(mlp((4, 3))))
+    x, y = torch.randn(20, 4), torch.randint(0, 3, (20,))
+    init_guide_iblm(AutoNormal(model), (x, y), group, batch_size=20)
+    guides = AutoGuideList(model)
+    guides.append(AutoNormal(model))
+    guides.append(AutoDelta(lambda *args: None))
+    with pytest.warns(UserWarning, match="1: AutoDelta"):
+        init_guide_iblm(guides, (x, y), group, batch_size=20)
+    assert groups == [group, group]

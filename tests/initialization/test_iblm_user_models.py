@@ -254,6 +254,41 @@ def test_subsampled_plate_inside_the_network():
     assert _error(logits, yt) <= 0.1
 
 
+@pytest.mark.parametrize("sigma_shape", [(), (2,)], ids=["one_sigma", "sigma_per_column"])
+def test_learned_noise_of_a_subsampled_regression_is_the_residual_std(sigma_shape):
+    # Two target columns with different noise, a subsampled plate and a LogNormal noise
+    # site (found through runs of the model on one block of the plate): the guide's
+    # median of sigma is the fitted network's residual std over all rows, per column or
+    # their root mean square for one sigma.
+    g = torch.Generator().manual_seed(0)
+    n, d = 300, 3
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    y = torch.stack([x[:, 0] - x[:, 1], torch.sin(x[:, 2])], 1)
+    y = y + torch.tensor([0.05, 1.0], dtype=torch.float64) * torch.randn(n, 2, generator=g,
+                                                                         dtype=torch.float64)
+
+    def net(x, w1, w2):
+        return F.linear(torch.tanh(F.linear(x, w1)), w2)
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=x.dtype)
+        w1 = pyro.sample("w1", dist.Normal(0.0, one).expand([16, d]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.25 * one).expand([2, 16]).to_event(2))
+        sigma = pyro.sample("sigma", dist.LogNormal(0.0, one).expand(sigma_shape)
+                            .to_event(len(sigma_shape)))
+        with pyro.plate("data", x.shape[0], subsample_size=64) as ind:
+            pyro.sample("obs", dist.Normal(net(x[ind], w1, w2), sigma).to_event(1),
+                        obs=None if y is None else y[ind])
+
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=64)
+    med = guide.median()
+    residual = (y - net(x, med["w1"], med["w2"])).pow(2).mean(0).sqrt()
+    expected = residual if sigma_shape else residual.pow(2).mean().sqrt()
+    assert residual[1] > 1.5 * residual[0]  # (the columns' noise differ)
+    assert_close(med["sigma"], expected, rtol=1e-5, atol=0)
+
+
 # ---------------------------------------------------------------- several heads
 
 
@@ -278,6 +313,27 @@ def test_heteroscedastic_heads(guide_class):
     residual_std = (mean - y).pow(2).mean().sqrt()
     assert_close(scale.mean(), residual_std, rtol=0.05, atol=0)
     assert med["scale_head.weight"].abs().max() < 0.05
+
+
+def test_scale_head_predicts_the_residual_std_of_scaled_targets():
+    # the same model on targets three times as large: the scale head's output is the
+    # residual std, not softplus(0) = 0.69 (about the residual std of the targets as they are)
+    from pyro_vinit.testing.user_models import HeteroscedasticRegressor
+
+    x, y, _, _ = USER_MODELS["heteroscedastic"].data()
+    y = 3 * y
+    model = HeteroscedasticRegressor(x.shape[1])
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y))
+
+    def heads(a):
+        h = model.body(a)
+        return model.mean_head(h).squeeze(-1), F.softplus(model.scale_head(h)).squeeze(-1)
+
+    mean, scale = _predict(model, guide, heads, x)
+    residual_std = (mean - y).pow(2).mean().sqrt()
+    assert residual_std > 1.5
+    assert_close(scale, residual_std.expand(len(x)), rtol=0.05, atol=0)
 
 
 def _two_head_model(spelling):
@@ -662,9 +718,89 @@ def test_guide_list_of_unsupported_members_is_refused():
     model = _hierarchical_regression()
     guide = AutoGuideList(model)
     guide.append(AutoDelta(model))
-    with pytest.raises(TypeError, match="0: AutoDelta.*AutoNormal"):
+    with pytest.raises(TypeError) as error:
         init_guide_iblm(guide, (x, y))
+    assert str(error.value) == (
+        "none of the members of this AutoGuideList (['0: AutoDelta']) is a guide that I-BLM "
+        "initializes; make the member over the network's weights an AutoNormal, "
+        "AutoDiagonalNormal, AutoKTiedNormal or AutoRadialNormal")
     assert guide.prototype_trace is None
+
+
+def _hyperparameter_list(model, hyperparameters, first=False):
+    """An AutoGuideList of an AutoNormal over the layers and a ``hyperparameters``
+    guide over tau and sigma (the first member if ``first``), not set up."""
+    from pyro.infer.autoguide import AutoGuideList
+
+    members = [AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"])),
+               hyperparameters(pyro.poutine.block(model, expose=["tau", "sigma"]),
+                               init_loc_fn=init_to_median)]
+    guide = AutoGuideList(model)
+    for member in reversed(members) if first else members:
+        guide.append(member)
+    return guide
+
+
+@pytest.mark.parametrize("kind", ["list", "iterator"])
+def test_guide_list_set_up_by_the_call_reads_every_batch(kind):
+    # The call sets the list up from the first batch; a one-shot iterator's first batch
+    # is then read again, not lost: the fit is that of the same rows as one tuple.
+    from pyro.infer.autoguide import AutoDelta
+
+    x, y, _, _ = _diabetes()
+    model = _hierarchical_regression()
+    batches = [(x[:100], y[:100]), (x[100:], y[100:])]
+    fits = []
+    for data in ((x, y), batches if kind == "list" else iter(batches)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = _hyperparameter_list(model, AutoDelta)
+        with pytest.warns(UserWarning, match="others at their own values: \\['1: AutoDelta'\\]"):
+            init_guide_iblm(guide, data)
+        fits.append(_state(guide[0]))
+    assert fits[0].keys() == fits[1].keys()
+    for name, value in fits[0].items():
+        assert torch.equal(value, fits[1][name]), name
+
+
+def test_guide_list_set_up_by_the_call_refuses_empty_data():
+    from pyro.infer.autoguide import AutoDelta
+
+    guide = _hyperparameter_list(_hierarchical_regression(), AutoDelta)
+    with pytest.raises(ValueError, match="^the data is empty: the iterable yielded no batch$"):
+        init_guide_iblm(guide, [])
+    assert guide.prototype_trace is None
+
+
+def test_guide_list_refuses_a_one_shot_iterator_for_two_members():
+    # two members I-BLM supports read the data twice
+    x, y, _, _ = _diabetes()
+    guide = _hyperparameter_list(_hierarchical_regression(), AutoNormal)
+    with pytest.raises(ValueError) as error:
+        init_guide_iblm(guide, iter([(x, y)]))
+    assert str(error.value) == (
+        "I-BLM reads the data once per member of an AutoGuideList: pass a tuple of model "
+        "arguments, e.g. (x, y), or a DataLoader or list of batches, not a one-shot iterator")
+    assert guide.prototype_trace is None
+    # a list of batches is read once per member
+    with pytest.warns(UserWarning, match="no layer weight among its sites"):
+        init_guide_iblm(guide, [(x, y)])
+    assert guide.prototype_trace is not None
+
+
+def test_guide_list_member_without_layers_before_the_layers_member():
+    # the member without layers comes first: it is named, and the next one is initialized
+    x, y, xt, yt = _diabetes()
+    model = _hierarchical_regression()
+    guide = _hyperparameter_list(model, AutoNormal, first=True)
+    with pytest.warns(UserWarning) as record:
+        init_guide_iblm(guide, (x, y))
+    assert any("initialized the members ['AutoNormal'] of the AutoGuideList; it leaves the "
+               "others at their own values: ['0: AutoNormal (no layer weight among its "
+               "sites)']" in str(w.message) for w in record)
+    with torch.no_grad():
+        mean = pyro.poutine.condition(model, data=guide.median(x, y))(xt)
+    assert (mean - yt).pow(2).mean().sqrt() < 0.8
 
 
 def test_hyperparameters_hidden_from_the_guide_are_held_at_the_prior_median():
