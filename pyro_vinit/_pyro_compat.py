@@ -54,6 +54,7 @@ __all__ = [
     "discrete_site_error",
     "handler_chain",
     "helpful_support_errors",
+    "is_deterministic_site",
     "is_predictive_samples",
     "is_vectorized_particles",
     "model_swapped",
@@ -174,6 +175,13 @@ def model_swapped(guide: AutoGuide, model: Callable[..., Any]) -> Iterator[None]
         yield
     finally:
         guide._model = saved
+
+
+def is_deterministic_site(site: Any) -> bool:
+    """Whether a sample site is ``pyro.deterministic``'s record of a value (an
+    observed ``Delta`` that Pyro marks with its private ``infer["_deterministic"]``)
+    rather than a likelihood or a latent site."""
+    return bool((site.get("infer") or {}).get("_deterministic"))
 
 
 def is_vectorized_particles(frame: CondIndepStackFrame) -> bool:

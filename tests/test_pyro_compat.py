@@ -321,3 +321,18 @@ def test_handler_chain_wrap_inner_and_model_swapped():
     with model_swapped(guide, rewrapped):
         assert guide.model is rewrapped
     assert guide.model is original
+
+
+def test_deterministic_sites_are_recognized():
+    from pyro_vinit._pyro_compat import is_deterministic_site
+
+    def model():
+        x = pyro.sample("x", dist.Normal(0.0, 1.0))
+        pyro.deterministic("y", 2 * x)
+        pyro.sample("z", dist.Normal(x, 1.0), obs=torch.tensor(0.5))
+
+    trace = pyro.poutine.trace(model).get_trace()
+    assert [n for n, s in trace.nodes.items() if s["type"] == "sample"
+            and is_deterministic_site(s)] == ["y"], (
+        "pyro.deterministic no longer marks its site with infer['_deterministic']: "
+        "update pyro_vinit._pyro_compat.is_deterministic_site")

@@ -27,6 +27,7 @@ from torch.distributions import (
 
 from pyro_vinit._pyro_compat import (
     handler_chain,
+    is_deterministic_site,
     model_swapped,
     unwrap_init_messenger,
     wrap_inner,
@@ -243,7 +244,7 @@ def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> SampleSi
         and site["is_observed"]
         and name not in latent
         and not site_is_subsample(site)
-        and not sample_site(site)["infer"].get("_deterministic")
+        and not is_deterministic_site(site)
     ]
     if len(sites) != 1:
         raise ValueError(
@@ -369,7 +370,7 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None
         if site["type"] == "sample"
         and site["is_observed"]
         and not site_is_subsample(site)
-        and not sample_site(site)["infer"].get("_deterministic")
+        and not is_deterministic_site(site)
     ]
     if not observed:
         raise ValueError(

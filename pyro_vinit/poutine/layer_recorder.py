@@ -28,6 +28,7 @@ from pyro.poutine.util import site_is_subsample
 from torch.overrides import TorchFunctionMode
 from typing_extensions import Self
 
+from pyro_vinit._pyro_compat import is_deterministic_site
 from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit.poutine._layer_ops import LAYER_OPS, LayerCall, find_layer_call, op_name
 from pyro_vinit.poutine._tensor_ops import (
@@ -269,7 +270,7 @@ class LayerRecorderMessenger(Messenger):
         value = site["value"]
         if not isinstance(value, torch.Tensor) or site_is_subsample(msg):
             return
-        if site["infer"].get("_deterministic"):
+        if is_deterministic_site(site):
             return
         name = site["name"]
         if site["is_observed"] and name not in self.latent:

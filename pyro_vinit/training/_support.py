@@ -28,6 +28,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.optim import PyroOptim
 from torch import nn
 
+from pyro_vinit._pyro_compat import is_deterministic_site
 from pyro_vinit.training.config import FitHistory
 
 __all__: List[str] = []
@@ -221,7 +222,7 @@ def _likelihoods(trace: poutine.Trace) -> List[Any]:
     """The observed sample sites of a model's trace, less ``pyro.deterministic``'s
     records (observed ``Delta`` sites)."""
     return [site for site in trace.nodes.values() if site["type"] == "sample"
-            and site["is_observed"] and not (site["infer"] or {}).get("_deterministic")]
+            and site["is_observed"] and not is_deterministic_site(site)]
 
 
 def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> None:

@@ -406,9 +406,10 @@ class CapturedSVI(SVI):
         """
         if self.fallback_reason is not None:
             return self._eager_step(args, kwargs)
-        tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
-        if self.cuda_graph and tensors:  # before anything runs: data on one CUDA device
-            self._graph_device([], tensors)
+        if self.cuda_graph:  # before anything runs: the data must be on one CUDA device
+            tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+            if tensors:
+                self._graph_device([], tensors)
         key = self._signature(args, kwargs)
         if key is None:
             self._fall_back("an argument that is neither a tensor nor hashable")
