@@ -5,10 +5,12 @@ parameters equal to one process's on the concatenated shards, with the
 default options (see ``_iblm_harness.py``).
 """
 
+import pyro
 import pytest
 import torch
 import torch.distributed as dist
 
+from pyro_vinit import init_guide_iblm
 from tests.common import assert_close
 from tests.distributed import _harness, _iblm_harness
 from tests.distributed._iblm_harness import CASES, ERROR_CASES
@@ -118,3 +120,47 @@ def test_every_rank_raises_the_class_of_the_error():
     assert _error_class(ValueError("bad")) is ValueError
     assert _error_class(UsersError("k")) is KeyError
     assert _error_class(OSError("disk")) is RuntimeError
+
+
+@pytest.fixture
+def one_rank_group(tmp_path, monkeypatch):
+    """A process group of this process alone, whose I-BLM runs through the
+    process-group collective (``collective_for`` picks the local one for a
+    group of one rank): in process, so that the mutation tool sees its calls."""
+    from pyro_vinit.initialization import _process_group, iblm
+    from pyro_vinit.initialization._distributed import Shards
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", _harness.loopback_interface())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    used, local = [], _process_group.collective_for
+
+    def collective_for(group):
+        if group is None:  # the one-process reference
+            return local(group)
+        collective = _process_group.ProcessGroupCollective(Shards(group))
+        used.append(collective)
+        return collective
+
+    monkeypatch.setattr(iblm, "collective_for", collective_for)
+    try:
+        yield used
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_process_group_of_one_rank_matches_single_process(one_rank_group, name):
+    """The process-group collective on one rank holding all the rows computes
+    what the local collective computes (the gathers, windows and reductions are
+    then identities, up to the order of float sums)."""
+    expected = _iblm_harness.reference(name)
+    case = CASES[name]
+    with pyro.settings.context(module_local_params=True):
+        model, guide, x, y = _iblm_harness.build(case)
+        init_guide_iblm(guide, (x, y), process_group=dist.group.WORLD, **case.options)
+        actual = _iblm_harness.snapshot(model, guide)
+    assert one_rank_group, "the process-group collective was not used"
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert_close(actual[key], value, **TOL, msg=key)
