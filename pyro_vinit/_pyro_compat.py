@@ -23,6 +23,8 @@ the installed Pyro.
 * :func:`prefill_log_prob`: stores a site's log density in its message ahead
   of time; relies on ``Trace.compute_log_prob``, ``compute_score_parts`` and
   ``log_prob_sum`` leaving alone the sites that already have them.
+* :func:`subsampled_plate`: the sizes of a subsampled plate, read from its
+  subsample site's distribution (Pyro's private ``_Subsample``).
 * :func:`is_vectorized_particles`: recognizes the plate in which an ELBO with
   ``vectorize_particles=True`` runs the model and guide (by its name).
 * :func:`active_messengers`: the effect handlers active now
@@ -36,7 +38,7 @@ the installed Pyro.
 import re
 from contextlib import contextmanager
 from operator import attrgetter
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from pyro.distributions.score_parts import ScoreParts
@@ -44,11 +46,13 @@ from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
 from pyro.poutine.indep_messenger import CondIndepStackFrame
+from pyro.poutine.util import site_is_subsample
 
 from pyro_vinit._typing import SampleSite
 
 __all__ = [
     "ScoreParts",
+    "SubsampledPlate",
     "active_messengers",
     "deep_setattr",
     "discrete_site_error",
@@ -63,6 +67,7 @@ __all__ = [
     "scale_and_mask",
     "setup_prototype",
     "share_prototype",
+    "subsampled_plate",
     "traceable_elbos",
     "unconstrained_param",
     "unwrap_init_messenger",
@@ -182,6 +187,26 @@ def is_deterministic_site(site: Any) -> bool:
     observed ``Delta`` that Pyro marks with its private ``infer["_deterministic"]``)
     rather than a likelihood or a latent site."""
     return bool((site.get("infer") or {}).get("_deterministic"))
+
+
+class SubsampledPlate(NamedTuple):
+    """A subsampled plate's sizes and the device of its indices."""
+
+    size: int
+    subsample_size: int
+    device: torch.device
+
+
+def subsampled_plate(msg: Any) -> Optional[SubsampledPlate]:
+    """The plate whose subsample site ``msg`` is, if that plate draws a proper
+    subsample (``subsample_size < size``); else None (another site, or a plate
+    over all its rows)."""
+    if not site_is_subsample(msg):
+        return None
+    fn = msg["fn"]  # Pyro's private _Subsample
+    if fn.subsample_size is None or fn.subsample_size >= fn.size:
+        return None
+    return SubsampledPlate(int(fn.size), int(fn.subsample_size), torch.device(fn.device))
 
 
 def is_vectorized_particles(frame: CondIndepStackFrame) -> bool:

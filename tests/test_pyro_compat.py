@@ -336,3 +336,23 @@ def test_deterministic_sites_are_recognized():
             and is_deterministic_site(s)] == ["y"], (
         "pyro.deterministic no longer marks its site with infer['_deterministic']: "
         "update pyro_vinit._pyro_compat.is_deterministic_site")
+
+
+def test_subsampled_plates_are_read():
+    from pyro_vinit._pyro_compat import subsampled_plate
+
+    def model():
+        with pyro.plate("sub", 10, subsample_size=3):
+            pass
+        with pyro.plate("whole", 10, subsample_size=10):
+            pass
+        with pyro.plate("plain", 4):
+            pyro.sample("x", dist.Normal(0.0, 1.0))
+
+    trace = pyro.poutine.trace(model).get_trace()
+    plates = {name: subsampled_plate(site) for name, site in trace.nodes.items()
+              if site["type"] == "sample"}
+    assert plates == {"sub": (10, 3, torch.device("cpu")), "whole": None, "plain": None,
+                      "x": None}, (
+        "Pyro's plate subsample site changed (pyro.poutine.subsample_messenger._Subsample's "
+        "size, subsample_size, device): update pyro_vinit._pyro_compat.subsampled_plate")

@@ -33,7 +33,7 @@ def _toml_list(items):
     return "[" + ", ".join(json.dumps(str(item)) for item in items) + "]"
 
 
-def _config(modules, tests, pytest_args):
+def _config(modules, tests, pytest_args, timeout_multiplier):
     globs = [m if m.endswith(".py") else f"{m.rstrip('/')}/*" for m in modules]
     return "\n".join(
         [
@@ -44,6 +44,7 @@ def _config(modules, tests, pytest_args):
             f"pytest_add_cli_args = {_toml_list(pytest_args)}",
             # torch starts threads at import: fork the workers from a clean server process.
             'process_isolation = "forkserver"',
+            f"timeout_multiplier = {timeout_multiplier}",
             "",
         ]
     )
@@ -122,6 +123,9 @@ def main():
     parser.add_argument("--pytest-args", default="",
                         help="extra pytest arguments for every run, one string, e.g. "
                              "'-k \"not slow_test\"' to leave out slow tests")
+    parser.add_argument("--timeout-multiplier", type=float, default=15.0,
+                        help="a mutant times out after this many times its tests' CPU time "
+                             "(mutmut's default 15); lower it where many mutants hang")
     parser.add_argument("--summary-only", action="store_true",
                         help="print the table of the last run without running mutmut")
     args = parser.parse_args()
@@ -141,7 +145,8 @@ def main():
         shutil.copy(ROOT / "setup.cfg", args.workdir / "setup.cfg")
         (args.workdir / "pyproject.toml").write_text(
             _config(args.modules, args.tests,
-                    ["-p", "no:cacheprovider", "-x", "-q"] + shlex.split(args.pytest_args))
+                    ["-p", "no:cacheprovider", "-x", "-q"] + shlex.split(args.pytest_args),
+                    args.timeout_multiplier)
         )
         mutmut = Path(sys.executable).with_name("mutmut")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -10,9 +10,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pyro.poutine as poutine
 import torch
 
-from pyro_vinit._pyro_compat import unwrap_init_messenger
+from pyro_vinit._pyro_compat import handler_chain, unwrap_init_messenger, wrap_inner
 from pyro_vinit._typing import SampleSite
-from pyro_vinit.poutine.layer_recorder import LayerRecorderMessenger, RecordedLayer, StopModel
+from pyro_vinit.poutine.layer_recorder import (
+    LayerRecorderMessenger,
+    PlateRowsMessenger,
+    RecordedLayer,
+    StopModel,
+)
 
 #: batch-normalization statistics over several processes (see ``LayerRecorderMessenger``)
 NormSyncFn = Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]
@@ -25,6 +30,7 @@ def run_model(
     latent: Sequence[str],
     *,
     plate_rows: Optional[torch.Tensor] = None,
+    num_rows: Optional[int] = None,
     track_flow: bool = False,
     on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
     norm_statistics: Optional[Dict[int, List[Any]]] = None,
@@ -33,11 +39,12 @@ def run_model(
 ) -> LayerRecorderMessenger:
     """Runs ``model(*args)`` with the latent sites set to ``values`` (hidden from
     any handler outside, e.g. ``local_reparam``) under a layer recorder, which
-    it returns; ``on_layer`` may stop the run (:class:`StopModel`)."""
+    it returns; ``on_layer`` may stop the run (:class:`StopModel`). The
+    subsampled plates take ``plate_rows`` or, if ``args`` have ``num_rows``
+    rows, rows among those (see :func:`in_rows`)."""
     recorder = LayerRecorderMessenger(
         latent,
         track_flow=track_flow,
-        plate_subsample=plate_rows,
         norm_statistics=norm_statistics,
         on_layer=on_layer,
         norm_sync=norm_sync,
@@ -46,12 +53,22 @@ def run_model(
         # every latent site is conditioned: the autoguide's InitMessenger around the
         # model would only draw initial values (a prior sample per site) to be overwritten
         model = unwrap_init_messenger(model)
-    fn = poutine.condition(model, data=values)
+    fn = poutine.condition(in_rows(model, PlateRowsMessenger(plate_rows, num_rows)), data=values)
     if substitute:
         fn = poutine.substitute(fn, data=substitute)
     with torch.no_grad(), poutine.block(), recorder:
         fn(*args)
     return recorder
+
+
+def in_rows(model: Callable[..., Any], plates: PlateRowsMessenger) -> Callable[..., Any]:
+    """``model`` with ``plates`` choosing the indices of its subsampled plates,
+    applied inside every handler wrapped around it (so that a ``poutine.block``
+    cannot hide a plate from it)."""
+    chain = handler_chain(model)
+    if not chain:
+        return plates(model)
+    return wrap_inner(model, chain[-1][0], plates)
 
 
 def observed_site(recorder: LayerRecorderMessenger) -> SampleSite:

@@ -35,8 +35,12 @@ from pyro_vinit._pyro_compat import (
 from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
-from pyro_vinit.initialization._runs import observed_site, run_model
-from pyro_vinit.poutine.layer_recorder import LayerRecorderMessenger, RecordedLayer
+from pyro_vinit.initialization._runs import in_rows, observed_site, run_model
+from pyro_vinit.poutine.layer_recorder import (
+    LayerRecorderMessenger,
+    PlateRowsMessenger,
+    RecordedLayer,
+)
 
 SUPPORTED_LIKELIHOODS = (
     "Normal or StudentT (regression), Categorical or OneHotCategorical (probs or logits), "
@@ -358,10 +362,12 @@ class Prepared:
         return self.structure.likelihood
 
 
-def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
+def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
+                         num_rows: Optional[int] = None) -> None:
     """Before a fresh guide is set up: refuses arguments without the targets (a
-    model run without them would make the observed site a latent one of the guide)."""
-    model = unwrap_init_messenger(model)
+    model run without them would make the observed site a latent one of the guide).
+    ``num_rows``: the rows of ``args`` (see :class:`PlateRowsMessenger`)."""
+    model = in_rows(unwrap_init_messenger(model), PlateRowsMessenger(num_rows=num_rows))
     with torch.no_grad(), poutine.block():
         trace = poutine.trace(model).get_trace(*args)
     observed = [
@@ -442,9 +448,12 @@ def trace_structure(
     model = guide.model if model is None else model
     first = next(pool.chunks(_STRUCTURE_ROWS))
     values = guide_medians(guide, first)
-    recorder = run_model(model, values, first, latent, track_flow=True)
+    num_rows = pool.rows_of(first)
+    recorder = run_model(model, values, first, latent, num_rows=num_rows, track_flow=True)
+    plates = PlateRowsMessenger(num_rows=num_rows)
     with torch.no_grad(), poutine.block():
-        trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*first)
+        trace = poutine.trace(poutine.condition(in_rows(model, plates), data=values)
+                              ).get_trace(*first)
     sites = {name: sample_site(trace.nodes[name]) for name in latent if name in trace.nodes}
     layers = [_layer_from_record(r, sites, normal_priors) for r in recorder.layers]
     seen: Set[str] = set()
@@ -470,11 +479,11 @@ def trace_structure(
     covered = seen | ({likelihood.noise_name} if likelihood and likelihood.noise == "site"
                       else set())
     uncovered = [name for name in latent if name not in covered]
-    sizes = {s for _, s in recorder.subsampled_plates.values()}
+    sizes = {s for _, s in plates.subsampled_plates.values()}
     if len(sizes) > 1:
         raise ValueError(
             f"the model has subsampled plates with different subsample sizes "
-            f"{recorder.subsampled_plates}; I-BLM walks the data in blocks of one size"
+            f"{plates.subsampled_plates}; I-BLM walks the data in blocks of one size"
         )
     block_size = sizes.pop() if sizes else None
     structure = ModelStructure(layers, likelihood, latent, uncovered, block_size,
@@ -536,8 +545,11 @@ def prepare(
     given = None if owner is None else guide_medians(owner, first)
     model, held = hold_hidden_sites(guide.model, given)
     if guide.prototype_trace is None:
-        check_has_likelihood(model, first)
-        with torch.no_grad(), poutine.block(), model_swapped(guide, model):
+        # a data plate declared over all the rows draws its subsample among those at hand
+        num_rows = pool.rows_of(first)
+        check_has_likelihood(model, first, num_rows)
+        in_chunk = in_rows(model, PlateRowsMessenger(num_rows=num_rows))
+        with torch.no_grad(), poutine.block(), model_swapped(guide, in_chunk):
             guide(*first)
     sites = site_params.latent_sites(guide)
     structure, first = trace_structure(guide, pool, list(sites), normal_priors, model)

@@ -34,6 +34,7 @@ from pyro_vinit.initialization._passes import layer_inputs, refresh_norm_statist
 from pyro_vinit.initialization._process_group import check_process_group, collective_for
 from pyro_vinit.initialization._regressions import extract_patches
 from pyro_vinit.initialization._rollback import GuideRollback
+from pyro_vinit.initialization._runs import in_rows
 from pyro_vinit.initialization._solve import solve_layer
 from pyro_vinit.initialization._targets import dirichlet_transform, read_targets
 from pyro_vinit.initialization._tracing import (
@@ -46,6 +47,7 @@ from pyro_vinit.initialization._tracing import (
     report_held,
     report_uncovered,
 )
+from pyro_vinit.poutine.layer_recorder import PlateRowsMessenger
 
 __all__ = [
     "IBLMGuideInitializer",
@@ -251,10 +253,16 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
                 first = tuple(batch)
                 if iter(data) is data:  # a one-shot iterator: its first batch is read again
                     data = itertools.chain([batch], data)
-            check_has_likelihood(guides.model, first)
+            num_rows = DataPool(first).num_rows
+            check_has_likelihood(guides.model, first, num_rows)
+            # (a data plate declared over all the rows draws its subsample among those at hand)
             with torch.no_grad(), poutine.block(), ExitStack() as swaps:
+                swaps.enter_context(model_swapped(
+                    guides, in_rows(guides.model, PlateRowsMessenger(num_rows=num_rows))))
                 for member in members:  # (what a member's model hides held fixed)
-                    swaps.enter_context(model_swapped(member, hold_hidden_sites(member.model)[0]))
+                    held = hold_hidden_sites(member.model)[0]
+                    swaps.enter_context(model_swapped(
+                        member, in_rows(held, PlateRowsMessenger(num_rows=num_rows))))
                 guides(*first)  # sets every member up
         rollbacks[0].checkpoint()  # (a later member's failure undoes the earlier writes)
         initialized = []

@@ -28,7 +28,7 @@ from pyro.poutine.util import site_is_subsample
 from torch.overrides import TorchFunctionMode
 from typing_extensions import Self
 
-from pyro_vinit._pyro_compat import is_deterministic_site
+from pyro_vinit._pyro_compat import is_deterministic_site, subsampled_plate
 from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit.poutine._layer_ops import LAYER_OPS, LayerCall, find_layer_call, op_name
 from pyro_vinit.poutine._tensor_ops import (
@@ -46,7 +46,13 @@ from pyro_vinit.poutine._tensor_ops import (
 if TYPE_CHECKING:
     from pyro.poutine.runtime import Message
 
-__all__ = ["LayerRecorderMessenger", "RecordedLayer", "StopModel", "norm_statistics"]
+__all__ = [
+    "LayerRecorderMessenger",
+    "PlateRowsMessenger",
+    "RecordedLayer",
+    "StopModel",
+    "norm_statistics",
+]
 
 _T = torch.Tensor
 
@@ -145,6 +151,51 @@ class _Mode(TorchFunctionMode):
         return self.recorder._torch_function(func, args, kwargs or {})
 
 
+class PlateRowsMessenger(Messenger):
+    """
+    Effect handler that chooses the indices of a model's subsampled
+    :class:`~pyro.plate` s instead of a random draw, and records those plates
+    in :attr:`subsampled_plates` (name -> ``(size, subsample_size)``): a plate
+    whose subsample size is ``len(rows)`` (and whose size exceeds every row)
+    takes ``rows``, so that a caller can walk through the data in blocks;
+    else a plate over more rows than the ``num_rows`` that the model's
+    arguments have (one declared with the size of the whole data set, run
+    on a chunk of it) takes the first ``subsample_size`` of those rows,
+    wrapped around. Other plates, and subsamples already set, are left alone.
+    To reach a plate that a ``poutine.block`` around the model hides, it must
+    be applied inside the block.
+
+    Usage::
+
+        plates = PlateRowsMessenger(num_rows=len(x))
+        plates(model)(x, y)
+        plates.subsampled_plates  # {} for a model without a subsampled plate
+
+    :param torch.Tensor rows: Row indices for the plates, or None.
+    :param int num_rows: The number of data rows in the model's arguments, or None.
+    """
+
+    def __init__(self, rows: Optional[torch.Tensor] = None,
+                 num_rows: Optional[int] = None) -> None:
+        super().__init__()
+        self.rows = rows
+        self.num_rows = num_rows
+        self.subsampled_plates: Dict[str, Tuple[int, int]] = {}
+
+    def _pyro_sample(self, msg: "Message[..., Any]") -> None:
+        plate = subsampled_plate(msg)
+        if msg["value"] is not None or plate is None:
+            return
+        self.subsampled_plates[sample_site(msg)["name"]] = (plate.size, plate.subsample_size)
+        rows = self.rows
+        if rows is not None and len(rows) == plate.subsample_size and len(rows) and (
+            int(rows.max()) < plate.size
+        ):
+            msg["value"] = rows.to(plate.device)
+        elif self.num_rows is not None and 0 < self.num_rows < plate.size:
+            msg["value"] = torch.arange(plate.subsample_size, device=plate.device) % self.num_rows
+
+
 class LayerRecorderMessenger(Messenger):
     r"""
     Effect handler that records the model's Bayesian layers: every
@@ -173,11 +224,6 @@ class LayerRecorderMessenger(Messenger):
     * ``F.batch_norm`` normalizes with the statistics of the batch at hand
       and leaves the running statistics alone (see
       :func:`norm_statistics` to collect them);
-    * :attr:`subsampled_plates` records every subsampled
-      :class:`~pyro.plate` (name -> ``(size, subsample_size)``), and with
-      ``plate_subsample=rows`` such a plate whose ``subsample_size`` is
-      ``len(rows)`` takes the indices ``rows`` instead of a random draw, so
-      that a caller can walk through all the data in blocks;
     * with ``track_flow=True`` it follows, through every torch operation,
       which layers' outputs (not through another layer), latent sites and
       params each tensor depends on, and :attr:`likelihood_flow` tells, for
@@ -189,7 +235,6 @@ class LayerRecorderMessenger(Messenger):
 
     :param latent: Names of the latent sample sites whose values are weights.
     :param bool track_flow: Follow the data flow (costs a set union per op).
-    :param torch.Tensor plate_subsample: See above; None leaves plates alone.
     :param dict norm_statistics: If given, the input statistics of every
         ``F.batch_norm`` call are accumulated in it, across runs (see
         :func:`norm_statistics`).
@@ -204,7 +249,6 @@ class LayerRecorderMessenger(Messenger):
         latent: Collection[str],
         *,
         track_flow: bool = False,
-        plate_subsample: Optional[torch.Tensor] = None,
         norm_statistics: Optional[Dict[int, List[Any]]] = None,
         on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
         norm_sync: Optional[Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]] = None,
@@ -212,8 +256,6 @@ class LayerRecorderMessenger(Messenger):
         super().__init__()
         self.latent = set(latent)
         self.track_flow = track_flow
-        self.plate_subsample = plate_subsample
-        self.subsampled_plates: Dict[str, Tuple[int, int]] = {}
         self.num_batch_norms = 0
         self.on_layer = on_layer
         self.layers: List[RecordedLayer] = []
@@ -251,19 +293,6 @@ class LayerRecorderMessenger(Messenger):
         return exc_type is not None and issubclass(exc_type, StopModel)
 
     # ------------------------------------------------------------ pyro messages
-
-    def _pyro_sample(self, msg: "Message[..., Any]") -> None:
-        if not site_is_subsample(msg) or msg["value"] is not None:
-            return
-        # a plate's subsample site: fn is Pyro's (private) _Subsample, whose sizes are read
-        fn: Any = msg["fn"]
-        if fn.subsample_size is not None and fn.subsample_size < fn.size:
-            self.subsampled_plates[sample_site(msg)["name"]] = (fn.size, fn.subsample_size)
-            rows = self.plate_subsample
-            if rows is not None and len(rows) == fn.subsample_size and len(rows) and (
-                int(rows.max()) < fn.size
-            ):
-                msg["value"] = rows.to(fn.device) if fn.device is not None else rows
 
     def _pyro_post_sample(self, msg: "Message[..., Any]") -> None:
         site = sample_site(msg)

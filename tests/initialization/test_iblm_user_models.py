@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal, init_to_median
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoNormal, init_to_median
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
@@ -235,31 +235,51 @@ def test_subsampled_plate_uses_all_data_and_keeps_scaling():
     assert trace.nodes["obs"]["scale"] == pytest.approx(len(x) / 64)
 
 
-def test_subsampled_plate_inside_the_network():
-    # weights drawn before the plate, the network run on the subsample x[ind]
+@pytest.mark.parametrize("guide_list", [False, True])
+@pytest.mark.parametrize("plate_size", ["rows", "data_set"])
+def test_subsampled_plate_inside_the_network(plate_size, guide_list):
+    # weights drawn before the plate, the network run on the subsample x[ind]; the plate
+    # declared over the rows passed or over the whole data set (a constant: I-BLM runs the
+    # model on chunks of 256 rows), and a guide list whose second member's block hides the
+    # plate (its model is set up on the chunk as well)
     x, y, xt, yt = blobs()
+    n = len(x)
+    assert n > 256
 
     def model(x, y=None):
         w1 = pyro.sample("w1", dist.Normal(0.0, 0.3).expand([20, 10]).to_event(2))
         w2 = pyro.sample("w2", dist.Normal(0.0, 0.3).expand([3, 20]).to_event(2))
-        with pyro.plate("data", x.shape[0], subsample_size=32) as ind:
+        t = pyro.sample("t", dist.LogNormal(0.0, 0.1)) if guide_list else 1.0
+        size = x.shape[0] if plate_size == "rows" else n
+        with pyro.plate("data", size, subsample_size=32) as ind:
             logits = F.linear(torch.relu(F.linear(x[ind], w1)), w2)
-            pyro.sample("obs", dist.Categorical(logits=logits),
+            pyro.sample("obs", dist.Categorical(logits=t * logits),
                         obs=y[ind] if y is not None else None)
 
-    guide = AutoNormal(model)
-    init_guide_iblm(guide, (x, y))
+    if guide_list:  # a temperature in a member of its own, whose block hides the plate
+        guide = AutoGuideList(model)
+        guide.append(AutoNormal(pyro.poutine.block(model, hide=["t"])))
+        guide.append(AutoNormal(pyro.poutine.block(model, expose=["t"])))
+        with pytest.warns(UserWarning, match="leaves the others"):
+            init_guide_iblm(guide, (x, y))
+    else:
+        guide = AutoNormal(model)
+        init_guide_iblm(guide, (x, y))
     med = guide.median()
     logits = F.linear(torch.relu(F.linear(xt, med["w1"])), med["w2"])
     assert _error(logits, yt) <= 0.1
 
 
+@pytest.mark.parametrize("plate_size", ["rows", "data_set"])
 @pytest.mark.parametrize("sigma_shape", [(), (2,)], ids=["one_sigma", "sigma_per_column"])
-def test_learned_noise_of_a_subsampled_regression_is_the_residual_std(sigma_shape):
+def test_learned_noise_of_a_subsampled_regression_is_the_residual_std(sigma_shape,
+                                                                       plate_size):
     # Two target columns with different noise, a subsampled plate and a LogNormal noise
     # site (found through runs of the model on one block of the plate): the guide's
     # median of sigma is the fitted network's residual std over all rows, per column or
-    # their root mean square for one sigma.
+    # their root mean square for one sigma. The plate is declared over the rows passed
+    # (x.shape[0]) or over the whole data set (a constant, as in many Pyro examples:
+    # I-BLM runs the model on chunks of fewer rows, from which the subsample is drawn).
     g = torch.Generator().manual_seed(0)
     n, d = 300, 3
     x = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -276,7 +296,8 @@ def test_learned_noise_of_a_subsampled_regression_is_the_residual_std(sigma_shap
         w2 = pyro.sample("w2", dist.Normal(0.0, 0.25 * one).expand([2, 16]).to_event(2))
         sigma = pyro.sample("sigma", dist.LogNormal(0.0, one).expand(sigma_shape)
                             .to_event(len(sigma_shape)))
-        with pyro.plate("data", x.shape[0], subsample_size=64) as ind:
+        size = x.shape[0] if plate_size == "rows" else n
+        with pyro.plate("data", size, subsample_size=64) as ind:
             pyro.sample("obs", dist.Normal(net(x[ind], w1, w2), sigma).to_event(1),
                         obs=None if y is None else y[ind])
 

@@ -15,6 +15,7 @@ from pyro import poutine
 
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
+    PlateRowsMessenger,
     RecordedLayer,
     StopModel,
     norm_statistics,
@@ -519,25 +520,41 @@ def _plate_model(size, subsample_size):
     return model
 
 
+def _plates(model, rows=None, num_rows=None):
+    """Runs ``model()`` under a PlateRowsMessenger: (messenger, output)."""
+    plates = PlateRowsMessenger(rows, num_rows)
+    return plates, plates(model)()
+
+
 def test_subsampled_plates_recorded_and_rows_honoured():
     rows = torch.tensor([9, 0, 4])
-    rec, out = _record(_plate_model(10, 3), {}, plate_subsample=rows)
-    assert rec.subsampled_plates == {"data": (10, 3)} and torch.equal(out, rows)
-    rec, out = _record(_plate_model(10, 3), {})
-    assert rec.subsampled_plates == {"data": (10, 3)} and out.shape == (3,)
+    plates, out = _plates(_plate_model(10, 3), rows)
+    assert plates.subsampled_plates == {"data": (10, 3)} and torch.equal(out, rows)
+    plates, out = _plates(_plate_model(10, 3))
+    assert plates.subsampled_plates == {"data": (10, 3)} and out.shape == (3,)
     # a plate that is not subsampled is not listed
     for subsample_size in (None, 10):
-        rec, out = _record(_plate_model(10, subsample_size), {}, plate_subsample=rows)
-        assert rec.subsampled_plates == {} and torch.equal(out, torch.arange(10))
+        plates, out = _plates(_plate_model(10, subsample_size), rows)
+        assert plates.subsampled_plates == {} and torch.equal(out, torch.arange(10))
 
 
-def test_plate_rows_follow_the_plate_device():
+def test_the_recorder_leaves_plates_alone():
+    pyro.set_rng_seed(0)
+    expected = _plate_model(10, 3)()
+    pyro.set_rng_seed(0)
+    _, out = _record(_plate_model(10, 3), {})
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("num_rows", [None, 2])
+def test_plate_rows_follow_the_plate_device(num_rows):
     def model():
         with pyro.plate("data", 10, subsample_size=3, device="meta") as rows:
             return rows
 
-    rec, out = _record(model, {}, plate_subsample=torch.tensor([9, 0, 4]))
-    assert rec.subsampled_plates == {"data": (10, 3)}
+    plates, out = _plates(model, torch.tensor([9, 0, 4]) if num_rows is None else None,
+                          num_rows)
+    assert plates.subsampled_plates == {"data": (10, 3)}
     assert out.device.type == "meta" and out.shape == (3,)
 
 
@@ -547,14 +564,49 @@ def test_plate_rows_follow_the_plate_device():
     ids=["too short", "too long", "out of range"],
 )
 def test_plate_rows_ignored_when_they_do_not_fit(rows):
-    rec, out = _record(_plate_model(10, 3), {}, plate_subsample=rows)
-    assert rec.subsampled_plates == {"data": (10, 3)}
+    plates, out = _plates(_plate_model(10, 3), rows)
+    assert plates.subsampled_plates == {"data": (10, 3)}
     assert out.shape == (3,) and int(out.max()) < 10
 
 
 def test_plate_rows_for_an_empty_subsample():
-    rec, out = _record(_plate_model(10, 0), {}, plate_subsample=torch.tensor([], dtype=torch.long))
-    assert rec.subsampled_plates == {"data": (10, 0)} and out.shape == (0,)
+    plates, out = _plates(_plate_model(10, 0), torch.tensor([], dtype=torch.long))
+    assert plates.subsampled_plates == {"data": (10, 0)} and out.shape == (0,)
+
+
+@pytest.mark.parametrize("size, subsample_size, num_rows, expected", [
+    (10, 3, 2, [0, 1, 0]),  # a plate over more rows than the arguments have: theirs, wrapped
+    (10, 3, 4, [0, 1, 2]),
+    (10, 3, 9, [0, 1, 2]),
+])
+def test_plate_over_more_rows_than_the_arguments_takes_theirs(size, subsample_size, num_rows,
+                                                               expected):
+    plates, out = _plates(_plate_model(size, subsample_size), num_rows=num_rows)
+    assert plates.subsampled_plates == {"data": (size, subsample_size)}
+    assert out.tolist() == expected
+    # rows that fit the plate come first
+    _, out = _plates(_plate_model(size, subsample_size), torch.tensor([9, 0, 4]), num_rows)
+    assert out.tolist() == [9, 0, 4]
+
+
+@pytest.mark.parametrize("num_rows", [None, 0, 10, 12])
+def test_plate_over_the_rows_of_the_arguments_draws_as_usual(num_rows):
+    # (a plate as large as the data at hand, or num_rows unknown: Pyro's own random draw)
+    model = _plate_model(10, 3)
+    pyro.set_rng_seed(0)
+    expected = model()
+    pyro.set_rng_seed(0)
+    plates, out = _plates(model, num_rows=num_rows)
+    assert torch.equal(out, expected) and plates.subsampled_plates == {"data": (10, 3)}
+
+
+def test_plate_rows_leave_set_subsamples_alone():
+    conditioned = pyro.poutine.condition(_plate_model(10, 3),
+                                         data={"data": torch.tensor([7, 8, 9])})
+    plates = PlateRowsMessenger(torch.tensor([0, 1, 2]), num_rows=2)
+    with plates:
+        assert conditioned().tolist() == [7, 8, 9]
+    assert plates.subsampled_plates == {}
 
 
 # ---------------------------------------------------------------- dropout and batch norm
