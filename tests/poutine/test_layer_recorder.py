@@ -576,6 +576,7 @@ def test_plate_rows_for_an_empty_subsample():
 
 @pytest.mark.parametrize("size, subsample_size, num_rows, expected", [
     (10, 3, 2, [0, 1, 0]),  # a plate over more rows than the arguments have: theirs, wrapped
+    (10, 3, 1, [0, 0, 0]),
     (10, 3, 4, [0, 1, 2]),
     (10, 3, 9, [0, 1, 2]),
 ])
