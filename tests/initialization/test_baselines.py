@@ -1,4 +1,5 @@
 import math
+import re
 
 import pyro
 import pyro.distributions as dist
@@ -136,10 +137,18 @@ def test_map_time_budget(digits, monkeypatch, map_seconds):
     guide = AutoNormal(_model())
     init_guide(guide, (x[:200], y[:200]), method="map", map_steps=12, map_seconds=map_seconds,
                batch_size=32)
-    if map_seconds is None:
-        assert len(steps) == 12
-    else:
-        assert 1 <= len(steps) <= 6
+    # (the clock reads 1 at the start, 2 + k before step k: steps 0 to 4 start within 5.5)
+    assert len(steps) == (12 if map_seconds is None else 5)
+
+
+def test_map_time_budget_keeps_the_steps_taken(monkeypatch):
+    from pyro_vinit.initialization import baselines
+
+    x, y = torch.randn(20, 4, dtype=torch.float64), torch.randint(3, (20,))
+    expected = _map_loc((x, y), map_steps=5)
+    monkeypatch.setattr(baselines, "time", _FakeClock())
+    for value, five_steps in zip(_map_loc((x, y), map_steps=12, map_seconds=5.5), expected):
+        assert torch.equal(value, five_steps)
 
 
 def _iblm_params(data, use_init_guide, **options):
@@ -212,3 +221,113 @@ def test_constrained_latent_is_left_alone(guide_class, method):
     _, w_std = _site(guide, "net.0.weight")
     expected = 2 / (3 + 8) if method == "xavier" else 1 / 3
     assert_close(w_std, torch.full_like(w_std, math.sqrt(expected)), atol=1e-4, rtol=1e-3)
+
+
+def _linear(d_in, d_out):
+    """One float64 Bayesian linear layer classifier (``net.0``)."""
+    return BayesianClassifier(bayesianize(mlp((d_in, d_out)).double()))
+
+
+def test_orthogonal_in_the_guides_dtype():
+    guide = AutoNormal(_linear(6, 4))
+    guide(torch.randn(5, 6, dtype=torch.float64), torch.randint(4, (5,)))
+    init_guide(guide, method="orthogonal")
+    w, _ = site_params.get_loc_and_scale(guide, "net.0.weight")
+    assert w.dtype == torch.float64
+    # orthogonal to float64's precision (a float32 matrix is only to ~1e-7)
+    assert_close(w @ w.T, torch.eye(4, dtype=torch.float64), atol=1e-13, rtol=0)
+
+
+def _paired_rows(output_var, rows=10, d=4):
+    """Rows +z and -z scaled so that an orthogonal (d, d) layer's output (zero mean)
+    has exactly ``output_var`` as its variance, whatever the matrix."""
+    z = torch.randn(rows, d, dtype=torch.float64)
+    x = torch.cat([z, -z])
+    x = x * math.sqrt(output_var * (x.numel() - 1) / x.square().sum())
+    return x, torch.randint(d, (len(x),))
+
+
+def _output_var(guide, data):
+    prep = prepare(guide, data, 10_000, 4096, normal_priors=False)
+    values = {**guide_values(guide, data, prep.latent), **guide.median()}
+    _, out = capture(guide.model, values, data, prep.latent, "net.0.weight", output=True)
+    return out.var().item()
+
+
+@pytest.mark.parametrize("start, expected", [(1.3, 1.3), (1.8, 1.0)])
+def test_lsuv_rescales_only_outside_the_tolerance(start, expected):
+    # within lsuv_tol = 0.5 of 1 the orthogonal mean is kept; else rescaled to exactly 1
+    data = _paired_rows(start)
+    guide = AutoNormal(_linear(4, 4))
+    init_guide(guide, data, method="lsuv", batch_size=len(data[0]), lsuv_tol=0.5)
+    w, _ = site_params.get_loc_and_scale(guide, "net.0.weight")
+    assert_close(w @ w.T, torch.eye(4, dtype=w.dtype) * expected / start, atol=1e-12, rtol=0)
+    assert _output_var(guide, data) == pytest.approx(expected, rel=1e-10)
+
+
+def test_lsuv_reads_one_batch_of_batch_size_rows(monkeypatch):
+    from pyro_vinit.initialization import baselines
+
+    x, y = torch.randn(30, 4, dtype=torch.float64), torch.randint(4, (30,))
+    shapes = []
+
+    def recording_capture(model, values, args, *rest, **kwargs):
+        shapes.append(args[0].shape)
+        return capture(model, values, args, *rest, **kwargs)
+
+    monkeypatch.setattr(baselines, "capture", recording_capture)
+    init_guide(AutoNormal(_linear(4, 4)), (x, y), method="lsuv", batch_size=8)
+    assert shapes and all(shape == (8, 4) for shape in shapes), shapes
+
+
+@pytest.mark.parametrize("fill, shown", [(0.0, "0.0"), (1e300, "inf")])
+def test_lsuv_refuses_a_layer_output_without_finite_variance(fill, shown):
+    # zero inputs and a zero bias: the layer's output is constant, it cannot be rescaled;
+    # inputs of 1e300: its variance overflows
+    x, y = torch.full((12, 4), fill, dtype=torch.float64), torch.randint(4, (12,))
+    guide = AutoNormal(_linear(4, 4))
+    message = f"LSUV: the output of layer 'net.0.weight' has variance {shown}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        init_guide(guide, (x, y), method="lsuv", batch_size=12)
+
+
+@pytest.mark.parametrize("method", ["lsuv", "map"])
+def test_batch_size_larger_than_the_data_is_named(method):
+    x, y = torch.randn(20, 4, dtype=torch.float64), torch.randint(4, (20,))
+    message = (f"init_guide(method='{method}'): batch_size=50 is larger than the 20 rows of "
+               "data; using batches of 20")
+    with pytest.warns(UserWarning, match=f"^{re.escape(message)}$"):
+        init_guide(AutoNormal(_linear(4, 4)), (x, y), method=method, batch_size=50,
+                   map_steps=1)
+
+
+def _map_loc(data, **options):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    guide = AutoNormal(_linear(4, 3))
+    init_guide(guide, data, method="map", batch_size=len(data[0]), **options)
+    return [site_params.get_loc_and_scale(guide, f"net.0.{p}")[0].detach()
+            for p in ("weight", "bias")]
+
+
+def test_map_takes_adam_steps_on_the_mean_negative_log_likelihood():
+    # Adam's first step is lr * g / (|g| + eps), g the gradient of the mean NLL: inputs
+    # of ~1e-8 make the weights' g comparable to eps = 1e-8 (so a sum, or any other
+    # scaling of the loss, shows), the bias's g is not
+    x = 1e-8 * torch.randn(20, 4, dtype=torch.float64)
+    y = torch.randint(3, (20,))
+    w0, b0 = _map_loc((x, y), map_steps=0)
+    assert not b0.any()
+    w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(x @ w.T + b, y).backward()
+    w1, b1 = _map_loc((x, y), map_steps=1, map_lr=0.05)
+    for start, grad, end in [(w0, w.grad, w1), (b0, b.grad, b1)]:
+        assert_close(end, start - 0.05 * grad / (grad.abs() + 1e-8), atol=1e-12, rtol=1e-6)
+
+
+def test_map_refuses_a_non_finite_likelihood():
+    # (finite data: NaN would be refused first) whose logits overflow
+    x, y = torch.full((10, 4), 1.7e308, dtype=torch.float64), torch.arange(10) % 3
+    with pytest.raises(ValueError,
+                       match=r"^MAP: the negative log-likelihood is (inf|nan) at step 0$"):
+        _map_loc((x, y), map_steps=3)

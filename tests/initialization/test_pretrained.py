@@ -1,4 +1,5 @@
 import copy
+import re
 
 import pyro
 import pyro.distributions as dist
@@ -185,6 +186,23 @@ def test_weights_given_by_name(digits, trained_mlp):
     assert_close(_median_logits(model, guide, x_test, y_test), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_weights_are_taken_in_the_sites_dtype(digits, trained_mlp):
+    # float32 weights for a float64 model: the same guide as their exact float64 copies
+    x, y, _, _ = digits
+    x = x[:300].double()
+    weights = {f"net.{k}": v.detach().clone() for k, v in trained_mlp.named_parameters()}
+    params = []
+    for given in (weights, {k: v.double() for k, v in weights.items()}):
+        pyro.clear_param_store()
+        model = BayesianClassifier(bayesianize(copy.deepcopy(trained_mlp).double()))
+        guide = AutoNormal(model)
+        init_guide_pretrained(guide, (x, y[:300]), weights=given)
+        params.append({k: v.detach().clone() for k, v in guide.named_parameters()})
+    assert params[0].keys() == params[1].keys()
+    for k, v in params[0].items():
+        assert v.dtype == torch.float64 and torch.equal(v, params[1][k]), k
+
+
 def test_regression_with_prior_at_the_weights(digits):
     x = torch.randn(200, 3)
     y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(200)
@@ -235,7 +253,10 @@ def test_untrained_network_is_refused(digits):
     guide = AutoNormal(model)
     guide(x[:2], y[:2])
     before = _snapshot(guide)
-    with pytest.raises(ValueError, match="was the network trained"):
+    message = ("init_guide_pretrained: every layer's trained weights are zero: was the network "
+               "trained? Train it before bayesianize(net, keep_weights=True), or start from "
+               "scratch with init_guide_iblm")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         init_guide_pretrained(guide, (x, y))
     _assert_unchanged(guide, before)
 
@@ -264,6 +285,10 @@ def test_bad_weights(digits, trained_mlp, change, match):
     (dict(scale="map"), ValueError, "scale must be one of"),
     (dict(noise_ratio=0.0), ValueError, "noise_ratio must be a positive"),
     (dict(delta=float("nan")), ValueError, "delta must be a positive"),
+    (dict(noise_ratio=True), ValueError,
+     "^init_guide_pretrained: noise_ratio must be a positive finite number, got True$"),
+    (dict(delta="0.1"), ValueError,
+     "^init_guide_pretrained: delta must be a positive finite number, got '0.1'$"),
     (dict(max_scale_ratio=-1.0), ValueError, "max_scale_ratio must be a positive"),
     (dict(strict=1), TypeError, "strict must be a bool"),
     (dict(weights=[1.0]), TypeError, "weights must be a dict"),
