@@ -290,7 +290,9 @@ class _HoldMessenger(Messenger):
                 self.held[name] = (self.given[name].detach(), "the guide list's median")
             else:
                 self.held[name] = (prior_median(msg["fn"]).detach(), "its prior's median")
-        msg["value"], msg["is_observed"] = self.held[name][0], True
+        # the value only: a site marked observed would pass a block that hides by type
+        # (e.g. expose_types=["observe"]) as an observation of the model
+        msg["value"] = self.held[name][0]
 
 
 def hold_hidden_sites(

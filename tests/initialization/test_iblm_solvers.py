@@ -11,10 +11,18 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 from torch.testing import assert_close
 
+import pyro_vinit.initialization.bayesian_linear_regression as blr
 from pyro_vinit import IBLMGuideInitializer, init_guide_iblm
+from pyro_vinit.initialization import _regressions
 from pyro_vinit.initialization._collective import argsort_rows
 from pyro_vinit.initialization._noise import monotone_inverse
-from pyro_vinit.initialization._regressions import principal_directions
+from pyro_vinit.initialization._regressions import (
+    HiddenTargets,
+    principal_directions,
+    projects,
+    solve_units,
+)
+from pyro_vinit.initialization._tracing import Layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -62,16 +70,17 @@ F64 = torch.float64
 
 
 class _WideLinear(PyroModule):
-    """One latent linear layer with a N(0.3, 0.7^2) weight prior, in float64."""
+    """One latent linear layer with a N(0.3, 0.7^2) weight prior, in the noise's dtype."""
 
     def __init__(self, d_in, d_out, noise):
         super().__init__()
-        self.layer = PyroModule[nn.Linear](d_in, d_out).to(F64)
+        dtype = noise.dtype
+        self.layer = PyroModule[nn.Linear](d_in, d_out).to(dtype)
         self.layer.weight = PyroSample(
-            dist.Normal(torch.tensor(0.3, dtype=F64), 0.7).expand([d_out, d_in]).to_event(2)
+            dist.Normal(torch.tensor(0.3, dtype=dtype), 0.7).expand([d_out, d_in]).to_event(2)
         )
         self.layer.bias = PyroSample(
-            dist.Normal(torch.tensor(-0.2, dtype=F64), 1.5).expand([d_out]).to_event(1)
+            dist.Normal(torch.tensor(-0.2, dtype=dtype), 1.5).expand([d_out]).to_event(1)
         )
         self.noise = noise
 
@@ -118,6 +127,20 @@ def test_projected_solve_with_fewer_rows_than_input_rank():
     assert_close(scale14, scale, atol=1e-12, rtol=1e-9)
 
 
+def test_projected_solve_of_a_float32_layer_with_float64_targets():
+    # NumPy's float64 targets for a float32 network, with a noise level to use: the targets
+    # and their noise variances are in float64, the projected solve in float32
+    n, d, k = 50, 30, 3
+    x = (torch.randn(n, 5, dtype=F64) @ torch.randn(5, d, dtype=F64)).float()
+    noise = torch.full((n,), 0.3)
+    y = x.double() @ torch.randn(d, k, dtype=F64) / 5 + 0.3 * torch.randn(n, k, dtype=F64)
+    loc, scale = _wide_fit(x, y, noise, input_rank=None, noise_scale=0.2)
+    loc5, scale5 = _wide_fit(x, y, noise, input_rank=5, noise_scale=0.2)
+    assert loc5.dtype == scale5.dtype == torch.float32
+    assert_close(loc5, loc, atol=1e-5, rtol=1e-4)
+    assert_close(scale5, scale, atol=0, rtol=1e-5)
+
+
 def test_principal_directions_span_the_top_singular_vectors():
     u, _ = torch.linalg.qr(torch.randn(200, 40, dtype=F64))
     v, _ = torch.linalg.qr(torch.randn(50, 40, dtype=F64))
@@ -134,3 +157,73 @@ def test_principal_directions_span_the_top_singular_vectors():
 def test_input_rank_must_be_positive():
     with pytest.raises(ValueError, match="input_rank must be positive"):
         IBLMGuideInitializer(input_rank=0)
+
+
+def _unit_layer(h, d, bias, w0):
+    """A linear layer's record with a N(w0, s_j^2) weight prior (s_j per unit),
+    a latent N(m_j, 1.5^2) bias, a fixed bias or none."""
+    scales = torch.linspace(0.5, 1.2, h, dtype=F64)[:, None].expand(h, d)
+    layer = Layer("linear", "w", torch.Size([h, d]), prior_loc=torch.full((h, d), w0, dtype=F64),
+                  prior_scale=scales)
+    if bias == "latent":
+        layer.bias_name = "b"
+        layer.bias_prior_loc = torch.linspace(-0.5, 0.5, h, dtype=F64)
+        layer.bias_prior_scale = torch.full((h,), 1.5, dtype=F64)
+    elif bias == "fixed":
+        layer.fixed_bias = torch.linspace(-1.0, 2.0, h, dtype=F64)
+    return layer
+
+
+@pytest.mark.filterwarnings("error")  # e.g. an out= tensor of another shape, resized
+@pytest.mark.parametrize("rank, bias, w0, hidden, per_chunk", [
+    (5, "latent", 0.3, False, 2),
+    (1, "fixed", 1.0, True, 1),
+    (5, "none", 0.0, True, 3),
+    (5, "latent", 1.0, True, 2),
+])
+def test_projected_units_equal_their_closed_form(rank, bias, w0, hidden, per_chunk,
+                                                 monkeypatch):
+    # Units 2..6 of 7, on inputs of exactly the projection's rank (so that it is exact),
+    # in chunks of per_chunk units: each unit's Bayesian linear regression on its
+    # batch (rows drawn with repeats, which count twice), its hidden targets, its
+    # prior and its bias.
+    n, d, k, h, b, lo, hi = 40, 30, 3, 7, 12, 2, 7
+    x = torch.randn(n, rank, dtype=F64) @ torch.randn(rank, d, dtype=F64)
+    y = torch.randn(n, k, dtype=F64)
+    noise_var = torch.rand(n, k, dtype=F64) + 0.1
+    idx = torch.randint(0, n, (h, b))
+    cols = torch.arange(h) % k
+    layer = _unit_layer(h, d, bias, w0)
+    targets = HiddenTargets(torch.tensor([1.0, -1.0]).repeat(4)[:h], True, True, 0.5) \
+        if hidden else None
+    calls = []
+
+    def spy(zb, t, noise, prior_loc, prior_scale, **kwargs):
+        calls.append((zb.shape, kwargs))
+        return blr.bayesian_linear_regression(zb, t, noise, prior_loc, prior_scale, **kwargs)
+
+    monkeypatch.setattr(_regressions, "bayesian_linear_regression", spy)
+    assert projects(layer, x, idx, lo, hi, rank)
+    width = rank + (bias == "latent")
+    means, variances = solve_units(
+        layer, x, y, noise_var, idx, lo, hi, cols=cols, hidden=targets, solver="primal",
+        jitter=1e-3, max_chunk_elements=per_chunk * 4 * b * (rank + 1), input_rank=rank)
+    # as many units per solve as max_chunk_elements allows (4 b (rank + 1) each), once each
+    sizes = [min(per_chunk, hi - start) for start in range(lo, hi, per_chunk)]
+    assert [shape for shape, _ in calls] == [(c, b, width) for c in sizes]
+    assert all(kw["jitter"] == 1e-3 for _, kw in calls)  # the option's, not the default
+    for j in range(lo, hi):
+        rows = idx[j]
+        t, noise = y[rows, cols[j]], noise_var[rows, cols[j]]
+        if hidden:
+            t, noise = (v[0] for v in targets(t[None], noise[None], torch.tensor([j])))
+        xj, loc, scale = x[rows], layer.prior_loc[j], layer.prior_scale[j]
+        if bias == "latent":
+            xj = torch.cat([xj, torch.ones(b, 1, dtype=F64)], 1)
+            loc = torch.cat([loc, layer.bias_prior_loc[j, None]])
+            scale = torch.cat([scale, layer.bias_prior_scale[j, None]])
+        elif bias == "fixed":
+            t = t - layer.fixed_bias[j]
+        post = blr.bayesian_linear_regression(xj, t, noise, loc, scale)
+        assert_close(means[j - lo], post.mean, atol=1e-9, rtol=1e-7)
+        assert_close(variances[j - lo], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)

@@ -824,13 +824,23 @@ def test_guide_list_member_without_layers_before_the_layers_member():
     assert (mean - yt).pow(2).mean().sqrt() < 0.8
 
 
-def test_hyperparameters_hidden_from_the_guide_are_held_at_the_prior_median():
+# hidden by name, or by type (a held site marked observed used to pass the second as an
+# observation: "exactly one observed sample site ... found ['tau', 'sigma', 'obs']")
+@pytest.mark.parametrize("block", [
+    {"hide": ["tau", "sigma"]},
+    {"expose": ["w1", "b1", "w2", "b2"], "expose_types": ["observe"]},
+], ids=["hide", "expose_types"])
+def test_hyperparameters_hidden_from_the_guide_are_held_at_the_prior_median(block):
     x, y, xt, yt = _diabetes()
     seen = []
     model = _hierarchical_regression(seen)
-    guide = AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"]))
-    with pytest.warns(UserWarning, match="'tau', 'sigma'.*held them fixed"):
+    guide = AutoNormal(pyro.poutine.block(model, **block))
+    with pytest.warns(UserWarning, match=r"'tau', 'sigma'.*held them fixed for the whole call: "
+                      r"'tau' at its prior's median \(0\.6745\), 'sigma' at its prior's median "
+                      r"\(0\.6745\)\. "):
         init_guide_iblm(guide, (x, y))
+    # Pyro's own trace of the guide's model (its set-up, by the call): hidden there too
+    assert "w1" in guide.prototype_trace and "tau" not in guide.prototype_trace
     median = dist.HalfNormal(1.0).icdf(torch.tensor(0.5))
     # every model run of the call, the guide's set-up included, saw the prior's medians
     assert len(seen) > 5

@@ -1,0 +1,64 @@
+"""The data pool of the initializers: model arguments from one tuple or an
+iterable of batches, the rows it keeps and the arguments it slices."""
+
+import pytest
+import torch
+
+from pyro_vinit.initialization._data import DataPool
+
+
+def _batches(num_batches, rows, consumed):
+    """``num_batches`` batches ``(x, y, k, s)`` of ``rows`` rows each, recording in
+    ``consumed`` how many were read: x and y are indexed by the rows, k (a tensor
+    of another length) and s (a float) are not."""
+    k = torch.arange(3.0)
+    for i in range(num_batches):
+        consumed.append(i)
+        x = torch.arange(i * rows, (i + 1) * rows, dtype=torch.float32)[:, None].expand(rows, 2)
+        yield x, x[:, 0] * 10, k, 0.5
+
+
+@pytest.mark.parametrize("max_rows, read, kept", [
+    (25, 3, 25),  # stops at the first batch that reaches max_rows, and cuts it
+    (30, 3, 30),  # reached exactly: no batch more is read
+    (31, 4, 31),
+    (None, 5, 50),  # every batch
+    (100, 5, 50),  # fewer rows than max_rows
+])
+def test_pool_of_batches_reads_only_the_batches_it_keeps(max_rows, read, kept):
+    consumed = []
+    pool = DataPool(_batches(5, 10, consumed), max_rows)
+    assert len(consumed) == read
+    assert pool.num_rows == kept
+    x, y, k, s = pool.args
+    assert torch.equal(x[:, 0], torch.arange(kept, dtype=torch.float32))
+    assert torch.equal(y, x[:, 0] * 10)
+    # the arguments not indexed by the rows are the first batch's, not concatenated
+    assert torch.equal(k, torch.arange(3.0)) and s == 0.5
+    assert sum(len(c[0]) for c in pool.chunks(7)) == kept
+
+
+def test_select_slices_only_the_arguments_indexed_by_the_rows():
+    x, y, k = torch.randn(10, 2), torch.randn(10), torch.randn(3)
+    pool = DataPool((x, y, k, "mode"))
+    rows = torch.tensor([1, 4, 2])
+    sx, sy, sk, mode = pool.select(rows)
+    assert torch.equal(sx, x[rows]) and torch.equal(sy, y[rows])
+    assert sk is k and mode == "mode"
+    sx, sy, sk, mode = pool.select(slice(0, 2))
+    assert torch.equal(sx, x[:2]) and torch.equal(sy, y[:2])
+    assert sk is k and mode == "mode"
+
+
+def test_batch_that_is_not_a_tuple_is_refused_by_type():
+    x, y = torch.randn(10, 2), torch.randn(10)
+    # a list [x, y] is an iterable of batches x and y, not one tuple of arguments
+    with pytest.raises(TypeError, match=r"^each batch of the data iterable must be a tuple of "
+                       r"model arguments, got Tensor$"):
+        DataPool([x, y])
+
+
+@pytest.mark.parametrize("data", [[], iter([])])
+def test_iterable_without_batches_is_refused(data):
+    with pytest.raises(ValueError, match=r"^the data is empty: the iterable yielded no batch$"):
+        DataPool(data, 100)

@@ -1,0 +1,32 @@
+"""Step 4 of I-BLM: the fits and the noise level written into the guide."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_vinit import init_guide_iblm
+
+F64 = torch.float64
+
+
+def _model(x, y=None):
+    """y = x w + noise, w ~ N(0, 1), with a latent noise std sigma ~ LogNormal(0, 1)."""
+    w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0)
+                    .expand([1, x.shape[1]]).to_event(2))
+    sigma = pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0, dtype=F64), 1.0))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), sigma), obs=y)
+
+
+@pytest.mark.parametrize("n, spread", [(20, 0.1), (50, 0.1), (60, 120**-0.5), (800, 1600**-0.5)])
+def test_noise_site_std_is_that_of_log_sigma_capped_at_a_tenth(n, spread):
+    # the posterior std of log sigma from n residuals is about 1 / sqrt(2 n); at most 0.1
+    x = torch.randn(n, 3, dtype=F64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=F64) + 0.3 * torch.randn(n, dtype=F64)
+    guide = AutoNormal(_model)
+    init_guide_iblm(guide, (x, y), batch_size=min(n, 128), noise_scale=0.3)
+    torch.testing.assert_close(guide.scales.sigma, torch.tensor(spread, dtype=F64), atol=0,
+                               rtol=1e-12)

@@ -1,0 +1,57 @@
+"""Reading a model for the data-driven initializers: the priors' medians at
+which hidden sites are held, and the likelihood site of a model run."""
+
+import re
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule, PyroSample
+from torch import nn
+
+from pyro_vinit import init_guide
+from pyro_vinit.initialization._tracing import prior_median
+
+F64 = torch.float64
+
+
+def test_prior_median_is_the_icdf_at_one_half_in_the_priors_dtype():
+    prior = dist.HalfNormal(torch.tensor([2.0, 0.5], dtype=F64)).expand([3, 2]).to_event(1)
+    median = prior_median(prior)
+    assert median.dtype == F64 and median.shape == (3, 2)
+    # HalfNormal's icdf(0.5) is 2 erfinv(0.5) scale, which float32 rounds at 1e-8
+    want = dist.HalfNormal(torch.tensor([2.0, 0.5], dtype=F64)).icdf(torch.tensor(0.5, dtype=F64))
+    assert torch.equal(median, want.expand(3, 2))
+
+
+def test_prior_median_without_an_icdf_is_the_median_of_draws():
+    # Gamma has no icdf: the median of 1001 draws, whose standard error is
+    # 0.5 / sqrt(1001) / density(median): 0.05 and 0.09 here; 0.4 is over 4 of them
+    torch.manual_seed(0)
+    median = prior_median(dist.Gamma(torch.tensor([2.0, 5.0]), 1.0).to_event(1))
+    assert median.shape == (2,)
+    torch.testing.assert_close(median, torch.tensor([1.67835, 4.67091]), atol=0.4, rtol=0)
+
+
+class _TwoLikelihoods(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = PyroModule[nn.Linear](3, 2)
+        self.layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+
+    def forward(self, x, y=None):
+        mean = self.layer(x)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs_a", dist.Normal(mean[:, 0], 1.0), obs=y)
+            pyro.sample("obs_b", dist.Normal(mean[:, 1], 1.0), obs=y)
+
+
+def test_map_refuses_a_model_with_two_observed_sites_by_name():
+    x, y = torch.randn(20, 3), torch.randn(20)
+    guide = AutoNormal(_TwoLikelihoods())
+    message = ("this initializer needs a model with exactly one observed sample site (its "
+               "likelihood); found ['obs_a', 'obs_b']")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        init_guide(guide, (x, y), method="map", batch_size=20, map_steps=2)
