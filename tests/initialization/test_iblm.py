@@ -1,4 +1,5 @@
 import itertools
+import re
 import warnings
 
 import pyro
@@ -418,6 +419,55 @@ def test_unreachable_noise_is_refused(kind, noise_scale):
     _assert_unchanged(guide, before)
     if kind == "param":
         assert torch.equal(pyro.param("sigma").detach(), sigma)
+
+
+def _scale_head_model(offset=0.0):
+    """A regression whose scale head is applied at every one of 4 positions of a row,
+    its softplus summed over them (plus ``offset``); the mean head reads them flattened."""
+
+    def model(x, y=None):
+        w0 = pyro.sample("w0", dist.Normal(torch.zeros(16, 3), 1.0).to_event(2))
+        h = torch.tanh(F.linear(x, w0))  # (rows, 4, 16)
+        w_mean = pyro.sample("w_mean", dist.Normal(torch.zeros(1, 64), 0.3).to_event(2))
+        w_scale = pyro.sample("w_scale", dist.Normal(torch.zeros(1, 16), 0.1).to_event(2))
+        b_scale = pyro.sample("b_scale", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+        loc = F.linear(h.flatten(1), w_mean).squeeze(-1)
+        scale = offset + F.softplus(F.linear(h, w_scale, b_scale)).squeeze(-1).sum(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(loc, scale), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize("y_dtype", [torch.float32, F64])
+def test_scale_head_over_positions_gives_the_residual_std(y_dtype):
+    # the scale head's fit is a constant output u at each of the 4 positions of every row:
+    # 4 softplus(u) is the fitted network's residual std (float32 network, targets also
+    # float64)
+    x = torch.randn(200, 4, 3)
+    y = (x.sum((-2, -1)) + 0.3 * torch.randn(200)).to(y_dtype)
+    guide = AutoNormal(_scale_head_model())
+    init_guide_iblm(guide, (x, y))
+    med = guide.median()
+    loc = F.linear(torch.tanh(F.linear(x, med["w0"])).flatten(1), med["w_mean"]).squeeze(-1)
+    residual_std = (loc - y.float()).pow(2).mean().sqrt()
+    assert residual_std < 0.6  # (the mean head fits)
+    assert med["w_scale"].abs().max() < 1e-4
+    assert_close(4 * F.softplus(med["b_scale"]), residual_std.reshape(1), rtol=1e-4, atol=0)
+
+
+def test_unreachable_scale_head_is_refused():
+    # a scale of at least 2 cannot be the residual std (about 0.5): the message names the head
+    x = torch.randn(200, 4, 3)
+    y = x.sum((-2, -1)) + 0.3 * torch.randn(200)
+    guide = AutoNormal(_scale_head_model(offset=2.0))
+    with pytest.raises(ValueError) as error:
+        init_guide_iblm(guide, (x, y))
+    assert re.fullmatch(
+        r"I-BLM estimated the observation noise std as \[0\.\d+\], but the scale head "
+        r"'w_scale' cannot make the likelihood's scale that \(closest: \[2\.0\d*\]\); "
+        r"widen its prior's support, or pass noise_scale=\.\.\.", str(error.value))
+    assert guide.prototype_trace is None  # (set up by the call, and undone)
 
 
 # ---------------------------------------------------------------- bad input
