@@ -392,6 +392,29 @@ def test_learned_noise_equals_closed_form():
 
 
 @pytest.mark.parametrize("kind", ["site", "param"])
+def test_noise_with_more_elements_than_the_scales_columns(kind):
+    # two noise elements whose geometric mean is the scale of one target column: both are
+    # set to the residual std of the fit (so that the scale is that)
+    n = 100
+    x = torch.randn(n, 3, dtype=F64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=F64) + 0.3 * torch.randn(n, dtype=F64)
+    if kind == "site":
+        def noise():
+            return pyro.sample("sigma", dist.LogNormal(torch.zeros(2, dtype=F64), 1.0)
+                               .to_event(1)).prod().sqrt()
+    else:
+        def noise():
+            return pyro.param("sigma", torch.tensor([0.5, 2.0], dtype=F64),
+                              constraint=dist.constraints.positive).prod().sqrt()
+    guide = AutoNormal(_noisy_linear_model(noise))
+    init_guide_iblm(guide, (x, y), batch_size=n)
+    med = guide.median()
+    residual_std = (y - F.linear(x, med["w"], med["b"]).squeeze(-1)).pow(2).mean().sqrt()
+    sigma = med["sigma"] if kind == "site" else pyro.param("sigma").detach()
+    assert_close(sigma, residual_std.expand(2), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["site", "param"])
 @pytest.mark.parametrize("noise_scale", [1e-3, 0.3])
 def test_unreachable_noise_is_refused(kind, noise_scale):
     # a noise whose support stops at 0.5 cannot be the noise_scale asked for (reached
