@@ -391,6 +391,26 @@ def test_learned_noise_equals_closed_form():
     assert_close(guide.median()["sigma"], torch.tensor(0.3, dtype=F64), atol=0, rtol=1e-12)
 
 
+@pytest.mark.parametrize("propagate", ["mean", "sample"])
+def test_learned_noise_is_the_residual_std_of_what_is_propagated(propagate):
+    # the noise is the residual std of the network at the refitted output layer's mean,
+    # or with propagate="sample" at a draw of it: then above the residual std at the mean
+    # written into the guide (the least-squares fit nearly, which a draw moves away from)
+    n = 12
+    x = torch.randn(n, 3, dtype=F64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=F64) + 0.3 * torch.randn(n, dtype=F64)
+    model = _noisy_linear_model(
+        lambda: pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0, dtype=F64), 1.0)))
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n, propagate=propagate)
+    med = guide.median()
+    at_mean = (y - F.linear(x, med["w"], med["b"]).squeeze(-1)).pow(2).mean().sqrt()
+    if propagate == "mean":
+        assert_close(med["sigma"], at_mean, rtol=1e-5, atol=0)
+    else:
+        assert med["sigma"] > 1.01 * at_mean
+
+
 @pytest.mark.parametrize("kind", ["site", "param"])
 def test_noise_with_more_elements_than_the_scales_columns(kind):
     # two noise elements whose geometric mean is the scale of one target column: both are
