@@ -1,4 +1,5 @@
 import itertools
+import re
 import warnings
 
 import pyro
@@ -390,6 +391,49 @@ def test_learned_noise_equals_closed_form():
     assert_close(guide.median()["sigma"], torch.tensor(0.3, dtype=F64), atol=0, rtol=1e-12)
 
 
+@pytest.mark.parametrize("propagate", ["mean", "sample"])
+def test_learned_noise_is_the_residual_std_of_what_is_propagated(propagate):
+    # the noise is the residual std of the network at the refitted output layer's mean,
+    # or with propagate="sample" at a draw of it: then above the residual std at the mean
+    # written into the guide (the least-squares fit nearly, which a draw moves away from)
+    n = 12
+    x = torch.randn(n, 3, dtype=F64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=F64) + 0.3 * torch.randn(n, dtype=F64)
+    model = _noisy_linear_model(
+        lambda: pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0, dtype=F64), 1.0)))
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n, propagate=propagate)
+    med = guide.median()
+    at_mean = (y - F.linear(x, med["w"], med["b"]).squeeze(-1)).pow(2).mean().sqrt()
+    if propagate == "mean":
+        assert_close(med["sigma"], at_mean, rtol=1e-5, atol=0)
+    else:
+        assert med["sigma"] > 1.01 * at_mean
+
+
+@pytest.mark.parametrize("kind", ["site", "param"])
+def test_noise_with_more_elements_than_the_scales_columns(kind):
+    # two noise elements whose geometric mean is the scale of one target column: both are
+    # set to the residual std of the fit (so that the scale is that)
+    n = 100
+    x = torch.randn(n, 3, dtype=F64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=F64) + 0.3 * torch.randn(n, dtype=F64)
+    if kind == "site":
+        def noise():
+            return pyro.sample("sigma", dist.LogNormal(torch.zeros(2, dtype=F64), 1.0)
+                               .to_event(1)).prod().sqrt()
+    else:
+        def noise():
+            return pyro.param("sigma", torch.tensor([0.5, 2.0], dtype=F64),
+                              constraint=dist.constraints.positive).prod().sqrt()
+    guide = AutoNormal(_noisy_linear_model(noise))
+    init_guide_iblm(guide, (x, y), batch_size=n)
+    med = guide.median()
+    residual_std = (y - F.linear(x, med["w"], med["b"]).squeeze(-1)).pow(2).mean().sqrt()
+    sigma = med["sigma"] if kind == "site" else pyro.param("sigma").detach()
+    assert_close(sigma, residual_std.expand(2), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["site", "param"])
 @pytest.mark.parametrize("noise_scale", [1e-3, 0.3])
 def test_unreachable_noise_is_refused(kind, noise_scale):
@@ -418,6 +462,55 @@ def test_unreachable_noise_is_refused(kind, noise_scale):
     _assert_unchanged(guide, before)
     if kind == "param":
         assert torch.equal(pyro.param("sigma").detach(), sigma)
+
+
+def _scale_head_model(offset=0.0):
+    """A regression whose scale head is applied at every one of 4 positions of a row,
+    its softplus summed over them (plus ``offset``); the mean head reads them flattened."""
+
+    def model(x, y=None):
+        w0 = pyro.sample("w0", dist.Normal(torch.zeros(16, 3), 1.0).to_event(2))
+        h = torch.tanh(F.linear(x, w0))  # (rows, 4, 16)
+        w_mean = pyro.sample("w_mean", dist.Normal(torch.zeros(1, 64), 0.3).to_event(2))
+        w_scale = pyro.sample("w_scale", dist.Normal(torch.zeros(1, 16), 0.1).to_event(2))
+        b_scale = pyro.sample("b_scale", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+        loc = F.linear(h.flatten(1), w_mean).squeeze(-1)
+        scale = offset + F.softplus(F.linear(h, w_scale, b_scale)).squeeze(-1).sum(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(loc, scale), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize("y_dtype", [torch.float32, F64])
+def test_scale_head_over_positions_gives_the_residual_std(y_dtype):
+    # the scale head's fit is a constant output u at each of the 4 positions of every row:
+    # 4 softplus(u) is the fitted network's residual std (float32 network, targets also
+    # float64)
+    x = torch.randn(200, 4, 3)
+    y = (x.sum((-2, -1)) + 0.3 * torch.randn(200)).to(y_dtype)
+    guide = AutoNormal(_scale_head_model())
+    init_guide_iblm(guide, (x, y))
+    med = guide.median()
+    loc = F.linear(torch.tanh(F.linear(x, med["w0"])).flatten(1), med["w_mean"]).squeeze(-1)
+    residual_std = (loc - y.float()).pow(2).mean().sqrt()
+    assert residual_std < 0.6  # (the mean head fits)
+    assert med["w_scale"].abs().max() < 1e-4
+    assert_close(4 * F.softplus(med["b_scale"]), residual_std.reshape(1), rtol=1e-4, atol=0)
+
+
+def test_unreachable_scale_head_is_refused():
+    # a scale of at least 2 cannot be the residual std (about 0.5): the message names the head
+    x = torch.randn(200, 4, 3)
+    y = x.sum((-2, -1)) + 0.3 * torch.randn(200)
+    guide = AutoNormal(_scale_head_model(offset=2.0))
+    with pytest.raises(ValueError) as error:
+        init_guide_iblm(guide, (x, y))
+    assert re.fullmatch(
+        r"I-BLM estimated the observation noise std as \[0\.\d+\], but the scale head "
+        r"'w_scale' cannot make the likelihood's scale that \(closest: \[2\.0\d*\]\); "
+        r"widen its prior's support, or pass noise_scale=\.\.\.", str(error.value))
+    assert guide.prototype_trace is None  # (set up by the call, and undone)
 
 
 # ---------------------------------------------------------------- bad input
@@ -557,6 +650,36 @@ def test_unsupported_likelihood_and_prior():
     guide = AutoNormal(BayesianClassifier(net))
     with pytest.raises(ValueError, match="Normal prior"):
         init_guide_iblm(guide, (x, torch.randint(0, 2, (200,))))
+
+
+def test_guide_list_member_failure_restores_the_earlier_members_writes():
+    # [AutoDelta over a temperature, AutoNormal over the output layer, AutoNormal over the
+    # hidden layer alone]: the second member is fitted and written, then the third is
+    # refused (its own last layer does not match the targets). Every member's values are
+    # restored, also where the param store does not hold them (as for a guide list loaded
+    # with torch.load): the list's copy is of its own parameters.
+    from pyro.infer.autoguide import AutoGuideList
+
+    def model(x, y=None):
+        t = pyro.sample("t", dist.LogNormal(0.0, 0.1))
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([6, 3]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([2, 6]).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            logits = F.linear(torch.tanh(F.linear(x, w1)), w2)
+            pyro.sample("obs", dist.Categorical(logits=t * logits), obs=y)
+
+    x, y = torch.randn(50, 3), torch.randint(0, 2, (50,))
+    guide = AutoGuideList(model)
+    for Member, site in ((AutoDelta, "t"), (AutoNormal, "w2"), (AutoNormal, "w1")):
+        hide = [name for name in ("t", "w1", "w2") if name != site]
+        guide.append(Member(pyro.poutine.block(model, hide=hide)))
+    guide(x, y)
+    before = _snapshot(guide)
+    pyro.clear_param_store()
+    with pytest.warns(UserWarning, match="held them fixed"), pytest.raises(
+            ValueError, match=r"the output layer \('w1'\) has 6 outputs"):
+        init_guide_iblm(guide, (x, y), batch_size=50)
+    _assert_unchanged(guide, before)
 
 
 def test_last_layer_must_match_targets():

@@ -132,3 +132,74 @@ def test_options_and_process_group_reach_the_pipeline(monkeypatch):
     with pytest.warns(UserWarning, match="1: AutoDelta"):
         init_guide_iblm(guides, (x, y), group, batch_size=20)
     assert groups == [group, group]
+
+
+_PREFIX = "IBLMGuideInitializer: "
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch_size=0), "batch_size must be positive, got 0"),
+    (dict(batch_size=-3), "batch_size must be positive, got -3"),
+    (dict(batch_size=2.0), "batch_size must be positive, got 2.0"),  # an int option
+    (dict(batch_size=True), "batch_size must be positive, got True"),  # not a bool
+    (dict(max_pool_size=0), "max_pool_size must be positive, got 0"),
+    (dict(chunk_rows=0), "chunk_rows must be positive, got 0"),
+    (dict(max_chunk_elements=0), "max_chunk_elements must be positive, got 0"),
+    (dict(alpha=0.0), "alpha must be positive, got 0.0"),
+    (dict(alpha=float("nan")), "alpha must be positive, got nan"),
+    (dict(alpha="0.1"), "alpha must be positive, got '0.1'"),
+    (dict(jitter=-1e-6), "jitter must be positive, got -1e-06"),
+    (dict(output_rows=0), "output_rows must be positive, got 0"),
+    (dict(output_rows=8.0), "output_rows must be positive, got 8.0"),
+    (dict(input_rank=0), "input_rank must be positive, got 0"),
+    (dict(noise_scale=0.0), "noise_scale must be positive, got 0.0"),
+    (dict(hidden_target_scale=-1.0), "hidden_target_scale must be positive, got -1.0"),
+    (dict(max_scale_ratio=0), "max_scale_ratio must be positive, got 0"),
+    (dict(center_targets="yes"), "center_targets must be None, True or False, got 'yes'"),
+    (dict(alternate_hidden_signs=0.5),
+     "alternate_hidden_signs must be None, True or False, got 0.5"),
+    (dict(estimate_noise="auto"), "estimate_noise must be None, True or False, got 'auto'"),
+    (dict(strict=None), "strict must be a bool, got None"),
+    (dict(strict=1), "strict must be a bool, got 1"),
+    (dict(hidden_columns="any"),
+     "hidden_columns must be one of ('cyclic', 'random'), got 'any'"),
+    (dict(hidden_batches="slab"), "hidden_batches must be one of ('local', 'random'), got 'slab'"),
+    (dict(propagate="mode"), "propagate must be one of ('mean', 'sample'), got 'mode'"),
+    (dict(solver="lu"), "solver must be one of ('auto', 'primal', 'dual'), got 'lu'"),
+    (dict(noise_scale=0.3, estimate_noise=True),
+     "pass either noise_scale (a fixed regression noise) or estimate_noise=True, not both"),
+])
+def test_bad_option_is_refused_with_its_name_and_value(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        IBLMOptions(**kwargs)
+    assert str(error.value) == _PREFIX + message
+    with pytest.raises(ValueError) as error:
+        IBLMGuideInitializer(**kwargs)
+    assert str(error.value) == _PREFIX + message
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(batch_size=1, max_pool_size=1, chunk_rows=1, max_chunk_elements=1, output_rows=1,
+         input_rank=1),
+    dict(alpha=1, jitter=1e-300, noise_scale=1e-300, hidden_target_scale=2,
+         max_scale_ratio=1e-300),  # (an int for a float option)
+    dict(output_rows=None, input_rank=None, noise_scale=None, hidden_target_scale=None,
+         max_scale_ratio=None),
+    dict(center_targets=False, alternate_hidden_signs=True, estimate_noise=True),
+    dict(noise_scale=0.3, estimate_noise=False),
+])
+def test_edge_options_are_accepted(kwargs):
+    options = IBLMOptions(**kwargs)
+    assert all(getattr(options, name) == value for name, value in kwargs.items())
+
+
+@pytest.mark.parametrize("center, alternate", [(None, None), (False, False), (True, True),
+                                               (True, False), (False, True)])
+def test_center_and_alternate_defaults_follow_the_task(center, alternate):
+    # None: centered for classification, alternating signs for regression
+    options = IBLMOptions(center_targets=center, alternate_hidden_signs=alternate)
+    for classification in (True, False):
+        assert options.center(classification) is (
+            classification if center is None else center)
+        assert options.alternate(classification) is (
+            (not classification) if alternate is None else alternate)
