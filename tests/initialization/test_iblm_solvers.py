@@ -1,6 +1,7 @@
 """The fast paths of I-BLM's solves: the slab sort, the noise level's search,
 and the projected solve of wide linear layers."""
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -32,6 +33,21 @@ def test_argsort_rows_matches_torch(dtype):
     order = argsort_rows(scores)
     assert order.dtype == torch.long and order.shape == (5, 200)
     assert torch.equal(order, scores.argsort(-1))
+
+
+@pytest.mark.parametrize("device, dtype, by_numpy", [
+    ("cpu", torch.float32, True), ("cpu", torch.float64, True),
+    ("cpu", torch.bfloat16, False), ("meta", torch.float32, False),
+])
+def test_argsort_rows_sorts_cpu_floats_with_numpy(monkeypatch, device, dtype, by_numpy):
+    # as the docstring says: NumPy's sort for float32/64 on the CPU, torch's otherwise
+    calls = []
+    numpy_argsort = np.argsort
+    monkeypatch.setattr(np, "argsort", lambda *a, **k: calls.append(1) or numpy_argsort(*a, **k))
+    scores = torch.stack([torch.randperm(7) for _ in range(3)]).to(dtype).to(device)
+    order = argsort_rows(scores)
+    assert bool(calls) is by_numpy
+    assert order.shape == (3, 7) and order.device.type == device
 
 
 @pytest.mark.parametrize("link,max_calls", [
