@@ -56,3 +56,20 @@ def test_observations_the_targets_cannot_be_made_from_are_refused(kind, k, y, me
     guide = AutoNormal(_model(kind, k))
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         init_guide_iblm(guide, (x, y), batch_size=8)
+
+
+def test_observations_without_the_rows_along_the_leading_dim_are_refused_by_name():
+    # the observed value (1, 20) for 20 data rows: the rows are not along its leading dim
+    x = torch.randn(20, 4)
+    y = torch.randn(20)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, 4]).to_event(2))
+        out = F.linear(x, w)
+        pyro.sample("obs", dist.Normal(out.T, 1.0).to_event(2),
+                    obs=None if y is None else y[None])
+
+    guide = AutoNormal(model)
+    with pytest.raises(ValueError, match=r"^the observed site has shape \(1, 20\) for 20 data "
+                                         r"rows; I-BLM needs the data rows along the leading dim"):
+        init_guide_iblm(guide, (x, y), batch_size=20)
