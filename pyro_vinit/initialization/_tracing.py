@@ -364,12 +364,10 @@ class Prepared:
         return self.structure.likelihood
 
 
-def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
-                         num_rows: Optional[int] = None) -> None:
+def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
     """Before a fresh guide is set up: refuses arguments without the targets (a
-    model run without them would make the observed site a latent one of the guide).
-    ``num_rows``: the rows of ``args`` (see :class:`PlateRowsMessenger`)."""
-    model = in_rows(unwrap_init_messenger(model), PlateRowsMessenger(num_rows=num_rows))
+    model run without them would make the observed site a latent one of the guide)."""
+    model = unwrap_init_messenger(model)
     with torch.no_grad(), poutine.block():
         trace = poutine.trace(model).get_trace(*args)
     observed = [
@@ -548,9 +546,8 @@ def prepare(
     model, held = hold_hidden_sites(guide.model, given)
     if guide.prototype_trace is None:
         # a data plate declared over all the rows draws its subsample among those at hand
-        num_rows = pool.rows_of(first)
-        check_has_likelihood(model, first, num_rows)
-        in_chunk = in_rows(model, PlateRowsMessenger(num_rows=num_rows))
+        in_chunk = in_rows(model, PlateRowsMessenger(num_rows=pool.rows_of(first)))
+        check_has_likelihood(in_chunk, first)
         with torch.no_grad(), poutine.block(), model_swapped(guide, in_chunk):
             guide(*first)
     sites = site_params.latent_sites(guide)

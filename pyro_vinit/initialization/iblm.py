@@ -253,16 +253,15 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
                 first = tuple(batch)
                 if iter(data) is data:  # a one-shot iterator: its first batch is read again
                     data = itertools.chain([batch], data)
-            num_rows = DataPool(first).num_rows
-            check_has_likelihood(guides.model, first, num_rows)
-            # (a data plate declared over all the rows draws its subsample among those at hand)
+            # a data plate declared over all the rows draws its subsample among those at hand
+            plates = PlateRowsMessenger(num_rows=DataPool(first).num_rows)
+            in_chunk = in_rows(guides.model, plates)
+            check_has_likelihood(in_chunk, first)
             with torch.no_grad(), poutine.block(), ExitStack() as swaps:
-                swaps.enter_context(model_swapped(
-                    guides, in_rows(guides.model, PlateRowsMessenger(num_rows=num_rows))))
+                swaps.enter_context(model_swapped(guides, in_chunk))
                 for member in members:  # (what a member's model hides held fixed)
                     held = hold_hidden_sites(member.model)[0]
-                    swaps.enter_context(model_swapped(
-                        member, in_rows(held, PlateRowsMessenger(num_rows=num_rows))))
+                    swaps.enter_context(model_swapped(member, in_rows(held, plates)))
                 guides(*first)  # sets every member up
         rollbacks[0].checkpoint()  # (a later member's failure undoes the earlier writes)
         initialized = []
