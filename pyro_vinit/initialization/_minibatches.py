@@ -56,7 +56,7 @@ def hidden_batches(pool: DataPool, inputs: torch.Tensor, y: torch.Tensor, cols: 
     # A slab where the unit's target column is constant (no example of its class)
     # or the layer's input mostly zero (a ReLU layer below silent there) would give
     # the unit zero weights, a dead feature: such a unit gets a random batch instead.
-    active = inputs.reshape(inputs.shape[0], -1).ne(0).any(1)
+    active = inputs.reshape(inputs.shape[0], -1).abs().amax(1) > 0  # (finite: checked)
     active_at = collective.take(active.to(y), idx)
     y_at = collective.take(y, idx, cols[:, None])
     y_std = collective.column_std(y)

@@ -243,3 +243,69 @@ def test_projected_units_equal_their_closed_form(rank, bias, w0, hidden, per_chu
         post = blr.bayesian_linear_regression(xj, t, noise, loc, scale)
         assert_close(means[j - lo], post.mean, atol=1e-9, rtol=1e-7)
         assert_close(variances[j - lo], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)
+
+
+@pytest.mark.parametrize("pattern", ["one-hot", "dense", "per-unit", "equal", "one unit"])
+@pytest.mark.parametrize("max_chunk_elements", [1, 2**22])
+def test_weighted_grams_equal_each_units_product(pattern, max_chunk_elements):
+    # X^T diag(w_u) X for every column of the weights, whichever way it is computed: a
+    # one-hot likelihood's (one unit per row above the others: the shared product plus
+    # each unit's rows), random (each unit's own product), a constant per unit, the same
+    # for every unit (the shared product alone), or a single unit
+    n, d, units = 30, 4, 5
+    x = torch.randn(n, d, dtype=F64)
+    labels = torch.randint(0, units, (n,))
+    weights = {
+        "one-hot": 0.2 + 1.3 * F.one_hot(labels, units).to(F64),
+        "dense": torch.rand(n, units, dtype=F64) + 0.1,
+        "per-unit": torch.linspace(0.5, 2.0, units, dtype=F64).expand(n, units),
+        "equal": (torch.rand(n, 1, dtype=F64) + 0.1).expand(n, units),
+        "one unit": torch.rand(n, 1, dtype=F64) + 0.1,
+    }[pattern]
+    expected = torch.stack([x.T @ torch.diag(w) @ x for w in weights.T])
+    gram = _regressions.weighted_grams(x, weights, max_chunk_elements)
+    assert_close(gram, expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("bias, hidden", [("latent", False), ("fixed", True), ("none", False)])
+@pytest.mark.parametrize("solver, shared", [("primal", True), ("auto", True), ("dual", False)])
+def test_units_on_shared_rows_equal_their_closed_form(bias, hidden, solver, shared,
+                                                      monkeypatch):
+    # Units 1..5 of 6 on the same 25 rows (an output layer's), each onto its column with
+    # a one-hot likelihood's noise (two levels, one column per row lower): each unit's
+    # Bayesian linear regression, through the shared Gram matrices unless the dual form
+    # is asked for.
+    n, d, k, h, lo, hi = 25, 4, 3, 6, 1, 6
+    x = torch.randn(n, d, dtype=F64)
+    y = torch.randn(n, k, dtype=F64)
+    noise_var = 4.6 - 3.9 * F.one_hot(torch.randint(0, k, (n,)), k).to(F64)
+    idx = torch.randperm(n)[None].expand(h, n)
+    cols = torch.arange(h) % k
+    layer = _unit_layer(h, d, bias, 0.3)
+    targets = HiddenTargets(torch.tensor([1.0, -1.0]).repeat(3), True, True, 0.5) \
+        if hidden else None
+    products = []
+    monkeypatch.setattr(_regressions, "weighted_grams", lambda x, w, m: products.append(
+        w.shape) or blr_grams(x, w, m))
+    means, variances = solve_units(
+        layer, x, y, noise_var, idx, lo, hi, cols=cols, hidden=targets, solver=solver,
+        jitter=1e-3, max_chunk_elements=2**22, input_rank=None)
+    assert products == ([(n, hi - lo)] if shared else [])
+    for j in range(lo, hi):
+        t, noise = y[:, cols[j]], noise_var[:, cols[j]]
+        if hidden:
+            t, noise = (v[0] for v in targets(t[None], noise[None], torch.tensor([j])))
+        xj, loc, scale = x, layer.prior_loc[j], layer.prior_scale[j]
+        if bias == "latent":
+            xj = torch.cat([xj, torch.ones(n, 1, dtype=F64)], 1)
+            loc = torch.cat([loc, layer.bias_prior_loc[j, None]])
+            scale = torch.cat([scale, layer.bias_prior_scale[j, None]])
+        elif bias == "fixed":
+            t = t - layer.fixed_bias[j]
+        post = blr.bayesian_linear_regression(xj, t, noise, loc, scale)
+        assert_close(means[j - lo], post.mean, atol=1e-10, rtol=1e-9)
+        assert_close(variances[j - lo], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)
+
+
+blr_grams = _regressions.weighted_grams
