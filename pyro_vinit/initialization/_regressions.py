@@ -313,7 +313,7 @@ def solve_projected(layer: Layer, inputs: torch.Tensor, y: torch.Tensor,
     # from the rows that the layer's units use (the same in every process of a group)
     used = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
     used[idx.reshape(-1)] = True
-    basis = principal_directions(x[used], rank)  # (d, r)
+    basis = principal_directions(x if bool(used.all()) else x[used], rank)  # (d, r)
     rank = basis.shape[1]  # fewer when the rows are fewer: their span is then exact
     z = x @ basis  # (n, r)
     squares = x * x
