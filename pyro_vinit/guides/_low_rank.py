@@ -125,12 +125,27 @@ def _hals(
     return best[1], best[2]
 
 
+def _svd(matrix: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The thin SVD :math:`U\,\mathrm{diag}(s)\,V^\top` of a float64 matrix from
+    the eigendecomposition of its smaller Gram matrix (several times faster
+    than ``torch.linalg.svd``; its singular values below :math:`10^{-8} s_0`
+    and their vectors are inexact, which the fits never use)."""
+    if matrix.shape[0] > matrix.shape[1]:
+        V, s, Uh = _svd(matrix.T)
+        return Uh.T, s, V.T
+    values, U = torch.linalg.eigh(matrix @ matrix.T)
+    U = U.flip(-1)
+    s = values.flip(-1).clamp_min(0).sqrt()
+    Vh = (U.T @ matrix) / s.clamp_min(torch.finfo(s.dtype).tiny)[:, None]
+    return U, s, Vh
+
+
 def _fit_matrix(
     matrix: torch.Tensor, rank: int, num_iters: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     m, n = matrix.shape
     floor = 1e-8 * float(matrix.max().sqrt())
-    U, s, Vh = torch.linalg.svd(matrix, full_matrices=False)
+    U, s, Vh = _svd(matrix)
     tol = 10 * max(m, n) * torch.finfo(torch.float32).eps
     numerical_rank = int((s > tol * s[0]).sum())
     u1, v1 = _rank_one(U, s, Vh)

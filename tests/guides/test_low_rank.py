@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pyro_vinit.guides._low_rank import fit_positive_low_rank
+from pyro_vinit.guides._low_rank import _svd, fit_positive_low_rank
 from tests.common import assert_close
 
 
@@ -159,3 +159,17 @@ def test_float32_is_computed_in_float64():
 def test_empty_columns():
     u, v = fit_positive_low_rank(torch.ones(4, 0), 2)
     assert u.shape == (4, 2) and v.shape == (0, 2) and (u > 0).all()
+
+
+@pytest.mark.parametrize("shape", [(6, 9), (9, 6), (5, 5)])
+def test_svd_from_the_gram_matrix_matches_torch(shape):
+    # the singular values, and the singular vectors up to sign, of a positive matrix
+    matrix = torch.rand(shape, dtype=torch.float64) + 0.1
+    U, s, Vh = _svd(matrix)
+    U0, s0, Vh0 = torch.linalg.svd(matrix, full_matrices=False)
+    assert U.shape == U0.shape and Vh.shape == Vh0.shape
+    assert_close(s, s0, atol=1e-7 * float(s0[0]), rtol=0)
+    signs = (U * U0).sum(0).sign()
+    assert_close(U * signs, U0, atol=1e-9, rtol=0)
+    assert_close(Vh[:3] * signs[:3, None], Vh0[:3], atol=1e-9, rtol=0)
+    assert_close(U @ torch.diag(s) @ Vh, matrix, atol=1e-12, rtol=0)
