@@ -224,6 +224,7 @@ def test_projected_units_equal_their_closed_form(rank, bias, w0, hidden, per_chu
     means, variances = solve_units(
         layer, x, y, noise_var, idx, lo, hi, cols=cols, hidden=targets, solver="primal",
         jitter=1e-3, max_chunk_elements=per_chunk * 4 * b * (rank + 1), input_rank=rank)
+    assert means.shape == variances.shape == (hi - lo, d + (bias == "latent"))
     # as many units per solve as max_chunk_elements allows (4 b (rank + 1) each), once each
     sizes = [min(per_chunk, hi - start) for start in range(lo, hi, per_chunk)]
     assert [shape for shape, _ in calls] == [(c, b, width) for c in sizes]
@@ -245,13 +246,15 @@ def test_projected_units_equal_their_closed_form(rank, bias, w0, hidden, per_chu
         assert_close(variances[j - lo], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)
 
 
-@pytest.mark.parametrize("pattern", ["one-hot", "dense", "per-unit", "equal", "one unit"])
+@pytest.mark.parametrize("pattern", ["one-hot", "dense", "per-unit", "equal", "one unit",
+                                     "binary", "mixed"])
 @pytest.mark.parametrize("max_chunk_elements", [1, 2**22])
 def test_weighted_grams_equal_each_units_product(pattern, max_chunk_elements):
     # X^T diag(w_u) X for every column of the weights, whichever way it is computed: a
     # one-hot likelihood's (one unit per row above the others: the shared product plus
     # each unit's rows), random (each unit's own product), a constant per unit, the same
-    # for every unit (the shared product alone), or a single unit
+    # for every unit (the shared product alone), a single unit, two balanced classes
+    # whose weights differ by exactly 1, or one-hot units beside a unit of its own
     n, d, units = 30, 4, 5
     x = torch.randn(n, d, dtype=F64)
     labels = torch.randint(0, units, (n,))
@@ -261,6 +264,9 @@ def test_weighted_grams_equal_each_units_product(pattern, max_chunk_elements):
         "per-unit": torch.linspace(0.5, 2.0, units, dtype=F64).expand(n, units),
         "equal": (torch.rand(n, 1, dtype=F64) + 0.1).expand(n, units),
         "one unit": torch.rand(n, 1, dtype=F64) + 0.1,
+        "binary": 0.5 + F.one_hot(torch.arange(n) % 2, 2).to(F64),
+        "mixed": torch.cat([0.2 + 1.3 * F.one_hot(labels % 4, 4).to(F64),
+                            torch.rand(n, 1, dtype=F64) + 0.1], 1),
     }[pattern]
     expected = torch.stack([x.T @ torch.diag(w) @ x for w in weights.T])
     gram = _regressions.weighted_grams(x, weights, max_chunk_elements)
@@ -309,3 +315,39 @@ def test_units_on_shared_rows_equal_their_closed_form(bias, hidden, solver, shar
 
 
 blr_grams = _regressions.weighted_grams
+
+
+def test_units_on_shared_rows_in_the_layers_dtype():
+    # a float32 layer with float64 targets, noise and priors: the solve runs in float32
+    n, d, k, h = 25, 4, 3, 3
+    x = torch.randn(n, d)
+    y = torch.randn(n, k, dtype=F64)
+    noise_var = 4.6 - 3.9 * F.one_hot(torch.randint(0, k, (n,)), k).to(F64)
+    layer = _unit_layer(h, d, "latent", 0.3)
+    means, variances = solve_units(
+        layer, x, y, noise_var, torch.arange(n)[None].expand(h, n), 0, h, cols=torch.arange(h),
+        hidden=None, solver="primal", jitter=1e-3, max_chunk_elements=2**22, input_rank=None)
+    assert means.dtype == variances.dtype == torch.float32
+    for j in range(h):
+        xj = torch.cat([x.to(F64), torch.ones(n, 1, dtype=F64)], 1)
+        loc = torch.cat([layer.prior_loc[j], layer.bias_prior_loc[j, None]])
+        scale = torch.cat([layer.prior_scale[j], layer.bias_prior_scale[j, None]])
+        post = blr.bayesian_linear_regression(xj, y[:, j], noise_var[:, j], loc, scale)
+        assert_close(means[j], post.mean.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_units_on_shared_rows_get_jitter_on_a_singular_system():
+    # two equal integer inputs and a flat prior: X^T L^-1 X + diag(1e-16) is exactly
+    # singular in float32, and the Cholesky factorization needs the jitter (the option's):
+    # the mean still fits
+    n, h = 20, 2
+    x = torch.randint(1, 4, (n, 1)).float().expand(n, 2).contiguous()
+    y = 3.0 * x[:, :1].expand(n, h)
+    layer = Layer("linear", "w", torch.Size([h, 2]), prior_loc=torch.zeros(h, 2),
+                  prior_scale=torch.full((h, 2), 1e8))
+    means, _ = solve_units(
+        layer, x, y, torch.full((n, h), 0.1), torch.arange(n)[None].expand(h, n), 0, h,
+        cols=torch.arange(h), hidden=None, solver="primal", jitter=1e-3,
+        max_chunk_elements=2**22, input_rank=None)
+    assert torch.isfinite(means).all()
+    assert_close(means.sum(1), torch.full((h,), 3.0), atol=1e-2, rtol=0)
