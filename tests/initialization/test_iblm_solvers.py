@@ -190,6 +190,21 @@ def _unit_layer(h, d, bias, w0):
     return layer
 
 
+def _unit_posterior(layer, j, xj, t, noise, hidden):
+    """Unit j's Bayesian linear regression on its rows ``xj`` with the targets
+    and noise of its column: made hidden targets, its prior, its bias."""
+    if hidden is not None:
+        t, noise = (v[0] for v in hidden(t[None], noise[None], torch.tensor([j])))
+    loc, scale = layer.prior_loc[j], layer.prior_scale[j]
+    if layer.bias_name is not None:
+        xj = torch.cat([xj, torch.ones(len(xj), 1, dtype=xj.dtype)], 1)
+        loc = torch.cat([loc, layer.bias_prior_loc[j, None]])
+        scale = torch.cat([scale, layer.bias_prior_scale[j, None]])
+    elif layer.fixed_bias is not None:
+        t = t - layer.fixed_bias[j]
+    return blr.bayesian_linear_regression(xj, t, noise, loc, scale)
+
+
 @pytest.mark.filterwarnings("error")  # e.g. an out= tensor of another shape, resized
 @pytest.mark.parametrize("rank, bias, w0, hidden, per_chunk", [
     (5, "latent", 0.3, False, 2),
@@ -231,17 +246,8 @@ def test_projected_units_equal_their_closed_form(rank, bias, w0, hidden, per_chu
     assert all(kw["jitter"] == 1e-3 for _, kw in calls)  # the option's, not the default
     for j in range(lo, hi):
         rows = idx[j]
-        t, noise = y[rows, cols[j]], noise_var[rows, cols[j]]
-        if hidden:
-            t, noise = (v[0] for v in targets(t[None], noise[None], torch.tensor([j])))
-        xj, loc, scale = x[rows], layer.prior_loc[j], layer.prior_scale[j]
-        if bias == "latent":
-            xj = torch.cat([xj, torch.ones(b, 1, dtype=F64)], 1)
-            loc = torch.cat([loc, layer.bias_prior_loc[j, None]])
-            scale = torch.cat([scale, layer.bias_prior_scale[j, None]])
-        elif bias == "fixed":
-            t = t - layer.fixed_bias[j]
-        post = blr.bayesian_linear_regression(xj, t, noise, loc, scale)
+        post = _unit_posterior(layer, j, x[rows], y[rows, cols[j]], noise_var[rows, cols[j]],
+                               targets)
         assert_close(means[j - lo], post.mean, atol=1e-9, rtol=1e-7)
         assert_close(variances[j - lo], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)
 
@@ -299,17 +305,7 @@ def test_units_on_shared_rows_equal_their_closed_form(bias, hidden, solver, shar
         jitter=1e-3, max_chunk_elements=2**22, input_rank=None)
     assert products == ([(n, hi - lo)] if shared else [])
     for j in range(lo, hi):
-        t, noise = y[:, cols[j]], noise_var[:, cols[j]]
-        if hidden:
-            t, noise = (v[0] for v in targets(t[None], noise[None], torch.tensor([j])))
-        xj, loc, scale = x, layer.prior_loc[j], layer.prior_scale[j]
-        if bias == "latent":
-            xj = torch.cat([xj, torch.ones(n, 1, dtype=F64)], 1)
-            loc = torch.cat([loc, layer.bias_prior_loc[j, None]])
-            scale = torch.cat([scale, layer.bias_prior_scale[j, None]])
-        elif bias == "fixed":
-            t = t - layer.fixed_bias[j]
-        post = blr.bayesian_linear_regression(xj, t, noise, loc, scale)
+        post = _unit_posterior(layer, j, x, y[:, cols[j]], noise_var[:, cols[j]], targets)
         assert_close(means[j - lo], post.mean, atol=1e-10, rtol=1e-9)
         assert_close(variances[j - lo], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)
 
@@ -329,10 +325,7 @@ def test_units_on_shared_rows_in_the_layers_dtype():
         hidden=None, solver="primal", jitter=1e-3, max_chunk_elements=2**22, input_rank=None)
     assert means.dtype == variances.dtype == torch.float32
     for j in range(h):
-        xj = torch.cat([x.to(F64), torch.ones(n, 1, dtype=F64)], 1)
-        loc = torch.cat([layer.prior_loc[j], layer.bias_prior_loc[j, None]])
-        scale = torch.cat([layer.prior_scale[j], layer.bias_prior_scale[j, None]])
-        post = blr.bayesian_linear_regression(xj, y[:, j], noise_var[:, j], loc, scale)
+        post = _unit_posterior(layer, j, x.to(F64), y[:, j], noise_var[:, j], None)
         assert_close(means[j], post.mean.float(), atol=1e-4, rtol=1e-4)
 
 
