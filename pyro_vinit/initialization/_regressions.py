@@ -220,34 +220,61 @@ def _solve_shared_rows(layer: Layer, x: torch.Tensor, y: torch.Tensor, noise_var
     if layer.fixed_bias is not None:
         t = t - layer.fixed_bias[units, None].to(t)
     weights = noise.to(dtype).reciprocal()
-    gram = weighted_grams(x, weights.T, max_chunk_elements)
     rhs = (weights * t.to(dtype)) @ x
     prior_loc, prior_scale = unit_priors(layer, units)
-    mean, precision = solve_statistics(gram, rhs, prior_loc.to(dtype), prior_scale.to(dtype),
-                                       jitter)
-    return mean, precision.reciprocal()
+    shared = shared_product(x, weights.T)  # once for all the chunks
+    width = x.shape[1]
+    # in chunks of units: each holds a Gram matrix, its regularized copy and its factor
+    chunk = max(1, max_chunk_elements // (3 * width * width))
+    means = x.new_empty(len(units), width)
+    variances = x.new_empty(len(units), width)
+    for start in range(0, len(units), chunk):
+        some = slice(start, start + chunk)
+        gram = weighted_grams(x, weights[some].T, max_chunk_elements, shared=shared)
+        mean, precision = solve_statistics(gram, rhs[some], prior_loc[some].to(dtype),
+                                           prior_scale[some].to(dtype), jitter)
+        means[some] = mean
+        torch.reciprocal(precision, out=variances[some])
+    return means, variances
 
 
-def weighted_grams(x: torch.Tensor, weights: torch.Tensor,
-                   max_chunk_elements: int = 2**22) -> torch.Tensor:
+def shared_product(x: torch.Tensor,
+                   weights: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""
+    The rows' smallest weight :math:`m` ``(n,)`` over the columns of
+    ``weights`` ``(n, units)``, and :math:`X^\top \mathrm{diag}(m) X` where
+    at least two units have at most half their rows above it (None where
+    fewer would use it).
+    """
+    floor = weights.min(1).values
+    sparse = weights.ne(floor[:, None]).sum(0) <= weights.shape[0] // 2
+    if int(sparse.sum()) > 1:  # (one unit alone gains nothing from the shared product)
+        return floor, (x * floor[:, None]).T @ x
+    return floor, None
+
+
+def weighted_grams(x: torch.Tensor, weights: torch.Tensor, max_chunk_elements: int = 2**22,
+                   shared: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
+                   ) -> torch.Tensor:
     r"""
     :math:`X^\top \mathrm{diag}(w_u) X` ``(units, d, d)`` for the rows ``x``
     ``(n, d)`` and each column :math:`w_u` of ``weights`` ``(n, units)``: from
     the Gram matrix of the rows' smallest weight :math:`m`, plus each unit's
     rows whose weight exceeds it, where those are at most half the rows (a
     one-hot likelihood's noise, where one unit per row differs from the
-    others: two products of the rows instead of one per unit).
+    others: two products of the rows instead of one per unit). ``shared``:
+    :func:`shared_product` of ``x`` and weights of which these are some
+    columns (default: of these).
     """
     n, units = weights.shape
     d = x.shape[1]
-    floor = weights.min(1).values
+    floor, base = shared_product(x, weights) if shared is None else shared
     excess = weights - floor[:, None]
     above = excess.ne(0)
     sparse = above.sum(0) <= n // 2
     gram = x.new_empty(units, d, d)
     rest = torch.arange(units, device=x.device)
-    if int(sparse.sum()) > 1:  # (one unit alone gains nothing from the shared product)
-        base = (x * floor[:, None]).T @ x
+    if base is not None:
         for unit in sparse.nonzero()[:, 0].tolist():
             rows = above[:, unit].nonzero()[:, 0]
             xs = x[rows]
