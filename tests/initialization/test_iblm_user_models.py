@@ -1058,3 +1058,44 @@ def test_output_layer_on_shared_rows_equals_its_per_unit_solve(name, monkeypatch
         assert primal[key].dtype == F64, key
         scale = float(primal[key].abs().max())
         assert_close(dual[key], primal[key], rtol=1e-8, atol=1e-9 * scale, msg=key)
+
+
+def _constant_bias_regressor(bias):
+    def model(x, y=None):
+        w = pyro.sample("w", _f64_normal(5, 8))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, w, bias), 0.1).to_event(1), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 5)])
+def test_constant_bias_broadcast_by_torch_is_one_per_unit(shape):
+    # F.linear with a constant bias that torch broadcasts over the 5 units: the guide of
+    # the bias written out per unit (a scalar or (1,) bias failed with an IndexError)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 8, generator=g, dtype=F64)
+    y = x @ torch.randn(8, 5, generator=g, dtype=F64) + 2.0
+    states = {}
+    for name, bias in [("broadcast", torch.full(shape, 2.0, dtype=F64)),
+                       ("per unit", torch.full((5,), 2.0, dtype=F64)), ("none", None)]:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(_constant_bias_regressor(bias))
+        init_guide_iblm(guide, (x, y))
+        states[name] = _state(guide)
+    for key in states["per unit"]:
+        assert torch.equal(states["broadcast"][key], states["per unit"][key]), key
+    assert not torch.equal(states["none"]["locs.w_unconstrained"],
+                           states["per unit"]["locs.w_unconstrained"])
+
+
+def test_constant_bias_of_one_value_per_row_is_refused():
+    x = torch.randn(50, 8, dtype=F64)
+    guide = AutoNormal(_constant_bias_regressor(torch.zeros(50, 5, dtype=F64)))
+    guide(x, torch.zeros(50, 5, dtype=F64))
+    before = _state(guide)
+    with pytest.raises(ValueError, match=r"adds a constant bias of shape \(50, 5\); .* one of "
+                                         r"shape \(5,\)"):
+        init_guide_iblm(guide, (x, torch.zeros(50, 5, dtype=F64)))
+    _assert_state(guide, before)
