@@ -1039,7 +1039,7 @@ def test_output_layer_on_shared_rows_equals_its_per_unit_solve(name, monkeypatch
     calls = []
     solve = _regressions._solve_shared_rows
     monkeypatch.setattr(_regressions, "_solve_shared_rows",
-                        lambda *args, **kw: calls.append(len(args[4])) or solve(*args, **kw))
+                        lambda *args, **kw: calls.append(len(args[5])) or solve(*args, **kw))
     states = {}
     for solver in ("primal", "dual"):
         pyro.clear_param_store()
