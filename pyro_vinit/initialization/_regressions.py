@@ -168,7 +168,7 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
             and bool((idx[lo:hi] == idx[lo]).all())):
         # every unit on the same rows (an output layer's): one gather, and Gram matrices
         # that share the rows' common weight
-        return _solve_shared_rows(layer, rows_with_bias[idx[lo]], y[idx[lo]], noise_var[idx[lo]],
+        return _solve_shared_rows(layer, rows_with_bias[idx[lo]], y, noise_var, idx[lo],
                                   torch.arange(lo, hi, device=device), cols=cols, hidden=hidden,
                                   jitter=jitter, max_chunk_elements=max_chunk_elements)
     for start in range(lo, hi, chunk):
@@ -207,51 +207,90 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
 
 
 def _solve_shared_rows(layer: Layer, x: torch.Tensor, y: torch.Tensor, noise_var: torch.Tensor,
-                       units: torch.Tensor, *, cols: torch.Tensor,
+                       rows: torch.Tensor, units: torch.Tensor, *, cols: torch.Tensor,
                        hidden: Optional[HiddenTargets], jitter: float,
                        max_chunk_elements: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`solve_units` (the primal form) of ``units`` that all regress on the
-    rows ``x`` ``(B, fan_in [+ 1])`` of a linear layer, whose targets and noise
-    variances are ``y`` and ``noise_var`` ``(B, columns)``."""
+    same ``rows`` of ``y`` and ``noise_var``, whose layer inputs (a linear layer's)
+    are ``x`` ``(B, fan_in [+ 1])``."""
     dtype = x.dtype
-    t, noise = y[:, cols[units]].T, noise_var[:, cols[units]].T  # (c, B)
-    if hidden is not None:
-        t, noise = hidden(t, noise, units)
-    if layer.fixed_bias is not None:
-        t = t - layer.fixed_bias[units, None].to(t)
-    weights = noise.to(dtype).reciprocal()
-    gram = weighted_grams(x, weights.T, max_chunk_elements)
-    rhs = (weights * t.to(dtype)) @ x
-    prior_loc, prior_scale = unit_priors(layer, units)
-    mean, precision = solve_statistics(gram, rhs, prior_loc.to(dtype), prior_scale.to(dtype),
-                                       jitter)
-    return mean, precision.reciprocal()
+    width = x.shape[1]
+
+    def weights_and_targets(some: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        at = (rows[None], cols[some, None])
+        t, noise = y[at], noise_var[at]  # (c, B)
+        if hidden is not None:
+            t, noise = hidden(t, noise, some)
+        if layer.fixed_bias is not None:
+            t = t - layer.fixed_bias[some, None].to(t)
+        return noise.to(dtype).reciprocal(), t.to(dtype)
+
+    # in chunks of units, each with its weights and targets on the rows, and its Gram
+    # matrix, the regularized copy and the factor
+    chunk = max(1, max_chunk_elements // (4 * len(rows) + 3 * width * width))
+    chunks = [units[start : start + chunk] for start in range(0, len(units), chunk)]
+    shared = None
+    if len(chunks) > 1:  # the rows' smallest weight over all the units, first
+        shared = SharedProduct(x, torch.stack(
+            [weights_and_targets(some)[0].amin(0) for some in chunks]).amin(0))
+    means = x.new_empty(len(units), width)
+    variances = x.new_empty(len(units), width)
+    start = 0
+    for some in chunks:
+        weights, t = weights_and_targets(some)
+        gram = weighted_grams(x, weights.T, max_chunk_elements, shared=shared)
+        prior_loc, prior_scale = unit_priors(layer, some)
+        mean, precision = solve_statistics(gram, (weights * t) @ x, prior_loc.to(dtype),
+                                           prior_scale.to(dtype), jitter)
+        means[start : start + len(some)] = mean
+        torch.reciprocal(precision, out=variances[start : start + len(some)])
+        start += len(some)
+    return means, variances
 
 
-def weighted_grams(x: torch.Tensor, weights: torch.Tensor,
-                   max_chunk_elements: int = 2**22) -> torch.Tensor:
+class SharedProduct:
+    r"""The rows' smallest weight :math:`m` ``(n,)`` over the units of a layer
+    and, made when first asked for, :math:`X^\top \mathrm{diag}(m) X` of its
+    rows ``x``, shared by :func:`weighted_grams` of chunks of its units."""
+
+    def __init__(self, x: torch.Tensor, floor: torch.Tensor) -> None:
+        self.x, self.floor = x, floor
+        self._base: Optional[torch.Tensor] = None
+
+    def base(self) -> torch.Tensor:
+        if self._base is None:
+            self._base = (self.x * self.floor[:, None]).T @ self.x
+        return self._base
+
+
+def weighted_grams(x: torch.Tensor, weights: torch.Tensor, max_chunk_elements: int = 2**22,
+                   shared: Optional[SharedProduct] = None) -> torch.Tensor:
     r"""
     :math:`X^\top \mathrm{diag}(w_u) X` ``(units, d, d)`` for the rows ``x``
     ``(n, d)`` and each column :math:`w_u` of ``weights`` ``(n, units)``: from
     the Gram matrix of the rows' smallest weight :math:`m`, plus each unit's
     rows whose weight exceeds it, where those are at most half the rows (a
     one-hot likelihood's noise, where one unit per row differs from the
-    others: two products of the rows instead of one per unit).
+    others: two products of the rows instead of one per unit). ``shared``: the
+    smallest weight and its product over more units than these (a chunk of
+    them), used by every unit that gains from it.
     """
     n, units = weights.shape
     d = x.shape[1]
-    floor = weights.min(1).values
+    floor = weights.min(1).values if shared is None else shared.floor
     excess = weights - floor[:, None]
     above = excess.ne(0)
     sparse = above.sum(0) <= n // 2
     gram = x.new_empty(units, d, d)
     rest = torch.arange(units, device=x.device)
-    if int(sparse.sum()) > 1:  # (one unit alone gains nothing from the shared product)
-        base = (x * floor[:, None]).T @ x
+    # (one unit alone gains nothing from a product of its own)
+    if shared is not None or int(sparse.sum()) > 1:
         for unit in sparse.nonzero()[:, 0].tolist():
+            if shared is None:
+                shared = SharedProduct(x, floor)
             rows = above[:, unit].nonzero()[:, 0]
             xs = x[rows]
-            gram[unit] = torch.addmm(base, (xs * excess[rows, unit, None]).T, xs)
+            gram[unit] = torch.addmm(shared.base(), (xs * excess[rows, unit, None]).T, xs)
         rest = rest[~sparse]
     chunk = max(1, max_chunk_elements // max(1, n * d))
     for start in range(0, len(rest), chunk):

@@ -218,8 +218,24 @@ def _layer_from_record(record: RecordedLayer, sites: Dict[str, SampleSite], prio
             layer.bias_prior_loc = _to_layout(loc, record.bias_index, shape)
             layer.bias_prior_scale = _to_layout(scale, record.bias_index, shape)
     elif record.fixed_bias is not None:
-        layer.fixed_bias = record.fixed_bias
+        layer.fixed_bias = _fixed_bias(record.fixed_bias, layer)
     return layer
+
+
+def _fixed_bias(bias: torch.Tensor, layer: Layer) -> torch.Tensor:
+    """A constant (not latent) bias as one value per unit, ``(num_units,)``: torch
+    broadcasts a scalar, ``(1,)`` or ``(1, num_units)`` bias over the rows."""
+    units = layer.num_units
+    if bias.numel() == 1:
+        return bias.reshape(1).expand(units)
+    if bias.numel() == units and bias.shape[-1] == units:
+        return bias.reshape(units)
+    raise ValueError(
+        f"the layer of {layer.weight_name!r} adds a constant bias of shape "
+        f"{tuple(bias.shape)}; I-BLM subtracts one value per unit from the targets, so "
+        f"it needs a scalar bias or one of shape ({units},): give it that shape, or make "
+        "it a latent site"
+    )
 
 
 # ---------------------------------------------------------------------- running the model

@@ -21,6 +21,7 @@ from pyro_vinit.initialization._regressions import (
     HiddenTargets,
     principal_directions,
     projects,
+    solve_statistics,
     solve_units,
 )
 from pyro_vinit.initialization._tracing import Layer
@@ -298,8 +299,8 @@ def test_units_on_shared_rows_equal_their_closed_form(bias, hidden, solver, shar
     targets = HiddenTargets(torch.tensor([1.0, -1.0]).repeat(3), True, True, 0.5) \
         if hidden else None
     products = []
-    monkeypatch.setattr(_regressions, "weighted_grams", lambda x, w, m: products.append(
-        w.shape) or blr_grams(x, w, m))
+    monkeypatch.setattr(_regressions, "weighted_grams", lambda x, w, m, **kw: products.append(
+        w.shape) or blr_grams(x, w, m, **kw))
     means, variances = solve_units(
         layer, x, y, noise_var, idx, lo, hi, cols=cols, hidden=targets, solver=solver,
         jitter=1e-3, max_chunk_elements=2**22, input_rank=None)
@@ -344,3 +345,58 @@ def test_units_on_shared_rows_get_jitter_on_a_singular_system():
         max_chunk_elements=2**22, input_rank=None)
     assert torch.isfinite(means).all()
     assert_close(means.sum(1), torch.full((h,), 3.0), atol=1e-2, rtol=0)
+
+
+@pytest.mark.filterwarnings("error")  # e.g. an out= tensor of another shape, resized
+@pytest.mark.parametrize("noise", ["one-hot", "per-column", "mixed"])
+def test_units_on_shared_rows_solved_in_bounded_chunks(noise, monkeypatch):
+    # 7 units on the same 40 rows, with room per chunk for 2 units' weights and targets on
+    # the rows and Gram matrices (each with its regularized copy and its factor): 4 solves
+    # of at most 2 units, not the whole layer's at once (1,000 classes on 512 inputs: 3 GB),
+    # the product of the rows' smallest weight over all 7 units made once and shared by
+    # the chunks; each unit its closed form
+    n, d, h = 40, 4, 7
+    width = d + 1
+    x = torch.randn(n, d, dtype=F64)
+    y = torch.randn(n, h, dtype=F64)
+    one_hot = 4.6 - 3.9 * F.one_hot(torch.randint(0, h, (n,)), h).to(F64)
+    noise_var = {
+        "one-hot": one_hot,
+        "per-column": torch.linspace(0.5, 2.0, h, dtype=F64).expand(n, h),
+        "mixed": torch.cat([one_hot[:, :4], torch.rand(n, 3, dtype=F64) + 0.1], 1),
+    }[noise]
+    layer = _unit_layer(h, d, "latent", 0.3)
+    sizes, floors, bases = [], [], []
+
+    def spy_solve(gram, *args):
+        sizes.append(gram.shape[0])
+        return solve_statistics(gram, *args)
+
+    def spy_grams(x, w, m, shared=None):
+        floors.append(None if shared is None else shared.floor)
+        return blr_grams(x, w, m, shared)
+
+    class SpyProduct(_regressions.SharedProduct):
+        def base(self):
+            bases.append(super().base())
+            return bases[-1]
+
+    monkeypatch.setattr(_regressions, "solve_statistics", spy_solve)
+    monkeypatch.setattr(_regressions, "weighted_grams", spy_grams)
+    monkeypatch.setattr(_regressions, "SharedProduct", SpyProduct)
+    means, variances = solve_units(
+        layer, x, y, noise_var, torch.arange(n)[None].expand(h, n), 0, h, cols=torch.arange(h),
+        hidden=None, solver="primal", jitter=1e-3,
+        max_chunk_elements=2 * (4 * n + 3 * width**2) + 1, input_rank=None)
+    assert sizes == [2, 2, 2, 1]
+    assert len(floors) == 4
+    for floor in floors:  # every unit's, not a chunk's
+        assert torch.equal(floor, noise_var.max(1).values.reciprocal())
+    assert bases and all(base is bases[0] for base in bases)  # made once
+    for j in range(h):
+        xj = torch.cat([x, torch.ones(n, 1, dtype=F64)], 1)
+        loc = torch.cat([layer.prior_loc[j], layer.bias_prior_loc[j, None]])
+        scale = torch.cat([layer.prior_scale[j], layer.bias_prior_scale[j, None]])
+        post = blr.bayesian_linear_regression(xj, y[:, j], noise_var[:, j], loc, scale)
+        assert_close(means[j], post.mean, atol=1e-10, rtol=1e-9)
+        assert_close(variances[j], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)

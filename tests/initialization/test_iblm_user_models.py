@@ -2,6 +2,7 @@
 
 import math
 import warnings
+from functools import partial
 
 import pyro
 import pyro.distributions as dist
@@ -22,6 +23,7 @@ from pyro_vinit import (
     init_guide_iblm,
 )
 from pyro_vinit.data import load_digits
+from pyro_vinit.initialization import _regressions
 from pyro_vinit.nn import bayesianize
 from pyro_vinit.poutine import local_reparam
 from pyro_vinit.testing.user_models import USER_MODELS, Classifier, blobs, functional_tanh, iris
@@ -942,3 +944,158 @@ def test_batchnorm_resnet_predicts_in_eval_mode_as_in_train_mode(guide_class):
     train_error = _predictive_error(model, guide, xt, yt)
     assert train_error < 0.6  # (chance: 0.9)
     assert abs(eval_error - train_error) <= 0.02, (eval_error, train_error)
+
+
+# ---------------------------------------------------------------- output layer on shared rows
+
+
+def _f64_normal(*shape, scale=1.0):
+    return dist.Normal(torch.zeros(shape, dtype=F64), scale).to_event(len(shape))
+
+
+class _MultiOutputRegressor(PyroModule):
+    # Pyro's BNN tutorial style: PyroModule[nn.Linear] with PyroSample weights, and a
+    # noise scale per output column
+    def __init__(self, d, h, k):
+        super().__init__()
+        self.l1 = PyroModule[nn.Linear](d, h).to(F64)
+        self.l1.weight = PyroSample(_f64_normal(h, d))
+        self.l1.bias = PyroSample(_f64_normal(h, scale=10.0))
+        self.l2 = PyroModule[nn.Linear](h, k).to(F64)
+        self.l2.weight = PyroSample(_f64_normal(k, h))
+        self.l2.bias = PyroSample(_f64_normal(k, scale=10.0))
+
+    def forward(self, x, y=None):
+        mu = self.l2(torch.relu(self.l1(x)))
+        sigma = pyro.sample("sigma", dist.HalfNormal(torch.ones(mu.shape[-1], dtype=F64))
+                            .to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mu, sigma).to_event(1), obs=y)
+        return mu
+
+
+def _functional_subsampled(x, y=None):
+    # pyro.sample + F.linear, pyro.deterministic records, a subsampled plate
+    w1, b1 = pyro.sample("w1", _f64_normal(30, 8)), pyro.sample("b1", _f64_normal(30))
+    w2 = pyro.sample("w2", _f64_normal(6, 30, scale=30**-0.5))
+    b2 = pyro.sample("b2", _f64_normal(6))
+    h = pyro.deterministic("h", torch.tanh(F.linear(x, w1, b1)))
+    logits = pyro.deterministic("logits", F.linear(h, w2, b2))
+    with pyro.plate("data", x.shape[0], subsample_size=100) as ind:
+        pyro.sample("obs", dist.Categorical(logits=logits[ind]),
+                    obs=None if y is None else y[ind])
+    return logits
+
+
+def _matmul_fixed_bias(x, y=None):
+    # an x @ w layer, then an output layer whose bias is a constant (not latent), a
+    # one-hot likelihood
+    w1 = pyro.sample("w1", _f64_normal(8, 20, scale=8**-0.5))
+    w2 = pyro.sample("w2", _f64_normal(5, 20, scale=20**-0.5))
+    logits = F.linear(torch.relu(x @ w1), w2, torch.linspace(-1.0, 1.0, 5, dtype=F64))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("obs", dist.OneHotCategorical(logits=logits), obs=y)
+    return logits
+
+
+def _conv_multilabel(x, y=None):
+    # a Bayesian conv, max pooling, a linear output layer; independent Bernoulli labels
+    w1 = pyro.sample("w1", _f64_normal(4, 1, 3, 3, scale=1 / 3))
+    w2 = pyro.sample("w2", _f64_normal(4, 36, scale=1 / 6))
+    b2 = pyro.sample("b2", _f64_normal(4))
+    h = F.max_pool2d(torch.relu(F.conv2d(x, w1)), 2).flatten(1)
+    logits = F.linear(h, w2, b2)
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("obs", dist.Bernoulli(logits=logits).to_event(1), obs=y)
+    return logits
+
+
+def _user_model_f64(name):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 8, generator=g, dtype=F64)
+    labels = (x[:, :3] @ torch.randn(3, 6, generator=g, dtype=F64)).argmax(1)
+    if name == "pyromodule multi-output regression":
+        y = torch.tanh(x @ torch.randn(8, 5, generator=g, dtype=F64)) \
+            + 0.1 * torch.arange(1, 6) * torch.randn(300, 5, generator=g, dtype=F64)
+        return _MultiOutputRegressor(8, 20, 5), AutoNormal, (x, y), 5
+    if name == "functional subsampled categorical":
+        return _functional_subsampled, AutoNormal, (x, labels), 6
+    if name == "matmul fixed bias one-hot":
+        return (_matmul_fixed_bias, partial(AutoKTiedNormal, rank=2),
+                (x, F.one_hot(labels % 5, 5).to(F64)), 5)
+    images = torch.randn(200, 1, 8, 8, generator=g, dtype=F64)
+    y = (images.mean((1, 2))[:, :4] + 0.1 * torch.randn(200, 4, generator=g, dtype=F64) > 0)
+    return _conv_multilabel, AutoNormal, (images, y.to(F64)), 4
+
+
+@pytest.mark.parametrize("name", ["pyromodule multi-output regression",
+                                  "functional subsampled categorical",
+                                  "matmul fixed bias one-hot", "conv multi-label bernoulli"])
+def test_output_layer_on_shared_rows_equals_its_per_unit_solve(name, monkeypatch):
+    # The output layer's units on the same rows (output_rows) through the shared Gram
+    # matrices (solver "primal") and each unit's own regression (solver "dual", which
+    # never shares them): the same guide, in float64, on models written the way users
+    # write them
+    calls = []
+    solve = _regressions._solve_shared_rows
+    monkeypatch.setattr(_regressions, "_solve_shared_rows",
+                        lambda *args, **kw: calls.append(len(args[5])) or solve(*args, **kw))
+    states = {}
+    for solver in ("primal", "dual"):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        model, guide_class, data, outputs = _user_model_f64(name)
+        guide = guide_class(model)
+        calls.clear()
+        init_guide_iblm(guide, data, solver=solver)
+        states[solver] = _state(guide)
+        # all the output layer's units on shared rows (in each of its fits: a learned
+        # noise refits it), in the primal form only
+        assert set(calls) == ({outputs} if solver == "primal" else set())
+    primal, dual = states["primal"], states["dual"]
+    assert primal.keys() == dual.keys()
+    for key in primal:
+        assert primal[key].dtype == F64, key
+        scale = float(primal[key].abs().max())
+        assert_close(dual[key], primal[key], rtol=1e-8, atol=1e-9 * scale, msg=key)
+
+
+def _constant_bias_regressor(bias):
+    def model(x, y=None):
+        w = pyro.sample("w", _f64_normal(5, 8))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, w, bias), 0.1).to_event(1), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 5)])
+def test_constant_bias_broadcast_by_torch_is_one_per_unit(shape):
+    # F.linear with a constant bias that torch broadcasts over the 5 units: the guide of
+    # the bias written out per unit (a scalar or (1,) bias failed with an IndexError)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 8, generator=g, dtype=F64)
+    y = x @ torch.randn(8, 5, generator=g, dtype=F64) + 2.0
+    states = {}
+    for name, bias in [("broadcast", torch.full(shape, 2.0, dtype=F64)),
+                       ("per unit", torch.full((5,), 2.0, dtype=F64)), ("none", None)]:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(_constant_bias_regressor(bias))
+        init_guide_iblm(guide, (x, y))
+        states[name] = _state(guide)
+    for key in states["per unit"]:
+        assert torch.equal(states["broadcast"][key], states["per unit"][key]), key
+    assert not torch.equal(states["none"]["locs.w_unconstrained"],
+                           states["per unit"]["locs.w_unconstrained"])
+
+
+def test_constant_bias_of_one_value_per_row_is_refused():
+    x = torch.randn(50, 8, dtype=F64)
+    guide = AutoNormal(_constant_bias_regressor(torch.zeros(50, 5, dtype=F64)))
+    guide(x, torch.zeros(50, 5, dtype=F64))
+    before = _state(guide)
+    with pytest.raises(ValueError, match=r"adds a constant bias of shape \(50, 5\); .* one of "
+                                         r"shape \(5,\)"):
+        init_guide_iblm(guide, (x, torch.zeros(50, 5, dtype=F64)))
+    _assert_state(guide, before)
