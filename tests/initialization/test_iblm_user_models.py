@@ -604,6 +604,27 @@ def test_noise_estimate_is_residual_std_in_float64():
     assert math.isfinite(med["sigma"].item())
 
 
+def test_noise_of_a_scalar_likelihood_is_the_residual_std():
+    # one mean for every row (the network's output averaged), no plate: the likelihood's
+    # shape is (), its scale a scalar; the noise site's median is the residual std
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, generator=g, dtype=F64)
+    y = 0.5 + 0.3 * torch.randn(50, generator=g, dtype=F64)
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=F64)
+        w = pyro.sample("w", dist.Normal(0.0, one).expand([1, 3]).to_event(2))
+        b = pyro.sample("b", dist.Normal(0.0, one).expand([1]).to_event(1))
+        sigma = pyro.sample("sigma", dist.LogNormal(0.0, one))
+        pyro.sample("obs", dist.Normal(F.linear(x, w, b).mean(), sigma), obs=y)
+
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=50)
+    med = guide.median()
+    residual = (y - F.linear(x, med["w"], med["b"]).mean()).pow(2).mean().sqrt()
+    assert_close(med["sigma"], residual, rtol=1e-5, atol=0)
+
+
 def test_svi_after_init_trains():
     x, y, _, _ = blobs()
     model = functional_tanh(1)
