@@ -229,7 +229,7 @@ def _report_uncovered(prep: Prepared, strict: bool) -> None:
     if strict:
         raise ValueError(message + "; the guide was left unchanged.")
     warnings.warn(message + ". Pass strict=True to make this an error.", UserWarning,
-                  stacklevel=4)
+                  stacklevel=3)
 
 
 def _op_layout(layer: Layer, trained: Dict[str, torch.Tensor]) -> torch.Tensor:

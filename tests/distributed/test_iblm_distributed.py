@@ -164,3 +164,35 @@ def test_process_group_of_one_rank_matches_single_process(one_rank_group, name):
     assert actual.keys() == expected.keys()
     for key, value in expected.items():
         assert_close(actual[key], value, **TOL, msg=key)
+
+
+def test_process_group_of_one_rank_solves_an_output_layer_over_positions(one_rank_group):
+    """An output layer applied at several positions (a convolution whose outputs are
+    averaged over them): the process-group collective's shared-rows statistics pair
+    every position with its row's target and noise, as the local collective does."""
+    import pyro.distributions as pdist
+    import torch.nn.functional as F
+    from pyro.infer.autoguide import AutoNormal
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=x.dtype)
+        w1 = pyro.sample("w1", pdist.Normal(0.0, one).expand([4, 2, 3]).to_event(3))
+        w2 = pyro.sample("w2", pdist.Normal(0.0, one).expand([3, 4, 2]).to_event(3))
+        logits = F.conv1d(torch.tanh(F.conv1d(x, w1)), w2).mean(-1)  # (rows, 3)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", pdist.Categorical(logits=logits), obs=y)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 2, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(3, (60,), generator=g)
+    states = []
+    for group in (None, dist.group.WORLD):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(model)
+        init_guide_iblm(guide, (x, y), batch_size=60, process_group=group)
+        states.append({k: v.detach().clone() for k, v in guide.state_dict().items()})
+    assert one_rank_group, "the process-group collective was not used"
+    assert states[1].keys() == states[0].keys()
+    for key, value in states[0].items():
+        assert_close(states[1][key], value, **TOL, msg=key)

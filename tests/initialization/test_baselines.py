@@ -5,6 +5,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+import torch.nn.functional as F
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
 from pyro.nn import PyroModule
 from torch import nn
@@ -181,7 +182,9 @@ def test_errors(digits):
     guide = AutoNormal(_model())
     with pytest.raises(ValueError, match="valid methods are"):
         init_guide(guide, (x, y), method="kaiming")
-    with pytest.raises(RuntimeError, match="not set up"):
+    message = ("AutoNormal is not set up yet: pass data (e.g. init_guide(guide, (x, y), "
+               "method=...)) or call the guide once first")
+    with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         init_guide(guide, method="xavier")
     for method in ["lsuv", "map", "iblm"]:
         with pytest.raises(ValueError, match="needs data"):
@@ -191,6 +194,41 @@ def test_errors(digits):
     assert set(METHODS) == {
         "uninformative", "heuristic", "xavier", "orthogonal", "lsuv", "map", "iblm"
     }
+
+
+def test_data_free_layers_by_name():
+    # without data: a weight without a bias site, and a "<module>.bias" whose size is not
+    # the weight's output size (left at the guide's own values); no weight at all is refused
+    def model(x, y=None):
+        a = pyro.sample("a.weight", dist.Normal(0.0, 1.0).expand([3, 4]).to_event(2))
+        b = pyro.sample("b.weight", dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+        c = pyro.sample("b.bias", dist.Normal(0.0, 1.0).expand([5]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(F.linear(x, a), b).sum(-1) + c.sum(), 1.0),
+                        obs=y)
+
+    x, y = torch.randn(6, 4), torch.randn(6)
+    guide = AutoNormal(model)
+    guide(x, y)
+    bias_before = [t.clone() for t in site_params.get_loc_and_scale(guide, "b.bias")]
+    init_guide(guide, method="heuristic")
+    for name, fan_in in [("a.weight", 4), ("b.weight", 3)]:
+        _, std = site_params.get_loc_and_scale(guide, name)
+        assert_close(std, torch.full_like(std, fan_in**-0.5))
+    for before, after in zip(bias_before, site_params.get_loc_and_scale(guide, "b.bias")):
+        assert torch.equal(before, after)
+
+    def no_weights(x, y=None):
+        c = pyro.sample("c", dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ c, 1.0), obs=y)
+
+    guide = AutoNormal(no_weights)
+    guide(x, y)
+    message = ("the guide has no real-support latent site with two or more dims (a layer "
+               "weight) to initialize")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        init_guide(guide, method="xavier")
 
 
 class _NoisyRegressor(PyroModule):
@@ -265,10 +303,13 @@ def test_lsuv_rescales_only_outside_the_tolerance(start, expected):
     assert _output_var(guide, data) == pytest.approx(expected, rel=1e-10)
 
 
-def test_lsuv_reads_one_batch_of_batch_size_rows(monkeypatch):
+@pytest.mark.parametrize("batch_size, rows", [(8, 30), (None, 200)])  # None: 128
+def test_lsuv_reads_one_batch_of_batch_size_rows(monkeypatch, batch_size, rows):
+    # and rescales a layer at most lsuv_max_iters times (10 by default: with a tolerance
+    # that no output meets, exactly 10)
     from pyro_vinit.initialization import baselines
 
-    x, y = torch.randn(30, 4, dtype=torch.float64), torch.randint(4, (30,))
+    x, y = torch.randn(rows, 4, dtype=torch.float64), torch.randint(4, (rows,))
     shapes = []
 
     def recording_capture(model, values, args, *rest, **kwargs):
@@ -276,8 +317,25 @@ def test_lsuv_reads_one_batch_of_batch_size_rows(monkeypatch):
         return capture(model, values, args, *rest, **kwargs)
 
     monkeypatch.setattr(baselines, "capture", recording_capture)
-    init_guide(AutoNormal(_linear(4, 4)), (x, y), method="lsuv", batch_size=8)
-    assert shapes and all(shape == (8, 4) for shape in shapes), shapes
+    options = {} if batch_size is None else {"batch_size": batch_size}
+    init_guide(AutoNormal(_linear(4, 4)), (x, y), method="lsuv", lsuv_tol=0.0, **options)
+    assert shapes == [((batch_size or 128), 4)] * 10, shapes
+
+
+def test_reads_at_most_10000_rows():
+    # (the default max_pool_size, named by the warning about a larger batch)
+    x, y = torch.randn(10_001, 4, dtype=torch.float64), torch.randint(4, (10_001,))
+    message = ("init_guide(method='lsuv'): batch_size=20000 is larger than the 10000 rows of "
+               "data; using batches of 10000")
+    with pytest.warns(UserWarning, match=f"^{re.escape(message)}$"):
+        init_guide(AutoNormal(_linear(4, 4)), (x, y), method="lsuv", batch_size=20_000)
+
+
+def test_map_takes_500_steps_by_default(monkeypatch):
+    steps = _count_adam_steps(monkeypatch)
+    x, y = torch.randn(20, 4, dtype=torch.float64), torch.randint(3, (20,))
+    _map_loc((x, y))
+    assert len(steps) == 500
 
 
 @pytest.mark.parametrize("fill, shown", [(0.0, "0.0"), (1e300, "inf")])

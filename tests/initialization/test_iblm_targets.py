@@ -1,5 +1,6 @@
 """I-BLM's regression targets: the refusals of observations that the
-likelihood's targets cannot be made from, by message."""
+likelihood's targets cannot be made from, by message; the classification
+targets and the first noise level of a regression, in closed form."""
 
 import re
 
@@ -11,6 +12,10 @@ import torch.nn.functional as F
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_vinit import init_guide_iblm
+from pyro_vinit.initialization.iblm import dirichlet_transform
+from tests.common import assert_close
+
+F64 = torch.float64
 
 
 def _model(kind, k):
@@ -73,3 +78,90 @@ def test_observations_without_the_rows_along_the_leading_dim_are_refused_by_name
     with pytest.raises(ValueError, match=r"^the observed site has shape \(1, 20\) for 20 data "
                                          r"rows; I-BLM needs the data rows along the leading dim"):
         init_guide_iblm(guide, (x, y), batch_size=20)
+
+
+def _classifier(kind, k):
+    """logits = x w^T + b, with w, b ~ N(0, 1), in float64."""
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=F64)
+        w = pyro.sample("w", dist.Normal(0.0, one).expand([k, x.shape[1]]).to_event(2))
+        b = pyro.sample("b", dist.Normal(0.0, one).expand([k]).to_event(1))
+        out = F.linear(x, w, b)
+        with pyro.plate("data", x.shape[0]):
+            if kind == "categorical":
+                pyro.sample("obs", dist.Categorical(logits=out), obs=y)
+            elif kind == "onehot":
+                pyro.sample("obs", dist.OneHotCategorical(logits=out), obs=y)
+            else:
+                pyro.sample("obs", dist.Bernoulli(logits=out[:, 0]), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize("center_targets", [None, False])
+@pytest.mark.parametrize("kind, k", [("categorical", 3), ("onehot", 3), ("bernoulli", 1)])
+def test_output_layer_of_a_classification_equals_closed_form(kind, k, center_targets):
+    # The output layer's regressions onto the Dirichlet targets of the labels (Bernoulli:
+    # the logit's, the difference of the two classes'), with their noise variances. By
+    # default the targets are shifted to mean zero over all rows and columns where a
+    # shift shared by the columns leaves the likelihood unchanged (the softmax of a
+    # Categorical or OneHotCategorical), not for a Bernoulli logit; center_targets=False:
+    # never.
+    n, d, alpha = 30, 4, 0.01
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g, dtype=F64)
+    labels = torch.randint(k + (k == 1), (n,), generator=g)
+    onehot = F.one_hot(labels, k + (k == 1)).to(F64)
+    y = {"categorical": labels, "onehot": onehot, "bernoulli": labels.to(F64)}[kind]
+    guide = AutoNormal(_classifier(kind, k))
+    init_guide_iblm(guide, (x, y), batch_size=n, alpha=alpha, center_targets=center_targets)
+
+    if kind == "bernoulli":
+        (m1, v1), (m0, v0) = (dirichlet_transform(t, alpha) for t in (onehot[:, 1:], onehot[:, :1]))
+        t, noise_var = m1 - m0, v1 + v0
+    else:
+        t, noise_var = dirichlet_transform(onehot, alpha)
+    if kind != "bernoulli" and center_targets is None:
+        t = t - t.mean()
+    design = torch.cat([x, torch.ones(n, 1, dtype=F64)], 1)
+    for j in range(k):
+        precision = torch.eye(d + 1, dtype=F64) + design.T @ (design / noise_var[:, j, None])
+        mean = torch.linalg.solve(precision, design.T @ (t[:, j] / noise_var[:, j]))
+        assert_close(guide.locs.w[j], mean[:d], atol=1e-10, rtol=1e-9)
+        assert_close(guide.locs.b[j], mean[d], atol=1e-10, rtol=1e-9)
+        assert_close(guide.scales.w[j].pow(2), 1 / precision.diagonal()[:d], atol=1e-12,
+                     rtol=1e-9)
+
+
+@pytest.mark.parametrize("noise_scale", [None, 0.2])
+def test_hidden_layer_of_a_regression_with_a_learned_noise_is_fitted_with_its_first_level(
+        noise_scale):
+    # A learned noise starts at a tenth of the targets' std (or noise_scale): the noise
+    # of the hidden units' regressions, whose precision diagonal, on every row, is
+    # 1 / prior variance + sum_i x_i^2 / noise^2 for any targets. (Targets with std 0.3:
+    # below 1, and not 1, where a tenth of the std is a tenth of its inverse; the hidden
+    # targets, of std below hidden_target_scale = 1, are not shrunk.)
+    n, d, h = 40, 3, 6
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g, dtype=F64)
+    y = torch.sin(2 * x[:, 0]) + 0.1 * torch.randn(n, generator=g, dtype=F64)
+    y = 0.3 * (y - y.mean()) / y.std()
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=F64)
+        w1 = pyro.sample("w1", dist.Normal(0.0, 0.5 * one).expand([h, d]).to_event(2))
+        b1 = pyro.sample("b1", dist.Normal(0.0, 0.5 * one).expand([h]).to_event(1))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.5 * one).expand([1, h]).to_event(2))
+        sigma = pyro.sample("sigma", dist.LogNormal(0.0, one))
+        with pyro.plate("data", n):
+            pyro.sample("obs", dist.Normal(F.linear(torch.tanh(F.linear(x, w1, b1)), w2)
+                                           .squeeze(-1), sigma), obs=y)
+
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n, noise_scale=noise_scale)
+    noise = 0.1 * y.std() if noise_scale is None else torch.tensor(noise_scale, dtype=F64)
+    assert_close(guide.scales.w1.pow(2),
+                 (4 + x.pow(2).sum(0) / noise**2).reciprocal().expand(h, d), atol=0, rtol=1e-12)
+    assert_close(guide.scales.b1.pow(2),
+                 (4 + n / noise**2).reciprocal().expand(h), atol=0, rtol=1e-12)

@@ -113,6 +113,57 @@ def test_resnet_with_batchnorm():
     assert abs(eval_error - train_error) <= 0.05
 
 
+@pytest.mark.parametrize("plate_size", ["rows", "data_set"])
+def test_batchnorm_statistics_under_a_subsampled_plate_are_over_every_row(plate_size):
+    # The statistics that the hidden layers' noise is checked against (the inputs of
+    # every BatchNorm, at the fitted means or a draw), in closed form over every row:
+    # the model walked in consecutive blocks of the plate's subsample, each normalized
+    # by its own statistics (a random subsample would miss rows, and one of a data
+    # plate declared over 256 rows, run on chunks of 128, index past the chunk).
+    # (128 rows per chunk, a multiple of the 32 of a block: no row counted twice by a
+    # wrapped block.)
+    from contextlib import ExitStack
+
+    from pyro_vinit.initialization._batch_norm import _statistics
+    from pyro_vinit.initialization._collective import LocalCollective
+    from pyro_vinit.initialization._options import IBLMOptions
+    from pyro_vinit.initialization._tracing import prepare
+
+    g = torch.Generator().manual_seed(0)
+    n, d, h, chunk_rows = 256, 3, 5, 128
+    x = torch.randn(n, d, generator=g, dtype=F64)
+    y = torch.randint(3, (n,), generator=g)
+    bn1, bn2 = nn.BatchNorm1d(h).to(F64), nn.BatchNorm1d(h).to(F64)
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=F64)
+        w1 = pyro.sample("w1", dist.Normal(0.0, one).expand([h, d]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, one).expand([h, h]).to_event(2))
+        w3 = pyro.sample("w3", dist.Normal(0.0, one).expand([3, h]).to_event(2))
+        size = x.shape[0] if plate_size == "rows" else n
+        with pyro.plate("data", size, subsample_size=32) as ind:
+            z = torch.relu(bn2(F.linear(torch.relu(bn1(F.linear(x[ind], w1))), w2)))
+            pyro.sample("obs", dist.Categorical(logits=F.linear(z, w3)),
+                        obs=None if y is None else y[ind])
+
+    collective = LocalCollective()
+    with ExitStack() as stack:
+        pool = collective.open_pool((x, y), IBLMOptions(), stack)
+        prep = prepare(AutoNormal(model), None, n, chunk_rows, pool=pool)
+        values = {name: torch.randn(site["value"].shape, generator=g, dtype=F64)
+                  for name, site in prep.sites.items()}
+        stats = _statistics(prep, values, chunk_rows, collective)
+    assert len(stats) == 2
+    first = F.linear(x, values["w1"])
+    blocks = first.reshape(n // 32, 32, h)
+    normalized = (blocks - blocks.mean(1, keepdim=True)) / (
+        blocks.var(1, unbiased=False, keepdim=True) + bn1.eps).sqrt()
+    second = F.linear(torch.relu(normalized).reshape(n, h), values["w2"])
+    for (mean, var), expected in zip(stats, [first, second]):
+        assert_close(mean, expected.mean(0), atol=1e-12, rtol=0)
+        assert_close(var, expected.var(0), atol=1e-12, rtol=1e-12)
+
+
 # ---------------------------------------------------------------- learned noise
 
 
@@ -553,6 +604,27 @@ def test_noise_estimate_is_residual_std_in_float64():
     assert med["sigma"].dtype == F64
     assert_close(med["sigma"], (mean - y).pow(2).mean().sqrt(), rtol=1e-3, atol=0)
     assert math.isfinite(med["sigma"].item())
+
+
+def test_noise_of_a_scalar_likelihood_is_the_residual_std():
+    # one mean for every row (the network's output averaged), no plate: the likelihood's
+    # shape is (), its scale a scalar; the noise site's median is the residual std
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, generator=g, dtype=F64)
+    y = 0.5 + 0.3 * torch.randn(50, generator=g, dtype=F64)
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=F64)
+        w = pyro.sample("w", dist.Normal(0.0, one).expand([1, 3]).to_event(2))
+        b = pyro.sample("b", dist.Normal(0.0, one).expand([1]).to_event(1))
+        sigma = pyro.sample("sigma", dist.LogNormal(0.0, one))
+        pyro.sample("obs", dist.Normal(F.linear(x, w, b).mean(), sigma), obs=y)
+
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=50)
+    med = guide.median()
+    residual = (y - F.linear(x, med["w"], med["b"]).mean()).pow(2).mean().sqrt()
+    assert_close(med["sigma"], residual, rtol=1e-5, atol=0)
 
 
 def test_svi_after_init_trains():

@@ -1,4 +1,5 @@
 import copy
+import os
 import re
 
 import pyro
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import Predictive
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide_pretrained
@@ -118,7 +120,8 @@ def test_conv_median_is_the_trained_network(digits, trained_cnn):
 # ---------------------------------------------------------------- the standard deviations
 
 
-def test_iblm_scales_closed_form(digits, trained_cnn):
+@pytest.mark.parametrize("noise_ratio", [None, 0.5])  # None: the default, 1
+def test_iblm_scales_closed_form(digits, trained_cnn, noise_ratio):
     x, y, _, _ = digits
     x = x.reshape(-1, 1, 8, 8)[:300]
     net = copy.deepcopy(trained_cnn)
@@ -127,7 +130,8 @@ def test_iblm_scales_closed_form(digits, trained_cnn):
     w, b = net[2].weight.detach(), net[2].bias.detach()
     model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
     guide = AutoNormal(model)
-    init_guide_pretrained(guide, (x, y[:300]), noise_ratio=0.5)
+    kwargs = {} if noise_ratio is None else {"noise_ratio": noise_ratio}
+    init_guide_pretrained(guide, (x, y[:300]), **kwargs)
     # By hand: unit j (group j // 4) regresses from its group's 3x3 patches (stride 2)
     patches = extract_patches(hidden, (3, 3), stride=2)  # (N, P, 4 * 9)
     expected_w, expected_b = torch.empty_like(w), torch.empty_like(b)
@@ -136,7 +140,7 @@ def test_iblm_scales_closed_form(digits, trained_cnn):
         g = j // 4
         rows = patches[..., g * 18:(g + 1) * 18].reshape(-1, 18)
         z = rows @ w[j].reshape(-1)
-        noise_var = 0.25 * z.var(unbiased=False)
+        noise_var = (noise_ratio or 1.0) ** 2 * z.var(unbiased=False)
         expected_w[j] = (1 / prior_var + rows.square().sum(0) / noise_var).reciprocal().sqrt() \
             .reshape(w[j].shape)
         expected_b[j] = (1 / prior_var + len(rows) / noise_var) ** -0.5
@@ -159,6 +163,41 @@ def test_iblm_scales_of_a_constant_unit_are_the_prior(digits):
     _, scale = get_loc_and_scale(guide, "net.0.weight")
     assert_close(scale[1], torch.full((64,), 64**-0.5))
     assert (scale[0] < 64**-0.5).any()
+
+
+def test_iblm_scales_from_one_row_are_the_prior():
+    # on one data row every unit's output is constant: the data tell nothing, the prior
+    net = mlp((4, 3, 2))
+    model = BayesianClassifier(bayesianize(net, keep_weights=True))
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (torch.randn(1, 4), torch.tensor([1])))
+    for name, fan_in in [("net.0.weight", 4), ("net.0.bias", 4), ("net.2.weight", 3)]:
+        _, scale = get_loc_and_scale(guide, name)
+        assert_close(scale, torch.full_like(scale, fan_in**-0.5), atol=0, rtol=1e-6)
+
+
+def _linear_regression(sizes=None):
+    """A function model y ~ N(x w^T, 1) with its weight site "w" (2, 3), summed over
+    outputs; records the rows of every call in ``sizes``."""
+
+    def model(x, y=None):
+        if sizes is not None:
+            sizes.append(x.shape[0])
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, w).sum(-1), 1.0), obs=y)
+
+    return model
+
+
+def test_reads_at_most_10000_rows_in_chunks_of_4096():
+    # the defaults max_pool_size=10_000 and chunk_rows=4096: of 10_001 rows, the pass over
+    # the data (after the set-up's runs on 256) runs the model on 4096, 4096 and 1808
+    sizes = []
+    x, y = torch.randn(10_001, 3), torch.randn(10_001)
+    guide = AutoNormal(_linear_regression(sizes))
+    init_guide_pretrained(guide, (x, y), weights={"w": torch.ones(2, 3)})
+    assert max(sizes) == 4096 and sizes[-3:] == [4096, 4096, 1808], sizes
 
 
 def test_moped_scales_and_cap(digits, trained_mlp):
@@ -184,6 +223,52 @@ def test_weights_given_by_name(digits, trained_mlp):
     guide = AutoNormal(model)
     init_guide_pretrained(guide, (x, y), weights=weights)
     assert_close(_median_logits(model, guide, x_test, y_test), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_trained_values_of_the_root_module_and_of_a_permuted_layout():
+    # a root PyroModule's own sites ("w", "b": no path before the name), with its trained
+    # values as buffers; the bias site (2, 2) used transposed, flattened: the medians are
+    # the trained values, each in its site's layout
+    w, b = torch.randn(4, 3), torch.randn(2, 2)
+
+    class Root(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.w = PyroSample(dist.Normal(0.0, 1.0).expand([4, 3]).to_event(2))
+            self.b = PyroSample(dist.Normal(0.0, 1.0).expand([2, 2]).to_event(2))
+            self.register_buffer("trained_w", w)
+            self.register_buffer("trained_b", b)
+
+        def forward(self, x, y=None):
+            logits = F.linear(x, self.w, self.b.T.reshape(4))
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    x, y = torch.randn(20, 3), torch.randint(4, (20,))
+    guide = AutoNormal(Root())
+    init_guide_pretrained(guide, (x, y))
+    assert torch.equal(get_loc_and_scale(guide, "w")[0], w)
+    assert torch.equal(get_loc_and_scale(guide, "b")[0], b)
+
+
+def test_trained_values_of_layers_the_model_does_not_call_are_ignored():
+    # bayesianize(net, keep_weights=True) keeps the trained values of every layer, also of
+    # one the model leaves out (net[2] here): they are not an error, unlike unknown names
+    # in weights=
+    class FirstLayer(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.net = bayesianize(mlp((3, 4, 2)), keep_weights=True)
+
+        def forward(self, x, y=None):
+            h = self.net[0](x)
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Normal(h.sum(-1), 1.0), obs=y)
+
+    model = FirstLayer()
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (torch.randn(20, 3), torch.randn(20)))
+    assert torch.equal(get_loc_and_scale(guide, "net.0.weight")[0], model.net[0].trained_weight)
 
 
 def test_weights_are_taken_in_the_sites_dtype(digits, trained_mlp):
@@ -229,7 +314,10 @@ def test_weights_not_kept_leaves_guide_and_store_unchanged(digits, trained_mlp):
     guide = AutoNormal(model)
     guide(x[:2], y[:2])
     before = _snapshot(guide)
-    with pytest.raises(ValueError, match="keep_weights=True"):
+    message = ("init_guide_pretrained: no trained values for the layer sites ['net.0.weight', "
+               "'net.0.bias', 'net.2.weight', 'net.2.bias']. Convert the trained network with "
+               "bayesianize(net, keep_weights=True), or pass weights={site name: tensor}")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         init_guide_pretrained(guide, (x, y))
     _assert_unchanged(guide, before)
 
@@ -264,7 +352,11 @@ def test_untrained_network_is_refused(digits):
 @pytest.mark.parametrize("change, match", [
     (lambda w: w.update({"net.0.weight": torch.zeros(3, 3)}), "has shape"),
     (lambda w: w.update({"net.5.weight": torch.zeros(3, 3)}), "not weight or bias sites"),
-    (lambda w: w.pop("net.2.bias"), r"no trained values for the layer sites \['net.2.bias'\]"),
+    (lambda w: w.pop("net.2.bias"), "^" + re.escape(
+        "init_guide_pretrained: no trained values for the layer sites ['net.2.bias']. Convert "
+        "the trained network with bayesianize(net, keep_weights=True), or pass "
+        "weights={site name: tensor}; the weights given are for ['net.0.bias', "
+        "'net.0.weight', 'net.2.weight']") + "$"),
     (lambda w: w["net.0.bias"].fill_(float("nan")), "not finite"),
 ])
 def test_bad_weights(digits, trained_mlp, change, match):
@@ -281,6 +373,15 @@ def test_bad_weights(digits, trained_mlp, change, match):
     _assert_unchanged(guide, before)
 
 
+def test_trained_value_that_is_not_a_tensor_is_refused():
+    guide = AutoNormal(_linear_regression())
+    with pytest.raises(TypeError, match="^init_guide_pretrained: the trained value of 'w' must be "
+                                        "a tensor, got list$"):
+        init_guide_pretrained(guide, (torch.randn(8, 3), torch.randn(8)),
+                              weights={"w": [[1.0] * 3] * 2})
+    assert guide.prototype_trace is None
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(scale="map"), ValueError, "scale must be one of"),
     (dict(noise_ratio=0.0), ValueError, "noise_ratio must be a positive"),
@@ -291,8 +392,10 @@ def test_bad_weights(digits, trained_mlp, change, match):
      "^init_guide_pretrained: delta must be a positive finite number, got '0.1'$"),
     (dict(max_scale_ratio=-1.0), ValueError, "max_scale_ratio must be a positive"),
     (dict(strict=1), TypeError, "strict must be a bool"),
-    (dict(weights=[1.0]), TypeError, "weights must be a dict"),
+    (dict(weights=[1.0]), TypeError,
+     "^init_guide_pretrained: weights must be a dict of site name to tensor, got list$"),
     (dict(max_pool_size=0), ValueError, "max_pool_size"),
+    (dict(chunk_rows=0), ValueError, "chunk_rows must be positive, got 0$"),
 ])
 def test_bad_options(digits, trained_mlp, kwargs, error, match):
     x, y, _, _ = digits
@@ -322,8 +425,17 @@ def test_other_latent_sites_warn_or_raise(digits, trained_mlp):
     guide = AutoNormal(model)
     guide(x[:2], y[:2])
     before = _snapshot(guide)
-    with pytest.raises(ValueError, match=r"keep the guide's own initial values: \['temperature"):
+    message = ("init_guide_pretrained starts the weights and biases of the layers it sees "
+               "(F.linear, F.conv1d/2d/3d and matrix products with a latent weight) from their "
+               "trained values; these latent sites keep the guide's own initial values: "
+               "['temperature']")
+    with pytest.raises(ValueError,
+                       match=f"^{re.escape(message + '; the guide was left unchanged.')}$"):
         init_guide_pretrained(guide, (x, y), strict=True, weights=weights)
     _assert_unchanged(guide, before)
-    with pytest.warns(UserWarning, match=r"initial values: \['temperature'\]"):
+    with pytest.warns(UserWarning) as record:
         init_guide_pretrained(guide, (x, y), weights=weights)
+    assert [str(w.message) for w in record] == [
+        message + ". Pass strict=True to make this an error."]
+    if "MUTANT_UNDER_TEST" not in os.environ:  # (mutmut's trampolines add frames)
+        assert record[0].filename == __file__  # the warning points at the call
