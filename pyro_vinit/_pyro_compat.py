@@ -199,12 +199,13 @@ class SubsampledPlate(NamedTuple):
 
 def subsampled_plate(msg: Any) -> Optional[SubsampledPlate]:
     """The plate whose subsample site ``msg`` is, if that plate draws a proper
-    subsample (``subsample_size < size``); else None (another site, or a plate
-    over all its rows)."""
+    subsample (``subsample_size < size``) or asks for more rows than it has
+    (``subsample_size > size``, which Pyro refuses unless a handler supplies
+    them); else None (another site, or a plate over all its rows)."""
     if not site_is_subsample(msg):
         return None
     fn = msg["fn"]  # Pyro's private _Subsample
-    if fn.subsample_size is None or fn.subsample_size >= fn.size:
+    if fn.subsample_size is None or fn.subsample_size == fn.size:
         return None
     return SubsampledPlate(int(fn.size), int(fn.subsample_size), torch.device(fn.device))
 

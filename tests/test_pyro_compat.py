@@ -346,13 +346,15 @@ def test_subsampled_plates_are_read():
             pass
         with pyro.plate("whole", 10, subsample_size=10):
             pass
+        with pyro.plate("more", 4, subsample_size=6, subsample=torch.arange(6) % 4):
+            pass
         with pyro.plate("plain", 4):
             pyro.sample("x", dist.Normal(0.0, 1.0))
 
     trace = pyro.poutine.trace(model).get_trace()
     plates = {name: subsampled_plate(site) for name, site in trace.nodes.items()
               if site["type"] == "sample"}
-    assert plates == {"sub": (10, 3, torch.device("cpu")), "whole": None, "plain": None,
-                      "x": None}, (
+    assert plates == {"sub": (10, 3, torch.device("cpu")), "whole": None,
+                      "more": (4, 6, torch.device("cpu")), "plain": None, "x": None}, (
         "Pyro's plate subsample site changed (pyro.poutine.subsample_messenger._Subsample's "
         "size, subsample_size, device): update pyro_vinit._pyro_compat.subsampled_plate")

@@ -160,8 +160,10 @@ class PlateRowsMessenger(Messenger):
     takes ``rows``, so that a caller can walk through the data in blocks;
     else a plate over more rows than the ``num_rows`` that the model's
     arguments have (one declared with the size of the whole data set, run
-    on a chunk of it) takes the first ``subsample_size`` of those rows,
-    wrapped around. Other plates, and subsamples already set, are left alone.
+    on a chunk of it), or one whose subsample is larger than its size (one
+    declared with the rows at hand, run on a chunk smaller than its
+    subsample), takes the first ``subsample_size`` of those rows, wrapped
+    around. Other plates, and subsamples already set, are left alone.
     To reach a plate that a ``poutine.block`` around the model hides, it must
     be applied inside the block.
 
@@ -192,8 +194,13 @@ class PlateRowsMessenger(Messenger):
             int(rows.max()) < plate.size
         ):
             msg["value"] = rows.to(plate.device)
-        elif self.num_rows is not None and 0 < self.num_rows < plate.size:
-            msg["value"] = torch.arange(plate.subsample_size, device=plate.device) % self.num_rows
+        else:
+            # a plate over more rows than the arguments have (declared with the data set's
+            # size), or one asking for more rows than it has (declared with the rows at
+            # hand, run on a chunk smaller than its subsample): rows among those at hand
+            num_rows = min(plate.size, self.num_rows or plate.size)
+            if 0 < num_rows < max(plate.size, plate.subsample_size):
+                msg["value"] = torch.arange(plate.subsample_size, device=plate.device) % num_rows
 
 
 class LayerRecorderMessenger(Messenger):

@@ -1171,3 +1171,32 @@ def test_constant_bias_of_one_value_per_row_is_refused():
                                          r"shape \(5,\)"):
         init_guide_iblm(guide, (x, torch.zeros(50, 5, dtype=F64)))
     _assert_state(guide, before)
+
+
+@pytest.mark.parametrize("n, subsample_size, chunk_rows", [
+    (300, 32, 96),  # the last chunk (12 rows) smaller than the subsample
+    (600, 300, 4096),  # the first chunk (256 rows, the structure's) smaller than it
+])
+def test_plate_over_the_rows_at_hand_with_chunks_smaller_than_its_subsample(
+        n, subsample_size, chunk_rows):
+    # pyro.plate("data", x.shape[0], subsample_size=B) on chunks of fewer than B rows,
+    # which Pyro refuses to subsample (it used to fail inside pyro.plate): the chunk's
+    # rows wrapped around, each row counted once, so one linear layer's I-BLM is still
+    # the exact Bayesian linear regression on all rows
+    x = torch.randn(n, 3, dtype=F64)
+    y = x @ torch.tensor([[1.0, -1.0], [0.5, 0.0], [-2.0, 1.0]], dtype=F64) + 0.3 * torch.randn(
+        n, 2, dtype=F64)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, 3, dtype=F64), 1.0).to_event(2))
+        with pyro.plate("data", x.shape[0], subsample_size=subsample_size) as ind:
+            pyro.sample("obs", dist.Normal(F.linear(x[ind], w), 0.3).to_event(1),
+                        obs=None if y is None else y[ind])
+
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), chunk_rows=chunk_rows)
+    precision = torch.eye(3, dtype=F64) + x.T @ x / 0.09
+    mean = torch.linalg.solve(precision, x.T @ y / 0.09)
+    assert_close(guide.locs.w.detach(), mean.T, atol=1e-8, rtol=1e-8)
+    assert_close(guide.scales.w.detach().pow(2), (1 / precision.diagonal()).expand(2, 3),
+                 atol=1e-12, rtol=1e-9)

@@ -590,6 +590,21 @@ def test_plate_over_more_rows_than_the_arguments_takes_theirs(size, subsample_si
     assert out.tolist() == [9, 0, 4]
 
 
+@pytest.mark.parametrize("num_rows, expected", [
+    (None, [0, 1, 2, 3, 0, 1]),  # a subsample larger than the plate: its rows, wrapped
+    (4, [0, 1, 2, 3, 0, 1]),
+    (3, [0, 1, 2, 0, 1, 2]),
+])
+def test_plate_smaller_than_its_subsample_takes_its_rows_wrapped(num_rows, expected):
+    # (declared over the rows at hand, run on a chunk smaller than its subsample: Pyro's
+    # own draw would refuse it)
+    plates, out = _plates(_plate_model(4, 6), num_rows=num_rows)
+    assert plates.subsampled_plates == {"data": (4, 6)}
+    assert out.tolist() == expected
+    _, out = _plates(_plate_model(4, 6), torch.tensor([3, 2, 1, 0, 3, 2]), num_rows)
+    assert out.tolist() == [3, 2, 1, 0, 3, 2]
+
+
 @pytest.mark.parametrize("num_rows", [None, 0, 10, 12])
 def test_plate_over_the_rows_of_the_arguments_draws_as_usual(num_rows):
     # (a plate as large as the data at hand, or num_rows unknown: Pyro's own random draw)
