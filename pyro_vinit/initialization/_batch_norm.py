@@ -5,15 +5,14 @@ for every draw of the guide.
 """
 
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 from pyro_vinit.initialization._collective import Collective
 from pyro_vinit.initialization._fits import Fit
-from pyro_vinit.initialization._runs import run_model
+from pyro_vinit.initialization._passes import norm_input_statistics
 from pyro_vinit.initialization._tracing import Prepared, guide_values
-from pyro_vinit.poutine.layer_recorder import norm_statistics
 
 #: how far a draw may move a BatchNorm input channel's mean and std, in units
 #: of its std (the norm of the two, for every channel and draw tried)
@@ -78,9 +77,5 @@ def write_with_norm_noise(prep: Prepared, values: Dict[str, torch.Tensor],
 def _statistics(prep: Prepared, values: Dict[str, torch.Tensor], chunk_rows: int,
                 collective: Collective) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """The mean and variance of every BatchNorm input over the data at ``values``."""
-    accumulated: Dict[int, List[Any]] = {}
-    for chunk in collective.chunks(chunk_rows, prep.structure.block_size):
-        run_model(prep.model, values, chunk.args, prep.latent, plate_rows=chunk.plate_rows,
-                  norm_sync=chunk.norm_sync, norm_statistics=accumulated if chunk.keep else {})
-    collective.reduce_norm_statistics(accumulated)
-    return [(mean, var) for _, _, mean, var in norm_statistics(accumulated)]
+    return [(mean, var) for _, _, mean, var in norm_input_statistics(prep, values, chunk_rows,
+                                                                      collective)]

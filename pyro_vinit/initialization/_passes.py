@@ -61,13 +61,25 @@ def refresh_norm_statistics(prep: Prepared, values: Dict[str, torch.Tensor], chu
     while fitting)."""
     if not prep.structure.batch_norm:
         return
-    accumulated: Dict[int, List[Any]] = {}
-    for chunk in collective.chunks(chunk_rows, prep.structure.block_size):
-        run_model(prep.model, values, chunk.args, prep.latent,
-                  plate_rows=chunk.plate_rows, norm_sync=chunk.norm_sync,
-                  norm_statistics=accumulated if chunk.keep else {})
-    collective.reduce_norm_statistics(accumulated)
-    for running_mean, running_var, mean, var in norm_statistics(accumulated):
+    for running_mean, running_var, mean, var in norm_input_statistics(prep, values, chunk_rows,
+                                                                      collective):
         running_mean.copy_(mean)
         if running_var is not None:
             running_var.copy_(var)
+
+
+def norm_input_statistics(prep: Prepared, values: Dict[str, torch.Tensor], chunk_rows: int,
+                          collective: Collective) -> List[Tuple[torch.Tensor, ...]]:
+    """:func:`~pyro_vinit.poutine.layer_recorder.norm_statistics` of every
+    ``F.batch_norm`` input over the pool's rows, each counted once, with the
+    latent sites at ``values``."""
+    accumulated: Dict[int, List[Any]] = {}
+    for chunk in collective.chunks(chunk_rows, prep.structure.block_size):
+        rows = (prep.pool.rows_of(chunk.args) if chunk.plate_rows is None
+                else len(chunk.plate_rows))
+        run_model(prep.model, values, chunk.args, prep.latent,
+                  plate_rows=chunk.plate_rows, norm_sync=chunk.norm_sync,
+                  norm_statistics=accumulated if chunk.keep else {},
+                  norm_rows=(rows, chunk.keep))
+    collective.reduce_norm_statistics(accumulated)
+    return norm_statistics(accumulated)

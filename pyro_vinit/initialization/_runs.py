@@ -35,6 +35,7 @@ def run_model(
     on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
     norm_statistics: Optional[Dict[int, List[Any]]] = None,
     norm_sync: Optional[NormSyncFn] = None,
+    norm_rows: Optional[Tuple[int, int]] = None,
     substitute: Optional[Dict[str, torch.Tensor]] = None,
 ) -> LayerRecorderMessenger:
     """Runs ``model(*args)`` with the latent sites set to ``values`` (hidden from
@@ -48,6 +49,7 @@ def run_model(
         norm_statistics=norm_statistics,
         on_layer=on_layer,
         norm_sync=norm_sync,
+        norm_rows=norm_rows,
     )
     if all(name in values for name in latent):
         # every latent site is conditioned: the autoguide's InitMessenger around the

@@ -249,6 +249,10 @@ class LayerRecorderMessenger(Messenger):
         ``(mean, biased variance)`` that ``norm_sync(input, dims)`` returns
         (e.g. statistics over the shards of several processes) instead of
         the batch's own.
+    :param tuple norm_rows: ``(rows, new)``: of an ``F.batch_norm`` input with
+        ``rows`` rows along its first dim, only the first ``new`` count in
+        ``norm_statistics`` (the others repeat rows counted before, as the
+        wrapped-around last block of a subsampled plate does).
     """
 
     def __init__(
@@ -259,8 +263,10 @@ class LayerRecorderMessenger(Messenger):
         norm_statistics: Optional[Dict[int, List[Any]]] = None,
         on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
         norm_sync: Optional[Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]] = None,
+        norm_rows: Optional[Tuple[int, int]] = None,
     ) -> None:
         super().__init__()
+        self.norm_rows = norm_rows
         self.latent = set(latent)
         self.track_flow = track_flow
         self.num_batch_norms = 0
@@ -510,10 +516,12 @@ class LayerRecorderMessenger(Messenger):
             stats = self._norm_stats.setdefault(
                 id(running_mean), [running_mean, params.get("running_var"), 0, 0.0, 0.0]
             )
-            n = x.numel() // x.shape[1]
-            stats[2] += n
-            stats[3] = stats[3] + x.sum(dims)
-            stats[4] = stats[4] + (x * x).sum(dims)
+            counted = x
+            if self.norm_rows is not None and x.shape[0] == self.norm_rows[0]:
+                counted = x[: self.norm_rows[1]]
+            stats[2] += counted.numel() // x.shape[1]
+            stats[3] = stats[3] + counted.sum(dims)
+            stats[4] = stats[4] + (counted * counted).sum(dims)
         if self.norm_sync is not None:
             mean, var = self.norm_sync(x, [0] + list(range(2, x.dim())))
             return F.batch_norm(x, mean, var, params.get("weight"), params.get("bias"), False,

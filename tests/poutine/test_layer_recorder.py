@@ -722,6 +722,23 @@ def test_norm_statistics_accumulated_across_runs():
     assert_close(found[1][3], normalized.var(1, unbiased=True), atol=1e-5)
 
 
+@pytest.mark.parametrize("norm_rows, counted", [
+    (None, 6), ((6, 4), 4), ((6, 0), 0), ((5, 2), 6),  # (another number of rows: all count)
+])
+def test_norm_statistics_count_the_new_rows(norm_rows, counted):
+    # of a batch-norm input with norm_rows[0] rows, the first norm_rows[1] count (the
+    # others repeat rows counted before); normalization still uses all of them
+    bn = torch.nn.BatchNorm1d(2)
+    x = torch.randn(6, 2)
+    acc = {}
+    _, out = _record(lambda x: bn(x), {}, x, norm_statistics=acc, norm_rows=norm_rows)
+    assert_close(out, F.batch_norm(x, None, None, training=True))
+    _, _, n, total, squares = acc[id(bn.running_mean)]
+    assert n == counted
+    assert_close(total, x[:counted].sum(0) if counted else torch.zeros(2))
+    assert_close(squares, (x[:counted] ** 2).sum(0) if counted else torch.zeros(2))
+
+
 def test_norm_statistics_closed_form():
     # (n, sum, sum of squares) -> mean and unbiased variance; never negative, and 0 for n = 1.
     x = torch.tensor([[1.0, 0.1], [2.0, 0.1], [4.0, 0.1], [9.0, 0.1], [0.0, 0.1], [3.0, 0.1],
