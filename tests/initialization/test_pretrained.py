@@ -225,22 +225,24 @@ def test_weights_given_by_name(digits, trained_mlp):
     assert_close(_median_logits(model, guide, x_test, y_test), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_trained_values_of_the_root_module_and_of_a_permuted_layout():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_trained_values_of_the_root_module_and_of_a_permuted_layout(transposed):
     # a root PyroModule's own sites ("w", "b": no path before the name), with its trained
-    # values as buffers; the bias site (2, 2) used transposed, flattened: the medians are
-    # the trained values, each in its site's layout
-    w, b = torch.randn(4, 3), torch.randn(2, 2)
+    # values as buffers; the bias site (2, 2) used transposed, flattened, and the weight
+    # site as drawn or as its transpose (3, 4): the medians are the trained values, each
+    # in its site's layout
+    w, b = torch.randn(3, 4) if transposed else torch.randn(4, 3), torch.randn(2, 2)
 
     class Root(PyroModule):
         def __init__(self):
             super().__init__()
-            self.w = PyroSample(dist.Normal(0.0, 1.0).expand([4, 3]).to_event(2))
+            self.w = PyroSample(dist.Normal(0.0, 1.0).expand(w.shape).to_event(2))
             self.b = PyroSample(dist.Normal(0.0, 1.0).expand([2, 2]).to_event(2))
             self.register_buffer("trained_w", w)
             self.register_buffer("trained_b", b)
 
         def forward(self, x, y=None):
-            logits = F.linear(x, self.w, self.b.T.reshape(4))
+            logits = F.linear(x, self.w.T if transposed else self.w, self.b.T.reshape(4))
             with pyro.plate("data", x.shape[0]):
                 pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
 
