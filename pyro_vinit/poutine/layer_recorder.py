@@ -211,8 +211,8 @@ class LayerRecorderMessenger(Messenger):
     ``torch.addmm``, a two-operand ``torch.einsum`` with one contracted
     index), whose weight is the value of one of the ``latent`` sample sites
     (also reshaped, transposed or cast before the call), with its bias: a
-    latent site, a plain tensor, or, after a matrix product, a latent vector
-    added to its output.
+    latent site, a plain tensor, or, after a matrix product, a latent vector,
+    a plain tensor of one value per unit or a number added to its output.
 
     Usage::
 
@@ -483,17 +483,34 @@ class LayerRecorderMessenger(Messenger):
         return index
 
     def _matmul_bias(self, args: Tuple[Any, ...], out: Any) -> bool:
-        # x @ w + b: a latent vector b added to an open matrix product is its bias.
+        # x @ w + b: a latent vector b added to an open matrix product is its bias; so is
+        # a constant one (a number, or a tensor of one value per unit that is no site's).
         for a, b in (args, args[::-1]):
             entry = self._open_matmuls.get(id(a))
             if entry is None or entry[0] is not a:
                 continue
             layer = entry[1]
-            derived = self._site_of(b)
-            # only the site value itself (possibly cast): not a view, nor repeated elements
-            if derived is None or derived.derived is not None or derived.index is not None:
+            units = layer.call.weight.shape[0]
+            if isinstance(b, (int, float)) and not isinstance(b, bool):
+                b = torch.tensor(b, dtype=out.dtype, device=out.device)
+            if not isinstance(b, torch.Tensor):
                 continue
-            if b.dim() == 1 and b.shape[0] == layer.call.weight.shape[0]:
+            derived = self._site_of(b)
+            if derived is None:
+                if b.numel() == 1 and b.dim() <= 1 or b.dim() in (1, 2) and b.shape[-1] == units \
+                        and b.numel() == units:
+                    layer.fixed_bias = b.detach()
+                    layer.call.bias = b
+                    del self._open_matmuls[id(a)]
+                    layer.output = out
+                    if self.track_flow:  # (a param's value stays in the flow)
+                        self._set_flow(out, self._get_flow(a) | self._get_flow(b))
+                    return True
+                continue
+            # only the site value itself (possibly cast): not a view, nor repeated elements
+            if derived.derived is not None or derived.index is not None:
+                continue
+            if b.dim() == 1 and b.shape[0] == units:
                 layer.bias_name = derived.name
                 layer.call.bias = b
                 del self._open_matmuls[id(a)]

@@ -1205,3 +1205,27 @@ def test_plate_over_the_rows_at_hand_with_chunks_smaller_than_its_subsample(
     assert_close(guide.locs.w.detach(), mean.T, atol=1e-8, rtol=1e-8)
     assert_close(guide.scales.w.detach().pow(2), (1 / precision.diagonal()).expand(2, 3),
                  atol=1e-12, rtol=1e-9)
+
+
+@pytest.mark.parametrize("constant", ["vector", "row", "number"])
+def test_constant_bias_after_a_matrix_product_is_subtracted(constant):
+    # x @ w + c with a constant c (a tensor of one value per unit, or a number), as a
+    # PyroModule with a non-Bayesian bias writes it: one linear layer's I-BLM is the exact
+    # Bayesian linear regression of y - c (c used to be ignored, silently)
+    n = 80
+    x = torch.randn(n, 3, dtype=F64)
+    c = torch.tensor([2.0, -1.0], dtype=F64)
+    c = {"vector": c, "row": c[None], "number": 1.5}[constant]
+    y = x @ torch.tensor([[1.0, -1.0], [0.5, 0.0], [-2.0, 1.0]], dtype=F64) + c + 0.3 * torch.randn(
+        n, 2, dtype=F64)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, 2, dtype=F64), 1.0).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w + c, 0.3).to_event(1), obs=y)
+
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=n)
+    precision = torch.eye(3, dtype=F64) + x.T @ x / 0.09
+    mean = torch.linalg.solve(precision, x.T @ (y - c) / 0.09)
+    assert_close(guide.locs.w.detach(), mean, atol=1e-8, rtol=1e-8)

@@ -453,8 +453,25 @@ def test_latent_vector_added_to_product_is_its_bias(name):
     assert_close(out, X @ W_IN_OUT + B + b2)
 
 
+@pytest.mark.parametrize("constant", ["vector", "row", "one element", "number"])
+def test_a_constant_added_to_a_product_is_its_fixed_bias(constant):
+    # x @ w + c with c no site's (a plain tensor of one value per unit, or a number): the
+    # layer's fixed bias, the sum its output
+    c = {"vector": torch.randn(3), "row": torch.randn(1, 3), "one element": torch.randn(1),
+         "number": 0.5}[constant]
+
+    def model(x):
+        return x @ _latent("w", 4, 3) + c
+
+    rec, out = _record(model, {"w": W_IN_OUT}, X)
+    layer = _only_layer(rec)
+    assert layer.bias_name is None and layer.output is out
+    assert torch.equal(layer.fixed_bias, torch.as_tensor(c, dtype=out.dtype))
+    assert_close(out, X @ W_IN_OUT + c)
+
+
 NOT_BIASES = {
-    "plain vector": lambda x, w, s: x @ w + s["plain"],
+    "plain matrix": lambda x, w, s: x @ w + s["plain"].expand(5, 3),
     "scaled by alpha": lambda x, w, s: torch.add(x @ w, s["b"], alpha=2.0),
     "one-element latent": lambda x, w, s: x @ w + s["one"],
     # each output sharing one element: no bias site in the layer's layout (regression: it
@@ -896,7 +913,7 @@ def test_likelihood_flow_through_a_bias_added_to_a_product():
         }, spelled_out
 
 
-def test_likelihood_flow_through_an_addition_that_is_no_bias():
+def test_likelihood_flow_through_a_param_added_as_a_fixed_bias():
     def model(x, y):
         loc = x @ _latent("w", 4, 1) + pyro.param("c", torch.zeros(1))
         pyro.sample("y", dist.Normal(loc, 1.0).to_event(2), obs=y)
