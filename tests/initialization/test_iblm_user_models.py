@@ -1173,7 +1173,8 @@ def test_constant_bias_of_one_value_per_row_is_refused():
     guide(x, torch.zeros(50, 5, dtype=F64))
     before = _state(guide)
     with pytest.raises(ValueError, match=r"adds a constant bias of shape \(50, 5\); .* one of "
-                                         r"shape \(5,\)"):
+                                         r"shape \(5,\): give it that shape, or make it a "
+                                         r"latent site$"):
         init_guide_iblm(guide, (x, torch.zeros(50, 5, dtype=F64)))
     _assert_state(guide, before)
 
