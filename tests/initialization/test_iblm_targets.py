@@ -18,10 +18,13 @@ from tests.common import assert_close
 F64 = torch.float64
 
 
-def _model(kind, k):
+def _model(kind, k, dtype=torch.float32):
+    """logits = x w^T + b, with w, b ~ N(0, 1), in ``dtype``, and the likelihood ``kind``."""
+
     def model(x, y=None):
-        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([k, 4]).to_event(2))
-        b = pyro.sample("b", dist.Normal(0.0, 1.0).expand([k]).to_event(1))
+        one = torch.ones((), dtype=dtype)
+        w = pyro.sample("w", dist.Normal(0.0, one).expand([k, x.shape[1]]).to_event(2))
+        b = pyro.sample("b", dist.Normal(0.0, one).expand([k]).to_event(1))
         out = F.linear(x, w, b)
         with pyro.plate("data", x.shape[0]):
             if kind == "categorical":
@@ -80,25 +83,6 @@ def test_observations_without_the_rows_along_the_leading_dim_are_refused_by_name
         init_guide_iblm(guide, (x, y), batch_size=20)
 
 
-def _classifier(kind, k):
-    """logits = x w^T + b, with w, b ~ N(0, 1), in float64."""
-
-    def model(x, y=None):
-        one = torch.ones((), dtype=F64)
-        w = pyro.sample("w", dist.Normal(0.0, one).expand([k, x.shape[1]]).to_event(2))
-        b = pyro.sample("b", dist.Normal(0.0, one).expand([k]).to_event(1))
-        out = F.linear(x, w, b)
-        with pyro.plate("data", x.shape[0]):
-            if kind == "categorical":
-                pyro.sample("obs", dist.Categorical(logits=out), obs=y)
-            elif kind == "onehot":
-                pyro.sample("obs", dist.OneHotCategorical(logits=out), obs=y)
-            else:
-                pyro.sample("obs", dist.Bernoulli(logits=out[:, 0]), obs=y)
-
-    return model
-
-
 @pytest.mark.parametrize("center_targets", [None, False])
 @pytest.mark.parametrize("kind, k", [("categorical", 3), ("onehot", 3), ("bernoulli", 1)])
 def test_output_layer_of_a_classification_equals_closed_form(kind, k, center_targets):
@@ -114,7 +98,7 @@ def test_output_layer_of_a_classification_equals_closed_form(kind, k, center_tar
     labels = torch.randint(k + (k == 1), (n,), generator=g)
     onehot = F.one_hot(labels, k + (k == 1)).to(F64)
     y = {"categorical": labels, "onehot": onehot, "bernoulli": labels.to(F64)}[kind]
-    guide = AutoNormal(_classifier(kind, k))
+    guide = AutoNormal(_model(kind, k, F64))
     init_guide_iblm(guide, (x, y), batch_size=n, alpha=alpha, center_targets=center_targets)
 
     if kind == "bernoulli":
