@@ -15,6 +15,7 @@ from pyro_vinit.initialization._tracing import Layer
 from pyro_vinit.initialization.bayesian_linear_regression import (
     _cholesky,
     _cholesky_solve,
+    _gram,
     bayesian_linear_regression,
 )
 
@@ -259,7 +260,7 @@ class SharedProduct:
 
     def base(self) -> torch.Tensor:
         if self._base is None:
-            self._base = (self.x * self.floor[:, None]).T @ self.x
+            self._base = _gram(self.x * self.floor[:, None], self.x)
         return self._base
 
 
@@ -295,7 +296,7 @@ def weighted_grams(x: torch.Tensor, weights: torch.Tensor, max_chunk_elements: i
     chunk = max(1, max_chunk_elements // max(1, n * d))
     for start in range(0, len(rest), chunk):
         some = rest[start : start + chunk]
-        gram[some] = (x * weights[:, some].T[:, :, None]).transpose(-1, -2) @ x
+        gram[some] = _gram(x * weights[:, some].T[:, :, None], x)
     return gram
 
 

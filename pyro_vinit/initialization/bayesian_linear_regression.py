@@ -55,11 +55,12 @@ def _cholesky(matrix: torch.Tensor, jitter: float, max_tries: int = 8) -> torch.
 
 
 def _gram(xw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The symmetric :math:`X_w^\top X` ``(..., d, d)``, its upper right block
+    """The symmetric :math:`X_w^\top X` ``(..., d, d)`` of weighted rows ``xw``
+    and rows ``x`` (broadcast over ``xw``'s batch), its upper right block
     computed once (three quarters of the product's cost)."""
     d = x.shape[-1]
     h = (d + 1) // 2
-    gram = x.new_empty(x.shape[:-2] + (d, d))
+    gram = xw.new_empty(xw.shape[:-2] + (d, d))
     gram[..., :h, :] = xw[..., :h].transpose(-1, -2) @ x
     gram[..., h:, h:] = xw[..., h:].transpose(-1, -2) @ x[..., h:]
     gram[..., h:, :h] = gram[..., :h, h:].transpose(-1, -2)

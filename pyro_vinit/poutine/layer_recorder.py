@@ -496,28 +496,22 @@ class LayerRecorderMessenger(Messenger):
             if not isinstance(b, torch.Tensor):
                 continue
             derived = self._site_of(b)
-            if derived is None:
-                if b.numel() == 1 and b.dim() <= 1 or b.dim() in (1, 2) and b.shape[-1] == units \
-                        and b.numel() == units:
-                    layer.fixed_bias = b.detach()
-                    layer.call.bias = b
-                    del self._open_matmuls[id(a)]
-                    layer.output = out
-                    if self.track_flow:  # (a param's value stays in the flow)
-                        self._set_flow(out, self._get_flow(a) | self._get_flow(b))
-                    return True
-                continue
-            # only the site value itself (possibly cast): not a view, nor repeated elements
-            if derived.derived is not None or derived.index is not None:
-                continue
-            if b.dim() == 1 and b.shape[0] == units:
+            if derived is None:  # a constant: one value, or one per unit (not a row's)
+                if b.dim() > 2 or not (b.numel() == 1 or b.shape[-1] == b.numel() == units):
+                    continue
+                layer.fixed_bias = b.detach()
+            elif (derived.derived is None and derived.index is None  # the site value itself
+                  and b.dim() == 1 and b.shape[0] == units):
                 layer.bias_name = derived.name
-                layer.call.bias = b
-                del self._open_matmuls[id(a)]
-                layer.output = out
-                if self.track_flow:
-                    self._set_flow(out, self._get_flow(a))
-                return True
+            else:
+                continue
+            layer.call.bias = b
+            del self._open_matmuls[id(a)]
+            layer.output = out
+            if self.track_flow:  # (a constant's flow, e.g. a param's, stays in it)
+                constant = self._get_flow(b) if derived is None else frozenset()
+                self._set_flow(out, self._get_flow(a) | constant)
+            return True
         return False
 
     def _batch_norm(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.Tensor:
