@@ -28,13 +28,13 @@ def _apply(messenger: _M, fn: Optional[Callable[..., Any]]) -> Union[_M, Callabl
 
 @overload
 def local_reparam(
-    fn: None = ..., *, strict: bool = False, low_rank: Optional[bool] = None
+    fn: None = ..., *, strict: bool = False, low_rank: Optional[bool] = None, conv: bool = True
 ) -> LocalReparamMessenger: ...
 
 
 @overload
 def local_reparam(
-    fn: _F, *, strict: bool = False, low_rank: Optional[bool] = None
+    fn: _F, *, strict: bool = False, low_rank: Optional[bool] = None, conv: bool = True
 ) -> _F: ...
 
 
@@ -43,6 +43,7 @@ def local_reparam(
     *,
     strict: bool = False,
     low_rank: Optional[bool] = None,
+    conv: bool = True,
 ) -> Union[LocalReparamMessenger, Callable[..., Any]]:
     """
     Convenient wrapper of :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
@@ -57,8 +58,9 @@ def local_reparam(
         the handler itself, for use as a context manager.
     :param bool strict: See :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
     :param low_rank: See :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
+    :param bool conv: See :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
     """
-    return _apply(LocalReparamMessenger(strict=strict, low_rank=low_rank), fn)
+    return _apply(LocalReparamMessenger(strict=strict, low_rank=low_rank, conv=conv), fn)
 
 
 @overload

@@ -111,20 +111,33 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     :param low_rank: Whether to use the low rank of a k-tied variance
         (None: when it is cheaper).
     :type low_rank: bool or None
+    :param bool conv: Whether convolutions get per-example noise too; with
+        False their weights keep the ordinary sample, shared by the
+        minibatch, unreported (see :class:`~pyro_vinit.poutine.LocalReparam`).
 
     [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
     Reparameterization Trick"
     """
 
-    def __init__(self, strict: bool = False, low_rank: Optional[bool] = None) -> None:
+    def __init__(
+        self, strict: bool = False, low_rank: Optional[bool] = None, conv: bool = True
+    ) -> None:
         if not (low_rank is None or isinstance(low_rank, bool)):
             raise TypeError(
                 f"LocalReparamMessenger: low_rank must be None or a bool, got {low_rank!r}"
             )
-        super().__init__(config=LocalReparam(low_rank=low_rank), strict=strict)
+        if not isinstance(conv, bool):
+            raise TypeError(f"LocalReparamMessenger: conv must be a bool, got {conv!r}")
+        super().__init__(config=LocalReparam(low_rank=low_rank, conv=conv), strict=strict)
 
     @property
     def low_rank(self) -> Optional[bool]:
         """Whether to use the low rank of a k-tied variance (None: when cheaper)."""
         assert isinstance(self.config, LocalReparam)
         return self.config.low_rank
+
+    @property
+    def conv(self) -> bool:
+        """Whether convolutions get per-example noise too."""
+        assert isinstance(self.config, LocalReparam)
+        return self.config.conv

@@ -220,8 +220,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
         # a view claims the whole draw: which elements it depends on may itself depend on
         # the draw (e.g. an index computed from it).
         reused = [v for v in noisy if v.uses.add(v.view_ops if v.is_view else None)]
-        if strategy is None:
-            return None  # the config leaves the site alone
+        if strategy is None or strategy.skips(call):
+            return None  # the config or the strategy leaves the site or the call alone
         if reused:
             noised = [v for v in reused if v.uses.noised]
             if noised:

@@ -26,6 +26,7 @@ from pyro_vinit.poutine import (
     LocalReparamMessenger,
     WeightNoise,
     WeightNoiseMessenger,
+    local_reparam,
     weight_noise,
 )
 from tests.common import assert_close
@@ -276,6 +277,59 @@ def test_bad_low_rank_is_refused():
         LocalReparam(low_rank="yes")
     with pytest.raises(TypeError, match="LocalReparam: low_rank must be None or a bool"):
         AutoWeightNoise(low_rank=1.0)
+    with pytest.raises(TypeError, match="LocalReparam: conv must be a bool"):
+        LocalReparam(conv=1)
+    with pytest.raises(TypeError, match="LocalReparam: conv must be a bool"):
+        AutoWeightNoise(conv="no")
+    with pytest.raises(TypeError, match="LocalReparamMessenger: conv must be a bool"):
+        LocalReparamMessenger(conv=None)
+
+
+IMAGE = torch.randn(1, 2, 5, 5).expand(4, 2, 5, 5)  # four copies of one image
+CONV_LOC, CONV_SCALE = torch.randn(3, 2, 3, 3), torch.rand(3, 2, 3, 3) + 0.5
+
+
+def _conv_model(x):
+    # A convolution and a linear layer, both factorized Normal weights.
+    w = pyro.sample("conv", dist.Normal(CONV_LOC, CONV_SCALE).to_event(4))
+    h = F.conv2d(x, w)
+    v = pyro.sample("lin", dist.Normal(LOC1[:, :3], SCALE1[:, :3]).to_event(2))
+    return h, F.linear(h.mean((-2, -1)), v)
+
+
+@pytest.mark.parametrize("handler", [
+    lambda: LocalReparamMessenger(conv=False, strict=True),
+    lambda: WeightNoiseMessenger(config=LocalReparam(conv=False), strict=True),
+    lambda: WeightNoiseMessenger(config=AutoWeightNoise(conv=False), strict=True),
+], ids=["messenger", "strategy", "auto"])
+def test_conv_false_leaves_convolutions_on_the_ordinary_sample(handler):
+    # The convolution runs on the drawn weight, one for the batch, and strict=True does
+    # not name it; the linear layer after it still gets per-example noise.
+    with handler():
+        trace = poutine.trace(_conv_model).get_trace(IMAGE)
+    h, out = trace.nodes["_RETURN"]["value"]
+    w = trace.nodes["conv"]["value"]
+    assert_close(h, F.conv2d(IMAGE, torch.as_tensor(w)), rtol=1e-6)
+    assert torch.equal(h[0], h[1])
+    assert _per_example(out)
+    with LocalReparamMessenger(strict=True):  # the default: the convolution too
+        h, _ = poutine.trace(_conv_model).get_trace(IMAGE).nodes["_RETURN"]["value"]
+    assert _per_example(h)
+
+
+def test_conv_false_allows_a_shared_convolution_weight():
+    # Left alone, the drawn weight may be used again (a weight-tied convolution).
+    def model(x):
+        w = pyro.sample("w", dist.Normal(CONV_LOC[:, :2], CONV_SCALE[:, :2]).to_event(4))
+        h = F.conv2d(x, w, padding=1)
+        return F.conv2d(h[:, :2], w, padding=1)
+
+    with local_reparam(conv=False, strict=True):
+        out = model(IMAGE)
+    assert torch.equal(out[0], out[1])
+    with pytest.raises(ValueError, match="used a second time"):
+        with local_reparam(strict=True):
+            model(IMAGE)
 
 
 # ---------------------------------------------------------------- registries

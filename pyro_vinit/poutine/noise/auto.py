@@ -34,10 +34,11 @@ class AutoWeightNoise(WeightNoise):
 
     :param low_rank: See :class:`~pyro_vinit.poutine.LocalReparam`.
     :type low_rank: bool or None
+    :param bool conv: See :class:`~pyro_vinit.poutine.LocalReparam`.
     """
 
-    def __init__(self, low_rank: Optional[bool] = None) -> None:
-        self.local_reparam = LocalReparam(low_rank=low_rank)
+    def __init__(self, low_rank: Optional[bool] = None, conv: bool = True) -> None:
+        self.local_reparam = LocalReparam(low_rank=low_rank, conv=conv)
         self.flipout = Flipout()
 
     def select(self, fn: Distribution) -> WeightNoise:

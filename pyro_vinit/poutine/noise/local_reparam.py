@@ -54,8 +54,14 @@ class LocalReparam(WeightNoise):
     never (``False``). The draw of a factorized Normal weight is deferred:
     the trick never needs it.
 
+    With ``conv=False`` the strategy leaves convolutions alone: their
+    weights keep the ordinary sample, shared by the minibatch, and are not
+    reported. A convolution has far more outputs than weights, so there
+    its per-example noise costs more than the rest of the layer.
+
     :param low_rank: Whether to use a low-rank scale (None: when cheaper).
     :type low_rank: bool or None
+    :param bool conv: Whether convolutions get per-example noise too.
 
     [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
     Reparameterization Trick"
@@ -63,10 +69,13 @@ class LocalReparam(WeightNoise):
 
     bias_noise = True
 
-    def __init__(self, low_rank: Optional[bool] = None) -> None:
+    def __init__(self, low_rank: Optional[bool] = None, conv: bool = True) -> None:
         if not (low_rank is None or isinstance(low_rank, bool)):
             raise TypeError(f"LocalReparam: low_rank must be None or a bool, got {low_rank!r}")
+        if not isinstance(conv, bool):
+            raise TypeError(f"LocalReparam: conv must be a bool, got {conv!r}")
         self.low_rank = low_rank
+        self.conv = conv
 
     def draw(self, msg: SampleSite) -> Optional[SiteValue]:
         fn = msg["fn"]
@@ -75,6 +84,9 @@ class LocalReparam(WeightNoise):
         if normal is None:
             return None
         return SiteValue.defer(fn, shape, like=normal.loc, dist=fn)
+
+    def skips(self, call: LayerCall) -> bool:
+        return not self.conv and call.op != "linear"
 
     def apply(
         self, call: LayerCall, weight: SiteValue, fn: Distribution

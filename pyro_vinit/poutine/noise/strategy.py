@@ -34,7 +34,8 @@ class WeightNoise(ABC):
     layer then runs on the ordinary sample, and the handler reports the site).
 
     Derived classes implement :meth:`apply`, and may override :meth:`draw`
-    (to defer a draw that :meth:`apply` may never need) and :meth:`select`.
+    (to defer a draw that :meth:`apply` may never need), :meth:`select` and
+    :meth:`skips`.
     """
 
     #: Whether a sampled bias gets per-example noise too (then a bias used by two layer
@@ -45,6 +46,12 @@ class WeightNoise(ABC):
         """The strategy to apply to a weight drawn by ``fn``: ``self``, or
         for a strategy that chooses per distribution, the one it chooses."""
         return self
+
+    def skips(self, call: LayerCall) -> bool:
+        """Whether the strategy leaves ``call`` alone by design: its layer then
+        runs on the ordinary sample, unreported, as for a site the config leaves
+        alone."""
+        return False
 
     def draw(self, msg: SampleSite) -> Optional[SiteValue]:
         """The value of a weight site that nothing has set, drawn by
