@@ -15,7 +15,7 @@ from torch import nn
 
 from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, CapturedSVI, local_reparam
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
-from pyro_vinit.poutine import KLAnnealingMessenger
+from pyro_vinit.poutine import Flipout, KLAnnealingMessenger, LocalReparam, weight_noise
 
 RTOL = 1e-10
 
@@ -466,3 +466,41 @@ def test_any_handler_setting_change_retraces():
             with pyro.poutine.scale(scale=scale):
                 losses[cls].append(svi.step(x, y))
     assert losses[CapturedSVI] == pytest.approx(losses[SVI], rel=1e-5)
+
+
+@pytest.mark.parametrize("make_handler", [
+    lambda: weight_noise(),  # AutoWeightNoise, holding its strategies
+    lambda: weight_noise(config={"net.0.weight": LocalReparam(), "net.2.weight": Flipout()}),
+    lambda: local_reparam(conv=False),
+], ids=["auto", "dict", "conv=False"])
+def test_a_handler_entered_afresh_each_step_keeps_one_graph(make_handler):
+    # fit enters its handlers afresh at each step: equal settings are one signature
+    model, make_guide, (x, y), _ = _mlp("cpu")
+    svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO(), max_signatures=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(4):
+            with make_handler():
+                svi.step(x, y)
+    assert svi.num_traces == 1 and svi.fallback_reason is None
+
+
+def test_another_setting_or_config_function_retraces():
+    model, make_guide, (x, y), _ = _mlp("cpu")
+    svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO())
+
+    def lrt(msg):
+        return LocalReparam()
+
+    def none(msg):
+        return None
+
+    handlers = [lambda: local_reparam(low_rank=False), lambda: local_reparam(low_rank=True),
+                lambda: weight_noise(config=lrt), lambda: weight_noise(config=none)]
+    for make_handler in handlers:
+        for _ in range(2):
+            with make_handler():
+                svi.step(x, y)
+    assert svi.num_traces == 4 and svi.fallback_reason is None

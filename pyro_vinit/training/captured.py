@@ -4,6 +4,7 @@ input signature into a graph of aten operations and replayed.
 """
 
 import contextlib
+import inspect
 import warnings
 from collections import OrderedDict
 from typing import (
@@ -257,12 +258,18 @@ def _setting_key(value: Any, depth: int = 0) -> Hashable:
         return value
     if isinstance(value, torch.Tensor):  # the same tensor, not changed in place
         return ("tensor", id(value), value._version)
-    if depth == 0 and hasattr(value, "__dict__") and not isinstance(value, type):
-        # a strategy object (e.g. LocalReparam(low_rank=...)): its type and public settings
+    if depth < 3 and isinstance(value, dict):  # a per-site config: its entries
+        return ("dict", tuple(sorted(
+            ((k, _setting_key(v, depth + 1)) for k, v in value.items()),
+            key=lambda kv: repr(kv[0]))))
+    if (depth < 3 and hasattr(value, "__dict__") and not inspect.isroutine(value)
+            and not isinstance(value, type)):
+        # a strategy or schedule object (e.g. LocalReparam(low_rank=...), AutoWeightNoise
+        # and the strategies it holds): its type and public settings
         return (type(value), tuple(sorted(
             (k, _setting_key(v, depth + 1)) for k, v in vars(value).items()
             if not k.startswith("_"))))
-    return ("object", id(value))  # a dict of values, a schedule: the same object
+    return ("object", id(value))  # a function (e.g. a per-site config): the same one
 
 
 def _messenger_state(messenger: Any) -> Hashable:
