@@ -13,12 +13,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_vinit
-import pyro_vinit.training.config as training_config
 import pyro_vinit.training.loop as training_loop
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, fit, fit_config, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
-from pyro_vinit.poutine import flipout, local_reparam, weight_noise
+from pyro_vinit.poutine import (
+    AutoWeightNoise,
+    FlipoutMessenger,
+    LocalReparamMessenger,
+    WeightNoiseMessenger,
+)
 from pyro_vinit.training import FitHistory, is_initialized, update_batch_norm
 
 
@@ -267,16 +271,22 @@ def test_fit_refuses_a_num_data_that_is_not_the_data_size():
 
 
 @pytest.mark.parametrize("guide_class, handler", [
-    (AutoKTiedNormal, local_reparam), (AutoNormal, local_reparam),
-    (pyro_vinit.AutoMeanFieldNormal, local_reparam), (AutoRadialNormal, flipout),
-    (AutoDiagonalNormal, None),
+    (AutoKTiedNormal, LocalReparamMessenger), (AutoNormal, LocalReparamMessenger),
+    (pyro_vinit.AutoMeanFieldNormal, LocalReparamMessenger),
+    (AutoRadialNormal, FlipoutMessenger), (AutoDiagonalNormal, None),
 ])
 def test_fit_config_handler(guide_class, handler):
     x, y = blobs()
     model = classifier()
     guide = guide_class(model)
     config = fit_config(guide)
-    assert config.weight_noise is handler
+    if handler is None:
+        assert config.weight_noise is None
+    else:
+        made = config.weight_noise()
+        assert type(made) is handler and made is not config.weight_noise()  # fresh
+        # LRT on linear layers only: convolutions keep their weight sample (the race's CNN)
+        assert getattr(made, "conv", False) is False
     assert (config.lr, config.kl_weight, config.num_particles) == (3e-3, 0.01, 1)
     assert (config.iblm_batch_size, config.max_scale_ratio) == (512, 0.1)
     # Adam warmed up over 50 steps (docs/methods/training.rst: its first steps undo I-BLM)
@@ -310,7 +320,9 @@ def test_fit_config_guide_list_takes_each_sites_weight_noise():
     guide.append(AutoKTiedNormal(pyro.poutine.block(model, hide=["sigma"]), rank=2))
     guide.append(AutoNormal(pyro.poutine.block(model, expose=["sigma"])))
     config = fit_config(guide)
-    assert config.weight_noise is weight_noise
+    made = config.weight_noise()
+    assert type(made) is WeightNoiseMessenger and isinstance(made.config, AutoWeightNoise)
+    assert made.config.local_reparam.conv is False
     assert fit_config(AutoGuideList(model)).weight_noise is None  # no member: no handler
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # I-BLM names the member it leaves alone
@@ -536,11 +548,11 @@ def test_bad_input_leaves_a_batchnorm_model_alone():
 def test_fit_with_other_guides(guide_class, monkeypatch):
     # each guide family is started by I-BLM and trained under its handler
     used = []
-    for name, handler in (("local_reparam", local_reparam), ("flipout", flipout)):
-        def spy(*args, _handler=handler, _name=name, **kwargs):
+    for name, cls in (("local_reparam", LocalReparamMessenger), ("flipout", FlipoutMessenger)):
+        def spy(self, _enter=cls.__enter__, _name=name):
             used.append(_name)
-            return _handler(*args, **kwargs)
-        monkeypatch.setattr(training_config, name, spy)
+            return _enter(self)
+        monkeypatch.setattr(cls, "__enter__", spy)
     x, y = blobs()
     model = classifier()
     history = fit(model, guide_class(model), (x, y), steps=5, batch_size=60,

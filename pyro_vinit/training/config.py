@@ -4,6 +4,7 @@ and which guides count as initialized.
 """
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import (
@@ -21,7 +22,13 @@ from pyro.infer.autoguide import AutoGuide, AutoGuideList, AutoNormal
 from pyro.optim import PyroOptim
 
 from pyro_vinit.guides import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal
-from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam, weight_noise
+from pyro_vinit.poutine import (
+    AutoWeightNoise,
+    KLAnnealingMessenger,
+    flipout,
+    local_reparam,
+    weight_noise,
+)
 from pyro_vinit.training.optim import GroupedAdam
 
 __all__ = ["FitConfig", "FitHistory", "fit_config", "is_initialized"]
@@ -48,7 +55,7 @@ class FitConfig:
         (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`).
     :param int num_particles: Monte Carlo samples per ELBO evaluation.
     :param callable weight_noise: Returns a fresh weight-noise handler
-        (:func:`~pyro_vinit.poutine.local_reparam` or
+        (e.g. ``functools.partial(local_reparam, conv=False)``, or
         :func:`~pyro_vinit.poutine.flipout`), or None.
     :param float max_scale_ratio: I-BLM's cap on the guide's standard
         deviations, relative to the prior's.
@@ -94,14 +101,20 @@ class FitConfig:
         return stack
 
 
+# Per-example noise on linear layers; convolutions keep their weight sample, whose
+# per-example noise costs more than it buys (docs/methods/training.rst).
+_LINEAR_LRT = functools.partial(local_reparam, conv=False)
+_LINEAR_AUTO = functools.partial(weight_noise, config=AutoWeightNoise(conv=False))
+
+
 def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], ContextManager[Any]]]:
     if isinstance(guide, AutoRadialNormal):
         return flipout
     if isinstance(guide, (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal)):
-        return local_reparam
+        return _LINEAR_LRT
     if isinstance(guide, AutoGuideList) and any(
             _default_weight_noise(member) is not None for member in guide):
-        return weight_noise  # each site its own strategy: LRT or Flipout by its family
+        return _LINEAR_AUTO  # each site its own strategy: LRT or Flipout by its family
     return None
 
 
@@ -123,11 +136,14 @@ def fit_config(
     3e-3 (:class:`GroupedAdam`), reached by a linear warm-up over the first 50
     steps, ``TraceMeanField_ELBO`` with one particle,
     the KL term weighted by 0.01, under
-    :func:`~pyro_vinit.poutine.local_reparam` for factorized-Normal guides
+    ``local_reparam(conv=False)`` (:func:`~pyro_vinit.poutine.local_reparam`:
+    per-example noise on linear layers and matrix products, convolutions on
+    their weight sample) for factorized-Normal guides
     (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
     :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal,
-    :func:`~pyro_vinit.poutine.weight_noise` (each site's strategy chosen by
-    its distribution) for an ``AutoGuideList`` with a member of those, and
+    :func:`~pyro_vinit.poutine.weight_noise` with
+    ``AutoWeightNoise(conv=False)`` (each site's strategy chosen by its
+    distribution) for an ``AutoGuideList`` with a member of those, and
     no handler for other guides; before training, I-BLM with
     :meth:`FitConfig.iblm_options` (512 rows per unit, at most half the data,
     and the standard deviations capped at 0.1 times the prior's).
