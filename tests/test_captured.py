@@ -472,7 +472,9 @@ def test_any_handler_setting_change_retraces():
     lambda: weight_noise(),  # AutoWeightNoise, holding its strategies
     lambda: weight_noise(config={"net.0.weight": LocalReparam(), "net.2.weight": Flipout()}),
     lambda: local_reparam(conv=False),
-], ids=["auto", "dict", "conv=False"])
+    lambda: weight_noise(config=lambda msg: LocalReparam()),  # a function made afresh
+    lambda: pyro.poutine.block(hide=["nothing"]),  # its hide_fn, a fresh partial
+], ids=["auto", "dict", "conv=False", "lambda", "block"])
 def test_a_handler_entered_afresh_each_step_keeps_one_graph(make_handler):
     # fit enters its handlers afresh at each step: equal settings are one signature
     model, make_guide, (x, y), _ = _mlp("cpu")
@@ -497,10 +499,15 @@ def test_another_setting_or_config_function_retraces():
     def none(msg):
         return None
 
+    def pick(strategy):
+        return lambda msg: strategy  # one code, another captured value
+
     handlers = [lambda: local_reparam(low_rank=False), lambda: local_reparam(low_rank=True),
-                lambda: weight_noise(config=lrt), lambda: weight_noise(config=none)]
+                lambda: weight_noise(config=lrt), lambda: weight_noise(config=none),
+                lambda: weight_noise(config=pick(None)),
+                lambda: weight_noise(config=pick(Flipout()))]
     for make_handler in handlers:
         for _ in range(2):
             with make_handler():
                 svi.step(x, y)
-    assert svi.num_traces == 4 and svi.fallback_reason is None
+    assert svi.num_traces == 6 and svi.fallback_reason is None

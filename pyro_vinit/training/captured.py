@@ -4,7 +4,9 @@ input signature into a graph of aten operations and replayed.
 """
 
 import contextlib
+import functools
 import inspect
+import types
 import warnings
 from collections import OrderedDict
 from typing import (
@@ -254,22 +256,40 @@ class _CudaGraphReplay:
 
 
 def _setting_key(value: Any, depth: int = 0) -> Hashable:
+    # A setting compared by value: equal settings made afresh (a handler entered at each
+    # step) are one signature; different ones (another strategy, another function) are not.
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):  # the same tensor, not changed in place
         return ("tensor", id(value), value._version)
-    if depth < 3 and isinstance(value, dict):  # a per-site config: its entries
-        return ("dict", tuple(sorted(
-            ((k, _setting_key(v, depth + 1)) for k, v in value.items()),
-            key=lambda kv: repr(kv[0]))))
-    if (depth < 3 and hasattr(value, "__dict__") and not inspect.isroutine(value)
-            and not isinstance(value, type)):
+    if depth >= 3 or isinstance(value, type):
+        return ("object", id(value))
+    deeper = functools.partial(_setting_key, depth=depth + 1)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(map(deeper, value)))
+    if isinstance(value, (set, frozenset)):
+        return (type(value), tuple(sorted(map(deeper, value), key=repr)))
+    if isinstance(value, dict):  # e.g. a per-site config
+        return (dict, tuple(sorted(((k, deeper(v)) for k, v in value.items()),
+                                   key=lambda kv: repr(kv[0]))))
+    if isinstance(value, functools.partial):  # e.g. poutine.block's hide_fn
+        return (functools.partial, deeper(value.func), deeper(value.args),
+                deeper(value.keywords))
+    if isinstance(value, types.FunctionType):  # its code, captured values and defaults
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(deeper(cell.cell_contents))
+            except ValueError:  # an empty cell
+                cells.append(("empty",))
+        return (types.FunctionType, value.__code__, tuple(cells),
+                deeper(value.__defaults__), deeper(value.__kwdefaults__))
+    if hasattr(value, "__dict__") and not inspect.isroutine(value):
         # a strategy or schedule object (e.g. LocalReparam(low_rank=...), AutoWeightNoise
         # and the strategies it holds): its type and public settings
         return (type(value), tuple(sorted(
-            (k, _setting_key(v, depth + 1)) for k, v in vars(value).items()
-            if not k.startswith("_"))))
-    return ("object", id(value))  # a function (e.g. a per-site config): the same one
+            (k, deeper(v)) for k, v in vars(value).items() if not k.startswith("_"))))
+    return ("object", id(value))  # a builtin or bound method: the same one
 
 
 def _messenger_state(messenger: Any) -> Hashable:
@@ -292,8 +312,10 @@ class CapturedSVI(SVI):
     computes them, become one graph of aten operations
     (``torch.fx.experimental.proxy_tensor.make_fx``) per input signature
     (the shapes, strides, dtypes and devices of the tensor arguments, the other
-    arguments, and the effect handlers around the step with their float,
-    bool and str settings); the optimizer then runs as in ``SVI``.
+    arguments, and the effect handlers around the step with their settings,
+    compared by value: a handler entered afresh at each step with the same
+    strategy, schedule or config function keeps its graph); the optimizer
+    then runs as in ``SVI``.
 
     Usage::
 
