@@ -192,10 +192,11 @@ class Ours(_PyroRunner):
     package has it (``use_fit``), else the README's loop."""
 
     def __init__(self, make_net, x, y, batch_size, start="iblm", pretrain_epochs=0,
-                 use_fit=False):
+                 use_fit=False, overrides=None):
         super().__init__(make_net, x, y, batch_size)
         self.start, self.pretrain_epochs = start, pretrain_epochs
         self.use_fit = use_fit
+        self.overrides = overrides or {}  # fit_config's lr / kl_weight, where given
 
     def setup(self):
         net = self.make_net()
@@ -206,14 +207,14 @@ class Ours(_PyroRunner):
         if self.start == "trained":
             init_guide_pretrained(self.guide, (self.x, self.y))
         # fit's own optimizer (GroupedAdam at fit's learning rate), for every step
-        self.optim = pyro_vinit.fit_config(self.guide).optimizer()
+        self.optim = pyro_vinit.fit_config(self.guide, **self.overrides).optimizer()
         if self.use_fit:
             # one call with the chosen init, then fit's configuration step by step,
             # captured as a long fit call takes its steps
             init = "iblm" if self.start == "iblm" else None
             pyro_vinit.fit(self.model, self.guide, (self.x, self.y), steps=1,
                            batch_size=self.batch_size, optim=self.optim, init=init, progress=False)
-            self.config = pyro_vinit.fit_config(self.guide)
+            self.config = pyro_vinit.fit_config(self.guide, **self.overrides)
             captured = getattr(pyro_vinit, "CapturedSVI", SVI)  # an older package: eager
             self.svi = captured(self.model, self.guide, self.optim, self.config.elbo())
             return
@@ -230,13 +231,21 @@ class Ours(_PyroRunner):
             self.svi.step(*self._batch())
 
 
+def ours_overrides(args):
+    """fit_config's settings that ``--lr`` and ``--kl-weight`` override for ours."""
+    return {k: v for k, v in (("lr", getattr(args, "lr", None)),
+                              ("kl_weight", getattr(args, "kl_weight", None))) if v is not None}
+
+
 def make_runner(method, spec, data, args):
     x, y = data[0], data[1]
     if method == OURS:
-        return Ours(spec["net"], x, y, BATCH_SIZE, use_fit=args.use_fit)
+        return Ours(spec["net"], x, y, BATCH_SIZE, use_fit=args.use_fit,
+                    overrides=ours_overrides(args))
     if method == OURS_TRAINED:
         return Ours(spec["net"], x, y, BATCH_SIZE, start="trained",
-                    pretrain_epochs=spec["pretrain_epochs"], use_fit=args.use_fit)
+                    pretrain_epochs=spec["pretrain_epochs"], use_fit=args.use_fit,
+                    overrides=ours_overrides(args))
     if method == "Pyro AutoNormal":
         return PyroAutoNormal(spec["net"], x, y, BATCH_SIZE)
     if method == "bayesian-torch":
@@ -393,10 +402,16 @@ def report(results):
                  f"evaluation, {results['config']['threads']} thread(s); torch {h['torch']}, Pyro "
                  f"{h['pyro']}, bayesian-torch {_peers.BAYESIAN_TORCH or 'not installed'}, "
                  f"ivon-opt {_peers.IVON or 'not installed'}; ours through "
-                 f"{'pyro_vinit.fit' if results['config']['use_fit'] else 'the README loop'}; "
+                 f"{'pyro_vinit.fit' if results['config']['use_fit'] else 'the README loop'}"
+                 f"{_overrides_text(results['config'])}; "
                  f"load average at the start {h['load_average']}, at the end "
                  f"{results['load_average_end']}, on {h['cpu_count']} cores.")
     return "\n".join(lines)
+
+
+def _overrides_text(config):
+    given = [f"{k} {config[k]}" for k in ("lr", "kl_weight") if config.get(k) is not None]
+    return f" with {', '.join(given)}" if given else ""
 
 
 def plot(results, path):
@@ -516,6 +531,10 @@ def parse_args(argv=None):
     parser.add_argument("--num-samples", type=int, default=32,
                         help="posterior draws per evaluation")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=None,
+                        help="ours: fit_config's learning rate instead of its default")
+    parser.add_argument("--kl-weight", type=float, default=None,
+                        help="ours: fit_config's KL weight instead of its default")
     parser.add_argument("--validation", action="store_true", help="Pyro's validation on")
     parser.add_argument("--use-fit", dest="use_fit", action="store_true", default=None,
                         help="ours through pyro_vinit.fit (the default when the package has it)")

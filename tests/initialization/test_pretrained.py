@@ -120,11 +120,25 @@ def test_conv_median_is_the_trained_network(digits, trained_cnn):
 # ---------------------------------------------------------------- the standard deviations
 
 
-@pytest.mark.parametrize("noise_ratio", [None, 0.5])  # None: the default, 1
-def test_iblm_scales_closed_form(digits, trained_cnn, noise_ratio):
+@pytest.fixture(scope="module")
+def trained_depthwise(digits):
+    # one unit per group: each output channel reads one input channel
+    x, y, _, _ = digits
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2, groups=4),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2, 10))
+    return _train(net, x.reshape(-1, 1, 8, 8), y)
+
+
+@pytest.mark.parametrize("noise_ratio, network", [
+    (None, "trained_cnn"),  # None: the default, 1
+    (0.5, "trained_cnn"),
+    (None, "trained_depthwise"),
+])
+def test_iblm_scales_closed_form(digits, noise_ratio, network, request):
     x, y, _, _ = digits
     x = x.reshape(-1, 1, 8, 8)[:300]
-    net = copy.deepcopy(trained_cnn)
+    net = copy.deepcopy(request.getfixturevalue(network))
     with torch.no_grad():
         hidden = F.relu(net[0](x))  # the second conv's input in the trained network
     w, b = net[2].weight.detach(), net[2].bias.detach()
@@ -132,13 +146,16 @@ def test_iblm_scales_closed_form(digits, trained_cnn, noise_ratio):
     guide = AutoNormal(model)
     kwargs = {} if noise_ratio is None else {"noise_ratio": noise_ratio}
     init_guide_pretrained(guide, (x, y[:300]), **kwargs)
-    # By hand: unit j (group j // 4) regresses from its group's 3x3 patches (stride 2)
+    # By hand: unit j (group j // per_group) regresses from its group's 3x3 patches
+    # (stride 2) of its group's input channels
+    units, groups = net[2].out_channels, net[2].groups
+    per_group, fan_in = units // groups, 4 // groups * 9
     patches = extract_patches(hidden, (3, 3), stride=2)  # (N, P, 4 * 9)
     expected_w, expected_b = torch.empty_like(w), torch.empty_like(b)
-    prior_var = 1.0 / (2 * 9)  # N(0, 1 / fan-in)
-    for j in range(8):
-        g = j // 4
-        rows = patches[..., g * 18:(g + 1) * 18].reshape(-1, 18)
+    prior_var = 1.0 / fan_in  # N(0, 1 / fan-in)
+    for j in range(units):
+        g = j // per_group
+        rows = patches[..., g * fan_in:(g + 1) * fan_in].reshape(-1, fan_in)
         z = rows @ w[j].reshape(-1)
         noise_var = (noise_ratio or 1.0) ** 2 * z.var(unbiased=False)
         expected_w[j] = (1 / prior_var + rows.square().sum(0) / noise_var).reciprocal().sqrt() \
