@@ -3,8 +3,9 @@ Per-example noise on convolutions: the step of :func:`~pyro_vinit.fit` on
 the race's digits CNN (``bench_time_to_quality``), with local
 reparameterization on every layer (``local_reparam()``) against fit's
 default, ``local_reparam(conv=False)`` (the convolutions on their weight
-sample, the linear layer with per-example noise), side by side with
-bayesian-torch and IVON where installed.
+sample, the linear layer with per-example noise), and the same for
+``AutoRadialNormal`` under ``flipout()`` and ``flipout(conv=False)``, side
+by side with bayesian-torch and IVON where installed.
 
 Each configuration is the race's runner after its set-up (I-BLM, then
 :class:`~pyro_vinit.CapturedSVI` with fit's optimizer and ELBO, minibatches
@@ -36,10 +37,13 @@ from benchmarks.harness import (
     time_interleaved,
     write_report,
 )
-from pyro_vinit.poutine import local_reparam
+from pyro_vinit import AutoRadialNormal
+from pyro_vinit.poutine import flipout, local_reparam
 
 LRT_ALL = "fit's step, LRT on every layer (local_reparam())"
 FIT = "fit's step, convolutions on their weight sample (local_reparam(conv=False))"
+RADIAL_ALL = "AutoRadialNormal, Flipout on every layer (flipout())"
+RADIAL_FIT = "AutoRadialNormal, fit's step (flipout(conv=False))"
 BT = "bayesian-torch Conv2d/LinearReparameterization"
 IVON = "IVON"
 
@@ -47,9 +51,12 @@ IVON = "IVON"
 def runners(x, y):
     """Each configuration's runner, set up (its captured step traced by the warm-up)."""
     made = {}
-    for name, weight_noise in ((LRT_ALL, local_reparam), (FIT, None)):
+    for name, weight_noise, make_guide in ((LRT_ALL, local_reparam, None), (FIT, None, None),
+                                           (RADIAL_ALL, flipout, AutoRadialNormal),
+                                           (RADIAL_FIT, None, AutoRadialNormal)):
         pyro.set_rng_seed(0)
-        runner = Ours(PROBLEMS["digits_cnn"]["net"], x, y, BATCH_SIZE, use_fit=True)
+        runner = Ours(PROBLEMS["digits_cnn"]["net"], x, y, BATCH_SIZE, use_fit=True,
+                      make_guide=make_guide)
         runner.setup()
         if weight_noise is not None:
             runner.config = dataclasses.replace(runner.config, weight_noise=weight_noise)
@@ -75,7 +82,8 @@ def main(argv=None):
         timings = time_interleaved({name: r.step for name, r in made.items()},
                                    rounds=args.rounds, block=args.block, warmup=args.warmup)
     rows = [[name, f"{timings.median_ms(name):.2f}"] for name in made]
-    ratios = {f"{LRT_ALL} ÷ {FIT}": timings.ratio(LRT_ALL, FIT)}
+    ratios = {f"{LRT_ALL} ÷ {FIT}": timings.ratio(LRT_ALL, FIT),
+              f"{RADIAL_ALL} ÷ {RADIAL_FIT}": timings.ratio(RADIAL_ALL, RADIAL_FIT)}
     for peer in (BT, IVON):
         if peer in made:
             ratios[f"{FIT} ÷ {peer}"] = timings.ratio(FIT, peer)

@@ -286,7 +286,7 @@ def test_fit_config_handler(guide_class, handler):
         made = config.weight_noise()
         assert type(made) is handler and made is not config.weight_noise()  # fresh
         # LRT on linear layers only: convolutions keep their weight sample (the race's CNN)
-        assert getattr(made, "conv", False) is False
+        assert made.conv is False
     assert (config.lr, config.kl_weight, config.num_particles) == (3e-3, 0.01, 1)
     assert (config.iblm_batch_size, config.max_scale_ratio) == (512, 0.1)
     # Adam warmed up over 50 steps (docs/methods/training.rst: its first steps undo I-BLM)

@@ -1,6 +1,7 @@
 """Flipout as an effect handler."""
 
 from pyro_vinit.poutine.noise import Flipout
+from pyro_vinit.poutine.noise.strategy import _check_conv
 from pyro_vinit.poutine.weight_noise_messenger import WeightNoiseMessenger
 
 __all__ = ["FlipoutMessenger"]
@@ -31,6 +32,9 @@ class FlipoutMessenger(WeightNoiseMessenger):
 
     :param bool strict: Raise one error instead of one warning, on exit,
         naming the latent sites Flipout did not apply to.
+    :param bool conv: Whether convolutions get per-example noise too; with
+        False their weights keep the ordinary sample, shared by the
+        minibatch, unreported (see :class:`~pyro_vinit.poutine.Flipout`).
 
     [1] Wen, Vicol, Ba, Tran, Grosse (2018) "Flipout: Efficient
     Pseudo-Independent Weight Perturbations on Mini-Batches"
@@ -39,5 +43,12 @@ class FlipoutMessenger(WeightNoiseMessenger):
     Beyond Discrete Support in Large-Scale Bayesian Deep Learning"
     """
 
-    def __init__(self, strict: bool = False) -> None:
-        super().__init__(config=Flipout(), strict=strict)
+    def __init__(self, strict: bool = False, conv: bool = True) -> None:
+        _check_conv("FlipoutMessenger", conv)
+        super().__init__(config=Flipout(conv=conv), strict=strict)
+
+    @property
+    def conv(self) -> bool:
+        """Whether convolutions get per-example noise too."""
+        assert isinstance(self.config, Flipout)
+        return self.config.conv

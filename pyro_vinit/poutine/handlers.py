@@ -64,15 +64,15 @@ def local_reparam(
 
 
 @overload
-def flipout(fn: None = ..., *, strict: bool = False) -> FlipoutMessenger: ...
+def flipout(fn: None = ..., *, strict: bool = False, conv: bool = True) -> FlipoutMessenger: ...
 
 
 @overload
-def flipout(fn: _F, *, strict: bool = False) -> _F: ...
+def flipout(fn: _F, *, strict: bool = False, conv: bool = True) -> _F: ...
 
 
 def flipout(
-    fn: Optional[Callable[..., Any]] = None, *, strict: bool = False
+    fn: Optional[Callable[..., Any]] = None, *, strict: bool = False, conv: bool = True
 ) -> Union[FlipoutMessenger, Callable[..., Any]]:
     """
     Convenient wrapper of :class:`~pyro_vinit.poutine.FlipoutMessenger`.
@@ -85,8 +85,9 @@ def flipout(
     :param callable fn: A callable that runs both the guide and the model; if
         None, the handler itself, for use as a context manager.
     :param bool strict: See :class:`~pyro_vinit.poutine.FlipoutMessenger`.
+    :param bool conv: See :class:`~pyro_vinit.poutine.FlipoutMessenger`.
     """
-    return _apply(FlipoutMessenger(strict=strict), fn)
+    return _apply(FlipoutMessenger(strict=strict, conv=conv), fn)
 
 
 @overload

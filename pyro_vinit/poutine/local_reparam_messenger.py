@@ -3,6 +3,7 @@
 from typing import Optional
 
 from pyro_vinit.poutine.noise import LocalReparam
+from pyro_vinit.poutine.noise.strategy import _check_conv
 from pyro_vinit.poutine.weight_noise_messenger import WeightNoiseMessenger
 
 __all__ = ["LocalReparamMessenger"]
@@ -126,8 +127,7 @@ class LocalReparamMessenger(WeightNoiseMessenger):
             raise TypeError(
                 f"LocalReparamMessenger: low_rank must be None or a bool, got {low_rank!r}"
             )
-        if not isinstance(conv, bool):
-            raise TypeError(f"LocalReparamMessenger: conv must be a bool, got {conv!r}")
+        _check_conv("LocalReparamMessenger", conv)
         super().__init__(config=LocalReparam(low_rank=low_rank, conv=conv), strict=strict)
 
     @property

@@ -55,8 +55,7 @@ class FitConfig:
         (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`).
     :param int num_particles: Monte Carlo samples per ELBO evaluation.
     :param callable weight_noise: Returns a fresh weight-noise handler
-        (e.g. ``functools.partial(local_reparam, conv=False)``, or
-        :func:`~pyro_vinit.poutine.flipout`), or None.
+        (e.g. ``functools.partial(local_reparam, conv=False)``), or None.
     :param float max_scale_ratio: I-BLM's cap on the guide's standard
         deviations, relative to the prior's.
     :param int iblm_batch_size: I-BLM's rows per unit, at most half the
@@ -104,12 +103,13 @@ class FitConfig:
 # Per-example noise on linear layers; convolutions keep their weight sample, whose
 # per-example noise costs more than it buys (docs/methods/training.rst).
 _LINEAR_LRT = functools.partial(local_reparam, conv=False)
+_LINEAR_FLIPOUT = functools.partial(flipout, conv=False)
 _LINEAR_AUTO = functools.partial(weight_noise, config=AutoWeightNoise(conv=False))
 
 
 def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], ContextManager[Any]]]:
     if isinstance(guide, AutoRadialNormal):
-        return flipout
+        return _LINEAR_FLIPOUT
     if isinstance(guide, (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal)):
         return _LINEAR_LRT
     if isinstance(guide, AutoGuideList) and any(
@@ -140,7 +140,7 @@ def fit_config(
     per-example noise on linear layers and matrix products, convolutions on
     their weight sample) for factorized-Normal guides
     (AutoKTiedNormal, AutoMeanFieldNormal, AutoNormal),
-    :func:`~pyro_vinit.poutine.flipout` for AutoRadialNormal,
+    ``flipout(conv=False)`` for AutoRadialNormal,
     :func:`~pyro_vinit.poutine.weight_noise` with
     ``AutoWeightNoise(conv=False)`` (each site's strategy chosen by its
     distribution) for an ``AutoGuideList`` with a member of those, and

@@ -22,6 +22,7 @@ from pyro_vinit.distributions import (
 from pyro_vinit.poutine import (
     AutoWeightNoise,
     Flipout,
+    FlipoutMessenger,
     LocalReparam,
     LocalReparamMessenger,
     WeightNoise,
@@ -279,10 +280,14 @@ def test_bad_low_rank_is_refused():
         AutoWeightNoise(low_rank=1.0)
     with pytest.raises(TypeError, match="LocalReparam: conv must be a bool"):
         LocalReparam(conv=1)
-    with pytest.raises(TypeError, match="LocalReparam: conv must be a bool"):
+    with pytest.raises(TypeError, match="AutoWeightNoise: conv must be a bool"):
         AutoWeightNoise(conv="no")
     with pytest.raises(TypeError, match="LocalReparamMessenger: conv must be a bool"):
         LocalReparamMessenger(conv=None)
+    with pytest.raises(TypeError, match="Flipout: conv must be a bool"):
+        Flipout(conv=0)
+    with pytest.raises(TypeError, match="FlipoutMessenger: conv must be a bool"):
+        FlipoutMessenger(conv="no")
 
 
 IMAGE = torch.randn(1, 2, 5, 5).expand(4, 2, 5, 5)  # four copies of one image
@@ -301,7 +306,9 @@ def _conv_model(x):
     lambda: LocalReparamMessenger(conv=False, strict=True),
     lambda: WeightNoiseMessenger(config=LocalReparam(conv=False), strict=True),
     lambda: WeightNoiseMessenger(config=AutoWeightNoise(conv=False), strict=True),
-], ids=["messenger", "strategy", "auto"])
+    lambda: FlipoutMessenger(conv=False, strict=True),
+    lambda: WeightNoiseMessenger(config=Flipout(conv=False), strict=True),
+], ids=["messenger", "strategy", "auto", "flipout messenger", "flipout"])
 def test_conv_false_leaves_convolutions_on_the_ordinary_sample(handler):
     # The convolution runs on the drawn weight, one for the batch, and strict=True does
     # not name it; the linear layer after it still gets per-example noise.
@@ -312,9 +319,22 @@ def test_conv_false_leaves_convolutions_on_the_ordinary_sample(handler):
     assert_close(h, F.conv2d(IMAGE, torch.as_tensor(w)), rtol=1e-6)
     assert torch.equal(h[0], h[1])
     assert _per_example(out)
-    with LocalReparamMessenger(strict=True):  # the default: the convolution too
-        h, _ = poutine.trace(_conv_model).get_trace(IMAGE).nodes["_RETURN"]["value"]
-    assert _per_example(h)
+    for default in (LocalReparamMessenger, FlipoutMessenger):  # the convolution too
+        with default(strict=True):
+            h, _ = poutine.trace(_conv_model).get_trace(IMAGE).nodes["_RETURN"]["value"]
+        assert _per_example(h)
+
+
+def test_auto_conv_false_leaves_a_radial_convolution_alone():
+    # AutoWeightNoise's conv is both strategies': Flipout's convolution keeps its sample
+    def model(x):
+        w = pyro.sample("w", RadialNormal(CONV_LOC, CONV_SCALE, event_dim=4))
+        return F.conv2d(x, w)
+
+    for conv, per_example in ((False, False), (True, True)):
+        with WeightNoiseMessenger(config=AutoWeightNoise(conv=conv), strict=True):
+            out = model(IMAGE)
+        assert _per_example(out) is per_example
 
 
 def test_conv_false_allows_a_shared_convolution_weight():

@@ -12,7 +12,7 @@ from pyro_vinit.poutine._site_value import SiteValue
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.poutine.noise.flipout import Flipout
 from pyro_vinit.poutine.noise.local_reparam import LocalReparam
-from pyro_vinit.poutine.noise.strategy import WeightNoise
+from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv
 
 __all__ = ["AutoWeightNoise"]
 
@@ -34,12 +34,14 @@ class AutoWeightNoise(WeightNoise):
 
     :param low_rank: See :class:`~pyro_vinit.poutine.LocalReparam`.
     :type low_rank: bool or None
-    :param bool conv: See :class:`~pyro_vinit.poutine.LocalReparam`.
+    :param bool conv: Whether convolutions get per-example noise too (both
+        strategies' ``conv``).
     """
 
     def __init__(self, low_rank: Optional[bool] = None, conv: bool = True) -> None:
+        self.conv = _check_conv("AutoWeightNoise", conv)
         self.local_reparam = LocalReparam(low_rank=low_rank, conv=conv)
-        self.flipout = Flipout()
+        self.flipout = Flipout(conv=conv)
 
     def select(self, fn: Distribution) -> WeightNoise:
         if factorized_normal(fn) is not None:

@@ -9,7 +9,7 @@ from pyro_vinit.distributions import is_sign_symmetric
 from pyro_vinit.poutine._layer_ops import LayerCall, run_layer
 from pyro_vinit.poutine._site_value import SiteValue, unwrap
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
-from pyro_vinit.poutine.noise.strategy import WeightNoise, spatial_dims, view_of
+from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv, spatial_dims, view_of
 
 __all__ = ["Flipout"]
 
@@ -47,12 +47,21 @@ class Flipout(WeightNoise):
     distribution, and the examples are uncorrelated. It costs two layer
     evaluations instead of one. The bias is used as sampled.
 
+    With ``conv=False`` the strategy leaves convolutions alone: their
+    weights keep the ordinary sample, shared by the minibatch, and are not
+    reported (as :class:`~pyro_vinit.poutine.LocalReparam`'s).
+
+    :param bool conv: Whether convolutions get per-example noise too.
+
     [1] Wen, Vicol, Ba, Tran, Grosse (2018) "Flipout: Efficient
     Pseudo-Independent Weight Perturbations on Mini-Batches"
 
     [2] Farquhar, Osborne, Gal (2020) "Radial Bayesian Neural Networks:
     Beyond Discrete Support in Large-Scale Bayesian Deep Learning"
     """
+
+    def __init__(self, conv: bool = True) -> None:
+        self.conv = _check_conv("Flipout", conv)
 
     def apply(
         self, call: LayerCall, weight: SiteValue, fn: Distribution

@@ -13,7 +13,7 @@ from pyro_vinit.poutine._layer_ops import LayerCall, is_batched, run_layer
 from pyro_vinit.poutine._site_value import SiteValue, unwrap
 from pyro_vinit.poutine._tensor_ops import is_transpose
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
-from pyro_vinit.poutine.noise.strategy import WeightNoise, spatial_dims, view_of
+from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv, spatial_dims, view_of
 
 __all__ = ["LocalReparam"]
 
@@ -72,10 +72,8 @@ class LocalReparam(WeightNoise):
     def __init__(self, low_rank: Optional[bool] = None, conv: bool = True) -> None:
         if not (low_rank is None or isinstance(low_rank, bool)):
             raise TypeError(f"LocalReparam: low_rank must be None or a bool, got {low_rank!r}")
-        if not isinstance(conv, bool):
-            raise TypeError(f"LocalReparam: conv must be a bool, got {conv!r}")
+        self.conv = _check_conv("LocalReparam", conv)
         self.low_rank = low_rank
-        self.conv = conv
 
     def draw(self, msg: SampleSite) -> Optional[SiteValue]:
         fn = msg["fn"]
@@ -84,9 +82,6 @@ class LocalReparam(WeightNoise):
         if normal is None:
             return None
         return SiteValue.defer(fn, shape, like=normal.loc, dist=fn)
-
-    def skips(self, call: LayerCall) -> bool:
-        return not self.conv and call.op != "linear"
 
     def apply(
         self, call: LayerCall, weight: SiteValue, fn: Distribution

@@ -14,6 +14,13 @@ from pyro_vinit.poutine._tensor_ops import replay
 __all__ = ["WeightNoise"]
 
 
+def _check_conv(owner: str, conv: object) -> bool:
+    """``conv`` if it is a bool; else a ``TypeError`` naming ``owner``."""
+    if not isinstance(conv, bool):
+        raise TypeError(f"{owner}: conv must be a bool, got {conv!r}")
+    return conv
+
+
 def spatial_dims(call: LayerCall) -> int:
     """The number of spatial dims of the call's op (0 for linear)."""
     return 0 if call.op == "linear" else int(call.op[-2])
@@ -41,6 +48,9 @@ class WeightNoise(ABC):
     #: Whether a sampled bias gets per-example noise too (then a bias used by two layer
     #: calls is a shared sample, like a weight).
     bias_noise: bool = False
+    #: Whether convolutions get per-example noise (False: :meth:`skips` them, so their
+    #: weights keep the ordinary sample; set by the strategies' ``conv`` argument).
+    conv: bool = True
 
     def select(self, fn: Distribution) -> "WeightNoise":
         """The strategy to apply to a weight drawn by ``fn``: ``self``, or
@@ -50,8 +60,8 @@ class WeightNoise(ABC):
     def skips(self, call: LayerCall) -> bool:
         """Whether the strategy leaves ``call`` alone by design: its layer then
         runs on the ordinary sample, unreported, as for a site the config leaves
-        alone."""
-        return False
+        alone. By default, the convolutions of a strategy with ``conv=False``."""
+        return not self.conv and call.op != "linear"
 
     def draw(self, msg: SampleSite) -> Optional[SiteValue]:
         """The value of a weight site that nothing has set, drawn by
