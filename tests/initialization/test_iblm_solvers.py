@@ -36,6 +36,26 @@ def test_argsort_rows_matches_torch(dtype):
     assert torch.equal(order, scores.argsort(-1))
 
 
+
+def test_hidden_targets_by_hand():
+    # A hidden unit's targets (units x rows): centered over the rows, times the unit's
+    # sign, and shrunk to std 0.5 where wider; the noise variance shrinks by the square.
+    t = torch.tensor([[1.0, 3.0, 5.0, 7.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.2, 0.0, 0.2]],
+                     dtype=torch.float64)
+    noise = torch.full_like(t, 0.3)
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    units = torch.tensor([0, 1, 3])
+    out, out_noise = HiddenTargets(signs, True, True, 0.5)(t, noise, units)
+    expected = torch.tensor([[-3.0, -1.0, 1.0, 3.0], [0.0, 0.0, 0.0, 0.0],
+                             [0.1, -0.1, 0.1, -0.1]], dtype=torch.float64)
+    factor = torch.tensor([0.5 / expected[0].std().item(), 1.0, 1.0], dtype=torch.float64)
+    assert_close(out, expected * factor[:, None], rtol=1e-12, atol=1e-15)
+    assert_close(out_noise, (0.3 * factor[:, None] ** 2).expand(3, 4), rtol=1e-12, atol=0)
+    assert_close(out[0].std(), torch.tensor(0.5, dtype=torch.float64), rtol=1e-12, atol=0)
+    # each step off: the targets as they come
+    same, same_noise = HiddenTargets(signs, False, False, None)(t, noise, units)
+    assert torch.equal(same, t) and torch.equal(same_noise, noise)
+
 @pytest.mark.parametrize("device, dtype, by_numpy", [
     ("cpu", torch.float32, True), ("cpu", torch.float64, True),
     ("cpu", torch.bfloat16, False), ("meta", torch.float32, False),
