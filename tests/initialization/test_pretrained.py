@@ -45,13 +45,18 @@ def trained_mlp(digits):
     return _train(mlp((64, 32, 10)), x, y)
 
 
-@pytest.fixture(scope="module")
-def trained_cnn(digits):
+def _trained_cnn(digits, channels, groups):
     x, y, _, _ = digits
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 8, 3, stride=2, groups=2),
-                        nn.ReLU(), nn.Flatten(), nn.Linear(8 * 2 * 2, 10))
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(),
+                        nn.Conv2d(4, channels, 3, stride=2, groups=groups),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(channels * 2 * 2, 10))
     return _train(net, x.reshape(-1, 1, 8, 8), y)
+
+
+@pytest.fixture(scope="module")
+def trained_cnn(digits):
+    return _trained_cnn(digits, 8, groups=2)
 
 
 def _snapshot(guide):
@@ -123,11 +128,7 @@ def test_conv_median_is_the_trained_network(digits, trained_cnn):
 @pytest.fixture(scope="module")
 def trained_depthwise(digits):
     # one unit per group: each output channel reads one input channel
-    x, y, _, _ = digits
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2, groups=4),
-                        nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2, 10))
-    return _train(net, x.reshape(-1, 1, 8, 8), y)
+    return _trained_cnn(digits, 4, groups=4)
 
 
 @pytest.mark.parametrize("noise_ratio, network", [
