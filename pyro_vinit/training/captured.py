@@ -6,6 +6,7 @@ input signature into a graph of aten operations and replayed.
 import contextlib
 import functools
 import inspect
+import numbers
 import types
 import warnings
 from collections import OrderedDict
@@ -255,6 +256,22 @@ class _CudaGraphReplay:
         return self.outputs
 
 
+class _Same:
+    """An object compared by identity, held by the signature that names it: its id is
+    never another object's (a freed object's id is reused by the next one made)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def _setting_key(value: Any, depth: int = 0) -> Hashable:
     # A setting compared by value: equal settings made afresh (a handler entered at each
     # step) are one signature; different ones (another strategy, another function) are not.
@@ -262,8 +279,11 @@ def _setting_key(value: Any, depth: int = 0) -> Hashable:
         return value
     if isinstance(value, torch.Tensor):  # the same tensor, not changed in place
         return ("tensor", id(value), value._version)
+    if isinstance(value, numbers.Number) and not hasattr(value, "__dict__"):
+        # a NumPy scalar (e.g. poutine.scale(scale=np.float32(...))), a complex: by value
+        return (type(value), value)
     if depth >= 3 or isinstance(value, type):
-        return ("object", id(value))
+        return ("object", _Same(value))
     deeper = functools.partial(_setting_key, depth=depth + 1)
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(map(deeper, value)))
@@ -289,7 +309,9 @@ def _setting_key(value: Any, depth: int = 0) -> Hashable:
         # and the strategies it holds): its type and public settings
         return (type(value), tuple(sorted(
             (k, deeper(v)) for k, v in vars(value).items() if not k.startswith("_"))))
-    return ("object", id(value))  # a builtin or bound method: the same one
+    if isinstance(value, types.MethodType):  # made afresh at each attribute access
+        return (types.MethodType, deeper(value.__func__), deeper(value.__self__))
+    return ("object", _Same(value))  # a builtin: the same one
 
 
 def _messenger_state(messenger: Any) -> Hashable:
