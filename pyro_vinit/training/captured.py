@@ -271,6 +271,9 @@ class _Same:
     def __hash__(self) -> int:
         return id(self.obj)
 
+    def __repr__(self) -> str:  # the object's id: a set's keys sort alike at each step
+        return f"_Same({id(self.obj):#x})"
+
 
 def _setting_key(value: Any, depth: int = 0) -> Hashable:
     # A setting compared by value: equal settings made afresh (a handler entered at each
