@@ -573,3 +573,24 @@ def test_a_set_of_settings_compared_by_identity_is_one_key():
     objects = {Opaque() for _ in range(20)}
     assert len({_setting_key(objects) for _ in range(20)}) == 1
     assert _setting_key(objects) != _setting_key({Opaque() for _ in range(20)})
+
+
+def test_signatures_that_never_repeat_fall_back_with_a_warning():
+    # a tensor scale made afresh at each step is compared by identity: no signature
+    # repeats, so no step is ever captured; after 4 x max_signatures, say so and stop
+    # recording them (each record holds the step's parameters)
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+
+    x, y = torch.randn(50, 3), torch.randn(50)
+    svi = CapturedSVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}),
+                      TraceMeanField_ELBO(), max_signatures=2)
+    scales = [torch.tensor(2.0) for _ in range(9)]  # held: no id is reused
+    with pytest.warns(RuntimeWarning, match="more than 8 input signatures"):
+        for scale in scales:
+            with pyro.poutine.scale(scale=scale):
+                svi.step(x, y)
+    assert svi.num_traces == 0 and not svi._eager_sites
+    assert "made afresh at each step" in svi.fallback_reason

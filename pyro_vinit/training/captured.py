@@ -360,7 +360,8 @@ class CapturedSVI(SVI):
     change from step to step, a branch on a tensor's value, an ELBO other
     than :class:`~pyro.infer.Trace_ELBO` or
     :class:`~pyro.infer.TraceMeanField_ELBO`, more than ``max_signatures``
-    signatures), it warns once and runs every later step as ``SVI`` does.
+    signatures, or four times as many seen), it warns once and runs every
+    later step as ``SVI`` does.
     On CUDA the graph is replayed as a CUDA graph: one launch a step, the
     gradients handed to the optimizer are the graph's static outputs.
 
@@ -428,7 +429,9 @@ class CapturedSVI(SVI):
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
-        self._captures.clear()
+        self._captures.clear()  # and the records of first steps: never read again
+        self._eager_sites.clear()
+        self._eager_params.clear()
         warnings.warn(f"CapturedSVI: {reason}; every later step runs eagerly, as SVI.step",
                       RuntimeWarning, stacklevel=3)
 
@@ -470,6 +473,13 @@ class CapturedSVI(SVI):
             return self._eager_step(args, kwargs)
         capture = self._captures.get(key)
         if capture is None and key not in self._eager_sites:
+            if len(self._eager_sites) >= 4 * self.max_signatures:
+                # signatures that never repeat: every step eager, each one's record kept
+                self._fall_back(f"more than {4 * self.max_signatures} input signatures "
+                                "(4 x max_signatures) seen, most never again (a handler "
+                                "setting compared by identity, e.g. a tensor scale or "
+                                "mask, made afresh at each step: make it once)")
+                return self._eager_step(args, kwargs)
             recorder = _SiteRecorder()
             with poutine.trace(param_only=True) as found, recorder:
                 loss = self._eager_step(args, kwargs)
