@@ -594,3 +594,40 @@ def test_signatures_that_never_repeat_fall_back_with_a_warning():
                 svi.step(x, y)
     assert svi.num_traces == 0 and not svi._eager_sites
     assert "made afresh at each step" in svi.fallback_reason
+
+
+class _Factor:
+    """A setting object that holds its number privately."""
+
+    def __init__(self, factor):
+        self._factor = factor
+
+
+class _ScaleBy(pyro.poutine.messenger.Messenger):
+    def __init__(self, setting):
+        super().__init__()
+        self.setting = setting
+
+    def _process_message(self, msg):
+        msg["scale"] = msg["scale"] * self.setting._factor
+
+
+def test_a_settings_private_number_is_part_of_the_signature():
+    # as a handler's own private float (a KL weight held as _scale), so an object's:
+    # factor 100 after factor 1 re-traces, not the stale graph of factor 1
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+
+    x, y = torch.randn(50, 3), torch.randn(50)
+    losses = {}
+    for cls in (SVI, CapturedSVI):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        svi = cls(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.0}), Trace_ELBO())
+        losses[cls] = []
+        for factor in (1.0, 1.0, 100.0, 100.0, 1.0):
+            with _ScaleBy(_Factor(factor)):
+                losses[cls].append(svi.step(x, y))
+    assert losses[CapturedSVI] == pytest.approx(losses[SVI], rel=1e-5)

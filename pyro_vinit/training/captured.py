@@ -275,6 +275,13 @@ class _Same:
         return f"_Same({id(self.obj):#x})"
 
 
+def _is_setting(name: str, value: Any) -> bool:
+    # An object's public attributes are settings; of its private ones only the plain
+    # numbers and strings are (a KL weight held as _scale), not its counters and per-run
+    # containers.
+    return not name.startswith("_") or isinstance(value, (float, str))
+
+
 def _setting_key(value: Any, depth: int = 0) -> Hashable:
     # A setting compared by value: equal settings made afresh (a handler entered at each
     # step) are one signature; different ones (another strategy, another function) are not.
@@ -309,9 +316,9 @@ def _setting_key(value: Any, depth: int = 0) -> Hashable:
                 deeper(value.__defaults__), deeper(value.__kwdefaults__))
     if hasattr(value, "__dict__") and not inspect.isroutine(value):
         # a strategy or schedule object (e.g. LocalReparam(low_rank=...), AutoWeightNoise
-        # and the strategies it holds): its type and public settings
+        # and the strategies it holds): its type and settings, as a handler's
         return (type(value), tuple(sorted(
-            (k, deeper(v)) for k, v in vars(value).items() if not k.startswith("_"))))
+            (k, deeper(v)) for k, v in vars(value).items() if _is_setting(k, v))))
     if isinstance(value, types.MethodType):  # made afresh at each attribute access
         return (types.MethodType, deeper(value.__func__), deeper(value.__self__))
     return ("object", _Same(value))  # a builtin: the same one
@@ -322,11 +329,7 @@ def _messenger_state(messenger: Any) -> Hashable:
     # part of the key, so that a changed setting re-traces. Its public attributes are
     # settings; of its private ones only the plain numbers and strings are (a KL weight
     # held as _scale), not its counters and per-run containers.
-    settings = []
-    for k, v in vars(messenger).items():
-        if k.startswith("_") and not isinstance(v, (float, str)):
-            continue
-        settings.append((k, _setting_key(v)))
+    settings = [(k, _setting_key(v)) for k, v in vars(messenger).items() if _is_setting(k, v)]
     return type(messenger), tuple(sorted(settings, key=lambda kv: kv[0]))
 
 
