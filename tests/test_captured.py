@@ -3,6 +3,7 @@ same seed (float64, 1e-10 relative), re-tracing, falling back, fresh draws."""
 
 import warnings
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -474,7 +475,8 @@ def test_any_handler_setting_change_retraces():
     lambda: local_reparam(conv=False),
     lambda: weight_noise(config=lambda msg: LocalReparam()),  # a function made afresh
     lambda: pyro.poutine.block(hide=["nothing"]),  # its hide_fn, a fresh partial
-], ids=["auto", "dict", "conv=False", "lambda", "block"])
+    lambda: weight_noise(config=_Picker(LocalReparam()).pick),  # a fresh bound method
+], ids=["auto", "dict", "conv=False", "lambda", "block", "bound method"])
 def test_a_handler_entered_afresh_each_step_keeps_one_graph(make_handler):
     # fit enters its handlers afresh at each step: equal settings are one signature
     model, make_guide, (x, y), _ = _mlp("cpu")
@@ -511,3 +513,121 @@ def test_another_setting_or_config_function_retraces():
             with make_handler():
                 svi.step(x, y)
     assert svi.num_traces == 6 and svi.fallback_reason is None
+
+
+def test_a_setting_compared_by_identity_is_never_a_reused_id():
+    # A NumPy scale made afresh at each step: by value, not by the id that the next one
+    # reuses (then scale=100 replayed the graph traced for scale=1: stale losses)
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+
+    x, y = torch.randn(50, 3), torch.randn(50)
+    scales = [np.float32(1.0), np.float32(100.0)] * 3
+    for make_scale in (lambda s: np.float32(s), lambda s: _Opaque(s)):
+        losses = {}
+        for cls in (SVI, CapturedSVI):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            svi = cls(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.0}), Trace_ELBO())
+            losses[cls] = []
+            for scale in scales:
+                with pyro.poutine.scale(scale=make_scale(float(scale))):
+                    losses[cls].append(svi.step(x, y))
+        assert losses[CapturedSVI] == pytest.approx(losses[SVI], rel=1e-5)
+
+
+class _Opaque:
+    """A scale compared by identity only: no value, no __dict__."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __gt__(self, other):
+        return self.value > other
+
+    def __mul__(self, other):
+        return self.value * other
+
+    __rmul__ = __mul__
+
+
+class _Picker:
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def pick(self, msg):
+        return self.strategy
+
+
+def test_a_set_of_settings_compared_by_identity_is_one_key():
+    # a set's elements sort by their keys' text: an identity's text must be the object's
+    from pyro_vinit.training.captured import _setting_key
+
+    class Opaque:
+        __slots__ = ()
+
+    objects = {Opaque() for _ in range(20)}
+    assert len({_setting_key(objects) for _ in range(20)}) == 1
+    assert _setting_key(objects) != _setting_key({Opaque() for _ in range(20)})
+
+
+def test_signatures_that_never_repeat_fall_back_with_a_warning():
+    # a tensor scale made afresh at each step is compared by identity: no signature
+    # repeats, so no step is ever captured; after 4 x max_signatures, say so and stop
+    # recording them (each record holds the step's parameters)
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+
+    x, y = torch.randn(50, 3), torch.randn(50)
+    svi = CapturedSVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}),
+                      TraceMeanField_ELBO(), max_signatures=2)
+    scales = [torch.tensor(2.0) for _ in range(9)]  # held: no id is reused
+    with pytest.warns(RuntimeWarning, match="more than 8 input signatures"):
+        for scale in scales:
+            with pyro.poutine.scale(scale=scale):
+                svi.step(x, y)
+    assert svi.num_traces == 0 and not svi._eager_sites
+    assert "made afresh at each step" in svi.fallback_reason
+
+
+class _Factor:
+    """A setting object that holds its number privately."""
+
+    def __init__(self, factor):
+        self._factor = factor
+
+
+class _ScaleBy(pyro.poutine.messenger.Messenger):
+    def __init__(self, setting):
+        super().__init__()
+        self.setting = setting
+
+    def _process_message(self, msg):
+        msg["scale"] = msg["scale"] * self.setting._factor
+
+
+def test_a_settings_private_number_is_part_of_the_signature():
+    # as a handler's own private float (a KL weight held as _scale), so an object's:
+    # factor 100 after factor 1 re-traces, not the stale graph of factor 1
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+
+    x, y = torch.randn(50, 3), torch.randn(50)
+    losses = {}
+    for cls in (SVI, CapturedSVI):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        svi = cls(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.0}), Trace_ELBO())
+        losses[cls] = []
+        for factor in (1.0, 1.0, 100.0, 100.0, 1.0):
+            with _ScaleBy(_Factor(factor)):
+                losses[cls].append(svi.step(x, y))
+    assert losses[CapturedSVI] == pytest.approx(losses[SVI], rel=1e-5)

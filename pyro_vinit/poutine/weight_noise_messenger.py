@@ -220,12 +220,17 @@ class WeightNoiseMessenger(LayerCallMessenger):
         # a view claims the whole draw: which elements it depends on may itself depend on
         # the draw (e.g. an index computed from it).
         reused = [v for v in noisy if v.uses.add(v.view_ops if v.is_view else None)]
-        if strategy is None or strategy.skips(call):
-            return None  # the config or the strategy leaves the site or the call alone
+        if strategy is None:
+            return None  # the config leaves the site alone
         if reused:
             noised = [v for v in reused if v.uses.noised]
             if noised:
                 self._refuse_reuse(noised[0], call.source)
+        if strategy.skips(call):
+            # the strategy leaves the call alone (after a use with per-example noise, too
+            # late: refused above)
+            return None
+        if reused:
             # Every use so far was the ordinary draw: so are this one and the later ones,
             # and the call runs on the ordinary samples of its other sites too.
             for value in noisy:

@@ -6,6 +6,7 @@ input signature into a graph of aten operations and replayed.
 import contextlib
 import functools
 import inspect
+import numbers
 import types
 import warnings
 from collections import OrderedDict
@@ -255,6 +256,32 @@ class _CudaGraphReplay:
         return self.outputs
 
 
+class _Same:
+    """An object compared by identity, held by the signature that names it: its id is
+    never another object's (a freed object's id is reused by the next one made)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:  # the object's id: a set's keys sort alike at each step
+        return f"_Same({id(self.obj):#x})"
+
+
+def _is_setting(name: str, value: Any) -> bool:
+    # An object's public attributes are settings; of its private ones only the plain
+    # numbers and strings are (a KL weight held as _scale), not its counters and per-run
+    # containers.
+    return not name.startswith("_") or isinstance(value, (float, str))
+
+
 def _setting_key(value: Any, depth: int = 0) -> Hashable:
     # A setting compared by value: equal settings made afresh (a handler entered at each
     # step) are one signature; different ones (another strategy, another function) are not.
@@ -262,8 +289,11 @@ def _setting_key(value: Any, depth: int = 0) -> Hashable:
         return value
     if isinstance(value, torch.Tensor):  # the same tensor, not changed in place
         return ("tensor", id(value), value._version)
+    if isinstance(value, numbers.Number) and not hasattr(value, "__dict__"):
+        # a NumPy scalar (e.g. poutine.scale(scale=np.float32(...))), a complex: by value
+        return (type(value), value)
     if depth >= 3 or isinstance(value, type):
-        return ("object", id(value))
+        return ("object", _Same(value))
     deeper = functools.partial(_setting_key, depth=depth + 1)
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(map(deeper, value)))
@@ -286,10 +316,12 @@ def _setting_key(value: Any, depth: int = 0) -> Hashable:
                 deeper(value.__defaults__), deeper(value.__kwdefaults__))
     if hasattr(value, "__dict__") and not inspect.isroutine(value):
         # a strategy or schedule object (e.g. LocalReparam(low_rank=...), AutoWeightNoise
-        # and the strategies it holds): its type and public settings
+        # and the strategies it holds): its type and settings, as a handler's
         return (type(value), tuple(sorted(
-            (k, deeper(v)) for k, v in vars(value).items() if not k.startswith("_"))))
-    return ("object", id(value))  # a builtin or bound method: the same one
+            (k, deeper(v)) for k, v in vars(value).items() if _is_setting(k, v))))
+    if isinstance(value, types.MethodType):  # made afresh at each attribute access
+        return (types.MethodType, deeper(value.__func__), deeper(value.__self__))
+    return ("object", _Same(value))  # a builtin: the same one
 
 
 def _messenger_state(messenger: Any) -> Hashable:
@@ -297,11 +329,7 @@ def _messenger_state(messenger: Any) -> Hashable:
     # part of the key, so that a changed setting re-traces. Its public attributes are
     # settings; of its private ones only the plain numbers and strings are (a KL weight
     # held as _scale), not its counters and per-run containers.
-    settings = []
-    for k, v in vars(messenger).items():
-        if k.startswith("_") and not isinstance(v, (float, str)):
-            continue
-        settings.append((k, _setting_key(v)))
+    settings = [(k, _setting_key(v)) for k, v in vars(messenger).items() if _is_setting(k, v)]
     return type(messenger), tuple(sorted(settings, key=lambda kv: kv[0]))
 
 
@@ -335,7 +363,8 @@ class CapturedSVI(SVI):
     change from step to step, a branch on a tensor's value, an ELBO other
     than :class:`~pyro.infer.Trace_ELBO` or
     :class:`~pyro.infer.TraceMeanField_ELBO`, more than ``max_signatures``
-    signatures), it warns once and runs every later step as ``SVI`` does.
+    signatures, or four times as many seen), it warns once and runs every
+    later step as ``SVI`` does.
     On CUDA the graph is replayed as a CUDA graph: one launch a step, the
     gradients handed to the optimizer are the graph's static outputs.
 
@@ -403,7 +432,9 @@ class CapturedSVI(SVI):
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
-        self._captures.clear()
+        self._captures.clear()  # and the records of first steps: never read again
+        self._eager_sites.clear()
+        self._eager_params.clear()
         warnings.warn(f"CapturedSVI: {reason}; every later step runs eagerly, as SVI.step",
                       RuntimeWarning, stacklevel=3)
 
@@ -445,6 +476,13 @@ class CapturedSVI(SVI):
             return self._eager_step(args, kwargs)
         capture = self._captures.get(key)
         if capture is None and key not in self._eager_sites:
+            if len(self._eager_sites) >= 4 * self.max_signatures:
+                # signatures that never repeat: every step eager, each one's record kept
+                self._fall_back(f"more than {4 * self.max_signatures} input signatures "
+                                "(4 x max_signatures) seen, most never again (a handler "
+                                "setting compared by identity, e.g. a tensor scale or "
+                                "mask, made afresh at each step: make it once)")
+                return self._eager_step(args, kwargs)
             recorder = _SiteRecorder()
             with poutine.trace(param_only=True) as found, recorder:
                 loss = self._eager_step(args, kwargs)

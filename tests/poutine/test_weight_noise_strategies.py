@@ -352,6 +352,36 @@ def test_conv_false_allows_a_shared_convolution_weight():
             model(IMAGE)
 
 
+@pytest.mark.parametrize("handler", [
+    lambda: LocalReparamMessenger(conv=False),
+    lambda: FlipoutMessenger(conv=False),
+    lambda: WeightNoiseMessenger(config=AutoWeightNoise(conv=False)),
+], ids=["local_reparam", "flipout", "auto"])
+def test_conv_false_refuses_a_convolution_after_a_noised_use(handler):
+    # A linear layer gave the weight per-example noise; a convolution left alone would
+    # then run on the ordinary sample: the two uses not jointly exact, refused as for any
+    # second use. A convolution first, then the linear layer: both on the ordinary
+    # sample (exact), the site named.
+    def model(x, conv_first):
+        w = pyro.sample("w", dist.Normal(CONV_LOC[:, :1], CONV_SCALE[:, :1]).to_event(4))
+        if conv_first:
+            c = F.conv2d(x[:, :1], w)
+        h = F.linear(x[:, 0, :3, :3].flatten(1), w.reshape(3, 9))
+        if not conv_first:
+            c = F.conv2d(x[:, :1], w)
+        return h, c, w
+
+    with pytest.raises(ValueError, match="'w' is used a second time \\(by conv2d\\)"):
+        with handler():
+            model(IMAGE, conv_first=False)
+    with pytest.warns(UserWarning, match="already used by an earlier layer call"):
+        with handler():
+            h, c, w = model(IMAGE, conv_first=True)
+    w = torch.as_tensor(w)
+    assert_close(h, F.linear(IMAGE[:, 0, :3, :3].flatten(1), w.reshape(3, 9)), rtol=1e-6)
+    assert_close(c, F.conv2d(IMAGE[:, :1], w), rtol=1e-6)
+
+
 # ---------------------------------------------------------------- registries
 
 
