@@ -60,7 +60,7 @@ import pyro_vinit.data
 from pyro_vinit import AutoKTiedNormal, FitConfig, fit_config, init_guide_iblm
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, local_reparam
+from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, LocalReparamMessenger
 from pyro_vinit.schedules import LinearWarmup
 
 from _outputs import save_results
@@ -237,7 +237,7 @@ def main(args):
 
     # fit's configuration (the learning rate is args.lr, used by train's torch.optim.Adam)
     config = fit_config(guide, lr=args.lr, kl_weight=args.kl_weight)
-    assert config.weight_noise is local_reparam
+    assert isinstance(config.weight_noise(), LocalReparamMessenger)  # fit's LRT
     kl = LinearWarmup(args.kl_warmup, end=config.kl_weight) if args.kl_warmup else config.kl_weight
     loss_fn = HandledELBO(config.elbo()(model, guide), KLAnnealingMessenger(kl),
                           config.weight_noise)

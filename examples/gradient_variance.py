@@ -85,7 +85,6 @@ from pyro_vinit.poutine import (
     FlipoutMessenger,
     KLAnnealingMessenger,
     LocalReparamMessenger,
-    local_reparam,
 )
 
 from _outputs import save_results
@@ -154,7 +153,7 @@ def train_and_measure(x, y, *, sizes, epochs, batch_sizes, draws, lr, prior_scal
                                num_data=len(x))
     guide = AutoMeanFieldNormal(model, **guide_kwargs)
     config = fit_config(guide, lr=lr, kl_weight=kl_weight)
-    assert config.weight_noise is local_reparam  # fit trains this guide with LRT
+    assert isinstance(config.weight_noise(), LocalReparamMessenger)  # fit trains it with LRT
     svi = SVI(model, guide, config.optimizer(), config.elbo())
     guide(x[:1], y[:1])  # a random start: the means drawn from the prior
     params = dict(guide.named_parameters())

@@ -60,7 +60,7 @@ from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, FitConfig, fit_config,
 from pyro_vinit.data import load_digits
 from pyro_vinit.metrics import calibration, classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
-from pyro_vinit.poutine import KLAnnealingMessenger, flipout, local_reparam
+from pyro_vinit.poutine import FlipoutMessenger, KLAnnealingMessenger, LocalReparamMessenger
 from pyro_vinit.schedules import LinearWarmup
 
 from _outputs import save_results
@@ -118,7 +118,8 @@ def train(args, model, guide, data):
     # a radial posterior's pre-activations are not Gaussian, but its weight
     # noise is sign-symmetric, which is all Flipout needs.
     weight_noise = config.weight_noise
-    assert weight_noise is (flipout if args.guide == "radial" else local_reparam)
+    assert isinstance(weight_noise(),
+                      FlipoutMessenger if args.guide == "radial" else LocalReparamMessenger)
     curve, losses = [], []
     start = time.perf_counter()
     for step in tqdm(range(args.steps + 1), desc=f"SVI ({args.guide})"):
