@@ -565,7 +565,7 @@ class _Picker:
 
 def test_a_set_of_settings_compared_by_identity_is_one_key():
     # a set's elements sort by their keys' text: an identity's text must be the object's
-    from pyro_vinit.training.captured import _setting_key
+    from pyro_vinit.training._signature import _setting_key
 
     class Opaque:
         __slots__ = ()
