@@ -447,26 +447,34 @@ def test_dead_buffers_are_reused_only_where_safe():
             assert torch.equal(got, want), fn.__name__
 
 
-def test_any_handler_setting_change_retraces():
-    # an int scale (not only float settings) is a constant of the graph: scale=3 after
-    # scale=2 re-traces and gives the eager loss, not the stale graph's
-    def model(x, y=None):
-        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+def _linear_model(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
 
+
+def _losses_under(handlers, lr=0.01):
+    """SVI's and CapturedSVI's losses of a linear model, one step under each handler."""
     x, y = torch.randn(50, 3), torch.randn(50)
     losses = {}
     for cls in (SVI, CapturedSVI):
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        guide = AutoNormal(model)
-        svi = cls(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+        svi = cls(_linear_model, AutoNormal(_linear_model), pyro.optim.Adam({"lr": lr}),
+                  Trace_ELBO())
         losses[cls] = []
-        for scale in (2, 2, 2, 3):
-            with pyro.poutine.scale(scale=scale):
+        for make_handler in handlers:
+            with make_handler():
                 losses[cls].append(svi.step(x, y))
-    assert losses[CapturedSVI] == pytest.approx(losses[SVI], rel=1e-5)
+    return losses[SVI], losses[CapturedSVI]
+
+
+def test_any_handler_setting_change_retraces():
+    # an int scale (not only float settings) is a constant of the graph: scale=3 after
+    # scale=2 re-traces and gives the eager loss, not the stale graph's
+    eager, captured = _losses_under(
+        [lambda s=s: pyro.poutine.scale(scale=s) for s in (2, 2, 2, 3)])
+    assert captured == pytest.approx(eager, rel=1e-5)
 
 
 @pytest.mark.parametrize("make_handler", [
@@ -518,24 +526,11 @@ def test_another_setting_or_config_function_retraces():
 def test_a_setting_compared_by_identity_is_never_a_reused_id():
     # A NumPy scale made afresh at each step: by value, not by the id that the next one
     # reuses (then scale=100 replayed the graph traced for scale=1: stale losses)
-    def model(x, y=None):
-        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
-
-    x, y = torch.randn(50, 3), torch.randn(50)
-    scales = [np.float32(1.0), np.float32(100.0)] * 3
-    for make_scale in (lambda s: np.float32(s), lambda s: _Opaque(s)):
-        losses = {}
-        for cls in (SVI, CapturedSVI):
-            pyro.clear_param_store()
-            pyro.set_rng_seed(0)
-            svi = cls(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.0}), Trace_ELBO())
-            losses[cls] = []
-            for scale in scales:
-                with pyro.poutine.scale(scale=make_scale(float(scale))):
-                    losses[cls].append(svi.step(x, y))
-        assert losses[CapturedSVI] == pytest.approx(losses[SVI], rel=1e-5)
+    for make_scale in (np.float32, _Opaque):
+        eager, captured = _losses_under(
+            [lambda s=s, m=make_scale: pyro.poutine.scale(scale=m(s)) for s in (1.0, 100.0) * 3],
+            lr=0.0)
+        assert captured == pytest.approx(eager, rel=1e-5)
 
 
 class _Opaque:
@@ -615,19 +610,6 @@ class _ScaleBy(pyro.poutine.messenger.Messenger):
 def test_a_settings_private_number_is_part_of_the_signature():
     # as a handler's own private float (a KL weight held as _scale), so an object's:
     # factor 100 after factor 1 re-traces, not the stale graph of factor 1
-    def model(x, y=None):
-        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
-
-    x, y = torch.randn(50, 3), torch.randn(50)
-    losses = {}
-    for cls in (SVI, CapturedSVI):
-        pyro.clear_param_store()
-        pyro.set_rng_seed(0)
-        svi = cls(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.0}), Trace_ELBO())
-        losses[cls] = []
-        for factor in (1.0, 1.0, 100.0, 100.0, 1.0):
-            with _ScaleBy(_Factor(factor)):
-                losses[cls].append(svi.step(x, y))
-    assert losses[CapturedSVI] == pytest.approx(losses[SVI], rel=1e-5)
+    eager, captured = _losses_under(
+        [lambda f=f: _ScaleBy(_Factor(f)) for f in (1.0, 1.0, 100.0, 100.0, 1.0)], lr=0.0)
+    assert captured == pytest.approx(eager, rel=1e-5)
