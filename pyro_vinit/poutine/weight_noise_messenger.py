@@ -222,14 +222,11 @@ class WeightNoiseMessenger(LayerCallMessenger):
         reused = [v for v in noisy if v.uses.add(v.view_ops if v.is_view else None)]
         if strategy is None:
             return None  # the config leaves the site alone
-        if reused:
-            noised = [v for v in reused if v.uses.noised]
-            if noised:
-                self._refuse_reuse(noised[0], call.source)
+        noised = [v for v in reused if v.uses.noised]
+        if noised:  # a second use of a draw that got per-example noise, skipped or not
+            self._refuse_reuse(noised[0], call.source)
         if strategy.skips(call):
-            # the strategy leaves the call alone (after a use with per-example noise, too
-            # late: refused above)
-            return None
+            return None  # the strategy leaves the call alone
         if reused:
             # Every use so far was the ordinary draw: so are this one and the later ones,
             # and the call runs on the ordinary samples of its other sites too.

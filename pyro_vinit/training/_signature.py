@@ -7,7 +7,7 @@ import functools
 import inspect
 import numbers
 import types
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -75,17 +75,20 @@ def _setting_key(value: Any, depth: int = 0) -> Hashable:
     if hasattr(value, "__dict__") and not inspect.isroutine(value):
         # a strategy or schedule object (e.g. LocalReparam(low_rank=...), AutoWeightNoise
         # and the strategies it holds): its type and settings, as a handler's
-        return (type(value), tuple(sorted(
-            (k, deeper(v)) for k, v in vars(value).items() if _is_setting(k, v))))
+        return _object_key(value, deeper)
     if isinstance(value, types.MethodType):  # made afresh at each attribute access
         return (types.MethodType, deeper(value.__func__), deeper(value.__self__))
     return ("object", _Same(value))  # a builtin: the same one
 
 
+def _object_key(value: Any, key: Callable[[Any], Hashable]) -> Hashable:
+    # An object's type and its settings, each by ``key``.
+    return (type(value), tuple(sorted(
+        (k, key(v)) for k, v in vars(value).items() if _is_setting(k, v))))
+
+
 def messenger_state(messenger: Any) -> Hashable:
-    # A handler's settings (a KL weight, a scale, a strategy) are constants of the graph:
-    # part of the key, so that a changed setting re-traces. Its public attributes are
-    # settings; of its private ones only the plain numbers and strings are (a KL weight
-    # held as _scale), not its counters and per-run containers.
-    settings = [(k, _setting_key(v)) for k, v in vars(messenger).items() if _is_setting(k, v)]
-    return type(messenger), tuple(sorted(settings, key=lambda kv: kv[0]))
+    """A handler's part of the input signature: its type and settings (a KL
+    weight, a scale, a strategy), constants of the graph, so that a changed
+    setting re-traces."""
+    return _object_key(messenger, _setting_key)
