@@ -51,7 +51,6 @@ Usage::
 """
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -209,21 +208,18 @@ class Ours(_PyroRunner):
         self.guide = self.make_guide(self.model)
         if self.start == "trained":
             init_guide_pretrained(self.guide, (self.x, self.y))
+        # fit's own optimizer (GroupedAdam at fit's learning rate), for every step
+        self.optim = pyro_vinit.fit_config(self.guide, **self.overrides).optimizer()
         if self.use_fit:
-            # what a long fit call does: I-BLM with fit's options, then fit's configuration
-            # (its learning rate from the data's size, where the package has that) step by
-            # step, captured, with one optimizer throughout
-            if self.start == "iblm":
-                options = pyro_vinit.fit_config(self.guide).iblm_options(len(self.x))
-                init_guide_iblm(self.guide, (self.x, self.y), **options)
-            sized = "num_data" in inspect.signature(pyro_vinit.fit_config).parameters
-            self.config = pyro_vinit.fit_config(
-                self.guide, **({"num_data": len(self.x)} if sized else {}), **self.overrides)
-            self.optim = self.config.optimizer()
+            # one call with the chosen init, then fit's configuration step by step,
+            # captured as a long fit call takes its steps
+            init = "iblm" if self.start == "iblm" else None
+            pyro_vinit.fit(self.model, self.guide, (self.x, self.y), steps=1,
+                           batch_size=self.batch_size, optim=self.optim, init=init, progress=False)
+            self.config = pyro_vinit.fit_config(self.guide, **self.overrides)
             captured = getattr(pyro_vinit, "CapturedSVI", SVI)  # an older package: eager
             self.svi = captured(self.model, self.guide, self.optim, self.config.elbo())
             return
-        self.optim = pyro.optim.Adam({"lr": 1e-3})
         if self.start == "iblm":
             init_guide_iblm(self.guide, (self.x, self.y), batch_size=512, max_scale_ratio=0.1)
         self.svi = SVI(self.model, self.guide, self.optim, TraceMeanField_ELBO())

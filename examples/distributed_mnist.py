@@ -12,8 +12,7 @@ with this library's guide, initializer and handlers:
    passing its own shard of the training set and the process group, so that
    every rank ends with the initialization of the whole training set;
 2. the training configuration is :func:`~pyro_vinit.fit`'s
-   (:func:`~pyro_vinit.fit_config`: Adam at
-   :func:`~pyro_vinit.training.default_lr` of the data's size after a 50-step linear
+   (:func:`~pyro_vinit.fit_config`: Adam at 3e-3 after a 50-step linear
    warm-up, the KL term weighted by
    0.01, I-BLM's stds capped at 0.1 × the prior's); the ELBO is a module,
    ``config.elbo()(model, guide)`` (Pyro's ``ELBOModule``), run inside a
@@ -146,7 +145,7 @@ def test_metrics(model, guide, x_test, y_test, num_samples):
     return metrics
 
 
-def train(args, loss_fn, x_train, y_train, rank, world_size, device, lr):
+def train(args, loss_fn, x_train, y_train, rank, world_size, device):
     """DDP training on each rank's shard of every global batch; the curve of
     the ranks' mean loss per training point."""
     if world_size > 1:
@@ -156,7 +155,7 @@ def train(args, loss_fn, x_train, y_train, rank, world_size, device, lr):
             find_unused_parameters=False)
     else:
         ddp = loss_fn
-    optim = torch.optim.Adam(ddp.parameters(), lr=lr)
+    optim = torch.optim.Adam(ddp.parameters(), lr=args.lr)
     # fit's warm-up: the learning rate rises linearly over the first warmup_steps steps
     warmup = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda done: min(1.0, (done + 1) / max(1, args.warmup_steps)))
@@ -236,14 +235,13 @@ def main(args):
         print(f"{data_name}, {world_size} process(es), {init} ({init_seconds:.2f} s): "
               f"test accuracy {after_init['accuracy']:.4f}, MNLL {after_init['mnll']:.4f}")
 
-    # fit's configuration (its learning rate from the data's size unless --lr, used by
-    # train's torch.optim.Adam)
-    config = fit_config(guide, num_data=len(x_train), lr=args.lr, kl_weight=args.kl_weight)
+    # fit's configuration (the learning rate is args.lr, used by train's torch.optim.Adam)
+    config = fit_config(guide, lr=args.lr, kl_weight=args.kl_weight)
     assert isinstance(config.weight_noise(), LocalReparamMessenger)  # fit's LRT
     kl = LinearWarmup(args.kl_warmup, end=config.kl_weight) if args.kl_warmup else config.kl_weight
     loss_fn = HandledELBO(config.elbo()(model, guide), KLAnnealingMessenger(kl),
                           config.weight_noise)
-    curve = train(args, loss_fn, x_train, y_train, rank, world_size, device, config.lr)
+    curve = train(args, loss_fn, x_train, y_train, rank, world_size, device)
     difference = replica_difference(guide, world_size)
 
     if rank == 0:
@@ -285,8 +283,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=128,
                         help="the global minibatch, split evenly across the processes")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="Adam's (default: fit's, default_lr of the data's size)")
+    parser.add_argument("--lr", type=float, default=FIT.lr)
     parser.add_argument("--warmup-steps", type=int, default=FIT.warmup_steps,
                         help="steps of the learning rate's linear warm-up (0: none)")
     parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,

@@ -6,8 +6,7 @@ In the spirit of Figure 6 of the k-tied paper [1] and Figure 4 of the radial
 paper [2], this script fits the same Bayesian MLP (64-32-10, N(0, 1) priors)
 with each guide, with :func:`~pyro_vinit.fit`'s recipe: I-BLM with fit's
 options, then SVI with :func:`~pyro_vinit.fit_config`'s configuration (Adam
-at :func:`~pyro_vinit.training.default_lr` of the data's size,
-TraceMeanField_ELBO, the KL term weighted by 0.01, under
+at 1e-3, TraceMeanField_ELBO, the KL term weighted by 0.01, under
 :func:`~pyro_vinit.poutine.local_reparam`, or
 :func:`~pyro_vinit.poutine.flipout` for the radial guide; minibatches of
 128), written out as a loop so that it can be measured along the way. It
@@ -172,9 +171,7 @@ def train(model, guide, data, *, steps, lr, batch_size, eval_every=0, eval_sampl
     ``snr_steps``."""
     x_train, y_train, x_test, y_test = data
     batches = minibatches(x_train, y_train, batch_size)
-    # fit's: Adam (at default_lr of the data's size unless lr), TraceMeanField_ELBO, KL weight,
-    # handler
-    config = fit_config(guide, num_data=len(x_train), lr=lr)
+    config = fit_config(guide, lr=lr)  # fit's: Adam, TraceMeanField_ELBO, KL weight, handler
     svi = SVI(model, guide, config.optimizer(), config.elbo())
     curve, snr, losses, step_times = [], {}, [], []
     for step in tqdm(range(steps + 1), desc=desc, leave=False, disable=desc is None):
@@ -462,8 +459,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=128, help="fit's default")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="Adam's (default: fit's, default_lr of the data's size)")
+    parser.add_argument("--lr", type=float, default=FIT.lr, help="Adam's (fit's default)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--num-samples", type=int, default=100,
                         help="posterior samples of the final test metrics")

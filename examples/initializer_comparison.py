@@ -167,8 +167,7 @@ def main(args):
     def plot():
         curves = {p: r["curves"] for p, r in results["problems"].items()}
         if args.protocol == "fit":
-            rate = f"lr {args.lr:g}" if args.lr is not None else "fit's lr for the data's size"
-            how = (f"fit's recipe (Adam {rate}, TraceMeanField_ELBO, KL weight "
+            how = (f"fit's recipe (Adam lr {args.lr:g}, TraceMeanField_ELBO, KL weight "
                    f"{args.kl_weight:g}, local_reparam, minibatches of {args.batch_size})")
         else:
             how = ("the paper's optimizer (Adam lr 1e-3, Trace_ELBO, full KL, minibatches of "
@@ -198,9 +197,8 @@ def parse_args(argv=None):
                         help="posterior samples of each test evaluation")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="minibatch size (default: fit's 128, or the paper's 64)")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="Adam's learning rate of --protocol fit (default: fit's, "
-                        "default_lr of the data's size)")
+    parser.add_argument("--lr", type=float, default=FIT.lr,
+                        help="Adam's learning rate of --protocol fit (fit's default)")
     parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
                         help="the KL weight of --protocol fit (fit's default)")
     parser.add_argument("--iblm-batch-size", type=int, default=FIT.iblm_batch_size,
@@ -210,7 +208,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="smoke run (seconds)")
     args = parser.parse_args(argv)
     if args.protocol == "paper" and (args.lr, args.kl_weight, args.iblm_batch_size) != (
-            None, FIT.kl_weight, FIT.iblm_batch_size):
+            FIT.lr, FIT.kl_weight, FIT.iblm_batch_size):
         parser.error("--lr, --kl-weight and --iblm-batch-size set fit's recipe; "
                      "--protocol paper has its own")
     if args.batch_size is None:

@@ -16,8 +16,7 @@ The whole recipe of the library in one script:
    before the first SVI step;
 4. SVI with the configuration of :func:`~pyro_vinit.fit` (from
    :func:`~pyro_vinit.fit_config`): :class:`~pyro.infer.TraceMeanField_ELBO`
-   (closed-form KL) and Adam at the learning rate of the data's size
-   (:func:`~pyro_vinit.training.default_lr`), each step run inside
+   (closed-form KL) and Adam at 3e-3, each step run inside
    :func:`~pyro_vinit.poutine.local_reparam` (for the radial guide
    :func:`~pyro_vinit.poutine.flipout`: a radial posterior has no Gaussian
    pre-activations to sample) and inside a
@@ -109,7 +108,7 @@ def evaluate(model, guide, elbo, data, num_samples):
 def train(args, model, guide, data):
     x_train, y_train = data[:2]
     # fit's configuration: Adam, TraceMeanField_ELBO, the KL weight and the weight-noise handler
-    config = fit_config(guide, num_data=len(x_train), lr=args.lr, kl_weight=args.kl_weight)
+    config = fit_config(guide, lr=args.lr, kl_weight=args.kl_weight)
     elbo = TraceMeanField_ELBO()  # the unannealed objective, for the curves
     svi = SVI(model, guide, config.optimizer(), config.elbo())
     # the KL term weighted by λ = kl_weight throughout (optionally reached by a linear warm-up)
@@ -261,8 +260,7 @@ def parse_args(argv=None):
                         help="hidden layer sizes")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=None,
-                        help="Adam's (default: fit's, default_lr of the data's size)")
+    parser.add_argument("--lr", type=float, default=FIT.lr)
     parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
                         help="the weight λ of the KL term (1: the full ELBO)")
     parser.add_argument("--kl-warmup", type=int, default=0,

@@ -119,7 +119,7 @@ def train(init, data, grid, args):
                   num_samples=args.eval_samples, progress=not args.quick)
     svi_seconds = time.perf_counter() - start
     after = snapshot(model, guide, data, grid, args.num_samples)
-    return {"init_seconds": init_seconds, "svi_seconds": svi_seconds, "lr": history.config.lr,
+    return {"init_seconds": init_seconds, "svi_seconds": svi_seconds,
             "step_0": before, f"step_{args.steps}": after,
             "curve": [{**c, "step": int(c["step"])} for c in history.validation]}
 
@@ -164,8 +164,7 @@ def plot(args, data, grid, results):
         for ax, key in zip(axes, ("rmse", "mnll")):
             ax.plot(steps, [c[key] for c in results[init]["curve"]], label=init)
     for ax, label in zip(axes, ("test RMSE", "test MNLL")):
-        lr = results[INITS[0]]["lr"]
-        ax.set_xlabel(f"fit step (Adam, lr {lr:.2g}, KL weight {args.kl_weight:g})")
+        ax.set_xlabel(f"fit step (Adam, lr {args.lr:g}, KL weight {args.kl_weight:g})")
         ax.set_ylabel(label)
     axes[0].legend()
     fig.tight_layout()
@@ -209,8 +208,7 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=500)
     parser.add_argument("--depth", type=int, default=3, help="hidden layers")
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--lr", type=float, default=None,
-                        help="Adam's (default: fit's, default_lr of the data's size)")
+    parser.add_argument("--lr", type=float, default=FIT.lr, help="Adam's (fit's default)")
     parser.add_argument("--batch-size", type=int, default=128, help="fit's default")
     parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
                         help="the weight of the KL term (fit's default; 1: the full ELBO)")

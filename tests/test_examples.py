@@ -37,20 +37,19 @@ def test_examples_exist():
 FIT = FitConfig()
 FIT_BATCH_SIZE = inspect.signature(fit).parameters["batch_size"].default
 
-# The training flags of each example and the value of fit's recipe they default to (lr
-# None: fit's default_lr of the data's size). gradient_variance keeps [1]'s KL weight, random
-# start and learning rate (a measurement of that protocol).
+# The training flags of each example and the value of fit's recipe they default to.
+# gradient_variance keeps [1]'s KL weight and random start (a measurement of that protocol).
 RECIPE_DEFAULTS = {
-    "toy_regression": {"lr": None, "kl_weight": FIT.kl_weight, "batch_size": FIT_BATCH_SIZE},
-    "initializer_comparison": {"protocol": "fit", "lr": None, "kl_weight": FIT.kl_weight,
+    "toy_regression": {"lr": FIT.lr, "kl_weight": FIT.kl_weight, "batch_size": FIT_BATCH_SIZE},
+    "initializer_comparison": {"protocol": "fit", "lr": FIT.lr, "kl_weight": FIT.kl_weight,
                                "batch_size": FIT_BATCH_SIZE,
                                "iblm_batch_size": FIT.iblm_batch_size},
-    "guide_comparison": {"lr": None, "batch_size": FIT_BATCH_SIZE},
+    "guide_comparison": {"lr": FIT.lr, "batch_size": FIT_BATCH_SIZE},
     "gradient_variance": {"lr": FIT.lr},
-    "quick_start": {"lr": None, "kl_weight": FIT.kl_weight, "kl_warmup": 0,
+    "quick_start": {"lr": FIT.lr, "kl_weight": FIT.kl_weight, "kl_warmup": 0,
                     "batch_size": FIT_BATCH_SIZE, "iblm_batch_size": FIT.iblm_batch_size,
                     "max_scale_ratio": FIT.max_scale_ratio, "init": "iblm"},
-    "distributed_mnist": {"lr": None, "warmup_steps": FIT.warmup_steps,
+    "distributed_mnist": {"lr": FIT.lr, "warmup_steps": FIT.warmup_steps,
                           "kl_weight": FIT.kl_weight, "kl_warmup": 0,
                           "batch_size": FIT_BATCH_SIZE, "iblm_batch_size": FIT.iblm_batch_size,
                           "max_scale_ratio": FIT.max_scale_ratio},

@@ -23,7 +23,7 @@ from pyro_vinit.poutine import (
     LocalReparamMessenger,
     WeightNoiseMessenger,
 )
-from pyro_vinit.training import FitHistory, default_lr, is_initialized, update_batch_norm
+from pyro_vinit.training import FitHistory, is_initialized, update_batch_norm
 
 
 def blobs(n=240, d=5, k=3, seed=0):
@@ -371,8 +371,8 @@ def test_fit_config_drives_an_own_loop_like_fit():
         model = classifier()
         guide = AutoKTiedNormal(model)
         order = torch.Generator().manual_seed(int(torch.randint(2**62, ()).item()))
-        init_guide_iblm(guide, (x, y), **fit_config(guide).iblm_options(len(x)))
-        config = fit_config(guide, num_data=len(x))  # its learning rate: the data's size
+        config = fit_config(guide)
+        init_guide_iblm(guide, (x, y), **config.iblm_options(len(x)))
         svi = pyro.infer.SVI(model, guide, config.optimizer(), config.elbo())
         losses, epoch = [], torch.randperm(240, generator=order)
         for idx in epoch.split(120):
@@ -389,66 +389,6 @@ def test_fit_config_drives_an_own_loop_like_fit():
     own = own_loop()
     pyro.clear_param_store()
     assert with_fit() == own
-
-
-def test_default_lr_follows_examples_per_weight():
-    # 0.015 sqrt(N / W), between 1e-3 and 1e-2 (docs/methods/training.rst)
-    assert default_lr(1258, 3818) == pytest.approx(0.015 * math.sqrt(1258 / 3818))
-    assert default_lr(4000, 199210) == pytest.approx(0.015 * math.sqrt(4000 / 199210))
-    assert default_lr(100, 10**6) == 1e-3 and default_lr(10**6, 100) == 1e-2
-    for bad in (0, -3, 2.5, True, None):
-        with pytest.raises(ValueError, match="num_data must be a positive int"):
-            default_lr(bad, 10)
-        with pytest.raises(ValueError, match="num_weights must be a positive int"):
-            default_lr(10, bad)
-
-
-def test_fit_config_learning_rate_from_the_data_size():
-    x, y = blobs()
-    model = classifier()  # 5-16-3: W = 5·16 + 16 + 16·3 + 3 = 147 latent weights
-    guide = AutoKTiedNormal(model, rank=2)
-    with pytest.raises(ValueError, match="after init_guide_iblm"):
-        fit_config(guide, num_data=240)  # not set up: its size is unknown
-    assert not is_initialized(guide)  # and nothing was set up by the failed call
-    assert fit_config(guide).lr == 3e-3  # without num_data: the constant
-    guide(x, y)
-    assert fit_config(guide, num_data=240).lr == pytest.approx(default_lr(240, 147))
-    assert fit_config(guide, num_data=240, lr=1e-4).lr == 1e-4  # lr overrides
-    with pytest.raises(ValueError, match="num_data"):
-        fit_config(guide, num_data=0)
-    # a guide list counts every member's sites; a custom guide has no size
-    listed = AutoGuideList(model)
-    listed.append(AutoNormal(model))
-    listed(x, y)
-    assert fit_config(listed, num_data=240).lr == pytest.approx(default_lr(240, 147))
-    with pytest.raises(ValueError, match="autoguide"):
-        fit_config(lambda x, y: None, num_data=240)
-
-
-@pytest.mark.parametrize("guide_class", [AutoKTiedNormal, AutoRadialNormal])
-def test_fit_takes_the_learning_rate_of_the_data_size(guide_class):
-    x, y = blobs()
-    model = classifier()
-    history = fit(model, guide_class(model), (x, y), steps=2, progress=False)
-    assert history.config.lr == pytest.approx(default_lr(240, 147))
-    pyro.clear_param_store()
-    model = classifier()
-    assert fit(model, guide_class(model), (x, y), steps=2, lr=1e-3,
-               progress=False).config.lr == 1e-3
-
-
-def test_fit_of_a_custom_guide_keeps_the_constant_learning_rate():
-    x, y = blobs()
-    model = classifier()
-
-    delta = AutoDelta(model)
-    delta(x, y)
-
-    def custom(x, y=None):  # a hand-written guide: fit does not know its size
-        return delta(x, y)
-
-    history = fit(model, custom, (x, y), steps=2, init=None, progress=False)
-    assert history.config.lr == 3e-3
 
 
 # ---- validation metrics ------------------------------------------------------------------

@@ -5,15 +5,9 @@ recipe that keeps I-BLM's head start (see the "Training" method page).
 
 from pyro_vinit.training.batch_norm import update_batch_norm
 from pyro_vinit.training.captured import CapturedSVI
-from pyro_vinit.training.config import (
-    FitConfig,
-    FitHistory,
-    default_lr,
-    fit_config,
-    is_initialized,
-)
+from pyro_vinit.training.config import FitConfig, FitHistory, fit_config, is_initialized
 from pyro_vinit.training.loop import fit
 from pyro_vinit.training.optim import GroupedAdam
 
-__all__ = ["CapturedSVI", "FitConfig", "FitHistory", "GroupedAdam", "default_lr", "fit",
-           "fit_config", "is_initialized", "update_batch_norm"]
+__all__ = ["CapturedSVI", "FitConfig", "FitHistory", "GroupedAdam", "fit", "fit_config",
+           "is_initialized", "update_batch_norm"]

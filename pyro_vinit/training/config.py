@@ -31,12 +31,7 @@ from pyro_vinit.poutine import (
 )
 from pyro_vinit.training.optim import GroupedAdam
 
-__all__ = ["FitConfig", "FitHistory", "default_lr", "fit_config", "is_initialized"]
-
-# The learning rate per square root of examples per latent weight, and its bounds
-# (measured on the race's problems, docs/methods/training.rst).
-_LR_PER_ROOT_RATIO = 0.015
-_LR_BOUNDS = (1e-3, 1e-2)
+__all__ = ["FitConfig", "FitHistory", "fit_config", "is_initialized"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +47,7 @@ class FitConfig:
         with config.handlers():
             svi.step(x, y)
 
-    :param float lr: Adam's learning rate (:func:`default_lr` of the data's
-        size where :func:`fit_config` knows it).
+    :param float lr: Adam's learning rate.
     :param int warmup_steps: Steps over which the learning rate rises
         linearly to ``lr`` (:class:`~pyro_vinit.training.GroupedAdam`), so
         that Adam's first steps keep the initialization's head start.
@@ -124,40 +118,6 @@ def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], Co
     return None
 
 
-def default_lr(num_data: int, num_weights: int) -> float:
-    r"""
-    The learning rate :func:`fit` trains with, for :math:`N` training
-    examples and :math:`W` latent weights:
-
-    .. math::
-
-        \eta = \min\bigl(10^{-2}, \max\bigl(10^{-3},\ 0.015 \sqrt{N / W}\bigr)\bigr).
-
-    Usage::
-
-        default_lr(1258, 3818)  # a small CNN on digits: about 9e-3
-
-    :param int num_data: Training examples.
-    :param int num_weights: Latent weights (elements of the latent sample sites).
-    """
-    for name, value in (("num_data", num_data), ("num_weights", num_weights)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"default_lr: {name} must be a positive int, got {value!r}")
-    low, high = _LR_BOUNDS
-    return min(high, max(low, _LR_PER_ROOT_RATIO * math.sqrt(num_data / num_weights)))
-
-
-def _num_latent(guide: Callable[..., Any]) -> Optional[int]:
-    """The number of latent weights of the model of a set-up autoguide (the
-    elements of its prototype trace's latent sample sites); None for another
-    guide, or one not yet set up."""
-    trace = getattr(guide, "prototype_trace", None) if isinstance(guide, AutoGuide) else None
-    if trace is None:
-        return None
-    return sum(int(site["value"].numel()) for site in trace.nodes.values()
-               if site["type"] == "sample" and not site["is_observed"])
-
-
 def _check_positive(name: str, value: Any, kind: Any = (int, float)) -> None:
     if (isinstance(value, bool) or not isinstance(value, kind)
             or not math.isfinite(value) or not value > 0):
@@ -167,17 +127,15 @@ def _check_positive(name: str, value: Any, kind: Any = (int, float)) -> None:
 def fit_config(
     guide: Callable[..., Any],
     *,
-    num_data: Optional[int] = None,
     lr: Optional[float] = None,
     kl_weight: Optional[float] = None,
     num_particles: Optional[int] = None,
 ) -> FitConfig:
     """
-    The configuration :func:`fit` trains ``guide`` with: Adam at the learning
-    rate :func:`default_lr` of ``num_data`` examples and the guide's latent
-    weights (3e-3 without ``num_data``; :class:`GroupedAdam`), reached by a
-    linear warm-up over the first 50 steps, ``TraceMeanField_ELBO`` with one
-    particle, the KL term weighted by 0.01, under
+    The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
+    3e-3 (:class:`GroupedAdam`), reached by a linear warm-up over the first 50
+    steps, ``TraceMeanField_ELBO`` with one particle,
+    the KL term weighted by 0.01, under
     ``local_reparam(conv=False)`` (:func:`~pyro_vinit.poutine.local_reparam`:
     per-example noise on linear layers and matrix products, convolutions on
     their weight sample) for factorized-Normal guides
@@ -192,15 +150,13 @@ def fit_config(
 
     Usage::
 
-        init_guide_iblm(guide, (x, y), **fit_config(guide).iblm_options(len(x)))
-        config = fit_config(guide, num_data=len(x))  # the guide is set up: its size is known
+        config = fit_config(guide)
+        init_guide_iblm(guide, (x, y), **config.iblm_options(len(x)))
         svi = SVI(model, guide, config.optimizer(), config.elbo())
         with config.handlers():
             svi.step(x, y)
 
     :param guide: The guide.
-    :param int num_data: The number of training examples; the learning rate
-        then follows :func:`default_lr`, for an autoguide that is set up.
     :param float lr: Overrides the learning rate.
     :param float kl_weight: Overrides the KL weight.
     :param int num_particles: Overrides the number of particles.
@@ -209,17 +165,6 @@ def fit_config(
     if lr is not None:
         _check_positive("lr", lr)
         changes["lr"] = float(lr)
-    elif num_data is not None:
-        _check_positive("num_data", num_data, int)
-        num_weights = _num_latent(guide)
-        if num_weights is None:
-            raise ValueError(
-                f"fit_config: the learning rate for num_data={num_data} needs the guide's "
-                "number of latent weights, known once an autoguide is set up: call it after "
-                "init_guide_iblm(guide, ...) or one guide(x, y) call, or pass lr=..."
-            )
-        if num_weights > 0:  # a model without latent sites keeps the constant
-            changes["lr"] = default_lr(num_data, num_weights)
     if kl_weight is not None:
         _check_positive("kl_weight", kl_weight)
         changes["kl_weight"] = float(kl_weight)

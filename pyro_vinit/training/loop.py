@@ -44,7 +44,6 @@ from pyro_vinit.training.config import (
     FitConfig,
     FitHistory,
     _check_positive,
-    _num_latent,
     fit_config,
     is_initialized,
 )
@@ -126,9 +125,7 @@ def fit(
     :param int batch_size: Minibatch size for an ``(x, y)`` pair.
     :param optim: A Pyro optimizer instead of :meth:`FitConfig.optimizer`
         (pass the same one to a second call to keep Adam's moments).
-    :param float lr: Learning rate of the default optimizer instead of
-        :func:`default_lr` of the data's size and the guide's (3e-3 for a
-        guide that is not an autoguide).
+    :param float lr: Learning rate of the default optimizer.
     :param float kl_weight: KL weight instead of 0.01.
     :param int num_particles: Particles of the ELBO.
     :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
@@ -239,10 +236,7 @@ def fit(
                 "training continues from them; call pyro.clear_param_store() first to start "
                 "afresh", UserWarning, stacklevel=2)
         _set_up(guide, batches.first)
-    # the learning rate by the data's size, where the guide's is known (an autoguide)
-    sized = num_data if _num_latent(guide) is not None else None
-    config = fit_config(guide, num_data=sized, lr=lr, kl_weight=kl_weight,
-                        num_particles=num_particles)
+    config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles)
     history.config = config
     optim = optim if optim is not None else config.optimizer()
     if resumed is not None:
