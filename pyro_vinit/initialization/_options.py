@@ -35,11 +35,12 @@ class IBLMOptions:
     chunk_rows: int = 4096
     max_chunk_elements: int = 2**22
     input_rank: Optional[int] = 64
+    kl_weight: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_pool_size", "chunk_rows", "max_chunk_elements"):
             _check_positive(name, getattr(self, name), int)
-        for name in ("alpha", "jitter"):
+        for name in ("alpha", "jitter", "kl_weight"):
             _check_positive(name, getattr(self, name))
         for name in ("output_rows", "input_rank"):
             if getattr(self, name) is not None:

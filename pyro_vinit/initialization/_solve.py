@@ -25,7 +25,9 @@ def solve_layer(pool: DataPool, layer: Layer, inputs: torch.Tensor, targets: Tar
     All units' Bayesian linear regressions of one layer: unit :math:`j` of the
     output layer onto target column :math:`j`, a hidden unit onto its column's
     :class:`~pyro_vinit.initialization._regressions.HiddenTargets`, a scale
-    head onto the ``constant`` per output unit.
+    head onto the ``constant`` per output unit. A classifier's output units
+    count their rows ``1 / options.kl_weight`` times (their noise variances
+    times it): the posterior of the objective whose KL term is weighted so.
 
     :param DataPool pool: The data rows (the pool of this process).
     :param torch.Tensor inputs: The layer's input on every row of ``pool``.
@@ -39,6 +41,8 @@ def solve_layer(pool: DataPool, layer: Layer, inputs: torch.Tensor, targets: Tar
         noise_var = torch.full_like(y, _SCALE_HEAD_NOISE**2)
     elif output and options.center(classification) and targets.softmax:
         y = y - collective.mean(y)
+    if output and constant is None and classification:
+        noise_var = noise_var * options.kl_weight
     h = layer.num_units
     cols, signs = unit_columns(h, y.shape[1], output or options.hidden_columns == "cyclic",
                                inputs.device)

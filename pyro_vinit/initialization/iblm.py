@@ -84,6 +84,7 @@ def init_guide_iblm(
     chunk_rows: int = 4096,
     max_chunk_elements: int = 2**22,
     input_rank: Optional[int] = 64,
+    kl_weight: float = 1.0,
 ) -> _G:
     r"""
     Iterative Bayesian Linear Modeling (I-BLM) [1]: initializes ``guide`` in
@@ -159,6 +160,12 @@ def init_guide_iblm(
         and than ``2 * input_rank`` regresses on the top ``input_rank``
         principal directions of its input (the exact precision diagonal); None:
         the exact regressions always.
+    :param float kl_weight: The weight :math:`\lambda` of the KL term in the
+        objective the guide is then trained with
+        (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`): a classifier's
+        output layer regresses with its rows counted :math:`1/\lambda` times
+        (:math:`L` times :math:`\lambda`), the optimum of that objective; 1
+        gives the exact posterior.
     :return: ``guide``.
 
     [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
@@ -174,7 +181,7 @@ def init_guide_iblm(
         hidden_batches=hidden_batches, propagate=propagate, noise_scale=noise_scale,
         estimate_noise=estimate_noise, strict=strict, solver=solver, jitter=jitter,
         max_scale_ratio=max_scale_ratio, max_pool_size=max_pool_size, chunk_rows=chunk_rows,
-        max_chunk_elements=max_chunk_elements, input_rank=input_rank,
+        max_chunk_elements=max_chunk_elements, input_rank=input_rank, kl_weight=kl_weight,
     )
     _check_data(data, process_group)
     check_process_group(process_group)
@@ -359,6 +366,7 @@ class IBLMGuideInitializer:
         chunk_rows: int = 4096,
         max_chunk_elements: int = 2**22,
         input_rank: Optional[int] = 64,
+        kl_weight: float = 1.0,
     ) -> None:
         self.options = IBLMOptions(
             batch_size=batch_size, output_rows=output_rows, alpha=alpha,
@@ -368,7 +376,7 @@ class IBLMGuideInitializer:
             estimate_noise=estimate_noise, strict=strict, solver=solver, jitter=jitter,
             max_scale_ratio=max_scale_ratio, max_pool_size=max_pool_size,
             chunk_rows=chunk_rows, max_chunk_elements=max_chunk_elements,
-            input_rank=input_rank,
+            input_rank=input_rank, kl_weight=kl_weight,
         )
         check_process_group(process_group)
         self.process_group = process_group

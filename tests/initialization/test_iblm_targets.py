@@ -83,15 +83,18 @@ def test_observations_without_the_rows_along_the_leading_dim_are_refused_by_name
         init_guide_iblm(guide, (x, y), batch_size=20)
 
 
+@pytest.mark.parametrize("kl_weight", [1.0, 0.1])
 @pytest.mark.parametrize("center_targets", [None, False])
 @pytest.mark.parametrize("kind, k", [("categorical", 3), ("onehot", 3), ("bernoulli", 1)])
-def test_output_layer_of_a_classification_equals_closed_form(kind, k, center_targets):
+def test_output_layer_of_a_classification_equals_closed_form(kind, k, center_targets,
+                                                             kl_weight):
     # The output layer's regressions onto the Dirichlet targets of the labels (Bernoulli:
     # the logit's, the difference of the two classes'), with their noise variances. By
     # default the targets are shifted to mean zero over all rows and columns where a
     # shift shared by the columns leaves the likelihood unchanged (the softmax of a
     # Categorical or OneHotCategorical), not for a Bernoulli logit; center_targets=False:
-    # never.
+    # never. With kl_weight λ, the optimum of E_q[log p(y | w)] - λ KL(q || p): the
+    # posterior with the likelihood counted 1 / λ times, i.e. the noise variances times λ.
     n, d, alpha = 30, 4, 0.01
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, d, generator=g, dtype=F64)
@@ -99,13 +102,15 @@ def test_output_layer_of_a_classification_equals_closed_form(kind, k, center_tar
     onehot = F.one_hot(labels, k + (k == 1)).to(F64)
     y = {"categorical": labels, "onehot": onehot, "bernoulli": labels.to(F64)}[kind]
     guide = AutoNormal(_model(kind, k, F64))
-    init_guide_iblm(guide, (x, y), batch_size=n, alpha=alpha, center_targets=center_targets)
+    init_guide_iblm(guide, (x, y), batch_size=n, alpha=alpha, center_targets=center_targets,
+                    kl_weight=kl_weight)
 
     if kind == "bernoulli":
         (m1, v1), (m0, v0) = (dirichlet_transform(t, alpha) for t in (onehot[:, 1:], onehot[:, :1]))
         t, noise_var = m1 - m0, v1 + v0
     else:
         t, noise_var = dirichlet_transform(onehot, alpha)
+    noise_var = kl_weight * noise_var
     if kind != "bernoulli" and center_targets is None:
         t = t - t.mean()
     design = torch.cat([x, torch.ones(n, 1, dtype=F64)], 1)
@@ -116,6 +121,51 @@ def test_output_layer_of_a_classification_equals_closed_form(kind, k, center_tar
         assert_close(guide.locs.b[j], mean[d], atol=1e-10, rtol=1e-9)
         assert_close(guide.scales.w[j].pow(2), 1 / precision.diagonal()[:d], atol=1e-12,
                      rtol=1e-9)
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_kl_weight_tempers_only_the_output_layer_of_a_classifier(task):
+    # The hidden layers regress onto I-BLM's own targets, and a regression's output onto
+    # the observations, with the noise level the learned noise then takes: kl_weight
+    # changes neither.
+    n, d, h = 60, 3, 8
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g, dtype=F64)
+    y = (x[:, 0] > 0).long() if task == "classification" else torch.sin(x[:, 0])
+
+    def model(x, y=None):
+        one = torch.ones((), dtype=F64)
+        w1 = pyro.sample("w1", dist.Normal(0.0, one).expand([h, d]).to_event(2))
+        k = 2 if task == "classification" else 1
+        w2 = pyro.sample("w2", dist.Normal(0.0, one).expand([k, h]).to_event(2))
+        out = F.linear(torch.relu(F.linear(x, w1)), w2)
+        with pyro.plate("data", n):
+            if task == "classification":
+                pyro.sample("obs", dist.Categorical(logits=out), obs=y)
+            else:
+                sigma = pyro.sample("sigma", dist.LogNormal(0.0, one))
+                pyro.sample("obs", dist.Normal(out[:, 0], sigma), obs=y)
+
+    fits = []
+    for kl_weight in (1.0, 0.05):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(model)
+        init_guide_iblm(guide, (x, y), batch_size=n // 2, kl_weight=kl_weight)
+        fits.append({name: value.detach().clone()
+                     for name, value in pyro.get_param_store().items()})
+    for name in fits[0]:
+        same = torch.equal(fits[0][name], fits[1][name])
+        assert same == (task == "regression" or "w2" not in name), name
+
+
+def test_kl_weight_must_be_positive():
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 1, 0, 2, 1, 0])
+    guide = AutoNormal(_model("categorical", 3))
+    for bad in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="kl_weight must be positive"):
+            init_guide_iblm(guide, (x, y), batch_size=8, kl_weight=bad)
+    assert guide.prototype_trace is None and not list(pyro.get_param_store().keys())
 
 
 @pytest.mark.parametrize("noise_scale", [None, 0.2])
