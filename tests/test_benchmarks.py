@@ -39,6 +39,10 @@ SCRIPTS = {
     "bench_fit_warmup.py": ["digits_cnn: test error / MNLL", "| 50 |", "warm-up steps"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
+    # digits_50: N, W, N/W, the rule's lr and its grid neighbour
+    "bench_fit_lr.py": ["| digits_50 | 1438 | 3760 | 0.382 | 9.28e-03 | 0.008 |",
+                        "seeds rule < 3e-3", "(best after I-BLM / final)",
+                        "bench_fit_lr_quick/bench_fit_lr.json"],
 }
 
 
