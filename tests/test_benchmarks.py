@@ -96,6 +96,21 @@ def test_script_quick(script, tmp_path):
         assert text in result.stdout, (text, result.stdout[-3000:])
 
 
+def test_fit_lr_from_json_rewrites_the_same_report(tmp_path):
+    # the tables remade from a saved run's JSON are the run's own
+    result = _run(["-m", "benchmarks.bench_fit_lr", "--quick"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = result.stdout[:result.stdout.index("wrote ")]
+    tables = saved[saved.index("## Per problem and"):]
+    again = _run(["-m", "benchmarks.bench_fit_lr", "--from-json",
+                  os.path.join(result.stdout.split("wrote ")[1].split(".json")[0] + ".json"),
+                  "--out", str(tmp_path)], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.startswith(tables), (tables, again.stdout)
+    with open(tmp_path / "bench_fit_lr.md") as f:
+        assert f.read() == tables.rstrip("\n") + "\n"
+
+
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     # every part of `make gpu-check` (tests, step times, I-BLM, agreement) on the CPU
     result = _run(["-m", "benchmarks.gpu_check", "--device", "cpu", "--quick",
