@@ -39,6 +39,10 @@ SCRIPTS = {
     "bench_fit_warmup.py": ["digits_cnn: test error / MNLL", "| 50 |", "warm-up steps"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
+    # digits_50: N, W, N/W, the rule's lr and its grid neighbour
+    "bench_fit_lr.py": ["| digits_50 | 1438 | 3760 | 0.382 | 9.28e-03 | 0.008 |",
+                        "seeds rule < 3e-3", "(best after I-BLM / final)",
+                        "bench_fit_lr_quick/bench_fit_lr.json"],
 }
 
 
@@ -90,6 +94,21 @@ def test_script_quick(script, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for text in SCRIPTS[script]:
         assert text in result.stdout, (text, result.stdout[-3000:])
+
+
+def test_fit_lr_from_json_rewrites_the_same_report(tmp_path):
+    # the tables remade from a saved run's JSON are the run's own
+    result = _run(["-m", "benchmarks.bench_fit_lr", "--quick"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = result.stdout[:result.stdout.index("wrote ")]
+    tables = saved[saved.index("## Per problem and"):]
+    again = _run(["-m", "benchmarks.bench_fit_lr", "--from-json",
+                  os.path.join(result.stdout.split("wrote ")[1].split(".json")[0] + ".json"),
+                  "--out", str(tmp_path)], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.startswith(tables), (tables, again.stdout)
+    with open(tmp_path / "bench_fit_lr.md") as f:
+        assert f.read() == tables.rstrip("\n") + "\n"
 
 
 def test_gpu_check_runs_on_the_cpu(tmp_path):
