@@ -108,26 +108,15 @@ def test_second_fit_continues_without_reinit(count_iblm):
     guide = AutoKTiedNormal(model, rank=2)
     fit(model, guide, (x, y), steps=5, progress=False)
     assert len(count_iblm) == 1
-    # 512 rows, at most N/2; the output layer tempered by fit's KL weight
-    assert count_iblm[0] == {"batch_size": 120, "max_scale_ratio": 0.1, "kl_weight": 0.01}
+    # 512 rows, at most N/2; the output layer's regressions untempered (kl_weight 1: the
+    # tempered start trains worse, docs/methods/iblm.rst)
+    assert count_iblm[0] == {"batch_size": 120, "max_scale_ratio": 0.1}
     trained = snapshot()
     history = fit(model, guide, (x, y), steps=1, lr=1e-4, progress=False)
     assert len(count_iblm) == 1 and not history.initialized
     # one Adam step of size 1e-4 from where the first call ended, not a fresh start
     for name, value in snapshot().items():
         assert (value - trained[name]).abs().max() <= 1.1e-4, name
-
-
-def test_fit_starts_the_output_layer_at_its_kl_weight(count_iblm):
-    x, y = blobs()
-    model = classifier()
-    fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=1, kl_weight=0.1, progress=False)
-    assert count_iblm[-1]["kl_weight"] == 0.1
-    pyro.clear_param_store()
-    model = classifier()
-    fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=1, kl_weight=0.1,
-        init_options={"kl_weight": 1.0}, progress=False)
-    assert count_iblm[-1]["kl_weight"] == 1.0  # init_options over fit's
 
 
 @pytest.mark.parametrize("iblm_rows", [None, 200])
@@ -147,8 +136,7 @@ def test_iblm_rows_leave_the_hidden_units_distinct(iblm_rows):
     spread = (w.std() / w.mean()).item()
     if iblm_rows is None:
         assert fit_config(guide).iblm_options(200) == {"batch_size": 100,
-                                                       "max_scale_ratio": 0.1,
-                                                       "kl_weight": 0.01}
+                                                       "max_scale_ratio": 0.1}
         assert spread > 0.2
     else:
         assert spread < 1e-3

@@ -72,13 +72,11 @@ class FitConfig:
 
     def iblm_options(self, num_data: int) -> Dict[str, Any]:
         """The options of :func:`~pyro_vinit.init_guide_iblm` for ``num_data``
-        rows: ``max_scale_ratio``, :attr:`kl_weight` (a classifier's output
-        layer starts at the optimum of the objective trained), and
-        ``iblm_batch_size`` rows per unit but at most half of them, so that the
-        hidden units' slabs differ (with every row, the units of a target
-        column would fit one regression)."""
+        rows: ``max_scale_ratio``, and ``iblm_batch_size`` rows per unit but at
+        most half of them, so that the hidden units' slabs differ (with every
+        row, the units of a target column would fit one regression)."""
         return {"batch_size": max(1, min(self.iblm_batch_size, num_data // 2)),
-                "max_scale_ratio": self.max_scale_ratio, "kl_weight": self.kl_weight}
+                "max_scale_ratio": self.max_scale_ratio}
 
     def optimizer(self) -> PyroOptim:
         """A fresh :class:`~pyro_vinit.training.GroupedAdam` at :attr:`lr`, warmed

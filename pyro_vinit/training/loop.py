@@ -204,7 +204,7 @@ def fit(
     # ---- initialize, or restore --------------------------------------------------------
     batches.start()
     history = FitHistory()
-    defaults = FitConfig() if kl_weight is None else FitConfig(kl_weight=float(kl_weight))
+    defaults = FitConfig()
     if resumed is not None:
         with GuideRollback(cast(nn.Module, guide)):
             _set_up(guide, batches.first)  # the checkpoint then overwrites its values
