@@ -396,6 +396,30 @@ def test_fit_config_drives_an_own_loop_like_fit():
 # ---- validation metrics ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mnlls, warns", [
+    ([1.0, 0.8, 1.2], True),     # ended 20% above its start
+    ([1.0, 1.5, 1.05], False),   # within 10% of it
+    ([1.0, 0.5, 0.4], False),
+])
+def test_fit_warns_when_training_made_the_validation_worse(monkeypatch, mnlls, warns):
+    x, y = blobs()
+    model = classifier()
+    values = iter(mnlls)
+    monkeypatch.setattr(training_loop, "_evaluate",
+                        lambda *args: {"mnll": next(values), "error_rate": 0.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = fit(model, AutoKTiedNormal(model), (x, y), steps=4, eval_every=2,
+                      validation=(x, y), progress=False)
+    assert [v["mnll"] for v in history.validation] == mnlls
+    worse = [w for w in caught if "validation MNLL rose" in str(w.message)]
+    assert len(worse) == warns
+    if warns:
+        assert "from 1 at step 0 to 1.2 at step 4" in str(worse[0].message)
+        assert "kl_weight=1" in str(worse[0].message)
+        assert worse[0].filename == __file__  # the caller's line
+
+
 def test_validation_metrics_of_a_point_mass():
     # AutoDelta: the predictive is the network at the guide's values, in closed form
     x, y = blobs()

@@ -10,6 +10,7 @@ from typing import (
     Any,
     Callable,
     Dict,
+    List,
     Optional,
     Union,
     cast,
@@ -132,8 +133,10 @@ def fit(
     :param dict init_options: Keyword options of
         :func:`~pyro_vinit.init_guide_iblm`, over fit's
         (:meth:`FitConfig.iblm_options`).
-    :param tuple validation: An ``(x, y)`` pair evaluated every
-        ``eval_every`` steps and after the last one.
+    :param tuple validation: An ``(x, y)`` pair evaluated before the first
+        step, every ``eval_every`` steps and after the last one; a last MNLL
+        over 1.1 times the first is warned about (training made the model
+        worse).
     :param int eval_every: Steps between evaluations (default a tenth of the run).
     :param int num_samples: Guide draws of the Monte Carlo predictive.
     :param bool progress: Show a tqdm progress bar with the loss.
@@ -288,4 +291,23 @@ def fit(
                 _save(path, step, optim, model, batches, history)
     finally:
         bar.close()
+    _warn_if_worse(history.validation)
     return history
+
+
+#: How much higher than at step 0 the last validation MNLL may be before fit warns.
+_WORSE_BY = 1.1
+
+
+def _warn_if_worse(validation: List[Dict[str, float]]) -> None:
+    """Warns where the run ended with a validation MNLL well above its start's
+    (I-BLM's, or the first call's): training made the model worse."""
+    if len(validation) < 2 or validation[0]["step"] != 0:
+        return
+    start, last = validation[0]["mnll"], validation[-1]["mnll"]
+    if last > _WORSE_BY * start:
+        warnings.warn(
+            f"fit: the validation MNLL rose from {start:.4g} at step 0 to {last:.4g} at step "
+            f"{int(validation[-1]['step'])}: training made the model worse than its start, "
+            "as when the tempered objective (kl_weight=0.01) overfits a small, noisy data set; "
+            "try kl_weight=1 (the full ELBO) or fewer steps", UserWarning, stacklevel=3)
