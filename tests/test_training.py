@@ -299,6 +299,15 @@ def test_fit_config_handler(guide_class, handler):
         fit_config(guide, kl_weight=0.0)
 
 
+def test_fit_config_elbo_and_iblm_rows_at_their_edges():
+    guide = AutoKTiedNormal(classifier())
+    one, two = fit_config(guide).elbo(), fit_config(guide, num_particles=2).elbo()
+    assert (one.num_particles, one.vectorize_particles) == (1, False)
+    assert (two.num_particles, two.vectorize_particles) == (2, True)  # particles in one pass
+    # at least one row per unit, even from two or three rows
+    assert [fit_config(guide).iblm_options(n)["batch_size"] for n in (1, 2, 3, 4)] == [1, 1, 1, 2]
+
+
 class _NoisyRegressor(PyroModule):
     """A Bayesian MLP regression with a latent noise scale (the forum's style)."""
 
