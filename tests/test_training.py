@@ -425,8 +425,20 @@ def test_fit_warns_when_training_made_the_validation_worse(monkeypatch, mnlls, w
     assert len(worse) == warns
     if warns:
         assert "from 1 at step 0 to 1.2 at step 4" in str(worse[0].message)
-        assert "kl_weight=1" in str(worse[0].message)
+        assert "(kl_weight=0.01) can overfit" in str(worse[0].message)
+        assert "try kl_weight=1" in str(worse[0].message)
         assert worse[0].filename == __file__  # the caller's line
+
+
+def test_fit_at_the_full_elbo_warns_without_naming_the_kl_weight(monkeypatch):
+    x, y = blobs()
+    model = classifier()
+    values = iter([1.0, 1.5, 2.0])
+    monkeypatch.setattr(training_loop, "_evaluate",
+                        lambda *args: {"mnll": next(values), "error_rate": 0.0})
+    with pytest.warns(UserWarning, match="worse than its start; try fewer steps$"):
+        fit(model, AutoKTiedNormal(model), (x, y), steps=2, kl_weight=1.0, validation=(x, y),
+            progress=False)
 
 
 def test_validation_metrics_of_a_point_mass():

@@ -70,6 +70,26 @@ def _use_capture(capture: Optional[bool], steps: int, device: torch.device) -> b
     return threshold is not None and steps >= threshold
 
 
+#: How much higher than at step 0 the last validation MNLL may be before fit warns.
+_WORSE_BY = 1.1
+
+
+def _warn_if_worse(validation: List[Dict[str, float]], kl_weight: float) -> None:
+    """Warns where the run ended with a validation MNLL well above its start's
+    (I-BLM's, or the first call's): training made the model worse."""
+    if len(validation) < 2 or validation[0]["step"] != 0:
+        return
+    start, last = validation[0]["mnll"], validation[-1]["mnll"]
+    if last > _WORSE_BY * start:
+        remedy = (f"the tempered objective (kl_weight={kl_weight:g}) can overfit a small, "
+                  "noisy data set: try kl_weight=1 (the full ELBO) or fewer steps"
+                  if kl_weight < 1 else "try fewer steps")
+        warnings.warn(
+            f"fit: the validation MNLL rose from {start:.4g} at step 0 to {last:.4g} at step "
+            f"{int(validation[-1]['step'])}: training made the model worse than its start; "
+            + remedy, UserWarning, stacklevel=3)
+
+
 # ---- fit -----------------------------------------------------------------------------
 
 
@@ -291,23 +311,5 @@ def fit(
                 _save(path, step, optim, model, batches, history)
     finally:
         bar.close()
-    _warn_if_worse(history.validation)
+    _warn_if_worse(history.validation, config.kl_weight)
     return history
-
-
-#: How much higher than at step 0 the last validation MNLL may be before fit warns.
-_WORSE_BY = 1.1
-
-
-def _warn_if_worse(validation: List[Dict[str, float]]) -> None:
-    """Warns where the run ended with a validation MNLL well above its start's
-    (I-BLM's, or the first call's): training made the model worse."""
-    if len(validation) < 2 or validation[0]["step"] != 0:
-        return
-    start, last = validation[0]["mnll"], validation[-1]["mnll"]
-    if last > _WORSE_BY * start:
-        warnings.warn(
-            f"fit: the validation MNLL rose from {start:.4g} at step 0 to {last:.4g} at step "
-            f"{int(validation[-1]['step'])}: training made the model worse than its start, "
-            "as when the tempered objective (kl_weight=0.01) overfits a small, noisy data set; "
-            "try kl_weight=1 (the full ELBO) or fewer steps", UserWarning, stacklevel=3)
