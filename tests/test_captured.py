@@ -1,6 +1,8 @@
 """CapturedSVI against SVI's eager step: the same losses and gradients under the
 same seed (float64, 1e-10 relative), re-tracing, falling back, fresh draws."""
 
+import functools
+import numbers
 import warnings
 
 import numpy as np
@@ -613,3 +615,84 @@ def test_a_settings_private_number_is_part_of_the_signature():
     eager, captured = _losses_under(
         [lambda f=f: _ScaleBy(_Factor(f)) for f in (1.0, 1.0, 100.0, 100.0, 1.0)], lr=0.0)
     assert captured == pytest.approx(eager, rel=1e-5)
+
+
+class _Knob:
+    """A number type that holds settings (registered as a number, with a __dict__)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+numbers.Number.register(_Knob)
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_setting_keys_compare_by_type_and_value_down_to_three_levels():
+    from pyro_vinit.training._signature import _setting_key as key
+
+    # plain values by value (a string made afresh too), NumPy scalars by type and value
+    assert key("".join(["lr", "t"])) == key("lrt")
+    assert key(np.float32(2.0)) == key(np.float32(2.0)) != key(np.float16(2.0))
+    # containers by their type and elements; a number with settings by its settings
+    assert key([1, 2]) != key((1, 2)) and key({1}) != key(frozenset({1}))
+    assert key(_Knob(1.0)) == key(_Knob(1.0)) != key(_Knob(2.0))
+    assert key(nn.ReLU) != key(nn.Tanh)  # classes by identity
+    # objects by their settings, nested up to three levels; deeper ones by identity,
+    # which ends a cycle
+    assert key([[_Factor(1.0)]]) == key([[_Factor(1.0)]])
+    assert key([[[_Factor(1.0)]]]) != key([[[_Factor(1.0)]]])
+    cycle = _Cycle()
+    assert key(cycle) == key(cycle)
+    assert key(_Factor(1.0)) != key(_OtherFactor(1.0))  # the object's type too
+
+
+class _OtherFactor(_Factor):
+    pass
+
+
+def _closure(bind):
+    if bind:
+        late = None
+
+    def use():
+        return late  # an empty cell unless bound
+
+    return use
+
+
+def _defaults(a_value, b_value):
+    def use(msg, a=a_value, *, b=b_value):
+        return a, b
+
+    return use
+
+
+def _setting(value):
+    return value
+
+
+def test_setting_keys_of_configs_partials_functions_and_methods():
+    # what a handler's config holds (a dict, a partial, a function, a bound method)
+    # is compared by everything that can change what it returns
+    from pyro_vinit.training._signature import _setting_key as key
+
+    assert key({"b": 1, "a": 2}) == key({"a": 2, "b": 1}) != key({"a": 2, "b": 3})
+    assert key({"a": 1, "b": 1}) == key({"b": 1, "a": 1})
+    assert key({1: "x", "1": "y"}) == key({"1": "y", 1: "x"})  # keys of mixed types
+    part = functools.partial(_setting, 1, a=2)
+    assert key(part) == key(functools.partial(_setting, 1, a=2))
+    assert key(part) != key(functools.partial(_closure, 1, a=2))
+    assert key(part) != key(functools.partial(_setting, 2, a=2))
+    assert key(part) != key(functools.partial(_setting, 1, a=3))
+    assert key(_closure(False)) != key(_closure(True))  # an empty cell is not None
+    assert key(_defaults(1, 1)) == key(_defaults(1, 1))
+    assert key(_defaults(1, 1)) != key(_defaults(2, 1))
+    assert key(_defaults(1, 1)) != key(_defaults(1, 2))
+    first, second = _Picker(LocalReparam()), _Picker(Flipout())
+    assert key(first.pick) == key(first.pick) != key(second.pick)
+    assert key(first.pick) != key(first.__init__)

@@ -308,6 +308,26 @@ def test_fit_config_elbo_and_iblm_rows_at_their_edges():
     assert [fit_config(guide).iblm_options(n)["batch_size"] for n in (1, 2, 3, 4)] == [1, 1, 1, 2]
 
 
+@pytest.mark.parametrize("option, value", [
+    ("lr", 0.0), ("lr", True), ("lr", "0.1"), ("kl_weight", float("nan")),
+    ("kl_weight", -1.0), ("num_particles", 1.5), ("num_particles", 0),
+])
+def test_fit_config_refuses_a_bad_override_naming_it(option, value):
+    # a bool is not a number here, a string not compared, a particle count an int
+    with pytest.raises(ValueError, match=f"^fit: {option} must be a positive number"):
+        fit_config(AutoKTiedNormal(classifier()), **{option: value})
+
+
+def test_is_initialized_reads_the_guides_own_params_only():
+    model = classifier()
+    guide = AutoKTiedNormal(model)
+    pyro.param("other.scale", torch.ones(2))  # another program's parameter
+    assert not is_initialized(guide)
+    pyro.param("AutoKTiedNormal.locs.net.0.weight", torch.zeros(2))  # e.g. a loaded store
+    assert is_initialized(guide)
+    assert not is_initialized(lambda x, y=None: None)  # not an autoguide: never
+
+
 class _NoisyRegressor(PyroModule):
     """A Bayesian MLP regression with a latent noise scale (the forum's style)."""
 
