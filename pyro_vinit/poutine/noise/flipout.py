@@ -47,7 +47,8 @@ class Flipout(WeightNoise):
     distribution, and the examples are uncorrelated. It costs two layer
     evaluations instead of one. The bias is used as sampled.
 
-    With ``conv=False`` the strategy leaves convolutions alone: their
+    With ``conv=False`` the strategy leaves convolutions (transposed ones
+    too) alone: their
     weights keep the ordinary sample, shared by the minibatch, and are not
     reported (as :class:`~pyro_vinit.poutine.LocalReparam`'s).
 
