@@ -10,9 +10,10 @@ from pyro_vinit.initialization._data import DataPool
 from pyro_vinit.initialization._fits import Fit
 from pyro_vinit.initialization._minibatches import hidden_batches, unit_columns
 from pyro_vinit.initialization._options import IBLMOptions
-from pyro_vinit.initialization._regressions import HiddenTargets, solve_units
+from pyro_vinit.initialization._regressions import HiddenTargets, solve_units, unit_priors
 from pyro_vinit.initialization._targets import Targets
 from pyro_vinit.initialization._tracing import Layer
+from pyro_vinit.initialization.bayesian_linear_regression import _Unsolvable
 
 # The noise of a scale head's regression onto its constant.
 _SCALE_HEAD_NOISE = 0.1
@@ -32,6 +33,30 @@ def solve_layer(pool: DataPool, layer: Layer, inputs: torch.Tensor, targets: Tar
     :param DataPool pool: The data rows (the pool of this process).
     :param torch.Tensor inputs: The layer's input on every row of ``pool``.
     """
+    try:
+        return _solve_layer(pool, layer, inputs, targets, options, collective, constant)
+    except _Unsolvable as error:
+        raise RuntimeError(_unsolvable(layer, inputs, options, error)) from error
+
+
+def _unsolvable(layer: Layer, inputs: torch.Tensor, options: IBLMOptions,
+                error: _Unsolvable) -> str:
+    """The message of a layer whose regressions no jitter solves: the layer, the
+    magnitudes that may overflow, and the remedies."""
+    _, prior_scale = unit_priors(layer, torch.arange(layer.num_units, device=inputs.device))
+    return (
+        f"init_guide_iblm: the regressions of layer {layer.weight_name!r} failed: "
+        f"{error.reason}; the layer's inputs reach |x| = {inputs.abs().max().item():.1e} "
+        f"and its prior scales go down to {prior_scale.min().item():.1e}. Run the model "
+        "and the data in float64 (model.double(), x.double()) or rescale the layer's "
+        "inputs; a prior scale whose inverse square overflows must be larger. A larger "
+        f"jitter (now {options.jitter:g}) helps only a system without inf or NaN"
+    )
+
+
+def _solve_layer(pool: DataPool, layer: Layer, inputs: torch.Tensor, targets: Targets,
+                 options: IBLMOptions, collective: Collective,
+                 constant: Optional[torch.Tensor]) -> Fit:
     batch_size = min(options.batch_size, pool.num_rows)  # step 1 warned if smaller
     output = layer.role != "hidden"
     classification = targets.task == "classification"

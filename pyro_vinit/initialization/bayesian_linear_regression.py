@@ -28,14 +28,34 @@ class BLRPosterior(NamedTuple):
     covariance_diag: Optional[torch.Tensor] = None
 
 
+class _Unsolvable(RuntimeError):
+    """A system of :func:`bayesian_linear_regression` that no jitter makes
+    positive definite: ``reason`` says why, for callers that name the layer
+    and their own remedies."""
+
+    def __init__(self, reason: str, remedy: str) -> None:
+        super().__init__(f"bayesian_linear_regression: {reason}; {remedy}")
+        self.reason = reason
+
+
 def _cholesky(matrix: torch.Tensor, jitter: float, max_tries: int = 8) -> torch.Tensor:
     """Batched Cholesky factor; adds ``jitter`` × mean diagonal (growing ×10 per
     try) to the matrices of the batch that are not numerically positive definite."""
     factor: torch.Tensor
     info: torch.Tensor
+    finite = torch.isfinite(matrix).all()
     factor, info = torch.linalg.cholesky_ex(matrix)
-    if not bool((info > 0).any()):
+    if bool((info == 0).all() & finite):  # one synchronization
         return factor
+    if not bool(finite):
+        # no jitter helps, and a factorization may even "succeed" with inf in the factor
+        dtype = str(matrix.dtype).removeprefix("torch.")
+        raise _Unsolvable(
+            f"the system matrix has inf or NaN entries ({dtype} overflows above "
+            f"{torch.finfo(matrix.dtype).max:.1e})",
+            "the inputs are too large, or a prior or noise scale too small (its inverse "
+            "square overflows): compute in float64 or rescale them",
+        )
     diag = matrix.diagonal(dim1=-2, dim2=-1)
     scale = diag.abs().mean(-1).clamp_min(torch.finfo(matrix.dtype).tiny)
     eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
@@ -47,10 +67,11 @@ def _cholesky(matrix: torch.Tensor, jitter: float, max_tries: int = 8) -> torch.
         if not bool((info > 0).any()):
             return factor
         eps *= 10
-    raise RuntimeError(
-        "bayesian_linear_regression: the system is not positive definite even with "
-        f"jitter {eps / 10:.1e} x its mean diagonal; check the inputs for NaN/inf or "
-        "degenerate prior or noise scales"
+    raise _Unsolvable(
+        f"the system is not positive definite even with jitter {eps / 10:.1e} x its mean "
+        "diagonal",
+        "check the inputs for NaN/inf or degenerate prior or noise scales, or compute in "
+        "float64",
     )
 
 

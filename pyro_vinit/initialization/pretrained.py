@@ -109,6 +109,9 @@ def init_guide_pretrained(
         _check_positive(name, value)
     if max_scale_ratio is not None:
         _check_positive("max_scale_ratio", max_scale_ratio)
+    for name, value in (("max_pool_size", max_pool_size), ("chunk_rows", chunk_rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"init_guide_pretrained: {name} must be a positive int, got {value!r}")
     if not isinstance(strict, bool):
         raise TypeError(f"init_guide_pretrained: strict must be a bool, got {strict!r}")
     if weights is not None and not isinstance(weights, Mapping):

@@ -33,7 +33,8 @@ class FlipoutMessenger(WeightNoiseMessenger):
     :param bool strict: Raise one error instead of one warning, on exit,
         naming the latent sites Flipout did not apply to.
     :param bool conv: Whether convolutions get per-example noise too; with
-        False their weights keep the ordinary sample, shared by the
+        False their weights (transposed convolutions' too) keep the ordinary
+        sample, shared by the
         minibatch, unreported (see :class:`~pyro_vinit.poutine.Flipout`).
 
     [1] Wen, Vicol, Ba, Tran, Grosse (2018) "Flipout: Efficient

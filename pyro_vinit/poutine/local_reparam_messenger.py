@@ -113,7 +113,8 @@ class LocalReparamMessenger(WeightNoiseMessenger):
         (None: when it is cheaper).
     :type low_rank: bool or None
     :param bool conv: Whether convolutions get per-example noise too; with
-        False their weights keep the ordinary sample, shared by the
+        False their weights (transposed convolutions' too) keep the ordinary
+        sample, shared by the
         minibatch, unreported (see :class:`~pyro_vinit.poutine.LocalReparam`).
 
     [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local

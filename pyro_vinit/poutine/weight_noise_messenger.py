@@ -33,6 +33,9 @@ _NEVER_REACHED = (
 )
 
 
+_CONV_TRANSPOSE = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+
+
 def _is_weight_like(msg: SampleSite) -> bool:
     # A real-valued site with at least two dims of its own (not plate dims).
     fn, value = msg["fn"], msg["value"]
@@ -292,11 +295,22 @@ class WeightNoiseMessenger(LayerCallMessenger):
             self._refuse_reuse(value, op_name)
         # A later layer call on the same sample must use it as drawn, too.
         value.uses.add(None)
+        if op_name in _CONV_TRANSPOSE:
+            strategy = self._strategy(value.msgs[-1])
+            if strategy is not None and value.site_dist is not None:
+                strategy = strategy.select(value.site_dist)
+            if strategy is not None and not strategy.conv:
+                # a convolution, which the strategy leaves alone by design, like conv2d
+                self._reached.update(msg["name"] for msg in value.msgs)
+                return
+            hint = " (conv=False leaves convolutions, transposed ones too, unreported)"
+        else:
+            hint = ""
         self._fallback(
             value,
             f"it is used by {op_name}, which the handler does not treat (it treats F.linear, "
             "F.conv1d/2d/3d and matrix products with one weight operand: matmul, @, mm, "
-            "bmm, mv, addmm, einsum with one contracted index)",
+            f"bmm, mv, addmm, einsum with one contracted index){hint}",
         )
 
     def _fallback(self, value: SiteValue, reason: str) -> None:

@@ -45,8 +45,8 @@ class GroupedAdam(PyroOptim):
 
     for each parameter with its own step count :math:`t`: the values of
     ``pyro.optim.Adam`` up to rounding. With ``warmup_steps`` :math:`W > 0`
-    the learning rate rises linearly over the first :math:`W` steps,
-    :math:`\eta_s = \eta \min(1, s / W)` at the optimizer's step :math:`s`:
+    each parameter's learning rate rises linearly over its first :math:`W`
+    steps, :math:`\eta_t = \eta \min(1, t / W)` at its own step :math:`t`:
     Adam's first steps move every parameter by about :math:`\eta` whatever
     its gradient's size, which can throw a well-initialized network (e.g.
     by I-BLM) far from its start.
@@ -58,18 +58,19 @@ class GroupedAdam(PyroOptim):
 
     A call steps only the parameters it is given (those of one SVI step);
     parameters seen first in a later call join the optimizer with fresh
-    moments. :meth:`get_state` gives each parameter's state under its param
-    store name in the format of ``pyro.optim.Adam``'s, and :meth:`set_state`
-    takes either's: the moments and step counts carry over, the
+    moments and step count (their warm-up starts then). :meth:`get_state`
+    gives each parameter's state under its param store name in the format
+    of ``pyro.optim.Adam``'s, and :meth:`set_state` takes either's: the
+    moments and step counts carry over, the
     hyperparameters are this optimizer's.
 
     :param dict optim_args: ``torch.optim.Adam``'s settings: ``lr``,
         ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``.
     :param dict clip_args: ``clip_norm`` and/or ``clip_value``, applied to
         each parameter's gradient separately, as ``pyro.optim.Adam`` does.
-    :param int warmup_steps: Steps of the linear learning-rate warm-up (0:
-        none). The optimizer's step is restored with its state
-        (:meth:`set_state`): the largest step count of its parameters.
+    :param int warmup_steps: Steps of each parameter's linear learning-rate
+        warm-up (0: none). A parameter's step count is restored with its
+        state (:meth:`set_state`).
 
     [1] Kingma, D. P., Ba, J. (2015) "Adam: A Method for Stochastic Optimization"
     """
@@ -97,7 +98,8 @@ class GroupedAdam(PyroOptim):
         self._known: Dict[torch.Tensor, None] = {}  # the parameters seen, in order
         self.warmup_steps = warmup_steps
         self._lr = probe.defaults["lr"]
-        self._steps = 0  # steps taken (or restored), for the warm-up
+        # each parameter's steps taken (or restored), for its warm-up
+        self._steps: Dict[torch.Tensor, int] = {}
 
     def __call__(self, params: Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> None:
         """
@@ -119,15 +121,24 @@ class GroupedAdam(PyroOptim):
                 if "clip_value" in self._clip:
                     clip_grad_value_(p, self._clip["clip_value"])
         group = self._optim.param_groups[0]
-        self._steps += 1
-        if self.warmup_steps:
-            group["lr"] = self._lr * min(1.0, self._steps / self.warmup_steps)
+        steps = self._steps
+        for p in called:
+            steps[p] = steps.get(p, 0) + 1
         everything = group["params"]
         group["params"] = called  # only this call's parameters take a step
+        warmup = self.warmup_steps
+        if warmup and any(steps[p] < warmup for p in called):
+            # each at its own rate: one group per rate, for this step
+            by_rate: Dict[float, List[torch.Tensor]] = {}
+            for p in called:
+                by_rate.setdefault(self._lr * min(1.0, steps[p] / warmup), []).append(p)
+            self._optim.param_groups = [{**group, "params": ps, "lr": lr}
+                                        for lr, ps in by_rate.items()]
         try:
             self._optim.step(*args, **kwargs)
         finally:
             group["params"] = everything
+            self._optim.param_groups = [group]
 
     def _add(self, new: List[torch.Tensor]) -> None:
         for p in new:
@@ -162,8 +173,8 @@ class GroupedAdam(PyroOptim):
         (state,) = states.values()
         assert self._optim is not None
         self._optim.state[p] = {k: self._cast(k, v, p).clone() for k, v in state.items()}
-        if "step" in state:  # where the warm-up had got to
-            self._steps = max(self._steps, int(torch.as_tensor(state["step"]).item()))
+        if "step" in state:  # where its warm-up had got to
+            self._steps[p] = int(torch.as_tensor(state["step"]).item())
 
     def _cast(self, key: str, value: Any, p: torch.Tensor) -> torch.Tensor:
         # as torch.optim.Adam.load_state_dict: the moments take the parameter's device and

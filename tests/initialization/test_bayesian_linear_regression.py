@@ -173,10 +173,30 @@ def test_jitter_gives_up_with_an_actionable_error():
     message = (
         "bayesian_linear_regression: the system is not positive definite even with "
         "jitter 1.0e+01 x its mean diagonal; check the inputs for NaN/inf or "
-        "degenerate prior or noise scales"
+        "degenerate prior or noise scales, or compute in float64"
     )
     with pytest.raises(RuntimeError, match=re.escape(message)):
         blr._cholesky(matrix, jitter=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_system_with_inf_or_nan_is_refused_at_once(bad):
+    # An inf last on the diagonal factors "successfully" (info 0, an inf in the factor);
+    # NaN fails every jitter. Both: an error at once, naming the overflow and float64.
+    matrix = torch.eye(3).repeat(2, 1, 1)
+    matrix[1, 2, 2] = bad
+    message = (
+        "bayesian_linear_regression: the system matrix has inf or NaN entries (float32 "
+        "overflows above 3.4e+38); the inputs are too large, or a prior or noise scale too "
+        "small (its inverse square overflows): compute in float64 or rescale them"
+    )
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        blr._cholesky(matrix, jitter=1e-6)
+    # through the regression: inputs whose squares overflow float32
+    x, y = torch.tensor([[1e20, 1.0], [1.0, 2.0], [3.0, 1.0]]), torch.ones(3)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        bayesian_linear_regression(x, y, 1.0)
+    assert torch.isfinite(bayesian_linear_regression(x.double(), y.double(), 1.0).mean).all()
 
 
 def test_bad_x():

@@ -553,6 +553,44 @@ def test_data_whose_sum_overflows_is_finite_and_opposite_infinities_are_not():
     assert not all_finite(x) and all_finite(torch.zeros(0, 3))
 
 
+class _OneLayer(PyroModule):
+    def __init__(self, dtype):
+        super().__init__()
+        self.l = PyroModule[nn.Linear](3, 1).to(dtype)
+        one = torch.ones((), dtype=dtype)
+        self.l.weight = PyroSample(dist.Normal(0 * one, one).expand([1, 3]).to_event(2))
+        self.l.bias = PyroSample(dist.Normal(0 * one, one).expand([1]).to_event(1))
+
+    def forward(self, x, y=None):
+        loc = self.l(x).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("obs", dist.Normal(loc, 1.0), obs=y)
+
+
+def test_gram_overflow_in_float32_names_the_layer_and_float64():
+    # Inputs of 1e20: finite, but their squares overflow float32. The error names the
+    # layer, the magnitude and the remedies, and the guide is left as it was; the same
+    # data in float64 is solved.
+    x = torch.randn(64, 3) * 1e20
+    y = torch.randn(64)
+    guide = AutoNormal(_OneLayer(torch.float32))
+    guide(x, y)
+    before = _snapshot(guide)
+    with pytest.raises(RuntimeError) as error:
+        init_guide_iblm(guide, (x, y), batch_size=64)
+    message = str(error.value)
+    assert message.startswith("init_guide_iblm: the regressions of layer 'l.weight' failed: "
+                              "the system matrix has inf or NaN entries (float32 overflows")
+    assert re.search(r"inputs reach \|x\| = [0-9.]+e\+20", message)
+    assert "float64 (model.double(), x.double())" in message
+    _assert_unchanged(guide, before)
+    pyro.clear_param_store()
+    guide = AutoNormal(_OneLayer(F64))
+    guide(x.double(), y.double())
+    init_guide_iblm(guide, (x.double(), y.double()), batch_size=64)
+    assert all(torch.isfinite(v).all() for v in guide.state_dict().values())
+
+
 def test_empty_data(digits):
     x, y, _, _ = digits
     _, guide = _setup(x, y)

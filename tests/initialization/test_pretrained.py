@@ -414,8 +414,18 @@ def test_trained_value_that_is_not_a_tensor_is_refused():
     (dict(strict=1), TypeError, "strict must be a bool"),
     (dict(weights=[1.0]), TypeError,
      "^init_guide_pretrained: weights must be a dict of site name to tensor, got list$"),
-    (dict(max_pool_size=0), ValueError, "max_pool_size"),
-    (dict(chunk_rows=0), ValueError, "chunk_rows must be positive, got 0$"),
+    (dict(max_pool_size=0), ValueError,
+     "^init_guide_pretrained: max_pool_size must be a positive int, got 0$"),
+    (dict(max_pool_size=True), ValueError,
+     "^init_guide_pretrained: max_pool_size must be a positive int, got True$"),
+    (dict(chunk_rows=0), ValueError,
+     "^init_guide_pretrained: chunk_rows must be a positive int, got 0$"),
+    (dict(chunk_rows=-8), ValueError,
+     "^init_guide_pretrained: chunk_rows must be a positive int, got -8$"),
+    (dict(chunk_rows=64.0), ValueError,
+     "^init_guide_pretrained: chunk_rows must be a positive int, got 64.0$"),
+    (dict(chunk_rows="64"), ValueError,
+     "^init_guide_pretrained: chunk_rows must be a positive int, got '64'$"),
 ])
 def test_bad_options(digits, trained_mlp, kwargs, error, match):
     x, y, _, _ = digits

@@ -382,6 +382,47 @@ def test_conv_false_refuses_a_convolution_after_a_noised_use(handler):
     assert_close(c, F.conv2d(IMAGE[:, :1], w), rtol=1e-6)
 
 
+@pytest.mark.parametrize("nsp", [1, 2, 3])
+@pytest.mark.parametrize("handler", [
+    lambda: LocalReparamMessenger(conv=False, strict=True),
+    lambda: FlipoutMessenger(conv=False, strict=True),
+    lambda: WeightNoiseMessenger(config=AutoWeightNoise(conv=False), strict=True),
+    lambda: WeightNoiseMessenger(config={"w": Flipout(conv=False)}, strict=True),
+], ids=["local_reparam", "flipout", "auto", "dict"])
+def test_conv_false_leaves_transposed_convolutions_alone(handler, nsp):
+    # conv=False: a transposed convolution keeps its sample, unreported, like conv2d; its
+    # output is the un-handled model's under the same seed (weight and bias).
+    op = getattr(F, f"conv_transpose{nsp}d")
+    x = torch.randn((4, 2) + (3,) * nsp)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros((2, 3) + (2,) * nsp), 1.0).to_event(2 + nsp))
+        b = pyro.sample("b", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        return op(x, w, b, stride=2)
+
+    pyro.set_rng_seed(0)
+    expected = model()
+    pyro.set_rng_seed(0)
+    with handler():
+        out = model()
+    assert torch.equal(out, expected)
+    # conv=True: reported, naming the op and the way to leave it alone
+    with pytest.raises(ValueError, match=f"used by conv_transpose{nsp}d.*conv=False"):
+        with LocalReparamMessenger(strict=True):
+            model()
+
+
+def test_conv_false_refuses_a_transposed_convolution_after_a_noised_use():
+    def model(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, 1, 3), 1.0).to_event(3))
+        h = F.linear(x, w.reshape(3, 3))
+        return F.conv_transpose1d(h.unsqueeze(-1), w)
+
+    with pytest.raises(ValueError, match="'w' is used a second time \\(by conv_transpose1d\\)"):
+        with local_reparam(conv=False):
+            model(torch.randn(4, 3))
+
+
 # ---------------------------------------------------------------- registries
 
 

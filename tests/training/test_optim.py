@@ -279,3 +279,41 @@ def test_warmup_rises_linearly_and_resumes_where_it_was():
 def test_bad_warmup_refused(bad):
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 0"):
         GroupedAdam({"lr": 0.1}, warmup_steps=bad)
+
+
+def _moves(optim, params):
+    """How far one call moves each of ``params`` under a constant gradient of ones
+    (Adam's bias-corrected step is then the learning rate)."""
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optim(params)
+    return [(b - p.detach()).item() for b, p in zip(before, params)]
+
+
+@pytest.mark.parametrize("joins", [3, 7])
+def test_warmup_of_a_parameter_that_joins_later_starts_when_it_joins(joins):
+    # b first appears at the optimizer's step 3 (during a's warm-up) or 7 (after it): its
+    # own warm-up, 0.025 then 0.05, ..., whatever the optimizer's step; a's goes on.
+    a, b = (torch.nn.Parameter(torch.zeros(1, dtype=torch.float64)) for _ in range(2))
+    optim = GroupedAdam({"lr": 0.1}, warmup_steps=4)
+    for step in range(1, joins):
+        assert _moves(optim, [a]) == pytest.approx([0.1 * min(1, step / 4)], rel=1e-6)
+    for own in range(1, 6):
+        step = joins - 1 + own
+        assert _moves(optim, [a, b]) == pytest.approx(
+            [0.1 * min(1, step / 4), 0.1 * min(1, own / 4)], rel=1e-6), own
+
+
+def test_warmup_resumes_each_parameter_at_its_own_step():
+    # a took three steps and b one: a resumed optimizer goes on with 0.1 and 0.05
+    pyro.clear_param_store()
+    a = pyro.param("a", torch.zeros(1, dtype=torch.float64)).unconstrained()
+    b = pyro.param("b", torch.zeros(1, dtype=torch.float64)).unconstrained()
+    first = GroupedAdam({"lr": 0.1}, warmup_steps=4)
+    _moves(first, [a])
+    _moves(first, [a])
+    assert _moves(first, [a, b]) == pytest.approx([0.075, 0.025], rel=1e-6)
+    resumed = GroupedAdam({"lr": 0.1}, warmup_steps=4)
+    resumed.set_state(first.get_state())
+    assert _moves(resumed, [a, b]) == pytest.approx([0.1, 0.05], rel=1e-6)

@@ -54,7 +54,8 @@ class LocalReparam(WeightNoise):
     never (``False``). The draw of a factorized Normal weight is deferred:
     the trick never needs it.
 
-    With ``conv=False`` the strategy leaves convolutions alone: their
+    With ``conv=False`` the strategy leaves convolutions (transposed ones
+    too) alone: their
     weights keep the ordinary sample, shared by the minibatch, and are not
     reported. A convolution has far more outputs than weights, so there
     its per-example noise costs more than the rest of the layer.

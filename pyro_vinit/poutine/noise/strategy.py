@@ -48,8 +48,9 @@ class WeightNoise(ABC):
     #: Whether a sampled bias gets per-example noise too (then a bias used by two layer
     #: calls is a shared sample, like a weight).
     bias_noise: bool = False
-    #: Whether convolutions get per-example noise (False: :meth:`skips` them, so their
-    #: weights keep the ordinary sample; set by the strategies' ``conv`` argument).
+    #: Whether convolutions get per-example noise (False: :meth:`skips` them, and the
+    #: handler leaves transposed ones alone too, so their weights keep the ordinary
+    #: sample; set by the strategies' ``conv`` argument).
     conv: bool = True
 
     def select(self, fn: Distribution) -> "WeightNoise":
