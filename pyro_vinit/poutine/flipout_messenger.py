@@ -34,8 +34,7 @@ class FlipoutMessenger(WeightNoiseMessenger):
         naming the latent sites Flipout did not apply to.
     :param bool conv: Whether convolutions get per-example noise too; with
         False their weights (transposed convolutions' too) keep the ordinary
-        sample, shared by the
-        minibatch, unreported (see :class:`~pyro_vinit.poutine.Flipout`).
+        sample, shared by the minibatch, unreported (see :class:`~pyro_vinit.poutine.Flipout`).
 
     [1] Wen, Vicol, Ba, Tran, Grosse (2018) "Flipout: Efficient
     Pseudo-Independent Weight Perturbations on Mini-Batches"

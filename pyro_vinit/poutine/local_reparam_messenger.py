@@ -114,8 +114,7 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     :type low_rank: bool or None
     :param bool conv: Whether convolutions get per-example noise too; with
         False their weights (transposed convolutions' too) keep the ordinary
-        sample, shared by the
-        minibatch, unreported (see :class:`~pyro_vinit.poutine.LocalReparam`).
+        sample, shared by the minibatch, unreported (see :class:`~pyro_vinit.poutine.LocalReparam`).
 
     [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
     Reparameterization Trick"

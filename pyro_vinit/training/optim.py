@@ -61,8 +61,8 @@ class GroupedAdam(PyroOptim):
     moments and step count (their warm-up starts then). :meth:`get_state`
     gives each parameter's state under its param store name in the format
     of ``pyro.optim.Adam``'s, and :meth:`set_state` takes either's: the
-    moments and step counts carry over, the
-    hyperparameters are this optimizer's.
+    moments and step counts carry over, the hyperparameters are this
+    optimizer's.
 
     :param dict optim_args: ``torch.optim.Adam``'s settings: ``lr``,
         ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``.

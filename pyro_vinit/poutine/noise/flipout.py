@@ -50,9 +50,8 @@ class Flipout(WeightNoise):
     evaluations instead of one. The bias is used as sampled.
 
     With ``conv=False`` the strategy leaves convolutions (transposed ones
-    too) alone: their
-    weights keep the ordinary sample, shared by the minibatch, and are not
-    reported (as :class:`~pyro_vinit.poutine.LocalReparam`'s).
+    too) alone: their weights keep the ordinary sample, shared by the
+    minibatch, and are not reported (as :class:`~pyro_vinit.poutine.LocalReparam`'s).
 
     :param bool conv: Whether convolutions get per-example noise too.
 

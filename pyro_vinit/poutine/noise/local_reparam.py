@@ -55,9 +55,8 @@ class LocalReparam(WeightNoise):
     the trick never needs it.
 
     With ``conv=False`` the strategy leaves convolutions (transposed ones
-    too) alone: their
-    weights keep the ordinary sample, shared by the minibatch, and are not
-    reported. A convolution has far more outputs than weights, so there
+    too) alone: their weights keep the ordinary sample, shared by the
+    minibatch, and are not reported. A convolution has far more outputs than weights, so there
     its per-example noise costs more than the rest of the layer.
 
     :param low_rank: Whether to use a low-rank scale (None: when cheaper).
