@@ -243,7 +243,9 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
                 )
 
 
-def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> None:
+def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool:
+    """Checks the model on the first batch; returns whether it is a regression (a
+    likelihood of continuous support)."""
     x, y = batch
     declared = getattr(model, "num_data", None)
     if isinstance(declared, int) and declared != num_data:
@@ -271,6 +273,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> None
                 f"num_data={num_data} (BayesianClassifier / BayesianRegressor), or use "
                 f"pyro.plate('data', {num_data}, subsample=...) in your model"
             )
+    return any(not _base(site["fn"]).support.is_discrete for site in observed)
 
 
 def _set_up(guide: Callable[..., Any], batch: Batch) -> None:

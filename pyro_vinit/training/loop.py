@@ -70,8 +70,10 @@ def _use_capture(capture: Optional[bool], steps: int, device: torch.device) -> b
     return threshold is not None and steps >= threshold
 
 
-#: How much higher than at step 0 the last validation MNLL may be before fit warns.
-_WORSE_BY = 1.1
+#: How much higher than at step 0 the last validation MNLL may be before fit warns: by
+#: this share of its size (an MNLL can be negative), and at least by _WORSE_NATS.
+_WORSE_BY = 0.1
+_WORSE_NATS = 0.05
 
 
 def _warn_if_worse(validation: List[Dict[str, float]], kl_weight: float) -> None:
@@ -80,9 +82,9 @@ def _warn_if_worse(validation: List[Dict[str, float]], kl_weight: float) -> None
     if len(validation) < 2 or validation[0]["step"] != 0:
         return
     start, last = validation[0]["mnll"], validation[-1]["mnll"]
-    if last > _WORSE_BY * start:
+    if last - start > max(_WORSE_BY * abs(start), _WORSE_NATS):
         remedy = (f"the tempered objective (kl_weight={kl_weight:g}) can overfit a small, "
-                  "noisy data set: try kl_weight=1 (the full ELBO) or fewer steps"
+                  "noisy data set: try a larger kl_weight (1 is the full ELBO) or fewer steps"
                   if kl_weight < 1 else "try fewer steps")
         warnings.warn(
             f"fit: the validation MNLL rose from {start:.4g} at step 0 to {last:.4g} at step "
@@ -147,7 +149,8 @@ def fit(
     :param optim: A Pyro optimizer instead of :meth:`FitConfig.optimizer`
         (pass the same one to a second call to keep Adam's moments).
     :param float lr: Learning rate of the default optimizer.
-    :param float kl_weight: KL weight instead of 0.01.
+    :param float kl_weight: KL weight instead of 0.01 (a classifier) or 0.3 (a
+        model with a likelihood of continuous support: a regression).
     :param int num_particles: Particles of the ELBO.
     :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
     :param dict init_options: Keyword options of
@@ -155,8 +158,8 @@ def fit(
         (:meth:`FitConfig.iblm_options`).
     :param tuple validation: An ``(x, y)`` pair evaluated before the first
         step, every ``eval_every`` steps and after the last one; a last MNLL
-        over 1.1 times the first is warned about (training made the model
-        worse).
+        above the first by over a tenth of its size (and 0.05 nats) is warned
+        about (training made the model worse).
     :param int eval_every: Steps between evaluations (default a tenth of the run).
     :param int num_samples: Guide draws of the Monte Carlo predictive.
     :param bool progress: Show a tqdm progress bar with the loss.
@@ -207,7 +210,7 @@ def fit(
     num_data = batches.num_data
     if validation is not None:
         validation = _check_batch(validation, "validation")
-    _check_model(model, batches.first, num_data)
+    regression = _check_model(model, batches.first, num_data)
     chunk = max(1, min(num_data, 4096))  # validation rows per model call
     if validation is not None:
         _check_validation(model, validation, chunk)
@@ -259,7 +262,8 @@ def fit(
                 "training continues from them; call pyro.clear_param_store() first to start "
                 "afresh", UserWarning, stacklevel=2)
         _set_up(guide, batches.first)
-    config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles)
+    config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
+                        regression=regression)
     history.config = config
     optim = optim if optim is not None else config.optimizer()
     if resumed is not None:
