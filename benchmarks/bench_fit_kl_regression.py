@@ -332,8 +332,9 @@ def main(args):
             rows = json.load(f)
     done = {(r["problem"], r["kl_weight"], r["seed"]) for r in rows}
     oracle = {name: PROBLEMS[name]["data"]()[1] for name in args.problems}
-    jobs = [(name, lam, seed) for name in args.problems for lam in args.kl_weights
-            for seed in args.seeds if (name, lam, seed) not in done]
+    # seed by seed, so that an interrupted run has every problem and weight at some seeds
+    jobs = [(name, lam, seed) for seed in args.seeds for name in args.problems
+            for lam in args.kl_weights if (name, lam, seed) not in done]
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     with tqdm(jobs, desc="fit_kl_regression", disable=args.quick) as bar:
         for name, lam, seed in bar:
