@@ -37,7 +37,9 @@ SCRIPTS = {
     "bench_fit_capture.py": ["digits_mlp", "break-even steps", "load average"],
     "gpu_step_breakdown.py": ["where the time goes", "optimizer (ms)", "| 400 | 16 |"],
     "bench_fit_warmup.py": ["digits_cnn: test error / MNLL", "| 50 |", "warm-up steps"],
-    "bench_fit_kl_regression.py": ["| diabetes | 0.01 |", "| toy | 1 |", "noise scale at the end"],
+    "bench_fit_kl_regression.py": ["| diabetes | 0.01 |", "| toy | 1 |", "noise scale at the end",
+                                   "| friedman1_2000 | 2000 | 10 | 3151 |", "mean excess (nats)",
+                                   "| hetero_sine | 0.01 |"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
     # digits_50: N, W, N/W, the rule's lr and its grid neighbour
