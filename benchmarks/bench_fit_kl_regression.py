@@ -11,7 +11,9 @@ standard deviation), ``make_regression`` (a linear target with noise, fit by
 a nonlinear MLP anyway), and a heteroscedastic sine written here (noise
 standard deviation from 0.1 to 0.7 against the model's one learned scale).
 The generated problems are standardized on their training rows and tested on
-1000 fresh rows from the same generator.
+1000 fresh rows from the same generator. Four probes of a rule change one
+thing of those: the toy regression with ReLU, Friedman 1 (200 rows) with tanh
+or with a narrower MLP 10-20-20-1, and the sine with 9 unrelated inputs more.
 
 Each run: ``BayesianRegressor(bayesianize(net), learn_noise=True)``,
 ``AutoKTiedNormal(rank=2)``, I-BLM with fit's options
@@ -28,7 +30,7 @@ I-BLM's noise scale) beside the KL weights within 0.05 nats of the best.
 
 Usage::
 
-    python -m benchmarks.bench_fit_kl_regression          # 8 problems, 5 weights, 3 seeds
+    python -m benchmarks.bench_fit_kl_regression          # 12 problems, 5 weights, 3 seeds
     python -m benchmarks.bench_fit_kl_regression --quick  # smoke run, files under /tmp
     python -m benchmarks.bench_fit_kl_regression --resume # go on from an interrupted run
     python -m benchmarks.bench_fit_kl_regression \\
@@ -111,13 +113,19 @@ def linear(n_train, noise):
     return _standardized(x, y, x @ coef, noise, n_train)
 
 
-def hetero_sine(n_train):
+def hetero_sine(n_train, distractors=0):
     """:math:`x \\sim U[-3, 3]`, :math:`y = \\sin 2x + (0.1 + 0.2|x|)\\,\\varepsilon`: the
-    noise standard deviation grows sevenfold across the inputs; the model has one."""
+    noise standard deviation grows sevenfold across the inputs; the model has one. With
+    ``distractors``, that many inputs more, :math:`U[-3, 3]` and unrelated to ``y`` (the
+    same ``x`` and ``y`` otherwise)."""
     rng = np.random.RandomState(0)
     x = rng.uniform(-3, 3, size=(n_train + NUM_TEST, 1))
     f, scale = np.sin(2 * x[:, 0]), 0.1 + 0.2 * np.abs(x[:, 0])
-    return _standardized(x, f + scale * rng.standard_normal(f.shape), f, scale, n_train)
+    y = f + scale * rng.standard_normal(f.shape)
+    if distractors:
+        extra = np.random.RandomState(1).uniform(-3, 3, size=(len(x), distractors))
+        x = np.concatenate([x, extra], axis=1)
+    return _standardized(x, y, f, scale, n_train)
 
 
 def diabetes():
@@ -146,7 +154,17 @@ PROBLEMS = {
     "linear": dict(data=lambda: linear(300, 70.0), sizes=(10, 50, 50, 1), activation=nn.ReLU),
     "hetero_sine": dict(data=lambda: hetero_sine(300), sizes=(1, 50, 50, 1),
                         activation=nn.Tanh),
+    # PROBES of a rule: each changes one thing of a problem above (the activation, the
+    # width, or 9 unrelated inputs more)
+    "toy_relu": dict(data=toy, sizes=(1, 50, 50, 1), activation=nn.ReLU),
+    "friedman1_200_tanh": dict(data=lambda: friedman(1, 200, 1.0), sizes=(10, 50, 50, 1),
+                               activation=nn.Tanh),
+    "friedman1_200_narrow": dict(data=lambda: friedman(1, 200, 1.0), sizes=(10, 20, 20, 1),
+                                 activation=nn.ReLU),
+    "hetero_sine_10d": dict(data=lambda: hetero_sine(300, distractors=9),
+                            sizes=(10, 50, 50, 1), activation=nn.Tanh),
 }
+PROBES = ("toy_relu", "friedman1_200_tanh", "friedman1_200_narrow", "hetero_sine_10d")
 
 
 def run(name, kl_weight, seed, steps, num_samples):
@@ -217,13 +235,14 @@ def per_problem(rows, summary):
     return out
 
 
-def per_weight(problems, summary):
-    """Per KL weight, over problems: the mean and worst excess (nats), the problems
-    within :data:`TOLERANCE`, and those whose median run ends worse than after I-BLM."""
+def per_weight(problems, summary, names):
+    """Per KL weight, over the problems ``names``: the mean and worst excess (nats), the
+    problems within :data:`TOLERANCE`, and those whose median run ends worse than after
+    I-BLM."""
     lams = sorted({lam for p in problems.values() for lam in p["excess"]})
     out = {}
     for lam in lams:
-        excess = {n: p["excess"][lam] for n, p in problems.items() if lam in p["excess"]}
+        excess = {n: problems[n]["excess"][lam] for n in names if lam in problems[n]["excess"]}
         worst = max(excess, key=excess.get)
         cells = [summary[n, lam] for n in excess]
         out[lam] = {"mean_excess": statistics.mean(excess.values()),
@@ -241,8 +260,11 @@ def per_weight(problems, summary):
 def report(rows, config):
     summary = summarize(rows)
     problems = per_problem(rows, summary)
-    weights = per_weight(problems, summary)
-    lams = sorted(weights)
+    groups = {"problems": [n for n in problems if n not in PROBES]}
+    if any(n in PROBES for n in problems):
+        groups["problems and probes"] = list(problems)
+    weights = {group: per_weight(problems, summary, names) for group, names in groups.items()}
+    lams = sorted(weights["problems"])
     detail = [[name, f"{lam:g}"] + [f"{s[k]:.3f}" for k in ("start_mnll", "best_mnll",
                                                              "last_mnll", "last_mnll_range",
                                                              "last_rmse", "noise_scale")]
@@ -254,13 +276,13 @@ def report(rows, config):
               + [f"**{p['excess'][lam]:.3f}**" if p["excess"][lam] <= TOLERANCE
                  else f"{p['excess'][lam]:.3f}" for lam in lams]
               for name, p in problems.items()]
-    per_lam = [[f"{lam:g}", f"{w['mean_excess']:.3f}",
+    per_lam = [[group, f"{lam:g}", f"{w['mean_excess']:.3f}",
                 f"{w['worst_excess']:.3f} ({w['worst_problem']})",
                 f"{w['within']}/{w['problems']}",
                 f"{len(w['ends_worse'])}/{w['problems']}"
                 + (f" ({', '.join(w['ends_worse'])})" if w["ends_worse"] else ""),
                 f"{w['runs_worse']}/{w['runs']}"]
-               for lam, w in weights.items()]
+               for group, by_lam in weights.items() for lam, w in by_lam.items()]
     seeds, steps = config["seeds"], config["steps"]
     every = max(1, steps // 10)
     text = "\n".join([
@@ -278,9 +300,11 @@ def report(rows, config):
         "that problem, medians over seeds), not a ratio: MNLL can be negative. "
         f"\"Within {TOLERANCE}\" counts the problems whose excess is at most {TOLERANCE} "
         "nats; \"ends worse than after I-BLM\" the problems whose median last MNLL is "
-        "above their median MNLL right after I-BLM, and the runs (problem × seed) that do.",
+        "above their median MNLL right after I-BLM, and the runs (problem × seed) that do. "
+        f"Over the {len(groups['problems'])} problems, then with the "
+        f"{len(problems) - len(groups['problems'])} probes ({', '.join(PROBES)}).",
         "",
-        markdown_table(["KL weight", "mean excess (nats)", "worst excess (nats)",
+        markdown_table(["over", "KL weight", "mean excess (nats)", "worst excess (nats)",
                         f"problems within {TOLERANCE}", "problems ending worse than after "
                         "I-BLM", "runs ending worse than after I-BLM"], per_lam),
         "",
@@ -300,7 +324,8 @@ def _for_json(summary, problems, weights):
                         for (n, lam), s in summary.items()],
             "problems": {n: {**p, "excess": {f"{lam:g}": v for lam, v in p["excess"].items()}}
                          for n, p in problems.items()},
-            "per_kl_weight": {f"{lam:g}": w for lam, w in weights.items()}}
+            "per_kl_weight": {group: {f"{lam:g}": w for lam, w in by_lam.items()}
+                              for group, by_lam in weights.items()}}
 
 
 def rereport(args):

@@ -39,7 +39,7 @@ SCRIPTS = {
     "bench_fit_warmup.py": ["digits_cnn: test error / MNLL", "| 50 |", "warm-up steps"],
     "bench_fit_kl_regression.py": ["| diabetes | 0.01 |", "| toy | 1 |", "noise scale at the end",
                                    "| friedman1_2000 | 2000 | 10 | 3151 |", "mean excess (nats)",
-                                   "| hetero_sine | 0.01 |"],
+                                   "| problems and probes | 0.01 |", "| hetero_sine_10d | 0.01 |"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
     # digits_50: N, W, N/W, the rule's lr and its grid neighbour
