@@ -1,7 +1,7 @@
 """
 Does :func:`~pyro_vinit.fit`'s KL weight of 0.01 (chosen on classification)
 serve a regression with a learned noise? Held-out test MNLL and RMSE of
-``fit`` at KL weights 0.01, 0.03, 0.1, 0.3 and 1 on eight regressions that
+``fit`` at KL weights 0.01, 0.03, 0.1, 0.2, 0.3 and 1 on eight regressions that
 install offline: scikit-learn's diabetes (354 training rows, standardized,
 ReLU MLP 10-50-50-1), the toy regression of
 :func:`~pyro_vinit.data.toy_regression` (500 rows, tanh MLP 1-50-50-1),
@@ -30,7 +30,7 @@ I-BLM's noise scale) beside the KL weights within 0.05 nats of the best.
 
 Usage::
 
-    python -m benchmarks.bench_fit_kl_regression          # 12 problems, 5 weights, 3 seeds
+    python -m benchmarks.bench_fit_kl_regression          # 12 problems, 6 weights, 5 seeds: ~1 h
     python -m benchmarks.bench_fit_kl_regression --quick  # smoke run, files under /tmp
     python -m benchmarks.bench_fit_kl_regression --resume # go on from an interrupted run
     python -m benchmarks.bench_fit_kl_regression \\
@@ -293,7 +293,10 @@ def report(rows, config):
                        detail),
         "", f"{config['num_samples']} guide draws per evaluation, every {every} steps; "
         f"{config['threads']} thread(s). RMSE and noise scale in the standardized units "
-        f"of the target (toy: raw).", "",
+        f"of the target (toy: raw). {len(rows)} runs, "
+        f"{sum(r['seconds'] for r in rows) / 60:.0f} min of I-BLM and fitting"
+        + (" (made in parts with --resume: the JSON's host and load average are the last "
+           "part's)." if config.get("resume") else "."), "",
         "## Per KL weight, over problems: excess of the last test MNLL over the best KL "
         "weight's on the problem", "",
         "The excess is in nats (last MNLL minus the lowest last MNLL among the KL weights on "
@@ -382,8 +385,8 @@ if __name__ == "__main__":
     parser = make_parser(__doc__, quick_help="smoke run: a few steps, files under /tmp")
     parser.add_argument("--problems", nargs="+", choices=list(PROBLEMS), default=list(PROBLEMS))
     parser.add_argument("--kl-weights", nargs="+", type=float,
-                        default=[0.01, 0.03, 0.1, 0.3, 1.0])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+                        default=[0.01, 0.03, 0.1, 0.2, 0.3, 1.0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--resume", action="store_true",
