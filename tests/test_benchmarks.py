@@ -37,7 +37,9 @@ SCRIPTS = {
     "bench_fit_capture.py": ["digits_mlp", "break-even steps", "load average"],
     "gpu_step_breakdown.py": ["where the time goes", "optimizer (ms)", "| 400 | 16 |"],
     "bench_fit_warmup.py": ["digits_cnn: test error / MNLL", "| 50 |", "warm-up steps"],
-    "bench_fit_kl_regression.py": ["| diabetes | 0.01 |", "| toy | 1 |", "noise scale at the end"],
+    "bench_fit_kl_regression.py": ["| diabetes | 0.01 |", "| toy | 1 |", "noise scale at the end",
+                                   "| friedman1_2000 | 2000 | 10 | 3151 |", "mean excess (nats)",
+                                   "| problems and probes | 0.01 |", "| hetero_sine_10d | 0.01 |"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
     # digits_50: N, W, N/W, the rule's lr and its grid neighbour
@@ -95,6 +97,40 @@ def test_script_quick(script, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for text in SCRIPTS[script]:
         assert text in result.stdout, (text, result.stdout[-3000:])
+
+
+def test_kl_regression_summary_in_nats():
+    # bench_fit_kl_regression's per-weight summary on made-up runs: medians over seeds,
+    # the excess over each problem's best weight (a difference: MNLL can be negative),
+    # and the runs that end above their start
+    from benchmarks.bench_fit_kl_regression import per_problem, per_weight, summarize
+
+    def row(problem, lam, seed, start, last):
+        return {"problem": problem, "kl_weight": lam, "seed": seed, "start_mnll": start,
+                "best_mnll": min(start, last) - 0.05, "last_mnll": last, "last_rmse": 1.0,
+                "noise_scale": 0.5, "iblm_noise": 0.4 + seed, "num_data": 100,
+                "input_dim": 2, "num_weights": 50}
+
+    rows = [row("a", 0.1, 0, 0.0, -0.5), row("a", 0.1, 1, 0.0, -0.3), row("a", 0.1, 2, 0.0, 9.0),
+            row("a", 1.0, 0, 0.0, -0.2), row("a", 1.0, 1, 0.0, -0.2), row("a", 1.0, 2, 0.0, 0.1),
+            row("b", 0.1, 0, 1.0, 3.0), row("b", 1.0, 0, 1.0, 0.96)]
+    summary = summarize(rows)
+    assert summary["a", 0.1]["last_mnll"] == -0.3 and summary["a", 0.1]["runs_worse"] == 1
+    assert summary["a", 0.1]["last_mnll_range"] == pytest.approx(9.5)
+    problems = per_problem(rows, summary)
+    assert problems["a"]["best_kl_weight"] == 0.1 and problems["b"]["best_kl_weight"] == 1.0
+    assert problems["a"]["excess"] == pytest.approx({0.1: 0.0, 1.0: 0.1})
+    assert problems["b"]["excess"] == pytest.approx({0.1: 2.04, 1.0: 0.0})
+    assert problems["a"]["iblm_noise"] == 1.4
+    weights = per_weight(problems, summary, ["a", "b"])
+    assert weights[0.1]["mean_excess"] == pytest.approx(1.02)
+    assert (weights[0.1]["worst_excess"], weights[0.1]["worst_problem"]) == (
+        pytest.approx(2.04), "b")
+    assert weights[0.1]["within"] == 1 and weights[1.0]["within"] == 1  # a's 0.1 > 0.05
+    assert weights[0.1]["ends_worse"] == ["b"] and weights[1.0]["ends_worse"] == []
+    assert (weights[0.1]["runs_worse"], weights[0.1]["runs"]) == (2, 4)
+    only_a = per_weight(problems, summary, ["a"])[1.0]
+    assert only_a["mean_excess"] == pytest.approx(0.1) and only_a["within"] == 0
 
 
 def test_fit_lr_from_json_rewrites_the_same_report(tmp_path):
