@@ -38,6 +38,10 @@ SCRIPTS = {
     "gpu_step_breakdown.py": ["where the time goes", "optimizer (ms)", "| 400 | 16 |"],
     "bench_fit_warmup.py": ["digits_cnn: test error / MNLL", "| 50 |", "warm-up steps"],
     "bench_fit_kl_regression.py": ["| diabetes | 0.01 |", "| toy | 1 |", "noise scale at the end"],
+    "bench_regional_compile.py": ["inductor on the elementwise regions ÷ fit's step, "
+                                  "CapturedSVI (replay) | 32", "where the time goes",
+                                  "| torch.float64 | fit's step, CapturedSVI (replay) | 0.0e+00 "
+                                  "| 0.0e+00 |", "load average"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
     # digits_50: N, W, N/W, the rule's lr and its grid neighbour
