@@ -40,6 +40,10 @@ SCRIPTS = {
     "bench_fit_kl_regression.py": ["| diabetes | 0.01 |", "| toy | 1 |", "noise scale at the end",
                                    "| friedman1_2000 | 2000 | 10 | 3151 |", "mean excess (nats)",
                                    "| problems and probes | 0.01 |", "| hetero_sine_10d | 0.01 |"],
+    "bench_regional_compile.py": ["inductor on the elementwise regions ÷ fit's step, "
+                                  "CapturedSVI (replay) | 32", "where the time goes",
+                                  "| torch.float64 | fit's step, CapturedSVI (replay) | 0.0e+00 "
+                                  "| 0.0e+00 |", "load average"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
     # digits_50: N, W, N/W, the rule's lr and its grid neighbour
