@@ -27,12 +27,16 @@ test MNLL over the best λ's on that problem (in nats: MNLL can be negative,
 so no ratios), and the problems that end worse than right after I-BLM; and,
 per problem, what ``fit`` could see before training (N, inputs, weights,
 I-BLM's noise scale) beside the KL weights within 0.05 nats of the best.
+With ``--fixed-noise SCALE`` the noise scale is fixed at ``SCALE`` instead
+(``BayesianRegressor``'s default, ``learn_noise=False``).
 
 Usage::
 
     python -m benchmarks.bench_fit_kl_regression          # 12 problems, 6 weights, 5 seeds: ~1 h
     python -m benchmarks.bench_fit_kl_regression --quick  # smoke run, files under /tmp
     python -m benchmarks.bench_fit_kl_regression --resume # go on from an interrupted run
+    python -m benchmarks.bench_fit_kl_regression --fixed-noise 1 --tag _fixed_noise \
+        --problems diabetes friedman1_200 linear toy hetero_sine_10d --kl-weights 0.01 0.3 1
     python -m benchmarks.bench_fit_kl_regression \\
         --from-json benchmarks/results/bench_fit_kl_regression.json  # tables only
 """
@@ -167,16 +171,22 @@ PROBLEMS = {
 PROBES = ("toy_relu", "friedman1_200_tanh", "friedman1_200_narrow", "hetero_sine_10d")
 
 
-def run(name, kl_weight, seed, steps, num_samples):
+def _noise(model):
+    return float(torch.as_tensor(model.noise_scale).detach())
+
+
+def run(name, kl_weight, seed, steps, num_samples, fixed_noise=None):
     """One fit of ``name`` at ``kl_weight``: its test curve, I-BLM's and the end's
-    noise scale."""
+    noise scale (a learned one, or ``fixed_noise`` throughout)."""
     spec = PROBLEMS[name]
     (x, y, x_test, y_test), _ = spec["data"]()
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     net = mlp(spec["sizes"], spec["activation"])
     num_weights = sum(p.numel() for p in net.parameters())
-    model = BayesianRegressor(bayesianize(net), num_data=len(x), learn_noise=True)
+    model = (BayesianRegressor(bayesianize(net), num_data=len(x), learn_noise=True)
+             if fixed_noise is None else
+             BayesianRegressor(bayesianize(net), noise_scale=fixed_noise, num_data=len(x)))
     guide = AutoKTiedNormal(model, rank=2)
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -184,7 +194,7 @@ def run(name, kl_weight, seed, steps, num_samples):
         # fit's own I-BLM (its options, the whole training pair), run here to read the
         # noise scale it sets; fit then sees an initialized guide and only trains
         init_guide_iblm(guide, (x, y), **FitConfig().iblm_options(len(x)))
-        iblm_noise = float(model.noise_scale.detach())
+        iblm_noise = _noise(model)
         history = fit(model, guide, (x, y), steps=steps, kl_weight=kl_weight,
                       validation=(x_test, y_test), eval_every=max(1, steps // 10),
                       num_samples=num_samples, progress=False)
@@ -195,7 +205,7 @@ def run(name, kl_weight, seed, steps, num_samples):
             "iblm_noise": iblm_noise, "captured": history.captured,
             "start_mnll": curve[0]["mnll"], "best_mnll": min(c["mnll"] for c in curve),
             "last_mnll": curve[-1]["mnll"], "last_rmse": curve[-1]["rmse"],
-            "noise_scale": float(model.noise_scale.detach()),
+            "noise_scale": _noise(model),
             "seconds": time.perf_counter() - start}
 
 
@@ -285,8 +295,10 @@ def report(rows, config):
                for group, by_lam in weights.items() for lam, w in by_lam.items()]
     seeds, steps = config["seeds"], config["steps"]
     every = max(1, steps // 10)
+    fixed = config.get("fixed_noise")
+    noise = "learned noise" if fixed is None else f"fixed noise {fixed:g}"
     text = "\n".join([
-        f"## fit on regressions with a learned noise: test MNLL / RMSE by KL weight "
+        f"## fit on regressions with a {noise}: test MNLL / RMSE by KL weight "
         f"(medians over seeds {seeds}, {steps} steps)", "",
         markdown_table(["problem", "KL weight", "MNLL after I-BLM", "best MNLL", "last MNLL",
                         "last MNLL range over seeds", "last RMSE", "noise scale at the end"],
@@ -367,7 +379,8 @@ def main(args):
     with tqdm(jobs, desc="fit_kl_regression", disable=args.quick) as bar:
         for name, lam, seed in bar:
             bar.set_postfix_str(f"{name} λ={lam:g} seed={seed}")
-            rows.append({**run(name, lam, seed, args.steps, args.num_samples),
+            rows.append({**run(name, lam, seed, args.steps, args.num_samples,
+                               args.fixed_noise),
                          "oracle_mnll": oracle[name]})
             with open(partial, "w") as f:
                 json.dump(rows, f)
@@ -389,6 +402,8 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--fixed-noise", type=float, default=None, metavar="SCALE",
+                        help="a fixed noise scale instead of a learned one")
     parser.add_argument("--resume", action="store_true",
                         help="skip the runs an interrupted run of these options saved")
     parser.add_argument("--from-json", default=None,

@@ -388,6 +388,7 @@ class BayesianRegressor(PyroModule):
         _check_num_data(type(self), num_data)
         super().__init__()
         self.net = net
+        self.learn_noise = learn_noise
         if learn_noise:
             # PyroModule's __setattr__ makes this a constrained param, read as its value
             self.noise_scale = PyroParam(  # type: ignore[assignment]

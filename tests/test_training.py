@@ -1,4 +1,5 @@
 import contextlib
+import functools
 import math
 import warnings
 
@@ -328,40 +329,57 @@ def test_is_initialized_reads_the_guides_own_params_only():
     assert not is_initialized(lambda x, y=None: None)  # not an autoguide: never
 
 
-def _functional_regression(x, y=None):
+def _functional_regression(x, y=None, learn=False):
     w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, x.shape[-1]]).to_event(2))
+    scale = pyro.param("noise", torch.tensor(0.5), constraint=dist.constraints.positive) \
+        if learn else 0.5
     with pyro.plate("data", 240, subsample=torch.arange(len(x))):
-        pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), 0.5), obs=y)
+        pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), scale), obs=y)
 
 
-def test_fit_config_kl_weight_by_the_models_likelihood():
-    # a regression's KL weight where its model says it is one; explicit settings win
-    regressor = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240)
-    assert fit_config(AutoKTiedNormal(regressor)).kl_weight == 0.3
-    assert fit_config(AutoKTiedNormal(pyro.condition(regressor, data={}))).kl_weight == 0.3
+def _latent_noise_regression(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, x.shape[-1]]).to_event(2))
+    sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), sigma), obs=y)
+
+
+def test_fit_config_kl_weight_where_the_model_learns_its_noise():
+    # 0.3 where a BayesianRegressor learns its noise scale; explicit settings win
+    def regressor(learn):
+        return BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240, learn_noise=learn)
+
+    assert fit_config(AutoKTiedNormal(regressor(True))).kl_weight == 0.3
+    assert fit_config(AutoKTiedNormal(pyro.condition(regressor(True), data={}))).kl_weight == 0.3
+    assert fit_config(AutoKTiedNormal(regressor(False))).kl_weight == 0.01
     assert fit_config(AutoKTiedNormal(classifier())).kl_weight == 0.01
-    assert fit_config(AutoKTiedNormal(regressor), regression=False).kl_weight == 0.01
-    assert fit_config(AutoKTiedNormal(regressor), kl_weight=0.05).kl_weight == 0.05
+    assert fit_config(AutoKTiedNormal(regressor(True)), learned_noise=False).kl_weight == 0.01
+    assert fit_config(AutoKTiedNormal(regressor(True)), kl_weight=0.05).kl_weight == 0.05
+    assert pyro.get_param_store().keys() == set()  # nothing read through the param store
     guide = AutoNormal(_functional_regression)
-    with pytest.warns(UserWarning, match="pass regression=True for a likelihood of continuous"):
+    with pytest.warns(UserWarning, match="pass learned_noise=True where it does"):
         assert fit_config(guide).kl_weight == 0.01
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert fit_config(guide, regression=True).kl_weight == 0.3
+        assert fit_config(guide, learned_noise=True).kl_weight == 0.3
         assert fit_config(guide, kl_weight=1.0).kl_weight == 1.0
-    with pytest.raises(TypeError, match="regression must be True, False or None"):
-        fit_config(guide, regression="yes")
+    with pytest.raises(TypeError, match="learned_noise must be True, False or None"):
+        fit_config(guide, learned_noise="yes")
 
 
 @pytest.mark.parametrize("make_model, expected", [
-    (lambda: _functional_regression, 0.3),
-    (lambda: BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240), 0.3),
+    (lambda: _functional_regression, 0.01),  # a fixed noise
+    (lambda: functools.partial(_functional_regression, learn=True), 0.3),  # a noise param
+    (lambda: _latent_noise_regression, 0.3),  # a latent noise
+    (lambda: BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240, learn_noise=True),
+     0.3),
+    (lambda: BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240), 0.01),
     (lambda: classifier(), 0.01),
-])
-def test_fit_reads_the_kl_weight_from_the_likelihood(make_model, expected):
+], ids=["fixed", "param", "latent", "learn_noise", "regressor", "classifier"])
+def test_fit_reads_whether_the_model_learns_its_noise(make_model, expected):
     x, y = blobs()
     model = make_model()
-    if expected == 0.3:
+    if not isinstance(model, BayesianClassifier):
         y = y.float()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "cannot tell" from fit
@@ -394,11 +412,11 @@ def test_fit_config_guide_list_takes_each_sites_weight_noise():
     guide = AutoGuideList(model)
     guide.append(AutoKTiedNormal(pyro.poutine.block(model, hide=["sigma"]), rank=2))
     guide.append(AutoNormal(pyro.poutine.block(model, expose=["sigma"])))
-    config = fit_config(guide, regression=True)
+    config = fit_config(guide, learned_noise=True)
     made = config.weight_noise()
     assert type(made) is WeightNoiseMessenger and isinstance(made.config, AutoWeightNoise)
     assert made.config.local_reparam.conv is False
-    assert fit_config(AutoGuideList(model), regression=True).weight_noise is None  # no member
+    assert fit_config(AutoGuideList(model), learned_noise=True).weight_noise is None  # no member
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # I-BLM names the member it leaves alone
         history = fit(model, guide, (x, y), steps=20, batch_size=40, progress=False,

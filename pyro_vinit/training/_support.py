@@ -244,8 +244,8 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
 
 
 def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool:
-    """Checks the model on the first batch; returns whether it is a regression (a
-    likelihood of continuous support)."""
+    """Checks the model on the first batch; returns whether it learns its
+    likelihood's noise scale (:func:`_learns_noise`)."""
     x, y = batch
     declared = getattr(model, "num_data", None)
     if isinstance(declared, int) and declared != num_data:
@@ -273,7 +273,30 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
                 f"num_data={num_data} (BayesianClassifier / BayesianRegressor), or use "
                 f"pyro.plate('data', {num_data}, subsample=...) in your model"
             )
-    return any(not _base(site["fn"]).support.is_discrete for site in observed)
+    return _learns_noise(model, x, y, trace)
+
+
+def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
+                  trace: poutine.Trace) -> bool:
+    """Whether a likelihood of continuous support has a parameter other than its
+    location that depends on a param or a latent site: the model run again with its
+    latent values as leaves that require gradients."""
+    leaves = {name: cast(torch.Tensor, site["value"]).detach().clone().requires_grad_()
+              for name, site in trace.nodes.items()
+              if site["type"] == "sample" and not site["is_observed"]
+              and not is_deterministic_site(site)
+              and cast(torch.Tensor, site["value"]).is_floating_point()}
+    with _sandbox(model), torch.enable_grad():
+        again = poutine.trace(poutine.condition(model, data=leaves)).get_trace(x, y)
+    for site in _likelihoods(again):
+        fn = _base(site["fn"])
+        if fn.support.is_discrete:
+            continue
+        for name in fn.arg_constraints:
+            value = getattr(fn, name, None) if name != "loc" else None
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                return True
+    return False
 
 
 def _set_up(guide: Callable[..., Any], batch: Batch) -> None:

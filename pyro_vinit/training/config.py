@@ -54,8 +54,8 @@ class FitConfig:
         linearly to ``lr`` (:class:`~pyro_vinit.training.GroupedAdam`), so
         that Adam's first steps keep the initialization's head start.
     :param float kl_weight: The weight :math:`\\lambda` of the KL term
-        (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`): 0.01 for a
-        classifier, 0.3 for a regression (:func:`fit_config`).
+        (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`): 0.01, or 0.3
+        for a model that learns its likelihood's noise scale (:func:`fit_config`).
     :param int num_particles: Monte Carlo samples per ELBO evaluation.
     :param callable weight_noise: Returns a fresh weight-noise handler
         (e.g. ``functools.partial(local_reparam, conv=False)``), or None.
@@ -121,12 +121,12 @@ def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], Co
     return None
 
 
-#: fit's KL weight for a regression, a model with a likelihood of continuous support,
-#: where a classifier's 0.01 lets a learned noise scale collapse (the "Training" page).
-_REGRESSION_KL_WEIGHT = 0.3
+#: fit's KL weight for a model that learns its likelihood's noise scale, where 0.01 lets
+#: the noise collapse onto the training residuals (the "Training" method page).
+_LEARNED_NOISE_KL_WEIGHT = 0.3
 
 
-def _is_regression(guide: Callable[..., Any]) -> Optional[bool]:
+def _learns_noise(guide: Callable[..., Any]) -> Optional[bool]:
     # What the guide's model says of itself, where it can: None for any other model.
     from pyro_vinit.nn import BayesianClassifier, BayesianRegressor
 
@@ -135,7 +135,7 @@ def _is_regression(guide: Callable[..., Any]) -> Optional[bool]:
     if chain:  # the model inside the guide's InitMessenger (and the user's handlers)
         model = chain[-1][1]
     if isinstance(model, BayesianRegressor):
-        return True
+        return model.learn_noise
     if isinstance(model, BayesianClassifier):
         return False
     return None
@@ -153,14 +153,14 @@ def fit_config(
     lr: Optional[float] = None,
     kl_weight: Optional[float] = None,
     num_particles: Optional[int] = None,
-    regression: Optional[bool] = None,
+    learned_noise: Optional[bool] = None,
 ) -> FitConfig:
     """
     The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
     3e-3 (:class:`GroupedAdam`), reached by a linear warm-up over the first 50
     steps, ``TraceMeanField_ELBO`` with one particle,
-    the KL term weighted by 0.01 for a classifier and by 0.3 for a
-    regression (a likelihood of continuous support), under
+    the KL term weighted by 0.01 (by 0.3 where the model learns its
+    likelihood's noise scale), under
     ``local_reparam(conv=False)`` (:func:`~pyro_vinit.poutine.local_reparam`:
     per-example noise on linear layers and matrix products, convolutions on
     their weight sample) for factorized-Normal guides
@@ -185,15 +185,17 @@ def fit_config(
     :param float lr: Overrides the learning rate.
     :param float kl_weight: Overrides the KL weight.
     :param int num_particles: Overrides the number of particles.
-    :param bool regression: Whether the model is a regression (its KL weight
-        0.3) or a classifier (0.01). None: read from the guide's model, a
-        :class:`~pyro_vinit.nn.BayesianRegressor` or
-        :class:`~pyro_vinit.nn.BayesianClassifier`; for any other model, a
-        classifier's, with a warning (:func:`fit` reads it from the model's
-        likelihood).
+    :param bool learned_noise: Whether the model learns its likelihood's
+        noise scale (a param, a latent site or a network's output; KL weight
+        0.3) or not (a classifier, a fixed noise; 0.01). None: read from the
+        guide's model, a :class:`~pyro_vinit.nn.BayesianRegressor` (its
+        ``learn_noise``) or :class:`~pyro_vinit.nn.BayesianClassifier`; for
+        any other model, 0.01 with a warning (:func:`fit` reads it from the
+        model's likelihood).
     """
-    if regression is not None and not isinstance(regression, bool):
-        raise TypeError(f"fit: regression must be True, False or None, got {regression!r}")
+    if learned_noise is not None and not isinstance(learned_noise, bool):
+        raise TypeError(
+            f"fit: learned_noise must be True, False or None, got {learned_noise!r}")
     changes: Dict[str, Any] = {"weight_noise": _default_weight_noise(guide)}
     if lr is not None:
         _check_positive("lr", lr)
@@ -202,16 +204,17 @@ def fit_config(
         _check_positive("kl_weight", kl_weight)
         changes["kl_weight"] = float(kl_weight)
     else:
-        if regression is None:
-            regression = _is_regression(guide)
-        if regression is None:
+        if learned_noise is None:
+            learned_noise = _learns_noise(guide)
+        if learned_noise is None:
             warnings.warn(
-                "fit_config: cannot tell whether the guide's model is a classifier or a "
-                "regression, so the KL weight is a classifier's, 0.01; pass regression=True "
-                f"for a likelihood of continuous support (KL weight {_REGRESSION_KL_WEIGHT:g}), "
-                "regression=False, or kl_weight", UserWarning, stacklevel=2)
-        elif regression:
-            changes["kl_weight"] = _REGRESSION_KL_WEIGHT
+                "fit_config: cannot tell whether the guide's model learns its likelihood's "
+                "noise scale, so the KL weight is 0.01; pass learned_noise=True where it does "
+                f"(a noise param, latent site or network output: KL weight "
+                f"{_LEARNED_NOISE_KL_WEIGHT:g}), learned_noise=False, or kl_weight",
+                UserWarning, stacklevel=2)
+        elif learned_noise:
+            changes["kl_weight"] = _LEARNED_NOISE_KL_WEIGHT
     if num_particles is not None:
         _check_positive("num_particles", num_particles, int)
         changes["num_particles"] = num_particles

@@ -149,8 +149,8 @@ def fit(
     :param optim: A Pyro optimizer instead of :meth:`FitConfig.optimizer`
         (pass the same one to a second call to keep Adam's moments).
     :param float lr: Learning rate of the default optimizer.
-    :param float kl_weight: KL weight instead of 0.01 (a classifier) or 0.3 (a
-        model with a likelihood of continuous support: a regression).
+    :param float kl_weight: KL weight instead of 0.01, or 0.3 where the model
+        learns its likelihood's noise scale (see :func:`fit_config`).
     :param int num_particles: Particles of the ELBO.
     :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
     :param dict init_options: Keyword options of
@@ -210,7 +210,7 @@ def fit(
     num_data = batches.num_data
     if validation is not None:
         validation = _check_batch(validation, "validation")
-    regression = _check_model(model, batches.first, num_data)
+    learned_noise = _check_model(model, batches.first, num_data)
     chunk = max(1, min(num_data, 4096))  # validation rows per model call
     if validation is not None:
         _check_validation(model, validation, chunk)
@@ -263,7 +263,7 @@ def fit(
                 "afresh", UserWarning, stacklevel=2)
         _set_up(guide, batches.first)
     config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
-                        regression=regression)
+                        learned_noise=learned_noise)
     history.config = config
     optim = optim if optim is not None else config.optimizer()
     if resumed is not None:
