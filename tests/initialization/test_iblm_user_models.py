@@ -218,7 +218,8 @@ def test_fixed_noise_is_used_unless_asked():
 # ---------------------------------------------------------------- matmul layers: closed form
 
 
-@pytest.mark.parametrize("spelling", ["matmul", "einsum", "addmm", "transposed"])
+@pytest.mark.parametrize("spelling", ["matmul", "einsum", "addmm", "transposed",
+                                      "unsqueezed_bias", "einsum_ellipsis"])
 def test_matmul_layer_equals_closed_form(spelling):
     n, d_in, d_out = 50, 3, 2
     x = torch.randn(n, d_in, dtype=F64)
@@ -236,6 +237,10 @@ def test_matmul_layer_equals_closed_form(spelling):
             mean = torch.einsum("ni,io->no", x, w) + b
         elif spelling == "addmm":
             mean = torch.addmm(b, x, w)
+        elif spelling == "unsqueezed_bias":  # written to vectorize over leading sample dims
+            mean = x @ w + b.unsqueeze(-2)
+        elif spelling == "einsum_ellipsis":
+            mean = torch.einsum("ni,...io->...no", x, w) + b.unsqueeze(-2)
         else:
             mean = x @ w.T + b
         with pyro.plate("data", x.shape[0]):
