@@ -455,6 +455,25 @@ def _roles(
     return likelihood
 
 
+def output_layer_site(
+    model: Callable[..., Any], values: Dict[str, torch.Tensor], args: Sequence[Any],
+    num_rows: int,
+) -> Tuple[Optional[str], List[str]]:
+    """The weight site of the layer whose output feeds the likelihood's mean (or
+    logits) in a run of ``model`` with its latent sites at ``values`` (None
+    unless exactly one does), and the weight sites of all its layers."""
+    recorder = run_model(model, values, args, list(values), num_rows=num_rows,
+                         track_flow=True)
+    names = [layer.weight_name for layer in recorder.layers]
+    if len(recorder.observed) != 1:
+        return None, names
+    site = recorder.observed[0]
+    keys = ("loc",) if likelihood_family(site) == "normal" else ("logits", "probs")
+    tokens = frozenset().union(*(recorder.likelihood_flow.get(k, frozenset()) for k in keys))
+    outputs = sorted(cast(int, i) for kind, i in tokens if kind == "layer")
+    return (names[outputs[0]] if len(outputs) == 1 else None), names
+
+
 def trace_structure(
     guide: AutoGuide, pool: DataPool, latent: List[str], normal_priors: bool,
     model: Optional[Callable[..., Any]] = None,

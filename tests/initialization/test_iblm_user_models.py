@@ -764,6 +764,39 @@ def test_guide_list_initializes_its_supported_members():
     assert math.isfinite(svi.step(x, y))
 
 
+@pytest.mark.parametrize("output_member", ["AutoDelta", "AutoNormal"])
+@pytest.mark.parametrize("width", [8, 3])
+def test_guide_list_whose_output_layer_is_another_members_is_refused(output_member, width):
+    # Regression: the member over the hidden layers was fitted as a network of its own,
+    # its last hidden layer taken for the output layer (which another member owns):
+    # "the output layer ('w2') has 8 outputs but the likelihood has 3 target columns",
+    # or, with as many hidden units as classes, a silent fit of that layer to the labels.
+    from pyro.infer.autoguide import AutoDelta
+
+    x, y, _, _ = blobs(num_classes=3, dim=5, n=120)
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([width, 5]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([width, width]).to_event(2))
+        w3 = pyro.sample("w3", dist.Normal(0.0, 1.0).expand([3, width]).to_event(2))
+        logits = F.linear(torch.tanh(F.linear(torch.tanh(F.linear(x, w1)), w2)), w3)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=["w3"])))
+    member = AutoDelta if output_member == "AutoDelta" else AutoNormal
+    guide.append(member(pyro.poutine.block(model, expose=["w3"])))
+    guide(x, y)
+    before = [_state(g) for g in guide]
+    with pytest.raises(ValueError, match=rf"the layer that feeds the likelihood, 'w3', belongs "
+                       rf"to member 1: {output_member}, not to member 0: AutoNormal, which "
+                       r"owns the layers \['w1', 'w2'\]"):
+        init_guide_iblm(guide, (x, y))
+    for g, state in zip(guide, before):
+        _assert_state(g, state)
+
+
 def test_guide_list_member_without_layers_is_left_alone():
     # An AutoNormal (a guide I-BLM supports) over the hyperparameters only: no layer weight
     # among its sites, so it keeps its values and is named; the other member is fitted
