@@ -797,6 +797,36 @@ def test_guide_list_whose_output_layer_is_another_members_is_refused(output_memb
         _assert_state(g, state)
 
 
+def test_guide_list_members_built_with_expose_are_fitted_as_with_hide():
+    # Regression: a member built with poutine.block(model, expose=[its sites]) has the
+    # observed site hidden too, and I-BLM refused it: "I-BLM needs a model with exactly
+    # one observed sample site (its likelihood); found []: call it with its targets".
+    from pyro.infer.autoguide import AutoDelta
+
+    x, y, _, _ = _diabetes()
+    model = _hierarchical_regression()
+    weights = ["w1", "b1", "w2", "b2"]
+    fits = []
+    for spelling in ("hide", "expose"):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoGuideList(model)
+        if spelling == "hide":
+            guide.append(AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"])))
+        else:
+            guide.append(AutoNormal(pyro.poutine.block(model, expose=weights)))
+        guide.append(AutoDelta(pyro.poutine.block(model, expose=["tau", "sigma"]),
+                               init_loc_fn=init_to_median))
+        guide(x, y)
+        pyro.set_rng_seed(0)
+        with pytest.warns(UserWarning, match="'1: AutoDelta'"):
+            init_guide_iblm(guide, (x, y))
+        fits.append(_state(guide[0]))
+    assert fits[0].keys() == fits[1].keys()
+    for name, value in fits[0].items():
+        assert torch.equal(value, fits[1][name]), name
+
+
 def test_guide_list_member_without_layers_is_left_alone():
     # An AutoNormal (a guide I-BLM supports) over the hyperparameters only: no layer weight
     # among its sites, so it keeps its values and is named; the other member is fitted
