@@ -325,17 +325,17 @@ def hold_hidden_sites(
         if isinstance(messenger, BlockMessenger):
             hold = _HoldMessenger(messenger.hide_fn, given or {}, held)
             model = wrap_inner(model, messenger, hold)
-            # the observations pass: a member of a guide list built with
-            # poutine.block(model, expose=[its sites]) hides the likelihood too
+            # only the held sites stay hidden: a member of a guide list built with
+            # poutine.block(model, expose=[its sites]) hides the likelihood and params too
             model = replace_handler(model, messenger,
                                     BlockMessenger(hide_fn=_latent_only(messenger.hide_fn)))
     return model, held
 
 
 def _latent_only(hide_fn: Callable[[Any], Any]) -> Callable[[Any], bool]:
-    """``hide_fn`` less the observed sample sites."""
-    return lambda msg: bool(hide_fn(msg)) and not (msg["type"] == "sample"
-                                                   and msg["is_observed"])
+    """``hide_fn`` on the latent sample sites only."""
+    return lambda msg: (msg["type"] == "sample" and not msg["is_observed"]
+                        and not site_is_subsample(msg) and bool(hide_fn(msg)))
 
 
 def _check_not_conditioned(model: Callable[..., Any], name: str) -> None:

@@ -827,6 +827,42 @@ def test_guide_list_members_built_with_expose_are_fitted_as_with_hide():
         assert torch.equal(value, fits[1][name]), name
 
 
+def test_guide_list_member_built_with_expose_estimates_a_param_noise():
+    # Regression: the block of a member built with expose=[its weights] also hid the
+    # pyro.param noise scale from I-BLM, which took it for a fixed scale and left it at 1.
+    from pyro.infer.autoguide import AutoDelta
+    from torch.distributions import constraints
+
+    x, y, _, _ = _diabetes()
+
+    def model(x, y=None):
+        tau = pyro.sample("tau", dist.LogNormal(0.0, 0.1))
+        w1 = pyro.sample("w1", dist.Normal(0.0, 0.3).expand([20, 10]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.2).expand([1, 20]).to_event(2))
+        sigma = pyro.param("sigma", torch.tensor(1.0), constraint=constraints.positive)
+        mean = tau * F.linear(torch.relu(F.linear(x, w1)), w2).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+
+    results = []
+    for block in ({"hide": ["tau"]}, {"expose": ["w1", "w2"]}):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoGuideList(model)
+        guide.append(AutoNormal(pyro.poutine.block(model, **block)))
+        guide.append(AutoDelta(pyro.poutine.block(model, expose=["tau"])))
+        guide(x, y)
+        pyro.set_rng_seed(0)
+        with pytest.warns(UserWarning, match="'1: AutoDelta'"):
+            init_guide_iblm(guide, (x, y))
+        results.append((pyro.param("sigma").detach().clone(), _state(guide[0])))
+    (sigma_hide, fit_hide), (sigma_expose, fit_expose) = results
+    assert 0.3 < sigma_hide.item() < 0.95  # the residual std of a fit of standardized targets
+    assert torch.equal(sigma_expose, sigma_hide)
+    for name, value in fit_hide.items():
+        assert torch.equal(value, fit_expose[name]), name
+
+
 def test_guide_list_member_without_layers_is_left_alone():
     # An AutoNormal (a guide I-BLM supports) over the hyperparameters only: no layer weight
     # among its sites, so it keeps its values and is named; the other member is fitted
