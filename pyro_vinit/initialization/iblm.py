@@ -328,8 +328,8 @@ def _check_output_layer_owned(guides: AutoGuideList, members: List[AutoGuide],
                 f"to {whose}, not to member {i}: {type(member).__name__}, which owns the "
                 f"layers {own}; I-BLM fits each member's layers as a network that ends in "
                 "its own output layer. Give one member all the layer weights (e.g. "
-                "poutine.block(model, hide=[<hyperparameters>])), or start this guide with "
-                "init_guide(guide, data, method='xavier') or fit(..., init=None)"
+                "poutine.block(model, hide=[<hyperparameters>])), or start the members with "
+                f"init_guide(guide[{i}], data, method='xavier') and fit(..., init=None)"
             )
 
 
