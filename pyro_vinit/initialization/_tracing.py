@@ -139,6 +139,9 @@ class ModelStructure:
     #: latent sites the guide does not own (hidden from it by ``poutine.block``), held
     #: fixed for the whole call: name -> (value, where the value comes from)
     held: Dict[str, Tuple[torch.Tensor, str]] = field(default_factory=dict)
+    #: ``(output layer's weight site, likelihood parameter)`` when the model transforms
+    #: the output layer's output before it is that parameter (e.g. ``out * std + mean``)
+    transformed_output: Optional[Tuple[str, str]] = None
 
     @property
     def output_layers(self) -> List[Layer]:
@@ -534,7 +537,67 @@ def trace_structure(
     block_size = sizes.pop() if sizes else None
     structure = ModelStructure(layers, likelihood, latent, uncovered, block_size,
                                recorder.num_batch_norms > 0)
+    if likelihood is not None:
+        output = next(layer.weight_name for layer in layers if layer.role == "output")
+        structure.transformed_output = _transformed_output(model, values, first, latent,
+                                                           num_rows, output)
     return structure, first
+
+
+def _transformed_output(model: Callable[..., Any], values: Dict[str, torch.Tensor],
+                        args: Sequence[Any], latent: List[str], num_rows: int,
+                        output: str) -> Optional[Tuple[str, str]]:
+    """``(output, parameter)`` if, in a run of the model whose output layer (weight
+    site ``output``) gives fixed varied values, the likelihood's mean or logits (or
+    the probabilities of its logits) are not that output, up to a reshape; else None."""
+
+    def probe(layer: RecordedLayer) -> Optional[torch.Tensor]:
+        if layer.weight_name != output:
+            return None
+        out = layer.call()
+        index = torch.arange(out.numel(), dtype=out.dtype, device=out.device)
+        return (2 * torch.sin(index)).reshape(out.shape)  # (no random draw)
+
+    recorder = run_model(model, values, args, latent, num_rows=num_rows, on_layer=probe,
+                         track_flow=True)
+    found = [layer.output for layer in recorder.layers if layer.weight_name == output]
+    if len(found) != 1 or found[0] is None or len(recorder.observed) != 1:
+        return None
+    out, site = found[0].detach(), recorder.observed[0]
+    fn = cast(Any, unwrap_likelihood(site))
+    family = likelihood_family(site)
+    softmax = family in ("categorical", "onehot")
+    if family == "normal":
+        param, got, expected = "loc", fn.loc, out
+    elif "probs" in recorder.likelihood_flow:
+        param, got = "probs", fn.probs
+        expected = out.softmax(-1) if softmax else out.sigmoid()
+    else:
+        param, got = "logits", fn.logits
+        expected = out.log_softmax(-1) if softmax else out
+        got = got.log_softmax(-1) if softmax else got
+    if got.numel() != expected.numel() or (softmax and got.shape[-1] != expected.shape[-1]):
+        return None
+    got, expected = got.detach().reshape(-1), expected.reshape(-1).to(got.dtype)
+    scale = 1.0 + float(expected.abs().max()) if expected.numel() else 1.0
+    if bool(((got - expected).abs() <= 0.05 * scale).all()):  # (off by 5% at most)
+        return None
+    return output, param
+
+
+def report_transformed_output(structure: ModelStructure, who: str, stacklevel: int = 3) -> None:
+    """Says, in one warning, that the model transforms its output layer's output
+    before the likelihood, which the regressions do not see."""
+    if structure.transformed_output is None:
+        return
+    name, param = structure.transformed_output
+    warnings.warn(
+        f"{who} fits the output layer {name!r} to the targets as the likelihood's {param}, "
+        "but the model transforms that layer's output before the likelihood (e.g. a "
+        "de-standardization out * std + mean, an offset, a temperature), which the fit does "
+        "not undo: the guide starts off by that transform. Move the transform into the "
+        "data (e.g. standardize the targets) or into the layer, or initialize with "
+        "init_guide(..., method='xavier')", UserWarning, stacklevel=stacklevel)
 
 
 def report_uncovered(structure: ModelStructure, strict: bool, who: str,

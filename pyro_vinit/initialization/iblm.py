@@ -46,6 +46,7 @@ from pyro_vinit.initialization._tracing import (
     output_layer_site,
     prepare,
     report_held,
+    report_transformed_output,
     report_uncovered,
 )
 from pyro_vinit.poutine.layer_recorder import PlateRowsMessenger
@@ -363,6 +364,7 @@ def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective:
     stacklevel = 6 if owner is None else 7
     report_uncovered(prep.structure, options.strict, "init_guide_iblm", stacklevel=stacklevel)
     report_held(prep.structure, "init_guide_iblm", stacklevel=stacklevel)
+    report_transformed_output(prep.structure, "init_guide_iblm", stacklevel=stacklevel)
     pool.effective_batch_size(options.batch_size, "init_guide_iblm", stacklevel=stacklevel)
     return prep
 
