@@ -139,9 +139,6 @@ class ModelStructure:
     #: latent sites the guide does not own (hidden from it by ``poutine.block``), held
     #: fixed for the whole call: name -> (value, where the value comes from)
     held: Dict[str, Tuple[torch.Tensor, str]] = field(default_factory=dict)
-    #: ``(output layer's weight site, likelihood parameter)`` when the model transforms
-    #: the output layer's output before it is that parameter (e.g. ``out * std + mean``)
-    transformed_output: Optional[Tuple[str, str]] = None
 
     @property
     def output_layers(self) -> List[Layer]:
@@ -469,25 +466,6 @@ def _roles(
     return likelihood
 
 
-def output_layer_site(
-    model: Callable[..., Any], values: Dict[str, torch.Tensor], args: Sequence[Any],
-    num_rows: int,
-) -> Tuple[Optional[str], List[str]]:
-    """The weight site of the layer whose output feeds the likelihood's mean (or
-    logits) in a run of ``model`` with its latent sites at ``values`` (None
-    unless exactly one does), and the weight sites of all its layers."""
-    recorder = run_model(model, values, args, list(values), num_rows=num_rows,
-                         track_flow=True)
-    names = [layer.weight_name for layer in recorder.layers]
-    if len(recorder.observed) != 1:
-        return None, names
-    site = recorder.observed[0]
-    keys = ("loc",) if likelihood_family(site) == "normal" else ("logits", "probs")
-    tokens = frozenset().union(*(recorder.likelihood_flow.get(k, frozenset()) for k in keys))
-    outputs = sorted(cast(int, i) for kind, i in tokens if kind == "layer")
-    return (names[outputs[0]] if len(outputs) == 1 else None), names
-
-
 def trace_structure(
     guide: AutoGuide, pool: DataPool, latent: List[str], normal_priors: bool,
     model: Optional[Callable[..., Any]] = None,
@@ -537,67 +515,7 @@ def trace_structure(
     block_size = sizes.pop() if sizes else None
     structure = ModelStructure(layers, likelihood, latent, uncovered, block_size,
                                recorder.num_batch_norms > 0)
-    if likelihood is not None:
-        output = next(layer.weight_name for layer in layers if layer.role == "output")
-        structure.transformed_output = _transformed_output(model, values, first, latent,
-                                                           num_rows, output)
     return structure, first
-
-
-def _transformed_output(model: Callable[..., Any], values: Dict[str, torch.Tensor],
-                        args: Sequence[Any], latent: List[str], num_rows: int,
-                        output: str) -> Optional[Tuple[str, str]]:
-    """``(output, parameter)`` if, in a run of the model whose output layer (weight
-    site ``output``) gives fixed varied values, the likelihood's mean or logits (or
-    the probabilities of its logits) are not that output, up to a reshape; else None."""
-
-    def probe(layer: RecordedLayer) -> Optional[torch.Tensor]:
-        if layer.weight_name != output:
-            return None
-        out = layer.call()
-        index = torch.arange(out.numel(), dtype=out.dtype, device=out.device)
-        return (2 * torch.sin(index)).reshape(out.shape)  # (no random draw)
-
-    recorder = run_model(model, values, args, latent, num_rows=num_rows, on_layer=probe,
-                         track_flow=True)
-    found = [layer.output for layer in recorder.layers if layer.weight_name == output]
-    if len(found) != 1 or found[0] is None or len(recorder.observed) != 1:
-        return None
-    out, site = found[0].detach(), recorder.observed[0]
-    fn = cast(Any, unwrap_likelihood(site))
-    family = likelihood_family(site)
-    softmax = family in ("categorical", "onehot")
-    if family == "normal":
-        param, got, expected = "loc", fn.loc, out
-    elif "probs" in recorder.likelihood_flow:
-        param, got = "probs", fn.probs
-        expected = out.softmax(-1) if softmax else out.sigmoid()
-    else:
-        param, got = "logits", fn.logits
-        expected = out.log_softmax(-1) if softmax else out
-        got = got.log_softmax(-1) if softmax else got
-    if got.numel() != expected.numel() or (softmax and got.shape[-1] != expected.shape[-1]):
-        return None
-    got, expected = got.detach().reshape(-1), expected.reshape(-1).to(got.dtype)
-    scale = 1.0 + float(expected.abs().max()) if expected.numel() else 1.0
-    if bool(((got - expected).abs() <= 0.05 * scale).all()):  # (off by 5% at most)
-        return None
-    return output, param
-
-
-def report_transformed_output(structure: ModelStructure, who: str, stacklevel: int = 3) -> None:
-    """Says, in one warning, that the model transforms its output layer's output
-    before the likelihood, which the regressions do not see."""
-    if structure.transformed_output is None:
-        return
-    name, param = structure.transformed_output
-    warnings.warn(
-        f"{who} fits the output layer {name!r} to the targets as the likelihood's {param}, "
-        "but the model transforms that layer's output before the likelihood (e.g. a "
-        "de-standardization out * std + mean, an offset, a temperature), which the fit does "
-        "not undo: the guide starts off by that transform. Move the transform into the "
-        "data (e.g. standardize the targets) or into the layer, or initialize with "
-        "init_guide(..., method='xavier')", UserWarning, stacklevel=stacklevel)
 
 
 def report_uncovered(structure: ModelStructure, strict: bool, who: str,

@@ -30,6 +30,7 @@ from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
 from pyro_vinit.initialization._fits import Fit, stage, write_fits
 from pyro_vinit.initialization._noise import fit_noise
 from pyro_vinit.initialization._options import IBLMOptions
+from pyro_vinit.initialization._output import output_layer_site, report_transformed_output
 from pyro_vinit.initialization._passes import layer_inputs, refresh_norm_statistics
 from pyro_vinit.initialization._process_group import check_process_group, collective_for
 from pyro_vinit.initialization._regressions import extract_patches
@@ -43,10 +44,8 @@ from pyro_vinit.initialization._tracing import (
     check_has_likelihood,
     guide_medians,
     hold_hidden_sites,
-    output_layer_site,
     prepare,
     report_held,
-    report_transformed_output,
     report_uncovered,
 )
 from pyro_vinit.poutine.layer_recorder import PlateRowsMessenger
@@ -364,7 +363,7 @@ def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective:
     stacklevel = 6 if owner is None else 7
     report_uncovered(prep.structure, options.strict, "init_guide_iblm", stacklevel=stacklevel)
     report_held(prep.structure, "init_guide_iblm", stacklevel=stacklevel)
-    report_transformed_output(prep.structure, "init_guide_iblm", stacklevel=stacklevel)
+    report_transformed_output(prep, "init_guide_iblm", stacklevel=stacklevel)
     pool.effective_batch_size(options.batch_size, "init_guide_iblm", stacklevel=stacklevel)
     return prep
 
