@@ -46,6 +46,7 @@ from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
 from pyro.poutine.indep_messenger import CondIndepStackFrame
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from pyro_vinit._typing import SampleSite
@@ -64,6 +65,7 @@ __all__ = [
     "model_swapped",
     "prefill_log_prob",
     "pyro_sample_priors",
+    "replace_handler",
     "scale_and_mask",
     "setup_prototype",
     "share_prototype",
@@ -160,6 +162,18 @@ def wrap_inner(model: Callable[..., Any], messenger: Any,
     index = next(i for i, (m, _) in enumerate(chain) if m is messenger)
     fn = transform(chain[index][1])
     for outer, _ in reversed(chain[: index + 1]):
+        fn = outer(fn)
+    return fn
+
+
+def replace_handler(model: Callable[..., Any], messenger: Any,
+                    replacement: Messenger) -> Callable[..., Any]:
+    """``model`` with ``messenger`` (one of its :func:`handler_chain`) replaced
+    by the handler ``replacement``, under the same other handlers."""
+    chain = handler_chain(model)
+    index = next(i for i, (m, _) in enumerate(chain) if m is messenger)
+    fn: Callable[..., Any] = replacement(chain[index][1])
+    for outer, _ in reversed(chain[:index]):
         fn = outer(fn)
     return fn
 

@@ -172,6 +172,10 @@ def test_classification_metrics_dict():
             lambda: metrics.mnll(torch.zeros(3), loc=torch.zeros(2, 3), scale=torch.ones(4, 1, 1)),
             "must broadcast to loc.shape",
         ),
+        (  # Predictive's samples of a scalar noise site, one per sample: (S,)
+            lambda: metrics.mnll(torch.zeros(3), loc=torch.zeros(2, 3), scale=torch.ones(2)),
+            r"per-sample scale of shape \(S,\) = \(2,\): pass scale\[:, None\]",
+        ),
         (lambda: metrics.mnll(Y, logits=LOGITS, loc=PROBS, scale=1.0), "either"),
         (lambda: metrics.error_rate(Y, logits=Y.expand(4, 3)), "sampled labels"),
     ],

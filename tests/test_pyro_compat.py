@@ -323,6 +323,23 @@ def test_handler_chain_wrap_inner_and_model_swapped():
     assert guide.model is original
 
 
+def test_replace_handler():
+    from pyro.poutine.block_messenger import BlockMessenger
+
+    from pyro_vinit._pyro_compat import handler_chain, replace_handler
+
+    data = {"b": torch.zeros(5)}
+    block = BlockMessenger(hide=["a"])
+    wrapped = pyro.condition(block(model), data=data)
+    assert "a" not in pyro.poutine.trace(wrapped).get_trace().nodes
+    # the block swapped for one that hides nothing, under the same condition handler
+    replaced = replace_handler(wrapped, block, BlockMessenger(hide=[]))
+    trace = pyro.poutine.trace(replaced).get_trace()
+    assert "a" in trace.nodes and trace.nodes["b"]["is_observed"]
+    assert handler_chain(replaced)[0][0] is handler_chain(wrapped)[0][0]
+    assert handler_chain(replaced)[1][1] is model
+
+
 def test_deterministic_sites_are_recognized():
     from pyro_vinit._pyro_compat import is_deterministic_site
 

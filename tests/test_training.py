@@ -263,6 +263,37 @@ def test_fit_refuses_an_unscaled_functional_model():
         fit(model, AutoNormal(model), (x, y), steps=2, batch_size=64, progress=False)
 
 
+class _TwoHeads(PyroModule):
+    # a classification and a regression head: r is latent unless observed
+    def __init__(self, num_data):
+        super().__init__()
+        self.num_data = num_data
+        self.trunk = bayesianize(nn.Linear(5, 8))
+        self.cls = bayesianize(nn.Linear(8, 3))
+        self.reg = bayesianize(nn.Linear(8, 1))
+
+    def forward(self, x, y=None, r=None):
+        h = torch.tanh(self.trunk(x))
+        logits, mean = self.cls(h), self.reg(h).squeeze(-1)
+        with pyro.plate("data", x.shape[0]), pyro.poutine.scale(scale=self.num_data / len(x)):
+            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
+            pyro.sample("r", dist.Normal(mean, 0.1), obs=r)
+
+
+def test_fit_refuses_a_latent_site_in_the_plate_over_the_batch():
+    # Regression: the second head's site, left unobserved, is a per-example latent whose
+    # guide took the shape of I-BLM's batch, and the first SVI step failed inside Pyro
+    # ("Shape mismatch inside plate('data') at site y dim -1, 240 vs 64").
+    x, y = blobs()
+    model = _TwoHeads(len(x))
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(ValueError, match=r"'r' lies in plate 'data' over the batch's 64 rows"):
+        fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    # on the full data set every call has the same rows: a per-example latent is fine
+    fit(model, guide, (x, y), steps=2, batch_size=240, progress=False)
+
+
 def test_fit_refuses_a_num_data_that_is_not_the_data_size():
     x, y = blobs()
     model = classifier(num_data=1000)

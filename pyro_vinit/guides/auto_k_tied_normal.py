@@ -1,6 +1,7 @@
 """Mean-field Normal autoguide with rank-k tied standard deviations."""
 
 import math
+import warnings
 from operator import attrgetter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -145,6 +146,15 @@ class AutoKTiedNormal(AutoSiteGuide):
             deep_setattr(self.scale_u, name, PyroParam(u, self.scale_constraint, 2))
             deep_setattr(self.scale_v, name, PyroParam(v, self.scale_constraint, 2))
         self._setup_normal_scales(untied)
+        in_plates = [name for name in untied if self._event_dims[name] < 2
+                     and attrgetter(name)(self.locs).dim() >= 2]
+        if in_plates:
+            warnings.warn(
+                f"AutoKTiedNormal: the matrices {in_plates} have their dims as plate (batch) "
+                "dims, not event dims, so their standard deviations are not tied: they get "
+                "AutoNormal's per-element scales. To tie one, draw it as one event, e.g. "
+                "dist.Normal(0, s).expand([m, n]).to_event(2) outside the plates over its dims",
+                UserWarning, stacklevel=2)
 
     def _get_factors(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         return attrgetter(name)(self.scale_u), attrgetter(name)(self.scale_v)

@@ -29,6 +29,7 @@ from pyro_vinit._pyro_compat import (
     handler_chain,
     is_deterministic_site,
     model_swapped,
+    replace_handler,
     unwrap_init_messenger,
     wrap_inner,
 )
@@ -324,7 +325,17 @@ def hold_hidden_sites(
         if isinstance(messenger, BlockMessenger):
             hold = _HoldMessenger(messenger.hide_fn, given or {}, held)
             model = wrap_inner(model, messenger, hold)
+            # only the held sites stay hidden: a member of a guide list built with
+            # poutine.block(model, expose=[its sites]) hides the likelihood and params too
+            model = replace_handler(model, messenger,
+                                    BlockMessenger(hide_fn=_latent_only(messenger.hide_fn)))
     return model, held
+
+
+def _latent_only(hide_fn: Callable[[Any], Any]) -> Callable[[Any], bool]:
+    """``hide_fn`` on the latent sample sites only."""
+    return lambda msg: (msg["type"] == "sample" and not msg["is_observed"]
+                        and not site_is_subsample(msg) and bool(hide_fn(msg)))
 
 
 def _check_not_conditioned(model: Callable[..., Any], name: str) -> None:

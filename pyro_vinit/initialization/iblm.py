@@ -16,7 +16,7 @@ Bayes for Deep Models"
 import itertools
 import warnings
 from contextlib import ExitStack
-from typing import Any, Callable, Dict, Optional, TypeVar, cast
+from typing import Any, Callable, Dict, List, Optional, TypeVar, cast
 
 import pyro.poutine as poutine
 import torch
@@ -30,6 +30,7 @@ from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
 from pyro_vinit.initialization._fits import Fit, stage, write_fits
 from pyro_vinit.initialization._noise import fit_noise
 from pyro_vinit.initialization._options import IBLMOptions
+from pyro_vinit.initialization._output import output_layer_site, report_transformed_output
 from pyro_vinit.initialization._passes import layer_inputs, refresh_norm_statistics
 from pyro_vinit.initialization._process_group import check_process_group, collective_for
 from pyro_vinit.initialization._regressions import extract_patches
@@ -271,6 +272,7 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
                     swaps.enter_context(model_swapped(member, in_rows(held, plates)))
                 guides(*first)  # sets every member up
         rollbacks[0].checkpoint()  # (a later member's failure undoes the earlier writes)
+        _check_output_layer_owned(guides, members, supported, data)
         initialized = []
         for member in supported:
             try:
@@ -293,6 +295,42 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
             f"init_guide_iblm initialized the members "
             f"{[type(g).__name__ for g in initialized]} of the AutoGuideList; it leaves the "
             f"others at their own values: {others}", UserWarning, stacklevel=4)
+
+
+def _check_output_layer_owned(guides: AutoGuideList, members: List[AutoGuide],
+                              supported: List[AutoGuide], data: Data) -> None:
+    """Refuses a list whose layer that feeds the likelihood belongs to another
+    member than some supported member's layers: fitted alone, that member's
+    last layer would be taken for the output layer."""
+    if not is_args_tuple(data) and iter(data) is data:
+        return  # (a one-shot iterator: its one member is checked by its own run)
+    with torch.random.fork_rng(devices=[]):  # (a shuffling loader draws: not from I-BLM's)
+        first = (next(DataPool(data).chunks(256)) if is_args_tuple(data)
+                 else tuple(next(iter(data))))
+        try:
+            output, layers = output_layer_site(guides.model, guide_medians(guides, first),
+                                               first, DataPool(first).num_rows)
+        except ValueError:
+            return  # (what the members' own runs refuse, they refuse saying why)
+    if output is None:
+        return
+    owner = {name: i for i, g in enumerate(members) for name, site in
+             cast(Any, g.prototype_trace).nodes.items()
+             if site["type"] == "sample" and not site["is_observed"]}
+    j = owner.get(output)
+    for i, member in enumerate(members):
+        own = [name for name in layers if owner.get(name) == i]
+        if member in supported and own and i != j:
+            whose = (f"member {j}: {type(members[j]).__name__}" if j is not None
+                     else "no member")
+            raise ValueError(
+                f"init_guide_iblm: the layer that feeds the likelihood, {output!r}, belongs "
+                f"to {whose}, not to member {i}: {type(member).__name__}, which owns the "
+                f"layers {own}; I-BLM fits each member's layers as a network that ends in "
+                "its own output layer. Give one member all the layer weights (e.g. "
+                "poutine.block(model, hide=[<hyperparameters>])), or start the members with "
+                f"init_guide(guide[{i}], data, method='xavier') and fit(..., init=None)"
+            )
 
 
 def _no_checkpoint() -> None:
@@ -325,6 +363,7 @@ def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective:
     stacklevel = 6 if owner is None else 7
     report_uncovered(prep.structure, options.strict, "init_guide_iblm", stacklevel=stacklevel)
     report_held(prep.structure, "init_guide_iblm", stacklevel=stacklevel)
+    report_transformed_output(prep, "init_guide_iblm", stacklevel=stacklevel)
     pool.effective_batch_size(options.batch_size, "init_guide_iblm", stacklevel=stacklevel)
     return prep
 

@@ -179,9 +179,13 @@ def _regression_inputs(
     except RuntimeError:
         shape = None
     if shape != loc.shape:
+        hint = (f"; for a per-sample scale of shape (S,) = {tuple(scale.shape)}: pass "
+                "scale[:, None]" if scale.dim() == 1 and loc.dim() > 1
+                and scale.shape[0] == loc.shape[0] else "")
         raise ValueError(
             f"scale of shape {tuple(scale.shape)} must broadcast to loc.shape = "
             f"{tuple(loc.shape)} (a number, a per-point (N,) tensor, or per sample (S, N))"
+            + hint
         )
     return scale
 

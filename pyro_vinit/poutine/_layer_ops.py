@@ -159,6 +159,11 @@ def _einsum_as_linear(
         inp, w, spec_in, spec_w = b, a, right, left
     else:
         return None
+    if spec_w.startswith("...") and w.dim() == 2:
+        # "ni,...io->...no", written to vectorize over sample dims: none here
+        spec_w = spec_w[3:]
+        if "." not in spec_in:
+            out = out.replace("...", "", 1) if out.startswith("...") else out
     if len(spec_w) != 2 or "." in spec_w:
         return None
     shared = [c for c in spec_w if c in spec_in]

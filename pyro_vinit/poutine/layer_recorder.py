@@ -120,6 +120,17 @@ class RecordedLayer:
         return (self.weight_name,) + ((self.bias_name,) if self.bias_name else ())
 
 
+def _is_unit_vector(derived: _Derived, value: torch.Tensor, units: int) -> bool:
+    # Whether ``value`` is a vector site's value of ``units`` elements, itself or seen with
+    # its elements in order along the last dim (b.unsqueeze(-2), b[None], b.reshape(1, -1)).
+    if derived.derived is not None or derived.root_shape != torch.Size([units]):
+        return False
+    if value.numel() != units or value.dim() == 0 or value.shape[-1] != units:
+        return False
+    index = derived.index
+    return index is None or torch.equal(index.reshape(-1), torch.arange(units))
+
+
 def _is_permutation(derived: _Derived) -> bool:
     # Whether the site value, seen through its views, holds each of its elements exactly
     # once (also when the layer reads it transposed: a transpose permutes).
@@ -483,8 +494,9 @@ class LayerRecorderMessenger(Messenger):
         return index
 
     def _matmul_bias(self, args: Tuple[Any, ...], out: Any) -> bool:
-        # x @ w + b: a latent vector b added to an open matrix product is its bias; so is
-        # a constant one (a number, or a tensor of one value per unit that is no site's).
+        # x @ w + b: a latent vector b (or b.unsqueeze(-2), as a program vectorized over
+        # sample dims writes it) added to an open matrix product is its bias; so is a
+        # constant one (a number, or a tensor of one value per unit that is no site's).
         for a, b in (args, args[::-1]):
             entry = self._open_matmuls.get(id(a))
             if entry is None or entry[0] is not a:
@@ -500,9 +512,9 @@ class LayerRecorderMessenger(Messenger):
                 if b.dim() > 2 or not (b.numel() == 1 or b.shape[-1] == b.numel() == units):
                     continue
                 layer.fixed_bias = b.detach()
-            elif (derived.derived is None and derived.index is None  # the site value itself
-                  and b.dim() == 1 and b.shape[0] == units):
+            elif _is_unit_vector(derived, b, units) and out.shape == a.shape:
                 layer.bias_name = derived.name
+                b = b.reshape(units)
             else:
                 continue
             layer.call.bias = b

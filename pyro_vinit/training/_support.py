@@ -26,6 +26,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.optim import PyroOptim
+from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_vinit._pyro_compat import is_deterministic_site
@@ -260,9 +261,11 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
             "fit: the model has no observed sample site when called as model(x, y); it must "
             "condition on y, e.g. pyro.sample('obs', dist.Categorical(logits=...), obs=y)"
         )
+    rows = x.shape[0]
+    if rows < num_data:
+        _check_no_batch_latents(trace, rows)
     for site in observed:
         _check_targets(site, y)
-        rows = x.shape[0]
         scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
             site["scale"].max())
         if rows < num_data and abs(scale - 1.0) < 1e-6:
@@ -297,6 +300,25 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 return True
     return False
+
+
+def _check_no_batch_latents(trace: poutine.Trace, rows: int) -> None:
+    """No latent site lies in a plate over the batch's own rows (a per-example
+    latent: its guide would take the shape of one batch and fail on the next)."""
+    for site in trace.nodes.values():
+        if (site["type"] != "sample" or site["is_observed"] or is_deterministic_site(site)
+                or site_is_subsample(site)):
+            continue
+        for frame in site["cond_indep_stack"]:
+            if frame.vectorized and frame.size == rows and frame.full_size in (None, rows):
+                raise ValueError(
+                    f"fit: the latent sample site {site['name']!r} lies in plate "
+                    f"{frame.name!r} over the batch's {rows} rows: a per-example latent, "
+                    "whose guide would take the shape of one minibatch. Observe it (fit "
+                    "calls model(x, y): pass every target through y), move it out of the "
+                    "plate, or declare the plate with the data set's size and a subsample "
+                    "(pyro.plate(name, num_data, subsample=...))"
+                )
 
 
 def _set_up(guide: Callable[..., Any], batch: Batch) -> None:

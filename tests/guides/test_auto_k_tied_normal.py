@@ -1,3 +1,5 @@
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -299,6 +301,28 @@ def test_factors_are_subsampled_with_their_plate():
     expected = (torch.arange(1.0, 6.0)[index, None, None] * v[index].sum(-1)[:, None, :]
                 * torch.ones(2, 3, 1))
     assert_close(fn.base_dist.stddev, expected, rtol=1e-5, atol=0)
+
+
+def test_matrix_in_plates_is_named_as_untied():
+    # A weight matrix whose dims are plate dims (Pyro's tensor-shapes style) has one
+    # element per event, so it gets AutoNormal's scales: said once, at set-up.
+    def model():
+        with pyro.plate("units", 6, dim=-2), pyro.plate("inputs", 4, dim=-1):
+            pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("rows", 3):
+            pyro.sample("v", dist.Normal(torch.zeros(5), 1.0).to_event(1))
+        pyro.sample("b", dist.Normal(torch.zeros(6), 1.0).to_event(1))
+        pyro.sample("m", dist.Normal(torch.zeros(6, 4), 1.0).to_event(2))
+
+    guide = AutoKTiedNormal(model)
+    with pytest.warns(UserWarning, match=r"\['w', 'v'\] have their dims as plate") as record:
+        guide()
+    assert len(record) == 1
+    assert guide.scales.w.shape == (6, 4) and guide.get_scale_factors("m")[0].shape == (6, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guide()  # (once)
+        AutoKTiedNormal(layer_model)()  # a plate around a matrix event: tied, no warning
 
 
 def test_set_loc_and_scale_writes_both_and_refits_small_changes():

@@ -691,9 +691,9 @@ def test_unsupported_likelihood_and_prior():
 
 
 def test_guide_list_member_failure_restores_the_earlier_members_writes():
-    # [AutoDelta over a temperature, AutoNormal over the output layer, AutoNormal over the
-    # hidden layer alone]: the second member is fitted and written, then the third is
-    # refused (its own last layer does not match the targets). Every member's values are
+    # [AutoDelta over a temperature, AutoNormal over the network, AutoNormal over a side
+    # layer added to the logits]: the second member is fitted and written, then the third
+    # is refused (its own layer does not match the targets). Every member's values are
     # restored, also where the param store does not hold them (as for a guide list loaded
     # with torch.load): the list's copy is of its own parameters.
     from pyro.infer.autoguide import AutoGuideList
@@ -702,20 +702,22 @@ def test_guide_list_member_failure_restores_the_earlier_members_writes():
         t = pyro.sample("t", dist.LogNormal(0.0, 0.1))
         w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([6, 3]).to_event(2))
         w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([2, 6]).to_event(2))
+        w3 = pyro.sample("w3", dist.Normal(0.0, 1.0).expand([4, 3]).to_event(2))
         with pyro.plate("data", x.shape[0]):
             logits = F.linear(torch.tanh(F.linear(x, w1)), w2)
+            logits = logits + F.linear(x, w3).mean(-1, keepdim=True)
             pyro.sample("obs", dist.Categorical(logits=t * logits), obs=y)
 
     x, y = torch.randn(50, 3), torch.randint(0, 2, (50,))
     guide = AutoGuideList(model)
-    for Member, site in ((AutoDelta, "t"), (AutoNormal, "w2"), (AutoNormal, "w1")):
-        hide = [name for name in ("t", "w1", "w2") if name != site]
+    for Member, sites in ((AutoDelta, ["t"]), (AutoNormal, ["w1", "w2"]), (AutoNormal, ["w3"])):
+        hide = [name for name in ("t", "w1", "w2", "w3") if name not in sites]
         guide.append(Member(pyro.poutine.block(model, hide=hide)))
     guide(x, y)
     before = _snapshot(guide)
     pyro.clear_param_store()
     with pytest.warns(UserWarning, match="held them fixed"), pytest.raises(
-            ValueError, match=r"the output layer \('w1'\) has 6 outputs"):
+            ValueError, match=r"the output layer \('w3'\) has 4 outputs"):
         init_guide_iblm(guide, (x, y), batch_size=50)
     _assert_unchanged(guide, before)
 

@@ -218,7 +218,8 @@ def test_fixed_noise_is_used_unless_asked():
 # ---------------------------------------------------------------- matmul layers: closed form
 
 
-@pytest.mark.parametrize("spelling", ["matmul", "einsum", "addmm", "transposed"])
+@pytest.mark.parametrize("spelling", ["matmul", "einsum", "addmm", "transposed",
+                                      "unsqueezed_bias", "einsum_ellipsis"])
 def test_matmul_layer_equals_closed_form(spelling):
     n, d_in, d_out = 50, 3, 2
     x = torch.randn(n, d_in, dtype=F64)
@@ -236,6 +237,10 @@ def test_matmul_layer_equals_closed_form(spelling):
             mean = torch.einsum("ni,io->no", x, w) + b
         elif spelling == "addmm":
             mean = torch.addmm(b, x, w)
+        elif spelling == "unsqueezed_bias":  # written to vectorize over leading sample dims
+            mean = x @ w + b.unsqueeze(-2)
+        elif spelling == "einsum_ellipsis":
+            mean = torch.einsum("ni,...io->...no", x, w) + b.unsqueeze(-2)
         else:
             mean = x @ w.T + b
         with pyro.plate("data", x.shape[0]):
@@ -757,6 +762,148 @@ def test_guide_list_initializes_its_supported_members():
     assert (mean - yt).pow(2).mean().sqrt() < 0.8
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
     assert math.isfinite(svi.step(x, y))
+
+
+@pytest.mark.parametrize("output_member", ["AutoDelta", "AutoNormal"])
+@pytest.mark.parametrize("width", [8, 3])
+def test_guide_list_whose_output_layer_is_another_members_is_refused(output_member, width):
+    # Regression: the member over the hidden layers was fitted as a network of its own,
+    # its last hidden layer taken for the output layer (which another member owns):
+    # "the output layer ('w2') has 8 outputs but the likelihood has 3 target columns",
+    # or, with as many hidden units as classes, a silent fit of that layer to the labels.
+    from pyro.infer.autoguide import AutoDelta
+
+    x, y, _, _ = blobs(num_classes=3, dim=5, n=120)
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([width, 5]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([width, width]).to_event(2))
+        w3 = pyro.sample("w3", dist.Normal(0.0, 1.0).expand([3, width]).to_event(2))
+        logits = F.linear(torch.tanh(F.linear(torch.tanh(F.linear(x, w1)), w2)), w3)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=["w3"])))
+    member = AutoDelta if output_member == "AutoDelta" else AutoNormal
+    guide.append(member(pyro.poutine.block(model, expose=["w3"])))
+    guide(x, y)
+    before = [_state(g) for g in guide]
+    with pytest.raises(ValueError, match=rf"the layer that feeds the likelihood, 'w3', belongs "
+                       rf"to member 1: {output_member}, not to member 0: AutoNormal, which "
+                       r"owns the layers \['w1', 'w2'\]"):
+        init_guide_iblm(guide, (x, y))
+    for g, state in zip(guide, before):
+        _assert_state(g, state)
+
+
+def test_guide_list_members_built_with_expose_are_fitted_as_with_hide():
+    # Regression: a member built with poutine.block(model, expose=[its sites]) has the
+    # observed site hidden too, and I-BLM refused it: "I-BLM needs a model with exactly
+    # one observed sample site (its likelihood); found []: call it with its targets".
+    from pyro.infer.autoguide import AutoDelta
+
+    x, y, _, _ = _diabetes()
+    model = _hierarchical_regression()
+    weights = ["w1", "b1", "w2", "b2"]
+    fits = []
+    for spelling in ("hide", "expose"):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoGuideList(model)
+        if spelling == "hide":
+            guide.append(AutoNormal(pyro.poutine.block(model, hide=["tau", "sigma"])))
+        else:
+            guide.append(AutoNormal(pyro.poutine.block(model, expose=weights)))
+        guide.append(AutoDelta(pyro.poutine.block(model, expose=["tau", "sigma"]),
+                               init_loc_fn=init_to_median))
+        guide(x, y)
+        pyro.set_rng_seed(0)
+        with pytest.warns(UserWarning, match="'1: AutoDelta'"):
+            init_guide_iblm(guide, (x, y))
+        fits.append(_state(guide[0]))
+    assert fits[0].keys() == fits[1].keys()
+    for name, value in fits[0].items():
+        assert torch.equal(value, fits[1][name]), name
+
+
+def test_guide_list_member_built_with_expose_estimates_a_param_noise():
+    # Regression: the block of a member built with expose=[its weights] also hid the
+    # pyro.param noise scale from I-BLM, which took it for a fixed scale and left it at 1.
+    from pyro.infer.autoguide import AutoDelta
+    from torch.distributions import constraints
+
+    x, y, _, _ = _diabetes()
+
+    def model(x, y=None):
+        tau = pyro.sample("tau", dist.LogNormal(0.0, 0.1))
+        w1 = pyro.sample("w1", dist.Normal(0.0, 0.3).expand([20, 10]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.2).expand([1, 20]).to_event(2))
+        sigma = pyro.param("sigma", torch.tensor(1.0), constraint=constraints.positive)
+        mean = tau * F.linear(torch.relu(F.linear(x, w1)), w2).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+
+    results = []
+    for block in ({"hide": ["tau"]}, {"expose": ["w1", "w2"]}):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoGuideList(model)
+        guide.append(AutoNormal(pyro.poutine.block(model, **block)))
+        guide.append(AutoDelta(pyro.poutine.block(model, expose=["tau"])))
+        guide(x, y)
+        pyro.set_rng_seed(0)
+        with pytest.warns(UserWarning, match="'1: AutoDelta'"):
+            init_guide_iblm(guide, (x, y))
+        results.append((pyro.param("sigma").detach().clone(), _state(guide[0])))
+    (sigma_hide, fit_hide), (sigma_expose, fit_expose) = results
+    assert 0.3 < sigma_hide.item() < 0.95  # the residual std of a fit of standardized targets
+    assert torch.equal(sigma_expose, sigma_hide)
+    for name, value in fit_hide.items():
+        assert torch.equal(value, fit_expose[name]), name
+
+
+_AFTER_OUTPUT = {
+    # name: (task, likelihood of the output layer's output h, whether it is h as I-BLM fits it)
+    "loc": ("regression", lambda h: dist.Normal(h.squeeze(-1), 1.0), True),
+    "logits": ("categorical", lambda h: dist.Categorical(logits=h), True),
+    "log_softmax": ("categorical", lambda h: dist.Categorical(logits=h.log_softmax(-1)), True),
+    "probs": ("categorical", lambda h: dist.Categorical(probs=h.softmax(-1)), True),
+    "bernoulli probs": ("bernoulli", lambda h: dist.Bernoulli(probs=h.squeeze(-1).sigmoid()),
+                        True),
+    "de-standardized": ("regression", lambda h: dist.Normal(h.squeeze(-1) * 75 + 150, 1.0),
+                        False),
+    "offset": ("regression", lambda h: dist.Normal(h.squeeze(-1) + 3.0, 1.0), False),
+    "temperature": ("categorical", lambda h: dist.Categorical(logits=h / 10.0), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_AFTER_OUTPUT))
+def test_a_transform_after_the_output_layer_is_named(name):
+    # Regression: I-BLM fits the output layer's output to the targets as the likelihood's
+    # mean or logits; a model that transforms it first (out * std + mean inside the model)
+    # started silently off by the transform (a test RMSE of 29 standardized units on
+    # diabetes, against 0.67 with the transform moved into the data).
+    task, likelihood, fits = _AFTER_OUTPUT[name]
+    x, labels, _, _ = blobs(num_classes=3, dim=5, n=120)
+    y = {"regression": labels.float(), "categorical": labels,
+         "bernoulli": (labels > 0).float()}[task]
+    outputs = 3 if task == "categorical" else 1
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([8, 5]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([outputs, 8]).to_event(2))
+        h = F.linear(torch.tanh(F.linear(x, w1)), w2)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", likelihood(h), obs=y)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        init_guide_iblm(AutoNormal(model), (x, y))
+    named = [str(w.message) for w in record if "transforms that layer's output" in str(w.message)]
+    assert len(named) == (0 if fits else 1), named
+    if not fits:
+        assert "the output layer 'w2'" in named[0]
 
 
 def test_guide_list_member_without_layers_is_left_alone():

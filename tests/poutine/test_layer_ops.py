@@ -47,6 +47,9 @@ ACCEPTED = {
     "einsum, ellipsis": (torch.einsum, ("...i,io->...o", X3, W), {}),
     "einsum, batched": (torch.einsum, ("bti,io->bto", X3, W), {}),
     "einsum, contracted index first": (torch.einsum, ("ib,io->bo", XT, W), {}),
+    # written to vectorize over the weight's sample dims, run on one weight
+    "einsum, ellipsis on a 2-d weight": (torch.einsum, ("bi,...io->...bo", X, W), {}),
+    "einsum, ellipsis on both": (torch.einsum, ("...bi,...io->...bo", X3, W), {}),
 }
 
 REFUSED = {
@@ -88,6 +91,7 @@ REFUSED = {
     "einsum, no weight": (torch.einsum, ("bi,ci->bc", X, X), {}),
     "einsum, 3-d weight": (torch.einsum, ("bi,iop->bop", X, W3), {}),
     "einsum, ellipsis in the weight": (torch.einsum, ("bi,...o->bo", X, W), {}),
+    "einsum, ellipsis on a 3-d weight": (torch.einsum, ("bi,...io->...bo", X, W3), {}),
     "einsum, a dot in the weight": (torch.einsum, ("bi,i.->b.", X, W), {}),
     "einsum, a dot first in the weight": (torch.einsum, ("bi,.i->b.", X, WT), {}),
     "einsum, nothing contracted": (torch.einsum, ("bi,jo->bijo", X, W), {}),

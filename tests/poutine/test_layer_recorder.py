@@ -431,6 +431,9 @@ ADDED_BIASES = {
     "b + x @ w": lambda h, b: b + h,
     "torch.add": lambda h, b: torch.add(h, b),
     "add method": lambda h, b: h.add(b),
+    # as a program that vectorizes over sample dims writes it
+    "x @ w + b.unsqueeze(-2)": lambda h, b: h + b.unsqueeze(-2),
+    "b[None] + x @ w": lambda h, b: b[None] + h,
 }
 
 
@@ -480,6 +483,7 @@ NOT_BIASES = {
     "one-element latent, expanded, cast": lambda x, w, s: x @ w + s["one"].expand(3).float(),
     "latent row": lambda x, w, s: x @ w + s["row"],
     "reshaped latent vector": lambda x, w, s: x @ w + s["row"].reshape(3),
+    "unsqueezed vector that broadcasts the output": lambda x, w, s: (x @ w)[0] + s["b"][None],
     "after F.linear": lambda x, w, s: F.linear(x, w.t()) + s["b"],
     "after addmm's bias": lambda x, w, s: torch.addmm(s["plain"], x, w) + s["b"],
     "product of a product": lambda x, w, s: (x @ w) * s["b"],
