@@ -294,6 +294,22 @@ def test_fit_refuses_a_latent_site_in_the_plate_over_the_batch():
     fit(model, guide, (x, y), steps=2, batch_size=240, progress=False)
 
 
+def test_fit_takes_a_latent_site_in_a_plate_as_large_as_the_batch_but_not_over_it():
+    # Regression: a weight in a plate over its 16 units was refused as a per-example latent
+    # when the minibatch also had 16 rows
+    def model(x, y=None):
+        with pyro.plate("hidden", 16):
+            w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([16, 5]).to_event(1))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([3, 16]).to_event(2))
+        with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+            pyro.sample("obs", dist.Categorical(logits=torch.tanh(x @ w1.T) @ w2.T), obs=y)
+
+    x, y = blobs()
+    history = fit(model, AutoNormal(model), (x, y), steps=2, batch_size=16, init=None,
+                  kl_weight=0.01, progress=False)
+    assert len(history.loss) == 2 and all(math.isfinite(v) for v in history.loss)
+
+
 def test_fit_refuses_a_num_data_that_is_not_the_data_size():
     x, y = blobs()
     model = classifier(num_data=1000)
@@ -375,6 +391,23 @@ def _latent_noise_regression(x, y=None):
         pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), sigma), obs=y)
 
 
+def _hierarchical_classifier(x, y=None):
+    # a learned prior scale, latent and a param: no likelihood noise scale at all
+    tau = pyro.sample("tau", dist.HalfNormal(1.0))
+    prior = pyro.param("prior", torch.tensor(1.0), constraint=dist.constraints.positive)
+    w = pyro.sample("w", dist.Normal(0.0, tau * prior).expand([3, x.shape[-1]]).to_event(2))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)), obs=y)
+
+
+def _hierarchical_regression(x, y=None):
+    # the same prior, a fixed noise scale
+    tau = pyro.sample("tau", dist.HalfNormal(1.0))
+    w = pyro.sample("w", dist.Normal(0.0, tau).expand([1, x.shape[-1]]).to_event(2))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), 0.5), obs=y)
+
+
 def test_fit_config_kl_weight_where_the_model_learns_its_noise():
     # 0.3 where a BayesianRegressor learns its noise scale; explicit settings win
     def regressor(learn):
@@ -406,11 +439,16 @@ def test_fit_config_kl_weight_where_the_model_learns_its_noise():
      0.3),
     (lambda: BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240), 0.01),
     (lambda: classifier(), 0.01),
-], ids=["fixed", "param", "latent", "learn_noise", "regressor", "classifier"])
+    # Regression: the latent sites, conditioned on their values to read the gradients, were
+    # taken for likelihoods, and a learned prior scale for a learned noise scale (0.3)
+    (lambda: _hierarchical_classifier, 0.01),
+    (lambda: _hierarchical_regression, 0.01),
+], ids=["fixed", "param", "latent", "learn_noise", "regressor", "classifier",
+        "hierarchical-classifier", "hierarchical-fixed-noise"])
 def test_fit_reads_whether_the_model_learns_its_noise(make_model, expected):
     x, y = blobs()
     model = make_model()
-    if not isinstance(model, BayesianClassifier):
+    if not isinstance(model, BayesianClassifier) and model is not _hierarchical_classifier:
         y = y.float()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "cannot tell" from fit

@@ -263,7 +263,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
         )
     rows = x.shape[0]
     if rows < num_data:
-        _check_no_batch_latents(trace, rows)
+        _check_no_batch_latents(trace, rows, observed)
     for site in observed:
         _check_targets(site, y)
         scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
@@ -291,7 +291,10 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
               and cast(torch.Tensor, site["value"]).is_floating_point()}
     with _sandbox(model), torch.enable_grad():
         again = poutine.trace(poutine.condition(model, data=leaves)).get_trace(x, y)
+    # (the conditioned latent sites are observed in this run: a prior is no likelihood)
     for site in _likelihoods(again):
+        if site["name"] in leaves:
+            continue
         fn = _base(site["fn"])
         if fn.support.is_discrete:
             continue
@@ -302,15 +305,19 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
     return False
 
 
-def _check_no_batch_latents(trace: poutine.Trace, rows: int) -> None:
+def _check_no_batch_latents(trace: poutine.Trace, rows: int,
+                            observed: List[Any]) -> None:
     """No latent site lies in a plate over the batch's own rows (a per-example
-    latent: its guide would take the shape of one batch and fail on the next)."""
+    latent: its guide would take the shape of one batch and fail on the next): a
+    plate of the likelihood's, not one over as many weights."""
+    data_plates = {frame.name for site in observed for frame in site["cond_indep_stack"]}
     for site in trace.nodes.values():
         if (site["type"] != "sample" or site["is_observed"] or is_deterministic_site(site)
                 or site_is_subsample(site)):
             continue
         for frame in site["cond_indep_stack"]:
-            if frame.vectorized and frame.size == rows and frame.full_size in (None, rows):
+            if (frame.vectorized and frame.size == rows and frame.full_size in (None, rows)
+                    and frame.name in data_plates):
                 raise ValueError(
                     f"fit: the latent sample site {site['name']!r} lies in plate "
                     f"{frame.name!r} over the batch's {rows} rows: a per-example latent, "
