@@ -55,9 +55,13 @@ def transformed_output(prep: Prepared) -> Optional[Tuple[str, str]]:
         index = torch.arange(out.numel(), dtype=out.dtype, device=out.device)
         return (2 * torch.sin(index)).reshape(out.shape)  # (no random draw)
 
-    recorder = run_model(prep.model, guide_medians(prep.guide, prep.first), prep.first,
-                         prep.latent, num_rows=prep.pool.rows_of(prep.first), on_layer=probe,
-                         track_flow=True)
+    # (a model that draws, e.g. dropout or input noise, would take from I-BLM's stream)
+    cuda = sorted({a.device.index or 0 for a in prep.first
+                   if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        recorder = run_model(prep.model, guide_medians(prep.guide, prep.first), prep.first,
+                             prep.latent, num_rows=prep.pool.rows_of(prep.first),
+                             on_layer=probe, track_flow=True)
     found = [layer.output for layer in recorder.layers if layer.weight_name == output]
     if len(found) != 1 or found[0] is None or len(recorder.observed) != 1:
         return None

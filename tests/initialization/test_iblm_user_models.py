@@ -906,6 +906,35 @@ def test_a_transform_after_the_output_layer_is_named(name):
         assert "the output layer 'w2'" in named[0]
 
 
+def test_the_transformed_output_probe_leaves_the_random_stream_alone(monkeypatch):
+    # Regression: the probe's run of a model that draws (here input noise) took from the
+    # global stream, so I-BLM's fit and every later draw moved with the check
+    import pyro_vinit.initialization.iblm as iblm
+
+    x, labels, _, _ = blobs(num_classes=3, dim=5, n=120)
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([8, 5]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([1, 8]).to_event(2))
+        h = F.linear(torch.tanh(F.linear(x + 0.1 * torch.randn_like(x), w1)), w2)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(h.squeeze(-1), 1.0), obs=y)
+
+    def run():
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(model)
+        init_guide_iblm(guide, (x, labels.float()))
+        return _state(guide), torch.rand(3)
+
+    checked, after = run()
+    monkeypatch.setattr(iblm, "report_transformed_output", lambda *args, **kwargs: None)
+    unchecked, after_unchecked = run()
+    assert checked and torch.equal(after, after_unchecked)
+    for name, value in checked.items():
+        assert torch.equal(value, unchecked[name]), name
+
+
 def test_guide_list_member_without_layers_is_left_alone():
     # An AutoNormal (a guide I-BLM supports) over the hyperparameters only: no layer weight
     # among its sites, so it keeps its values and is named; the other member is fitted
