@@ -408,6 +408,14 @@ def _hierarchical_regression(x, y=None):
         pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), 0.5), obs=y)
 
 
+def _in_place_regression(x, y=None):
+    # a fixed noise; the model clamps its weight sample in place
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, x.shape[-1]]).to_event(2))
+    w.clamp_(-3.0, 3.0)
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), 0.5), obs=y)
+
+
 def test_fit_config_kl_weight_where_the_model_learns_its_noise():
     # 0.3 where a BayesianRegressor learns its noise scale; explicit settings win
     def regressor(learn):
@@ -443,8 +451,11 @@ def test_fit_config_kl_weight_where_the_model_learns_its_noise():
     # taken for likelihoods, and a learned prior scale for a learned noise scale (0.3)
     (lambda: _hierarchical_classifier, 0.01),
     (lambda: _hierarchical_regression, 0.01),
+    # Regression: the latent values given to the model were leaves that require gradients,
+    # and torch refused the model's in-place op on its sample
+    (lambda: _in_place_regression, 0.01),
 ], ids=["fixed", "param", "latent", "learn_noise", "regressor", "classifier",
-        "hierarchical-classifier", "hierarchical-fixed-noise"])
+        "hierarchical-classifier", "hierarchical-fixed-noise", "in-place"])
 def test_fit_reads_whether_the_model_learns_its_noise(make_model, expected):
     x, y = blobs()
     model = make_model()

@@ -283,17 +283,20 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
                   trace: poutine.Trace) -> bool:
     """Whether a likelihood of continuous support has a parameter other than its
     location that depends on a param or a latent site: the model run again with its
-    latent values as leaves that require gradients."""
-    leaves = {name: cast(torch.Tensor, site["value"]).detach().clone().requires_grad_()
-              for name, site in trace.nodes.items()
-              if site["type"] == "sample" and not site["is_observed"]
-              and not is_deterministic_site(site)
-              and cast(torch.Tensor, site["value"]).is_floating_point()}
+    latent values as tensors that require gradients."""
+    with torch.enable_grad():
+        # not leaves: a model may change its sample in place (w.clamp_), as it may the
+        # guide's in training, where no leaf may be
+        values = {name: cast(torch.Tensor, site["value"]).detach().requires_grad_().clone()
+                  for name, site in trace.nodes.items()
+                  if site["type"] == "sample" and not site["is_observed"]
+                  and not is_deterministic_site(site)
+                  and cast(torch.Tensor, site["value"]).is_floating_point()}
     with _sandbox(model), torch.enable_grad():
-        again = poutine.trace(poutine.condition(model, data=leaves)).get_trace(x, y)
+        again = poutine.trace(poutine.condition(model, data=values)).get_trace(x, y)
     # (the conditioned latent sites are observed in this run: a prior is no likelihood)
     for site in _likelihoods(again):
-        if site["name"] in leaves:
+        if site["name"] in values:
             continue
         fn = _base(site["fn"])
         if fn.support.is_discrete:
