@@ -146,15 +146,20 @@ class AutoKTiedNormal(AutoSiteGuide):
             deep_setattr(self.scale_u, name, PyroParam(u, self.scale_constraint, 2))
             deep_setattr(self.scale_v, name, PyroParam(v, self.scale_constraint, 2))
         self._setup_normal_scales(untied)
+        # matrices whose dims are plate dims, not in a subsampled (data) plate: a per-example
+        # latent is no weight matrix
+        nodes = self.prototype_trace.nodes if self.prototype_trace is not None else {}
         in_plates = [name for name in untied if self._event_dims[name] < 2
-                     and attrgetter(name)(self.locs).dim() >= 2]
+                     and attrgetter(name)(self.locs).dim() >= 2
+                     and not any(f.full_size is not None and f.full_size > f.size
+                                 for f in nodes[name]["cond_indep_stack"])]
         if in_plates:
             warnings.warn(
-                f"AutoKTiedNormal: the matrices {in_plates} have their dims as plate (batch) "
-                "dims, not event dims, so their standard deviations are not tied: they get "
-                "AutoNormal's per-element scales. To tie one, draw it as one event, e.g. "
-                "dist.Normal(0, s).expand([m, n]).to_event(2) outside the plates over its dims",
-                UserWarning, stacklevel=2)
+                f"AutoKTiedNormal: the latent sites {in_plates} have two or more dims, of which "
+                "plate (batch) dims, so their standard deviations are not tied: they get "
+                "AutoNormal's per-element scales. If one is a weight matrix, draw it as one "
+                "event to tie it, e.g. dist.Normal(0, s).expand([m, n]).to_event(2) outside the "
+                "plates over its dims", UserWarning, stacklevel=2)
 
     def _get_factors(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         return attrgetter(name)(self.scale_u), attrgetter(name)(self.scale_v)

@@ -313,9 +313,11 @@ def test_matrix_in_plates_is_named_as_untied():
             pyro.sample("v", dist.Normal(torch.zeros(5), 1.0).to_event(1))
         pyro.sample("b", dist.Normal(torch.zeros(6), 1.0).to_event(1))
         pyro.sample("m", dist.Normal(torch.zeros(6, 4), 1.0).to_event(2))
+        with pyro.plate("data", 100, subsample=torch.arange(3)):  # per-example: no weight
+            pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
 
     guide = AutoKTiedNormal(model)
-    with pytest.warns(UserWarning, match=r"\['w', 'v'\] have their dims as plate") as record:
+    with pytest.warns(UserWarning, match=r"\['w', 'v'\] have two or more dims") as record:
         guide()
     assert len(record) == 1
     assert guide.scales.w.shape == (6, 4) and guide.get_scale_factors("m")[0].shape == (6, 2)
