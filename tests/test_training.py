@@ -384,6 +384,15 @@ def _functional_regression(x, y=None, learn=False):
         pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), scale), obs=y)
 
 
+def _transformed_noise_regression(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, x.shape[-1]]).to_event(2))
+    sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        base = dist.Normal(F.linear(x, w).squeeze(-1), sigma)
+        pyro.sample("obs", dist.TransformedDistribution(
+            base, [dist.transforms.AffineTransform(1.0, 2.0)]), obs=y)
+
+
 def _latent_noise_regression(x, y=None):
     w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, x.shape[-1]]).to_event(2))
     sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
@@ -454,8 +463,9 @@ def test_fit_config_kl_weight_where_the_model_learns_its_noise():
     # Regression: the latent values given to the model were leaves that require gradients,
     # and torch refused the model's in-place op on its sample
     (lambda: _in_place_regression, 0.01),
+    (lambda: _transformed_noise_regression, 0.3),  # a Normal's learned scale, transformed
 ], ids=["fixed", "param", "latent", "learn_noise", "regressor", "classifier",
-        "hierarchical-classifier", "hierarchical-fixed-noise", "in-place"])
+        "hierarchical-classifier", "hierarchical-fixed-noise", "in-place", "transformed"])
 def test_fit_reads_whether_the_model_learns_its_noise(make_model, expected):
     x, y = blobs()
     model = make_model()
@@ -466,7 +476,7 @@ def test_fit_reads_whether_the_model_learns_its_noise(make_model, expected):
         history = fit(model, AutoNormal(model), (x, y), steps=1, init=None, progress=False)
     assert history.config.kl_weight == expected
     pyro.clear_param_store()
-    assert fit(model, AutoNormal(model), (x, y), steps=1, kl_weight=0.2,
+    assert fit(model, AutoNormal(model), (x, y), steps=1, kl_weight=0.2, init=None,
                progress=False).config.kl_weight == 0.2
 
 
@@ -574,6 +584,7 @@ def test_fit_config_drives_an_own_loop_like_fit():
     ([-0.5, -0.6, -0.52], False),  # a negative MNLL that fell
     ([-0.5, -0.6, -0.4], True),    # one that rose by 20% of its size
     ([0.01, 0.0, 0.05], False),    # near zero: within 0.05 nats
+    ([1.0, 0.5, float("nan")], True),  # no MNLL at the end
 ])
 def test_fit_warns_when_training_made_the_validation_worse(monkeypatch, mnlls, warns):
     x, y = blobs()
@@ -588,7 +599,7 @@ def test_fit_warns_when_training_made_the_validation_worse(monkeypatch, mnlls, w
     assert [v["mnll"] for v in history.validation] == mnlls
     worse = [w for w in caught if "validation MNLL rose" in str(w.message)]
     assert len(worse) == warns
-    if warns and mnlls[0] == 1.0:
+    if warns and mnlls[-1] == 1.2:
         assert "from 1 at step 0 to 1.2 at step 4" in str(worse[0].message)
         assert "(kl_weight=0.01) can overfit" in str(worse[0].message)
         assert "try a larger kl_weight (1 is the full ELBO)" in str(worse[0].message)

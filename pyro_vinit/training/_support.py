@@ -301,6 +301,8 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
         fn = _base(site["fn"])
         if fn.support.is_discrete:
             continue
+        while isinstance(fn, dist.TransformedDistribution) and not fn.arg_constraints:
+            fn = _base(fn.base_dist)  # e.g. a Normal under an affine transform
         for name in fn.arg_constraints:
             value = getattr(fn, name, None) if name != "loc" else None
             if isinstance(value, torch.Tensor) and value.requires_grad:

@@ -82,7 +82,7 @@ def _warn_if_worse(validation: List[Dict[str, float]], kl_weight: float) -> None
     if len(validation) < 2 or validation[0]["step"] != 0:
         return
     start, last = validation[0]["mnll"], validation[-1]["mnll"]
-    if last - start > max(_WORSE_BY * abs(start), _WORSE_NATS):
+    if not math.isfinite(last) or last - start > max(_WORSE_BY * abs(start), _WORSE_NATS):
         remedy = (f"the tempered objective (kl_weight={kl_weight:g}) can overfit a small, "
                   "noisy data set: try a larger kl_weight (1 is the full ELBO) or fewer steps"
                   if kl_weight < 1 else "try fewer steps")
