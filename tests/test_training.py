@@ -926,3 +926,37 @@ def test_stale_param_store_is_said(count_iblm):
     with pytest.warns(UserWarning, match=r"clear_param_store\(\)"):
         history = fit(again, AutoNormal(again), (x, y), steps=1, progress=False)
     assert not history.initialized
+
+
+def _tau_classifier(x, y=None):
+    tau = pyro.sample("tau", dist.HalfNormal(1.0))
+    w = pyro.sample("w", dist.Normal(0.0, tau).expand([3, x.shape[-1]]).to_event(2))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        return pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)), obs=y)
+
+
+def test_fit_takes_a_hyperparameter_fixed_by_pyro_condition_for_no_likelihood():
+    # the conditioned site is observed in the trace, but it is no likelihood: no target
+    # check, no validation term
+    x, y = blobs()
+    model = pyro.condition(_tau_classifier, data={"tau": torch.tensor(1.0)})
+    history = fit(model, AutoNormal(model), (x, y), steps=2, init=None, validation=(x, y),
+                  num_samples=2, progress=False)
+    assert history.config.kl_weight == 0.01
+    assert math.isfinite(history.validation[-1]["mnll"])
+    assert 0.0 <= history.validation[-1]["error_rate"] <= 1.0
+
+
+def test_fit_takes_a_likelihood_given_by_pyro_condition():
+    # the other use of pyro.condition: the observation itself, y passed and unused
+    x, y = blobs()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, x.shape[-1]]).to_event(2))
+        with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+            return pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)))
+
+    conditioned = pyro.condition(model, data={"obs": y})
+    history = fit(conditioned, AutoNormal(conditioned), (x, y), steps=2, batch_size=240,
+                  init=None, progress=False)
+    assert history.steps == 2

@@ -11,10 +11,12 @@ from typing import (
     Any,
     Callable,
     Dict,
+    FrozenSet,
     Iterable,
     Iterator,
     List,
     Optional,
+    Set,
     Tuple,
     Union,
     cast,
@@ -26,10 +28,11 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.optim import PyroOptim
+from pyro.poutine.condition_messenger import ConditionMessenger
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 
-from pyro_vinit._pyro_compat import is_deterministic_site
+from pyro_vinit._pyro_compat import handler_chain, is_deterministic_site
 from pyro_vinit.training.config import FitHistory
 
 __all__: List[str] = []
@@ -219,11 +222,26 @@ def _check_targets(site: Any, y: torch.Tensor) -> None:
         )
 
 
-def _likelihoods(trace: poutine.Trace) -> List[Any]:
-    """The observed sample sites of a model's trace, less ``pyro.deterministic``'s
-    records (observed ``Delta`` sites)."""
-    return [site for site in trace.nodes.values() if site["type"] == "sample"
-            and site["is_observed"] and not is_deterministic_site(site)]
+def _conditioned(model: Callable[..., Any]) -> FrozenSet[str]:
+    """The sites that a ``pyro.condition(model, data=...)`` around ``model`` fixes:
+    observed in its trace, but latent variables held at a value, not likelihoods."""
+    names: Set[str] = set()
+    for messenger, _ in handler_chain(model):
+        if isinstance(messenger, ConditionMessenger):
+            data = messenger.data
+            names.update(data.nodes if isinstance(data, poutine.Trace) else data)
+    return frozenset(names)
+
+
+def _likelihoods(trace: poutine.Trace, model: Callable[..., Any]) -> List[Any]:
+    """The observed sample sites of a trace of ``model``, less ``pyro.deterministic``'s
+    records (observed ``Delta`` sites) and, where the model observes sites of its own
+    (``obs=``), the sites ``pyro.condition`` fixes (a hyperparameter held at a value)."""
+    observed = [site for site in trace.nodes.values() if site["type"] == "sample"
+                and site["is_observed"] and not is_deterministic_site(site)]
+    fixed = _conditioned(model)
+    own = [site for site in observed if site["name"] not in fixed]
+    return own if own else observed
 
 
 def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> None:
@@ -231,7 +249,7 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
     x, y = batch[0][:chunk], batch[1][:chunk]
     trace = _trial_trace(model, x, y, "the validation data")
     with torch.no_grad():
-        for site in _likelihoods(trace):
+        for site in _likelihoods(trace, model):
             _check_targets(site, y)
             fn: Any = site["fn"]
             log_prob = cast(torch.Tensor, fn.log_prob(site["value"]))
@@ -255,7 +273,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
             f"rows; build it with num_data={num_data}"
         )
     trace = _trial_trace(model, x, y, "the first batch")
-    observed = _likelihoods(trace)
+    observed = _likelihoods(trace, model)
     if not observed:
         raise ValueError(
             "fit: the model has no observed sample site when called as model(x, y); it must "
@@ -295,7 +313,7 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
     with _sandbox(model), torch.enable_grad():
         again = poutine.trace(poutine.condition(model, data=values)).get_trace(x, y)
     # (the conditioned latent sites are observed in this run: a prior is no likelihood)
-    for site in _likelihoods(again):
+    for site in _likelihoods(again, model):
         if site["name"] in values:
             continue
         fn = _base(site["fn"])
@@ -365,7 +383,7 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
                 xc, yc = x[start:start + chunk], y[start:start + chunk]
                 trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(xc, yc)
                 lp = xc.new_zeros(xc.shape[0])
-                observed = _likelihoods(trace)
+                observed = _likelihoods(trace, model)
                 for site in observed:
                     fn: Any = site["fn"]
                     site_lp = cast(torch.Tensor, fn.log_prob(site["value"]))
