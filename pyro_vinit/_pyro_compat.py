@@ -38,8 +38,20 @@ the installed Pyro.
 import re
 from contextlib import contextmanager
 from operator import attrgetter
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Set,
+    Tuple,
+)
 
+import pyro.poutine as poutine
 import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.util import scale_and_mask
@@ -55,11 +67,13 @@ __all__ = [
     "ScoreParts",
     "SubsampledPlate",
     "active_messengers",
+    "conditioned_sites",
     "deep_setattr",
     "discrete_site_error",
     "handler_chain",
     "helpful_support_errors",
     "is_deterministic_site",
+    "likelihood_sites",
     "is_predictive_samples",
     "is_vectorized_particles",
     "model_swapped",
@@ -151,6 +165,29 @@ def handler_chain(model: Callable[..., Any]) -> List[Tuple[Any, Callable[..., An
             return chain
         chain.append((fn.args[0], fn.args[1]))
         model = fn.args[1]
+
+
+def conditioned_sites(model: Callable[..., Any]) -> FrozenSet[str]:
+    """The sites that a ``pyro.condition(model, data=...)`` around ``model`` fixes
+    (observed in its trace like a likelihood; a Trace as ``data`` gives its nodes)."""
+    from pyro.poutine.condition_messenger import ConditionMessenger
+
+    names: Set[str] = set()
+    for messenger, _ in handler_chain(model):
+        if isinstance(messenger, ConditionMessenger):
+            data = messenger.data
+            names.update(data.nodes if isinstance(data, poutine.Trace) else data)
+    return frozenset(names)
+
+
+def likelihood_sites(observed: List[Any], model: Callable[..., Any]) -> List[Any]:
+    """The likelihoods among a run's ``observed`` sites of ``model``: where the model
+    observes sites of its own (``obs=``), less those ``pyro.condition`` fixes (a
+    hyperparameter held at a value); else all (the likelihood given by
+    ``pyro.condition``)."""
+    fixed = conditioned_sites(model)
+    own = [site for site in observed if site["name"] not in fixed]
+    return own if own else observed
 
 
 def wrap_inner(model: Callable[..., Any], messenger: Any,

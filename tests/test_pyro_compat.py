@@ -375,3 +375,23 @@ def test_subsampled_plates_are_read():
                       "more": (4, 6, torch.device("cpu")), "plain": None, "x": None}, (
         "Pyro's plate subsample site changed (pyro.poutine.subsample_messenger._Subsample's "
         "size, subsample_size, device): update pyro_vinit._pyro_compat.subsampled_plate")
+
+
+def test_conditioned_sites_and_likelihood_sites():
+    from pyro_vinit._pyro_compat import conditioned_sites, likelihood_sites
+
+    def model():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.sample("obs", dist.Normal(0.0, 1.0), obs=torch.tensor(0.5))
+
+    data = {"a": torch.tensor(1.0)}
+    inner = pyro.condition(model, data=data)
+    wrapped = pyro.poutine.block(pyro.condition(inner, data={"b": torch.tensor(0.0)}))
+    assert conditioned_sites(model) == frozenset()
+    assert conditioned_sites(inner) == {"a"} and conditioned_sites(wrapped) == {"a", "b"}
+    tr = pyro.poutine.trace(pyro.condition(model, data=data)).get_trace()
+    assert {"a", "obs"} <= conditioned_sites(pyro.condition(model, data=tr))  # a Trace's nodes
+    a, obs = {"name": "a"}, {"name": "obs"}
+    assert likelihood_sites([a, obs], inner) == [obs]  # a fixed hyperparameter left out
+    assert likelihood_sites([a], inner) == [a]  # the only observed site: the likelihood
+    assert likelihood_sites([a, obs], model) == [a, obs]

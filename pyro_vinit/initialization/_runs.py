@@ -10,7 +10,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pyro.poutine as poutine
 import torch
 
-from pyro_vinit._pyro_compat import handler_chain, unwrap_init_messenger, wrap_inner
+from pyro_vinit._pyro_compat import (
+    handler_chain,
+    likelihood_sites,
+    unwrap_init_messenger,
+    wrap_inner,
+)
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
@@ -60,6 +65,7 @@ def run_model(
         fn = poutine.substitute(fn, data=substitute)
     with torch.no_grad(), poutine.block(), recorder:
         fn(*args)
+    recorder.observed[:] = likelihood_sites(recorder.observed, model)
     return recorder
 
 

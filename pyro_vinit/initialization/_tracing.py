@@ -28,6 +28,7 @@ from torch.distributions import (
 from pyro_vinit._pyro_compat import (
     handler_chain,
     is_deterministic_site,
+    likelihood_sites,
     model_swapped,
     replace_handler,
     unwrap_init_messenger,
@@ -256,9 +257,10 @@ def guide_medians(guide: AutoGuide, args: Sequence[Any]) -> Dict[str, torch.Tens
         return dict(guide.median(*args))
 
 
-def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> SampleSite:
-    """The single observed sample site of a model trace."""
-    sites = [
+def trace_observed_site(trace: poutine.Trace, latent: Sequence[str],
+                        model: Callable[..., Any]) -> SampleSite:
+    """The single observed sample site of a trace of ``model``."""
+    sites: List[SampleSite] = likelihood_sites([
         sample_site(site)
         for name, site in trace.nodes.items()
         if site["type"] == "sample"
@@ -266,7 +268,7 @@ def trace_observed_site(trace: poutine.Trace, latent: Sequence[str]) -> SampleSi
         and name not in latent
         and not site_is_subsample(site)
         and not is_deterministic_site(site)
-    ]
+    ], model)
     if len(sites) != 1:
         raise ValueError(
             f"this initializer needs a model with exactly one observed sample site (its "

@@ -119,7 +119,7 @@ def _map(
             break
         args = pool.select(pool.batch_indices(1, batch_size)[0])
         trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args)
-        site = trace_observed_site(trace, prep.latent)
+        site = trace_observed_site(trace, prep.latent, model)
         loss = -site["fn"].log_prob(site["value"]).sum() / batch_size
         if not torch.isfinite(loss):
             raise ValueError(f"MAP: the negative log-likelihood is {loss.item()} at step {step}")

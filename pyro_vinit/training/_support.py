@@ -11,12 +11,10 @@ from typing import (
     Any,
     Callable,
     Dict,
-    FrozenSet,
     Iterable,
     Iterator,
     List,
     Optional,
-    Set,
     Tuple,
     Union,
     cast,
@@ -28,11 +26,10 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.optim import PyroOptim
-from pyro.poutine.condition_messenger import ConditionMessenger
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 
-from pyro_vinit._pyro_compat import handler_chain, is_deterministic_site
+from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
 from pyro_vinit.training.config import FitHistory
 
 __all__: List[str] = []
@@ -222,26 +219,13 @@ def _check_targets(site: Any, y: torch.Tensor) -> None:
         )
 
 
-def _conditioned(model: Callable[..., Any]) -> FrozenSet[str]:
-    """The sites that a ``pyro.condition(model, data=...)`` around ``model`` fixes:
-    observed in its trace, but latent variables held at a value, not likelihoods."""
-    names: Set[str] = set()
-    for messenger, _ in handler_chain(model):
-        if isinstance(messenger, ConditionMessenger):
-            data = messenger.data
-            names.update(data.nodes if isinstance(data, poutine.Trace) else data)
-    return frozenset(names)
-
-
 def _likelihoods(trace: poutine.Trace, model: Callable[..., Any]) -> List[Any]:
     """The observed sample sites of a trace of ``model``, less ``pyro.deterministic``'s
     records (observed ``Delta`` sites) and, where the model observes sites of its own
     (``obs=``), the sites ``pyro.condition`` fixes (a hyperparameter held at a value)."""
-    observed = [site for site in trace.nodes.values() if site["type"] == "sample"
-                and site["is_observed"] and not is_deterministic_site(site)]
-    fixed = _conditioned(model)
-    own = [site for site in observed if site["name"] not in fixed]
-    return own if own else observed
+    return likelihood_sites([site for site in trace.nodes.values() if site["type"] == "sample"
+                             and site["is_observed"] and not is_deterministic_site(site)],
+                            model)
 
 
 def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> None:

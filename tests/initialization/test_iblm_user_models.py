@@ -1406,3 +1406,29 @@ def test_constant_bias_after_a_matrix_product_is_subtracted(constant):
     precision = torch.eye(3, dtype=F64) + x.T @ x / 0.09
     mean = torch.linalg.solve(precision, x.T @ (y - c) / 0.09)
     assert_close(guide.locs.w.detach(), mean, atol=1e-8, rtol=1e-8)
+
+
+def _tau_mlp(x, y=None, tau=None):
+    if tau is None:
+        tau = pyro.sample("tau", dist.HalfNormal(1.0))
+    w1 = pyro.sample("w1", dist.Normal(0.0, tau).expand([8, x.shape[-1]]).to_event(2))
+    w2 = pyro.sample("w2", dist.Normal(0.0, tau).expand([3, 8]).to_event(2))
+    with pyro.plate("data", x.shape[0]):
+        logits = F.linear(torch.relu(F.linear(x, w1)), w2)
+        return pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+
+def test_a_hyperparameter_fixed_by_pyro_condition_is_no_likelihood():
+    # pyro.condition(model, data={"tau": ...}) observes tau in the model's trace: I-BLM
+    # fits the one likelihood as if tau were the constant (it found two before)
+    x, y = blobs()[:2]
+    fits = []
+    for model in (pyro.condition(_tau_mlp, data={"tau": torch.tensor(1.0)}),
+                  partial(_tau_mlp, tau=torch.tensor(1.0))):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = init_guide_iblm(AutoNormal(model), (x, y))
+        fits.append({k: v.detach().clone() for k, v in guide.median().items()})
+    assert fits[0].keys() == fits[1].keys() == {"w1", "w2"}
+    for name in fits[0]:
+        assert torch.equal(fits[0][name], fits[1][name]), name
