@@ -46,7 +46,7 @@ SCRIPTS = {
                                   "| 0.0e+00 |", "load average",
                                   "CapturedSVI(compile=True) ÷ fit's step, CapturedSVI (replay) "
                                   "| 32", "| torch.float64 | fit's step, CapturedSVI(compile=True) "
-                                  "| 2."],
+                                  "|"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
     # digits_50: N, W, N/W, the rule's lr and its grid neighbour
