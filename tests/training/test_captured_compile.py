@@ -112,7 +112,7 @@ def test_a_failed_compile_warns_once_and_replays_uncompiled(monkeypatch):
         calls.append(graph)
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(training_captured, "_inductor_compile", failing)
+    monkeypatch.setattr(training_captured, "inductor_compile", failing)
     captured = _float64(_steps, CapturedSVI)
     match = "not compiled .inductor failed: RuntimeError: no C.. compiler"
     with pytest.warns(RuntimeWarning, match=match) as record:
@@ -135,7 +135,7 @@ def test_a_failed_compile_warns_once_and_replays_uncompiled(monkeypatch):
 
 def test_a_step_writing_to_a_buffer_is_replayed_uncompiled(monkeypatch):
     calls = []
-    monkeypatch.setattr(training_captured, "_inductor_compile",
+    monkeypatch.setattr(training_captured, "inductor_compile",
                         lambda *args: calls.append(args))
     eager = _float64(_steps, SVI, "batchnorm")
     with pytest.warns(RuntimeWarning, match="not compiled.*writes in place.*running statistics"):
@@ -151,7 +151,7 @@ def test_fit_capture_compile_passes_it_through(monkeypatch):
         compiled.append(graph)
         return graph
 
-    monkeypatch.setattr(training_captured, "_inductor_compile", recording)
+    monkeypatch.setattr(training_captured, "inductor_compile", recording)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 5, generator=g), torch.arange(64) % 3
 
