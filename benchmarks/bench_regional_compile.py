@@ -19,6 +19,9 @@ digits), one thread:
   ``fallback_random`` (the random draws stay PyTorch's, so the draws are
   the eager step's) and inductor's default CPU matrix products (``aten``'s,
   called from the compiled code);
+* *library*: ``CapturedSVI(compile=True)``, the library's own path to the
+  whole graph compiled (its compile timed as its tracing step: trace,
+  compile and first replay, with inductor's caches off);
 * bayesian-torch's ``LinearReparameterization`` MLP, the issue's reference.
 
 Also: the compile time of each (one compile thread, inductor's caches in a
@@ -77,11 +80,13 @@ BT = "bayesian-torch LinearReparameterization"
 REPLAY = "fit's step, CapturedSVI (replay)"
 REGIONAL = "fit's step, CapturedSVI + inductor on the elementwise regions"
 WHOLE = "fit's step, CapturedSVI + inductor on the whole graph"
-VARIANTS = {REGIONAL: "regional", WHOLE: "whole"}
+LIBRARY = "fit's step, CapturedSVI(compile=True)"
+VARIANTS = {REGIONAL: "regional", WHOLE: "whole", LIBRARY: "library"}
 #: Largest relative difference from the eager step a graph may show, by dtype:
 #: (loss, gradients); beyond it the run stops.
 TOLERANCE = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-3, 1e-4)}
-RATIOS = [(REGIONAL, REPLAY), (WHOLE, REPLAY), (REPLAY, BT), (REGIONAL, BT), (WHOLE, BT)]
+RATIOS = [(REGIONAL, REPLAY), (WHOLE, REPLAY), (LIBRARY, REPLAY), (LIBRARY, WHOLE), (REPLAY, BT),
+          (REGIONAL, BT), (WHOLE, BT), (LIBRARY, BT)]
 
 _aten = torch.ops.aten
 #: Kept out of the regions: matrix products, indexing and scattering, constants.
@@ -192,30 +197,42 @@ def functional_graphs():
         captured_module._reuse_dead_buffers = rewrite
 
 
-def fit_step(x, y, num_data, variant=None, again=False):
+def fit_step(x, y, num_data, variant=None, again=False, cold=False):
     """One step as :func:`~pyro_vinit.fit` takes it, captured, its replayed
-    graph compiled as ``variant`` says (None: the library's replay); the
-    first two steps are taken here. Returns ``(step, parts)``: ``parts``
+    graph compiled as ``variant`` says (None: the library's replay;
+    ``"library"``: ``CapturedSVI(compile=True)``); the first two steps are
+    taken here. Returns ``(step, parts)``: ``parts``
     holds the model, guide, handlers' config, the capture and the compile
     seconds (with ``again``, also those of compiling the same graph a second
-    time, from inductor's caches)."""
+    time, from inductor's caches; with ``cold``, the library's compile runs
+    with inductor's caches off: the same graph was compiled before)."""
+    from torch._inductor import config as inductor_config
+
     model = make_model(SIZES, num_data)
     guide = AutoKTiedNormal(model, rank=2)
     config = fit_config(guide)
-    svi = CapturedSVI(model, guide, GroupedAdam({"lr": 1e-3}), config.elbo())
+    library = variant == "library"
+    svi = CapturedSVI(model, guide, GroupedAdam({"lr": 1e-3}), config.elbo(), compile=library)
 
     def step():
         with config.handlers():
             return svi.step(x, y)
 
     step()
-    with functional_graphs() if variant else contextlib.nullcontext([]) as graphs:
+    caches_off = inductor_config.patch(force_disable_caches=True) if library and cold \
+        else contextlib.nullcontext()
+    start = time.perf_counter()
+    with functional_graphs() if variant and not library else contextlib.nullcontext([]) \
+            as graphs, caches_off:
         step()
+    seconds = time.perf_counter() - start
     assert svi.num_traces == 1, svi.fallback_reason
+    assert svi.compile_failure is None, svi.compile_failure
     capture = next(iter(svi._captures.values()))
     parts = {"model": model, "guide": guide, "config": config, "capture": capture,
-             "compile_s": None, "regions": None}
-    if variant:
+             "compile_s": seconds if library else None, "compile_again_s": None,
+             "regions": None}
+    if variant and not library:
         (graph,) = graphs
         seconds = []
         for _ in range(2 if again else 1):  # again: from inductor's caches
@@ -300,7 +317,7 @@ def configurations(batch, x, y, num_data, again=True):
         configs[BT] = bayesian_torch_step(LinearReparameterization, SIZES, xb, yb, num_data)
     configs[REPLAY], _ = fit_step(xb, yb, num_data)
     for name, variant in VARIANTS.items():
-        configs[name], parts = fit_step(xb, yb, num_data, variant, again=again)
+        configs[name], parts = fit_step(xb, yb, num_data, variant, again=again, cold=True)
         compiled[name] = {key: parts[key] for key in ("compile_s", "compile_again_s",
                                                       "regions")}
     return configs, compiled
@@ -351,7 +368,9 @@ def report(results, host, load_end):
                   f"thread(s), {config['rounds']} rounds × {config['block']} steps; inductor "
                   f"with one compile thread, its caches in a fresh folder (cold: the first "
                   f"compile of a graph; again: the same graph compiled a second time, in the "
-                  f"same process), its start-up ({results['inductor_startup_s']:.1f} s, a "
+                  f"same process; for {LIBRARY}, its whole tracing step (trace, compile "
+                  f"and first replay), with inductor's caches off), its start-up "
+                  f"({results['inductor_startup_s']:.1f} s, a "
                   f"trivial function compiled first) not counted; torch {host['torch']}, Pyro "
                   f"{host['pyro']}, bayesian-torch {results['bayesian_torch'] or 'not installed'}; "
                   f"load average (1, 5, 15 min) at the start {tuple(host['load_average'])}, at "
@@ -392,7 +411,7 @@ def main(args):
                 }
                 print(f"  batch {batch} done", flush=True)
             batch = args.batches[0]
-            for dtype in (torch.float64, torch.float32):
+            for dtype in (torch.float64,) if args.quick else (torch.float64, torch.float32):
                 results["agreement"][str(dtype)] = agreement(x[:batch], y[:batch], len(x),
                                                              dtype)
     finally:

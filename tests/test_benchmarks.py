@@ -43,7 +43,10 @@ SCRIPTS = {
     "bench_regional_compile.py": ["inductor on the elementwise regions ÷ fit's step, "
                                   "CapturedSVI (replay) | 32", "where the time goes",
                                   "| torch.float64 | fit's step, CapturedSVI (replay) | 0.0e+00 "
-                                  "| 0.0e+00 |", "load average"],
+                                  "| 0.0e+00 |", "load average",
+                                  "CapturedSVI(compile=True) ÷ fit's step, CapturedSVI (replay) "
+                                  "| 32", "| torch.float64 | fit's step, CapturedSVI(compile=True) "
+                                  "|"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
     # digits_50: N, W, N/W, the rule's lr and its grid neighbour

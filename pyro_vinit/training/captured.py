@@ -29,6 +29,7 @@ from pyro.optim import PyroOptim
 from pyro.poutine.messenger import Messenger
 
 from pyro_vinit._pyro_compat import active_messengers, traceable_elbos
+from pyro_vinit.training._inductor import held_write, inductor_compile
 from pyro_vinit.training._signature import messenger_state
 
 __all__ = ["CapturedSVI"]
@@ -311,6 +312,14 @@ class CapturedSVI(SVI):
         captured (e.g. a random draw on the CPU); True raises an error
         instead (a step that cannot be traced at all still falls back to
         ``SVI``'s, as above); False replays operator by operator.
+    :param bool compile: Compile each graph with inductor
+        (``torch._inductor``, its random draws left to PyTorch's generator:
+        the same draws and values as the eager step) and call the compiled
+        code instead of the replay; CPU only. A compile takes tens of
+        seconds: it pays in runs of many thousands of steps (see the
+        "Performance" page). Where inductor fails, or the step writes to a
+        tensor it does not make (BatchNorm's running statistics), it warns
+        once and replays uncompiled.
     """
 
     def __init__(
@@ -322,6 +331,7 @@ class CapturedSVI(SVI):
         *,
         max_signatures: int = 8,
         cuda_graph: Optional[bool] = None,
+        compile: bool = False,
     ) -> None:
         if not isinstance(loss, ELBO):
             raise TypeError(
@@ -335,9 +345,17 @@ class CapturedSVI(SVI):
         if cuda_graph is not None and not isinstance(cuda_graph, bool):  # 0 == False
             raise ValueError(f"CapturedSVI: cuda_graph must be None, True or False, got "
                              f"{cuda_graph!r}")
+        if not isinstance(compile, bool):
+            raise ValueError(f"CapturedSVI: compile must be True or False, got {compile!r}")
+        if compile and cuda_graph:
+            raise ValueError("CapturedSVI: compile=True is measured on the CPU only and does "
+                             "not take cuda_graph=True; pass one of them")
         super().__init__(model, guide, optim, loss)  # type: ignore[no-untyped-call]
         self.max_signatures = max_signatures
         self.cuda_graph = cuda_graph
+        self.compile = compile
+        #: Why a graph was replayed uncompiled with ``compile=True``, or None.
+        self.compile_failure: Optional[str] = None
         self._elbo = loss
         self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
         self._eager_sites: Dict[Hashable, Structure] = {}
@@ -390,6 +408,8 @@ class CapturedSVI(SVI):
             tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
             if tensors:
                 self._graph_device([], tensors)
+        if self.compile:  # before anything runs: the data must be on the CPU
+            self._check_cpu([a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)])
         key = self._signature(args, kwargs)
         if key is None:
             self._fall_back("an argument that is neither a tensor nor hashable")
@@ -460,6 +480,8 @@ class CapturedSVI(SVI):
 
         params = self._eager_params[key]
         tensors = [a for a in [*args, *(kwargs[k] for k in names)] if isinstance(a, torch.Tensor)]
+        if self.compile:
+            self._check_cpu(params)
         device = self._graph_device(params, tensors)
         buffers = self._buffers()
         saved = [b.detach().clone() for b in buffers]
@@ -477,6 +499,25 @@ class CapturedSVI(SVI):
         if recorder.structure != self._eager_sites[key]:
             self._fall_back("the model's or guide's sites changed from one step to the next")
             return None
+        compiled = None
+        if self.compile and self.compile_failure is None:
+            reason = held_write(graph)
+            if reason is None:
+                try:
+                    compiled = inductor_compile(graph, params, tensors)
+                except Exception as error:  # no C++ compiler, an operator it cannot lower...
+                    reason = f"inductor failed: {_describe(error)}"
+                finally:
+                    self._restore(buffers, saved, cpu_rng, cuda_rng)
+            if reason is not None:
+                self.compile_failure = reason
+                warnings.warn(f"CapturedSVI(compile=True): the step is not compiled "
+                              f"({reason}); this and every later signature is replayed "
+                              "uncompiled", RuntimeWarning, stacklevel=3)
+        if compiled is not None:
+            capture = _Capture(compiled, params)
+            self._captures[key] = capture
+            return capture
         _reuse_dead_buffers(graph)
         replay: Callable[..., Any] = graph
         if device is not None:
@@ -487,6 +528,15 @@ class CapturedSVI(SVI):
         capture = _Capture(replay, params)
         self._captures[key] = capture
         return capture
+
+    @staticmethod
+    def _check_cpu(tensors: List[torch.Tensor]) -> None:
+        found = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
+        if found:
+            raise ValueError(
+                f"CapturedSVI(compile=True): the step's parameters and tensor arguments must "
+                f"be on the CPU (the compiled step is measured there only), found on {found}; "
+                "leave compile=False on this device")
 
     def _graph_device(self, params: List[torch.Tensor],
                       tensors: List[torch.Tensor]) -> Optional[torch.device]:

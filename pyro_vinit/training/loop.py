@@ -115,7 +115,7 @@ def fit(
     progress: bool = True,
     checkpoint: Optional[Union[str, "os.PathLike[str]"]] = None,
     checkpoint_every: Optional[int] = None,
-    capture: Optional[bool] = None,
+    capture: Union[bool, str, None] = None,
 ) -> FitHistory:
     r"""
     Trains a Bayesian neural network ``model(x, y)`` and its ``guide`` on
@@ -169,12 +169,14 @@ def fit(
         resumes from it (bit-identically for an ``(x, y)`` pair).
     :type checkpoint: str or os.PathLike
     :param int checkpoint_every: Steps between checkpoints (default: only at the end).
-    :param bool capture: Take the steps through :class:`CapturedSVI` (the
+    :param capture: Take the steps through :class:`CapturedSVI` (the
         step traced once and replayed: the same losses under the same seed);
         None (default) does where it pays for its tracing: for a call of 300
         steps or more on a CPU, 100 on CUDA (see the "Training" method page).
         Batches of another shape than the first (an epoch's last, partial
-        batch) take the eager step.
+        batch) take the eager step. ``"compile"``: captured and compiled by
+        inductor (``CapturedSVI(compile=True)``; CPU only), for long runs.
+    :type capture: bool or str
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------
@@ -193,8 +195,9 @@ def fit(
         _check_positive("kl_weight", kl_weight)
     if num_particles is not None:
         _check_positive("num_particles", num_particles, int)
-    if capture is not None and not isinstance(capture, bool):
-        raise TypeError(f"fit: capture must be True, False or None (automatic), got {capture!r}")
+    if capture is not None and not isinstance(capture, bool) and capture != "compile":
+        raise TypeError(f"fit: capture must be True, False or None (automatic), or 'compile', "
+                        f"got {capture!r}")
     if init not in ("iblm", None):
         raise ValueError(f"fit: init must be 'iblm' or None, got {init!r}")
     if optim is not None and not isinstance(optim, PyroOptim):
@@ -210,6 +213,9 @@ def fit(
     num_data = batches.num_data
     if validation is not None:
         validation = _check_batch(validation, "validation")
+    if capture == "compile" and batches.first[0].device.type != "cpu":
+        raise ValueError(f"fit: capture='compile' is measured on the CPU only; the data is on "
+                         f"{batches.first[0].device}: pass capture=True or None there")
     learned_noise = _check_model(model, batches.first, num_data)
     chunk = max(1, min(num_data, 4096))  # validation rows per model call
     if validation is not None:
@@ -273,8 +279,9 @@ def fit(
     elbo = config.elbo()
     svi = SVI(model, guide, optim, elbo)
     captured: Optional[CapturedSVI] = None
-    if _use_capture(capture, steps - done, batches.first[0].device):
-        captured = CapturedSVI(model, guide, optim, elbo)
+    if capture == "compile" or _use_capture(cast(Optional[bool], capture), steps - done,
+                                            batches.first[0].device):
+        captured = CapturedSVI(model, guide, optim, elbo, compile=capture == "compile")
         history.captured = True
     shape = (batches.first[0].shape, batches.first[1].shape)
     every = eval_every or max(1, steps // 10)

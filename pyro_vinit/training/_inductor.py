@@ -1,0 +1,71 @@
+"""
+The inductor compile of :class:`~pyro_vinit.CapturedSVI`'s traced step
+(``compile=True``). It calls torch internals (``torch._inductor``): no public
+API compiles an aten graph as it stands.
+"""
+
+from typing import Any, Callable, List, Optional, cast
+
+import torch
+
+__all__ = ["held_write", "inductor_compile"]
+
+
+def _schema(node: torch.fx.Node) -> Any:
+    target = node.target
+    return getattr(target, "_schema", None) if node.op == "call_function" else None
+
+
+def held_write(graph: torch.fx.GraphModule) -> Optional[str]:
+    """
+    What tensor that ``graph`` does not make it writes in place (a model's
+    buffer, e.g. BatchNorm's running statistics; an input), or None.
+    Inductor's functional copy of such a graph drops those writes.
+    """
+    for node in graph.graph.nodes:
+        schema = _schema(node)
+        if schema is None or not schema.is_mutable:
+            continue
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            while isinstance(value, torch.fx.Node) and value.op == "call_function":
+                base = _schema(value)  # through views, to the tensor viewed
+                if base is None or all(r.alias_info is None for r in base.returns):
+                    break
+                value = value.args[0]
+            if isinstance(value, torch.fx.Node) and value.op in ("get_attr", "placeholder"):
+                return (f"it writes in place to a tensor it reads ({node.target} on "
+                        f"{value.target}; e.g. BatchNorm's running statistics), a write that "
+                        "inductor's compiled graph would drop")
+    return None
+
+
+def inductor_compile(graph: torch.fx.GraphModule, params: List[torch.Tensor],
+                     tensors: List[torch.Tensor]) -> Callable[..., Any]:
+    """
+    ``graph`` (functional: before ``CapturedSVI``'s in-place rewrite)
+    compiled whole by inductor, called as ``graph`` is. Its random draws stay PyTorch's
+    (``fallback_random``): the same draws from the same generator, so the
+    same values as the eager step's. ``graph`` itself is left as it was.
+    """
+    # torch internals: no public API compiles an aten graph as it stands
+    # (torch.compile would trace it again with dynamo and guard every call)
+    import torch.utils._pytree as pytree
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    out_spec = graph.graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
+    nodes = torch.fx.Graph()  # the same nodes, flat inputs and outputs
+    nodes.output(nodes.graph_copy(graph.graph, {}))
+    flat = torch.fx.GraphModule(graph, nodes)
+    examples = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
+                for t in [*params, *tensors]]
+    with torch.no_grad(), config.patch(fallback_random=True):
+        compiled = cast(Callable[..., Any], compile_fx(flat, examples))
+
+    def replay(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> Any:
+        return pytree.tree_unflatten(list(compiled(*params, *tensors)), out_spec)
+
+    return replay
