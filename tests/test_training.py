@@ -960,3 +960,19 @@ def test_fit_takes_a_likelihood_given_by_pyro_condition():
     history = fit(conditioned, AutoNormal(conditioned), (x, y), steps=2, batch_size=240,
                   init=None, progress=False)
     assert history.steps == 2
+
+
+def test_a_classifier_is_not_run_again_to_read_its_noise():
+    # the second trial run (latent values requiring gradients) is for continuous
+    # likelihoods only: a classifier's model, its buffers and memory are left alone
+    from pyro_vinit.training._support import _learns_noise, _trial_trace
+
+    calls = []
+
+    def model(x, y=None):
+        calls.append(len(x))
+        return _tau_classifier(x, y)
+
+    x, y = blobs()
+    trace = _trial_trace(model, x, y, "the first batch")
+    assert _learns_noise(model, x, y, trace) is False and len(calls) == 1

@@ -286,6 +286,8 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
     """Whether a likelihood of continuous support has a parameter other than its
     location that depends on a param or a latent site: the model run again with its
     latent values as tensors that require gradients."""
+    if all(_base(site["fn"]).support.is_discrete for site in _likelihoods(trace, model)):
+        return False  # a classifier: no second run
     with torch.enable_grad():
         # not leaves: a model may change its sample in place (w.clamp_), as it may the
         # guide's in training, where no leaf may be
