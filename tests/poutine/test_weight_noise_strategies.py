@@ -1,6 +1,8 @@
 """Weight-noise strategies chosen per site (WeightNoiseMessenger's config) and the
 distribution registries they read."""
 
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -465,3 +467,27 @@ def test_sites_the_config_leaves_alone_are_not_reported():
     with pytest.raises(ValueError, match="'w3': it never reached a layer call"):
         with WeightNoiseMessenger(strict=True):
             model(X)
+
+
+def test_auto_weight_noise_keeps_a_point_mass_unreported():
+    # an AutoDelta member's weight has no noise to spread: its ordinary sample is exact,
+    # and strict=True has nothing to report (it named the site before)
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList
+
+    def model(x, y):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([6, 3]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([2, 6]).to_event(2))
+        with pyro.plate("data", len(x)):
+            out = F.linear(torch.tanh(F.linear(x, w1)), w2)
+            pyro.sample("obs", dist.Normal(out, 1.0).to_event(1), obs=y)
+
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(poutine.block(model, expose=["w1"])))
+    guide.append(AutoDelta(poutine.block(model, expose=["w2"])))
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    guide(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with weight_noise(config=AutoWeightNoise(), strict=True):
+            loss = Trace_ELBO().differentiable_loss(model, guide, x, y)
+    assert torch.isfinite(loss)

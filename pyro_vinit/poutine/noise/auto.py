@@ -3,6 +3,7 @@
 from typing import Optional, Union
 
 import torch
+from pyro.distributions import Delta
 from torch.distributions import Distribution
 
 from pyro_vinit._typing import SampleSite
@@ -17,6 +18,23 @@ from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv
 __all__ = ["AutoWeightNoise"]
 
 
+class _PointMass(WeightNoise):
+    """A point mass's weight (e.g. an AutoDelta member's): it has no noise to spread
+    over the examples, so every call keeps its ordinary sample, which is exact,
+    unreported."""
+
+    def skips(self, call: LayerCall) -> bool:
+        return True
+
+    def apply(
+        self, call: LayerCall, weight: SiteValue, fn: Distribution
+    ) -> Union[torch.Tensor, str]:  # never called: it skips every call
+        return "a point mass has no per-example noise"
+
+
+_POINT_MASS = _PointMass()
+
+
 class AutoWeightNoise(WeightNoise):
     """
     The default weight-noise strategy, chosen per site by the distribution
@@ -25,7 +43,9 @@ class AutoWeightNoise(WeightNoise):
     :class:`~pyro_vinit.poutine.Flipout` for other
     :func:`~pyro_vinit.distributions.is_sign_symmetric` ones (e.g.
     :class:`~pyro_vinit.distributions.RadialNormal`); other distributions
-    keep their ordinary sample, and the handler reports them.
+    keep their ordinary sample, and the handler reports them, but a point mass
+    (an ``AutoDelta`` member's weight), whose ordinary sample is exact,
+    unreported.
 
     Usage::
 
@@ -48,6 +68,8 @@ class AutoWeightNoise(WeightNoise):
             return self.local_reparam
         if is_sign_symmetric(fn):
             return self.flipout
+        if isinstance(base_distribution(fn), Delta):
+            return _POINT_MASS
         return self  # whose apply says that none applies
 
     def draw(self, msg: SampleSite) -> Optional[SiteValue]:
