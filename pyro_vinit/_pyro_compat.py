@@ -43,15 +43,16 @@ from typing import (
     Callable,
     Dict,
     FrozenSet,
+    Iterable,
     Iterator,
     List,
     NamedTuple,
     Optional,
     Set,
     Tuple,
+    cast,
 )
 
-import pyro.poutine as poutine
 import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.util import scale_and_mask
@@ -175,8 +176,8 @@ def conditioned_sites(model: Callable[..., Any]) -> FrozenSet[str]:
     names: Set[str] = set()
     for messenger, _ in handler_chain(model):
         if isinstance(messenger, ConditionMessenger):
-            data = messenger.data
-            names.update(data.nodes if isinstance(data, poutine.Trace) else data)
+            # a dict's keys, or a Trace's node names (a Trace iterates them)
+            names.update(cast(Iterable[str], messenger.data))
     return frozenset(names)
 
 
