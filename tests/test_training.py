@@ -965,7 +965,7 @@ def test_fit_takes_a_likelihood_given_by_pyro_condition():
 def test_a_classifier_is_not_run_again_to_read_its_noise():
     # the second trial run (latent values requiring gradients) is for continuous
     # likelihoods only: a classifier's model, its buffers and memory are left alone
-    from pyro_vinit.training._support import _learns_noise, _trial_trace
+    from pyro_vinit.training._support import _learns_noise, _likelihoods, _trial_trace
 
     calls = []
 
@@ -975,4 +975,5 @@ def test_a_classifier_is_not_run_again_to_read_its_noise():
 
     x, y = blobs()
     trace = _trial_trace(model, x, y, "the first batch")
-    assert _learns_noise(model, x, y, trace) is False and len(calls) == 1
+    observed = _likelihoods(trace, model)
+    assert _learns_noise(model, x, y, trace, observed) is False and len(calls) == 1

@@ -12,7 +12,6 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.poutine.block_messenger import BlockMessenger
-from pyro.poutine.condition_messenger import ConditionMessenger
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import (
@@ -26,6 +25,7 @@ from torch.distributions import (
 )
 
 from pyro_vinit._pyro_compat import (
+    conditioned_sites,
     handler_chain,
     is_deterministic_site,
     likelihood_sites,
@@ -342,16 +342,15 @@ def _latent_only(hide_fn: Callable[[Any], Any]) -> Callable[[Any], bool]:
 
 def _check_not_conditioned(model: Callable[..., Any], name: str) -> None:
     """Refuses a likelihood whose observations ``pyro.condition`` fixes."""
-    for messenger, _ in handler_chain(model):
-        if isinstance(messenger, ConditionMessenger) and name in messenger.data:
-            raise ValueError(
-                f"the observed site {name!r} is set by pyro.condition(model, data="
-                f"{{{name!r}: ...}}): I-BLM runs the model on chunks and minibatches of the "
-                "data rows, which a conditioned value does not follow. Pass the observations "
-                "as a model argument instead, e.g. init_guide_iblm(AutoNormal(model), (x, y)) "
-                "on the unconditioned model; the guide then serves the conditioned model too "
-                "(it has the same latent sites)"
-            )
+    if name in conditioned_sites(model):
+        raise ValueError(
+            f"the observed site {name!r} is set by pyro.condition(model, data="
+            f"{{{name!r}: ...}}): I-BLM runs the model on chunks and minibatches of the "
+            "data rows, which a conditioned value does not follow. Pass the observations "
+            "as a model argument instead, e.g. init_guide_iblm(AutoNormal(model), (x, y)) "
+            "on the unconditioned model; the guide then serves the conditioned model too "
+            "(it has the same latent sites)"
+        )
 
 
 # ---------------------------------------------------------------------- the first pass

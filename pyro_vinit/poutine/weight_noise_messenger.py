@@ -212,9 +212,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
         if not isinstance(weight, SiteValue) or not weight.msgs:
             return None
         fn = weight.site_dist
-        strategy = self._strategy(weight.msgs[-1])
-        if strategy is not None and fn is not None:
-            strategy = strategy.select(fn)
+        strategy = self._site_strategy(weight)
         noisy = [weight]
         if (strategy is not None and strategy.bias_noise and isinstance(bias, SiteValue)
                 and bias.msgs):
@@ -296,9 +294,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
         # A later layer call on the same sample must use it as drawn, too.
         value.uses.add(None)
         if op_name in _CONV_TRANSPOSE:
-            strategy = self._strategy(value.msgs[-1])
-            if strategy is not None and value.site_dist is not None:
-                strategy = strategy.select(value.site_dist)
+            strategy = self._site_strategy(value)
             if strategy is not None and not strategy.conv:
                 # a convolution, which the strategy leaves alone by design, like conv2d
                 self._reached.update(msg["name"] for msg in value.msgs)
@@ -312,6 +308,14 @@ class WeightNoiseMessenger(LayerCallMessenger):
             "F.conv1d/2d/3d and matrix products with one weight operand: matmul, @, mm, "
             f"bmm, mv, addmm, einsum with one contracted index){hint}",
         )
+
+    def _site_strategy(self, value: SiteValue) -> Optional[WeightNoise]:
+        """The strategy of the site that drew ``value``, chosen for its distribution
+        (None: the config leaves it alone)."""
+        strategy = self._strategy(value.msgs[-1])
+        if strategy is not None and value.site_dist is not None:
+            strategy = strategy.select(value.site_dist)
+        return strategy
 
     def _fallback(self, value: SiteValue, reason: str) -> None:
         # Records why the site of value kept its ordinary sample, for the report on exit.

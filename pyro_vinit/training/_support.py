@@ -278,15 +278,16 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
                 f"num_data={num_data} (BayesianClassifier / BayesianRegressor), or use "
                 f"pyro.plate('data', {num_data}, subsample=...) in your model"
             )
-    return _learns_noise(model, x, y, trace)
+    return _learns_noise(model, x, y, trace, observed)
 
 
 def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
-                  trace: poutine.Trace) -> bool:
+                  trace: poutine.Trace, observed: List[Any]) -> bool:
     """Whether a likelihood of continuous support has a parameter other than its
     location that depends on a param or a latent site: the model run again with its
-    latent values as tensors that require gradients."""
-    if all(_base(site["fn"]).support.is_discrete for site in _likelihoods(trace, model)):
+    latent values as tensors that require gradients. ``observed``: the likelihoods
+    of ``trace``."""
+    if all(_base(site["fn"]).support.is_discrete for site in observed):
         return False  # a classifier: no second run
     with torch.enable_grad():
         # not leaves: a model may change its sample in place (w.clamp_), as it may the

@@ -126,7 +126,7 @@ def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], Co
 _LEARNED_NOISE_KL_WEIGHT = 0.3
 
 
-def _learns_noise(guide: Callable[..., Any]) -> Optional[bool]:
+def _declared_noise(guide: Callable[..., Any]) -> Optional[bool]:
     # What the guide's model says of itself, where it can: None for any other model.
     from pyro_vinit.nn import BayesianClassifier, BayesianRegressor
 
@@ -205,7 +205,7 @@ def fit_config(
         changes["kl_weight"] = float(kl_weight)
     else:
         if learned_noise is None:
-            learned_noise = _learns_noise(guide)
+            learned_noise = _declared_noise(guide)
         if learned_noise is None:
             warnings.warn(
                 "fit_config: cannot tell whether the guide's model learns its likelihood's "
