@@ -110,8 +110,7 @@ def init_guide_pretrained(
     if max_scale_ratio is not None:
         _check_positive("max_scale_ratio", max_scale_ratio)
     for name, value in (("max_pool_size", max_pool_size), ("chunk_rows", chunk_rows)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"init_guide_pretrained: {name} must be a positive int, got {value!r}")
+        _check_positive(name, value, integer=True)
     if not isinstance(strict, bool):
         raise TypeError(f"init_guide_pretrained: strict must be a bool, got {strict!r}")
     if weights is not None and not isinstance(weights, Mapping):
@@ -152,12 +151,12 @@ def init_guide_pretrained(
     return guide
 
 
-def _check_positive(name: str, value: object) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
+def _check_positive(name: str, value: object, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if (isinstance(value, bool) or not isinstance(value, kind)
             or not math.isfinite(value) or not value > 0):
-        raise ValueError(
-            f"init_guide_pretrained: {name} must be a positive finite number, got {value!r}"
-        )
+        what = "a positive int" if integer else "a positive finite number"
+        raise ValueError(f"init_guide_pretrained: {name} must be {what}, got {value!r}")
 
 
 def _model_values(model: Any) -> Dict[str, torch.Tensor]:
