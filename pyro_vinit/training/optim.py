@@ -98,7 +98,8 @@ class GroupedAdam(PyroOptim):
         self._known: Dict[torch.Tensor, None] = {}  # the parameters seen, in order
         self.warmup_steps = warmup_steps
         self._lr = probe.defaults["lr"]
-        # each parameter's steps taken (or restored), for its warm-up
+        # each parameter's steps taken (or restored), for its warm-up: counted here, on the
+        # host, as Adam's own step tensors may live on the device (reading one would sync)
         self._steps: Dict[torch.Tensor, int] = {}
 
     def __call__(self, params: Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> None:
