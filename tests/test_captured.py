@@ -130,7 +130,7 @@ def test_captured_step_equals_eager_step(problem, device):
 
 def _replays_cuda_graph(svi):
     (capture,) = svi._captures.values()
-    return type(capture.graph).__name__ == "_CudaGraphReplay"
+    return type(capture.graph).__name__ == "CudaGraphReplay"
 
 
 def test_replays_draw_afresh_and_follow_the_seed(device):
@@ -264,7 +264,7 @@ def test_only_varying_off_device_operators_block_a_cuda_graph():
     # placeholders on "the device" (meta here), other work on the CPU
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from pyro_vinit.training.captured import _off_device
+    from pyro_vinit.training._cuda_graph import off_device as _off_device
 
     meta = torch.device("meta")
 

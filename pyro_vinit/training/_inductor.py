@@ -4,11 +4,24 @@ The inductor compile of :class:`~pyro_vinit.CapturedSVI`'s traced step
 API compiles an aten graph as it stands.
 """
 
-from typing import Any, Callable, List, Optional, cast
+from typing import Any, Callable, List, Optional, Tuple, cast
 
 import torch
 
-__all__ = ["held_write", "inductor_compile"]
+__all__ = ["compile_pays", "graph_size", "held_write", "inductor_compile"]
+
+# fit's cost model of a compile on the CPU, fitted to five steps (the race's three
+# problems and the MLP 64-400-400-10 at batch 128 and 1000; one thread;
+# benchmarks/bench_fit_compile.py): the compiled step saves about _SAVED_PER_OPERATOR
+# seconds per operator of the traced graph and _SAVED_PER_ELEMENT per element that its
+# operators write; tracing again and compiling costs about _COMPILE_SECONDS, inductor's
+# start-up in the process included, plus _COMPILE_PER_OPERATOR per operator.
+_SAVED_PER_OPERATOR = 2.5e-6
+_SAVED_PER_ELEMENT = 1.3e-10
+_COMPILE_SECONDS = 21.0
+_COMPILE_PER_OPERATOR = 6e-3
+#: fit compiles where the projected saving repays the compile this many times over.
+_PAYBACK = 2.0
 
 
 def _schema(node: torch.fx.Node) -> Any:
@@ -40,6 +53,31 @@ def held_write(graph: torch.fx.GraphModule) -> Optional[str]:
                         f"{value.target}; e.g. BatchNorm's running statistics), a write that "
                         "inductor's compiled graph would drop")
     return None
+
+
+def graph_size(graph: torch.fx.GraphModule) -> Tuple[int, int]:
+    """The number of operators ``graph`` calls and of the elements they write."""
+    operators = elements = 0
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        operators += 1
+        value = node.meta.get("val")
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                elements += tensor.numel()
+    return operators, elements
+
+
+def compile_pays(graph: torch.fx.GraphModule, steps: int) -> bool:
+    """
+    Whether compiling ``graph`` (a CPU step) is projected to save, over
+    ``steps`` replays, at least twice what the compile costs.
+    """
+    operators, elements = graph_size(graph)
+    saved = _SAVED_PER_OPERATOR * operators + _SAVED_PER_ELEMENT * elements
+    cost = _COMPILE_SECONDS + _COMPILE_PER_OPERATOR * operators
+    return steps * saved >= _PAYBACK * cost
 
 
 def inductor_compile(graph: torch.fx.GraphModule, params: List[torch.Tensor],

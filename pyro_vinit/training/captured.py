@@ -29,6 +29,7 @@ from pyro.optim import PyroOptim
 from pyro.poutine.messenger import Messenger
 
 from pyro_vinit._pyro_compat import active_messengers, traceable_elbos
+from pyro_vinit.training._cuda_graph import CudaGraphReplay, off_device
 from pyro_vinit.training._inductor import held_write, inductor_compile
 from pyro_vinit.training._signature import messenger_state
 
@@ -164,96 +165,6 @@ def _describe(error: BaseException) -> str:
     return text
 
 
-def _node_tensors(graph: torch.fx.GraphModule, node: torch.fx.Node) -> List[torch.Tensor]:
-    """The tensors a node of ``graph`` computes (or holds, for a constant)."""
-    if node.op == "get_attr":
-        value: Any = graph
-        for name in str(node.target).split("."):
-            value = getattr(value, name)
-    else:
-        value = node.meta.get("val")
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _off_device(graph: torch.fx.GraphModule, device: torch.device) -> Optional[str]:
-    """
-    Why a CUDA graph on ``device`` would not replay ``graph`` as it runs, or
-    None. Off-device operators run once, at capture, and their values are
-    frozen into it: refused are an off-device value that changes from step to
-    step (a random draw, such as a subsampled plate's CPU ``randperm``, or what
-    reads a draw or an input), an off-device tensor the graph holds rather than
-    makes (a model's tensor, which may change in place between steps), and an
-    off-device tensor with elements that a device operator reads (a copy from
-    host memory at each step). Off-device scalars made from constants (Pyro's
-    plate makes its zero log-density on the CPU) are the same at every step.
-    """
-    varying: Set[torch.fx.Node] = set()
-    fresh = {_aten.lift_fresh_copy.default, _aten.lift_fresh.default}
-    for node in graph.graph.nodes:
-        if node.op == "placeholder":
-            varying.add(node)
-        elif node.op == "get_attr":
-            if any(t.device != device and t.numel() for t in _node_tensors(graph, node)) and any(
-                    user.target not in fresh for user in node.users):
-                return f"{node.target} is a tensor held on another device than {device}"
-        if node.op != "call_function":
-            continue
-        mine = _node_tensors(graph, node)
-        if any(t.device == device for t in mine):
-            for source in node.all_input_nodes:
-                if any(t.device != device and t.dim() for t in _node_tensors(graph, source)):
-                    return f"{node.target} reads a tensor from {source.target}, off {device}"
-        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) or any(
-                n in varying for n in node.all_input_nodes):
-            varying.add(node)
-            if any(t.device != device and t.numel() for t in mine):
-                return f"{node.target} computes on another device than {device}"
-    return None
-
-
-class _CudaGraphReplay:
-    """
-    A traced step replayed as one CUDA graph: the data tensors are copied into
-    static inputs, the graph is launched once, and its loss and gradients are
-    static outputs, overwritten by the next replay. Random draws stay fresh:
-    PyTorch's CUDA generator hands each replay the next offsets of its stream.
-    """
-
-    def __init__(self, graph: Callable[..., Any], params: List[torch.Tensor],
-                 tensors: List[torch.Tensor], device: torch.device) -> None:
-        self.inputs = [t.detach().clone() for t in tensors]
-        self.storage = [p.data_ptr() for p in params]
-        self.cuda_graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream(device)
-        try:
-            with torch.no_grad(), torch.cuda.device(device):
-                side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                side.wait_stream(current)
-                with torch.cuda.stream(side):  # warm-up (lazy library state) off the capture
-                    graph(params, self.inputs)
-                current.wait_stream(side)
-                # thread_local: another thread's CUDA work (a loader pinning memory) does
-                # not invalidate the capture
-                with torch.cuda.graph(self.cuda_graph, stream=side,
-                                      capture_error_mode="thread_local"):
-                    self.outputs = graph(params, self.inputs)
-                current.wait_stream(side)
-        finally:
-            torch.cuda.set_stream(current)  # also where the capture's end raised
-
-    def __call__(self, params: List[torch.Tensor], tensors: List[torch.Tensor]) -> Any:
-        if [p.data_ptr() for p in params] != self.storage:
-            raise RuntimeError(
-                "CapturedSVI: a parameter's storage changed since its step was captured as a "
-                "CUDA graph (p.data = ..., module.to(...)); make a new CapturedSVI")
-        for static, value in zip(self.inputs, tensors):
-            if static.data_ptr() != value.data_ptr():
-                static.copy_(value)
-        self.cuda_graph.replay()
-        return self.outputs
-
-
 class CapturedSVI(SVI):
     r"""
     :class:`~pyro.infer.SVI` whose step is traced once and replayed: the
@@ -356,6 +267,7 @@ class CapturedSVI(SVI):
         self.compile = compile
         #: Why a graph was replayed uncompiled with ``compile=True``, or None.
         self.compile_failure: Optional[str] = None
+        self._compile_chosen = False  # by fit, for a long run: not asked for by the user
         self._elbo = loss
         self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
         self._eager_sites: Dict[Hashable, Structure] = {}
@@ -367,6 +279,23 @@ class CapturedSVI(SVI):
     def num_traces(self) -> int:
         """The number of graphs held (one per signature seen twice)."""
         return len(self._captures)
+
+    def _compile_from_next_step(self) -> None:
+        """
+        Compiles each graph from its next step on (fit's choice for a long run;
+        CPU): the held graphs are traced again from their first steps' records.
+        A step that inductor's copy would get wrong (:func:`held_write`) stays
+        replayed without a warning; a failed compile warns once, as with
+        ``compile=True``.
+        """
+        self.compile = True
+        self._compile_chosen = True
+        self._captures.clear()
+
+    def _graphs(self) -> List[torch.fx.GraphModule]:
+        """The held graphs that are replayed operator by operator."""
+        return [c.graph for c in self._captures.values()
+                if isinstance(c.graph, torch.fx.GraphModule)]
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
@@ -502,6 +431,8 @@ class CapturedSVI(SVI):
         compiled = None
         if self.compile and self.compile_failure is None:
             reason = held_write(graph)
+            # fit's own choice is not refused aloud for a graph inductor would get wrong
+            quiet = self._compile_chosen and reason is not None
             if reason is None:
                 try:
                     compiled = inductor_compile(graph, params, tensors)
@@ -511,9 +442,12 @@ class CapturedSVI(SVI):
                     self._restore(buffers, saved, cpu_rng, cuda_rng)
             if reason is not None:
                 self.compile_failure = reason
-                warnings.warn(f"CapturedSVI(compile=True): the step is not compiled "
-                              f"({reason}); this and every later signature is replayed "
-                              "uncompiled", RuntimeWarning, stacklevel=3)
+                asked = ("fit: the step of this long run" if self._compile_chosen
+                         else "CapturedSVI(compile=True): the step")
+                if not quiet:
+                    warnings.warn(f"{asked} is not compiled ({reason}); this and every later "
+                                  "signature is replayed uncompiled", RuntimeWarning,
+                                  stacklevel=4 if self._compile_chosen else 3)
         if compiled is not None:
             capture = _Capture(compiled, params)
             self._captures[key] = capture
@@ -562,10 +496,10 @@ class CapturedSVI(SVI):
                             tensors: List[torch.Tensor],
                             device: torch.device) -> Callable[..., Any]:
         """``graph`` as a CUDA graph, or (with one warning) ``graph`` itself."""
-        reason = _off_device(graph, device)
+        reason = off_device(graph, device)
         if reason is None:
             try:
-                return _CudaGraphReplay(graph, params, tensors, device)
+                return CudaGraphReplay(graph, params, tensors, device)
             except Exception as error:  # an operator that cannot be captured
                 reason = _describe(error)
         if self.cuda_graph:

@@ -236,6 +236,7 @@ class FitHistory:
     :ivar bool initialized: Whether this call initialized the guide with I-BLM.
     :ivar bool captured: Whether this call took its steps through
         :class:`CapturedSVI`.
+    :ivar bool compiled: Whether its captured step ran compiled by inductor.
     :ivar FitConfig config: The configuration it trained with.
     """
 
@@ -243,6 +244,7 @@ class FitHistory:
     validation: List[Dict[str, float]] = field(default_factory=list)
     initialized: bool = False
     captured: bool = False
+    compiled: bool = False
     config: FitConfig = field(default_factory=FitConfig)
 
     @property

@@ -25,6 +25,7 @@ from torch import nn
 
 from pyro_vinit.initialization import init_guide_iblm
 from pyro_vinit.initialization._rollback import GuideRollback
+from pyro_vinit.training._inductor import compile_pays
 from pyro_vinit.training._support import (
     Batch,
     Data,
@@ -166,16 +167,20 @@ def fit(
     :param checkpoint: A file to which the guide's and model's parameters,
         the optimizer's state, the RNG states and the step are saved every
         ``checkpoint_every`` steps and at the end; if it exists, training
-        resumes from it (bit-identically for an ``(x, y)`` pair).
+        resumes from it (bit-identically for an ``(x, y)`` pair, unless the
+        step is compiled: inductor's float rounding is its own).
     :type checkpoint: str or os.PathLike
     :param int checkpoint_every: Steps between checkpoints (default: only at the end).
     :param capture: Take the steps through :class:`CapturedSVI` (the
         step traced once and replayed: the same losses under the same seed);
         None (default) does where it pays for its tracing: for a call of 300
-        steps or more on a CPU, 100 on CUDA (see the "Training" method page).
-        Batches of another shape than the first (an epoch's last, partial
-        batch) take the eager step. ``"compile"``: captured and compiled by
-        inductor (``CapturedSVI(compile=True)``; CPU only), for long runs.
+        steps or more on a CPU, 100 on CUDA; on a CPU it also compiles the
+        traced step with inductor where the steps left are projected to save
+        twice the compile's cost (tens of seconds; see the "Training" method
+        page). Batches of another shape than the first (an epoch's last,
+        partial batch) take the eager step. ``"compile"``: captured and
+        compiled (``CapturedSVI(compile=True)``; CPU only), however short the
+        run; True: captured, never compiled.
     :type capture: bool or str
     :return: A :class:`FitHistory`.
     """
@@ -279,6 +284,9 @@ def fit(
     elbo = config.elbo()
     svi = SVI(model, guide, optim, elbo)
     captured: Optional[CapturedSVI] = None
+    # capture=None compiles a CPU step whose graph, once traced, projects a saving over
+    # the steps left that repays the compile twice (_inductor.compile_pays)
+    may_compile = capture is None and batches.first[0].device.type == "cpu"
     if capture == "compile" or _use_capture(cast(Optional[bool], capture), steps - done,
                                             batches.first[0].device):
         captured = CapturedSVI(model, guide, optim, elbo, compile=capture == "compile")
@@ -305,6 +313,11 @@ def fit(
                 warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
                               stacklevel=2)
             history.loss.append(float(loss))
+            if may_compile and captured is not None and captured.num_traces:
+                may_compile = False  # decided once, on the first graph
+                if compile_pays(captured._graphs()[0], steps - step):
+                    captured._compile_from_next_step()
+                    bar.set_postfix_str("compiling the step")
             bar.update(1)
             if step % 10 == 0 or step == steps:
                 bar.set_postfix(loss=f"{loss / num_data:.4g}")
@@ -322,5 +335,7 @@ def fit(
                 _save(path, step, optim, model, batches, history)
     finally:
         bar.close()
+    history.compiled = (captured is not None and captured.compile and captured.num_traces > 0
+                        and captured.compile_failure is None)
     _warn_if_worse(history.validation, config.kl_weight)
     return history

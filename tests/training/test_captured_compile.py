@@ -2,7 +2,8 @@
 eager step's losses, gradients and parameters under the same seed (float64,
 1e-10 relative); bad values and devices refused before anything changes; a
 compile that fails, or a step that writes to a model's buffer, replayed
-uncompiled after one warning; fit(capture="compile") passing it through."""
+uncompiled after one warning; fit(capture="compile") passing it through, and
+fit(capture=None) compiling where its cost model says the run repays it."""
 
 import warnings
 
@@ -12,8 +13,10 @@ import torch
 from pyro.infer import SVI, TraceMeanField_ELBO
 
 import pyro_vinit.training.captured as training_captured
-from pyro_vinit import AutoKTiedNormal, CapturedSVI, fit
+import pyro_vinit.training.loop as training_loop
+from pyro_vinit import AutoKTiedNormal, CapturedSVI, fit, fit_config
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.training._inductor import compile_pays, graph_size
 from tests.test_captured import PROBLEMS, GradRecorder, _close
 
 
@@ -178,3 +181,121 @@ def test_fit_capture_compile_passes_it_through(monkeypatch):
         fit(model, guide, (x.to("meta"), y.to("meta")), steps=2, capture="compile",
             progress=False)
     assert len(pyro.get_param_store()) == 0 and guide.prototype_trace is None
+
+
+# ---- fit's own choice: compile a long CPU run ---------------------------------------------
+
+
+def test_graph_size_counts_operators_and_the_elements_they_write():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(lambda a, b: ((a * 2).sum(0), b.t()))(torch.ones(3, 4), torch.ones(2, 5))
+    # mul writes 12, sum 4, t 10 (a view: counted as written, as a replay allocates it)
+    assert graph_size(graph) == (3, 26)
+
+
+def test_compile_pays_where_the_projected_saving_repays_the_compile_twice():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(lambda a: (a * 2).sum())(torch.ones(1000, 1000))  # 2 ops, 1000001 elements
+    saved = 2 * 2.5e-6 + 1000001 * 1.3e-10  # seconds a step
+    cost = 21.0 + 2 * 6e-3
+    threshold = 2 * cost / saved  # about 314,000 steps
+    assert not compile_pays(graph, int(threshold) - 1)
+    assert compile_pays(graph, int(threshold) + 1)
+
+
+def test_compile_pays_for_the_docs_example():
+    # the MLP 64-400-400-10 at batch 1000 (the method page's example): fit compiles
+    # for 11,000 steps left, not for 10,000
+    pyro.clear_param_store()
+    model = BayesianClassifier(bayesianize(mlp((64, 400, 400, 10))), num_data=5000)
+    x, y = torch.randn(1000, 64), torch.arange(1000) % 10
+    guide = AutoKTiedNormal(model, rank=2)
+    config = fit_config(guide, kl_weight=0.01)
+    svi = CapturedSVI(model, guide, config.optimizer(), config.elbo())
+    for _ in range(2):  # eager, then traced
+        with config.handlers():
+            svi.step(x, y)
+    (graph,) = svi._graphs()
+    assert not compile_pays(graph, 10_000) and compile_pays(graph, 11_000)
+
+
+def _fit_run(monkeypatch, problem="mlp", steps=8, pays=lambda graph, steps: True,
+             compile=None, capture=None):
+    """fit's losses from seed 0, and the graphs "compiled" (the functional graph
+    itself by default: replayed as it is)."""
+    compiled = []
+
+    def recording(graph, params, tensors):
+        compiled.append(graph)
+        return graph if compile is None else compile(graph, params, tensors)
+
+    monkeypatch.setattr(training_captured, "inductor_compile", recording)
+    decided = []
+
+    def deciding(graph, steps):
+        decided.append(steps)
+        return pays(graph, steps)
+
+    monkeypatch.setattr(training_loop, "compile_pays", deciding)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 5, generator=g), torch.arange(32) % 3
+    net = (mlp((5, 8, 3)) if problem == "mlp" else
+           torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 3)))
+    model = BayesianClassifier(bayesianize(net), num_data=32)
+    history = fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=steps, batch_size=16,
+                  capture=capture, init=None, progress=False)
+    return history, compiled, decided
+
+
+def test_fit_compiles_a_run_whose_saving_repays_the_compile(monkeypatch):
+    plain, compiled, decided = _fit_run(monkeypatch, capture=True)
+    assert not plain.compiled and compiled == [] and decided == []
+    monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cpu": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        chosen, compiled, decided = _fit_run(monkeypatch)
+    # decided once, after step 2 traced the graph: on the 6 steps left
+    assert decided == [6] and len(compiled) == 1
+    assert chosen.captured and chosen.compiled
+    assert chosen.loss == plain.loss and len(set(plain.loss)) == 8
+
+
+def test_fit_does_not_compile_where_the_run_is_too_short(monkeypatch):
+    monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cpu": 1})
+    history, compiled, decided = _fit_run(monkeypatch, pays=compile_pays)
+    assert decided == [6] and compiled == [] and history.captured and not history.compiled
+
+
+def test_fit_leaves_a_step_that_writes_a_buffer_uncompiled_without_a_warning(monkeypatch):
+    monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cpu": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nobody asked for the compile
+        history, compiled, decided = _fit_run(monkeypatch, problem="batchnorm")
+    assert decided == [6] and compiled == [] and not history.compiled and history.captured
+
+
+def test_fit_warns_once_where_its_compile_fails(monkeypatch):
+    monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cpu": 1})
+
+    def failing(graph, params, tensors):
+        raise RuntimeError("no C++ compiler")
+
+    with pytest.warns(RuntimeWarning, match="fit: the step of this long run is not compiled "
+                      r"\(inductor failed: RuntimeError: no C\+\+ compiler\)") as record:
+        history, compiled, _ = _fit_run(monkeypatch, compile=failing)
+    assert len([w for w in record if "not compiled" in str(w.message)]) == 1
+    assert record[0].filename == __file__  # the warning points at fit's caller
+    assert len(compiled) == 1 and history.captured and not history.compiled
+
+
+def test_fit_never_compiles_off_the_cpu_or_when_told_not_to(monkeypatch):
+    monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cpu": 1})
+    history, compiled, decided = _fit_run(monkeypatch, capture=True)
+    assert decided == [] and not history.compiled
+    history, compiled, decided = _fit_run(monkeypatch, capture=False)
+    assert decided == [] and compiled == [] and not history.captured
