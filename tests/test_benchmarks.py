@@ -35,6 +35,8 @@ SCRIPTS = {
                           "CapturedSVI ÷ AutoKTiedNormal(2) + LRT, SVI", "Tracing step",
                           "load average"],
     "bench_fit_capture.py": ["digits_mlp", "break-even steps", "load average"],
+    "bench_fit_compile.py": ["| digits_cnn | 128 |", "fit compiles from", "| capture=None |",
+                             "None ÷ True"],
     "gpu_step_breakdown.py": ["where the time goes", "optimizer (ms)", "| 400 | 16 |"],
     "bench_fit_warmup.py": ["digits_cnn: test error / MNLL", "| 50 |", "warm-up steps"],
     "bench_fit_kl_regression.py": ["| diabetes | 0.01 |", "| toy | 1 |", "noise scale at the end",
