@@ -72,3 +72,18 @@ def test_figures_file_is_consistent():
         for row in table["rows"]:
             assert os.path.exists(os.path.join(ROOT, row["module"])), row["module"]
             assert row.get("unspecified", 0) <= row["equivalent"], row
+
+
+def test_mutate_refuses_a_resume_that_would_reset_the_results(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "mutate", os.path.join(ROOT, "tools", "mutate.py"))
+    mutate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutate)
+    config = mutate._config(["pyro_vinit/training"], ["tests/training"], ["-q"], 15.0)
+    assert mutate.resume_refusal(tmp_path, config) is None  # no run yet
+    (tmp_path / "pyproject.toml").write_text(config)
+    assert mutate.resume_refusal(tmp_path, config) is None  # the same settings
+    other = mutate._config(["pyro_vinit/training"], ["tests/training", "tests/test_x.py"],
+                           ["-q"], 15.0)
+    reason = mutate.resume_refusal(tmp_path, other)
+    assert "reset every result" in reason and "tests/test_x.py" in reason

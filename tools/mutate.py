@@ -50,6 +50,22 @@ def _config(modules, tests, pytest_args, timeout_multiplier):
     )
 
 
+def resume_refusal(workdir, config):
+    """Why resuming the run in ``workdir`` with ``config`` would lose its results, or
+    None: mutmut resets every result when the tests or pytest arguments (or the
+    modules, or the timeout) differ from the run before."""
+    path = Path(workdir) / "pyproject.toml"
+    if not path.exists():
+        return None
+    before = path.read_text()
+    if before == config:
+        return None
+    changed = [line for line in config.splitlines() if line not in before.splitlines()]
+    return (f"--resume/--mutants with settings other than {workdir}'s run would make mutmut "
+            f"reset every result there ({'; '.join(changed)}); give that run's --modules, "
+            f"--tests, --pytest-args and --timeout-multiplier:\n{before}")
+
+
 def _equivalent():
     """mutant name -> justification, from tools/mutmut_equivalent.txt."""
     if not EQUIVALENT.exists():
@@ -135,7 +151,14 @@ def main():
             parser.error(f"{path} does not exist (paths are relative to {ROOT})")
 
     if not args.summary_only:
-        if not (args.resume or args.mutants):
+        config = _config(args.modules, args.tests,
+                         ["-p", "no:cacheprovider", "-x", "-q"] + shlex.split(args.pytest_args),
+                         args.timeout_multiplier)
+        if args.resume or args.mutants:
+            reason = resume_refusal(args.workdir, config)
+            if reason:
+                parser.error(reason)
+        else:
             shutil.rmtree(args.workdir, ignore_errors=True)
         args.workdir.mkdir(parents=True, exist_ok=True)
         for name in ("pyro_vinit", "tests"):
@@ -143,11 +166,7 @@ def main():
             shutil.copytree(ROOT / name, args.workdir / name,
                             ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "setup.cfg", args.workdir / "setup.cfg")
-        (args.workdir / "pyproject.toml").write_text(
-            _config(args.modules, args.tests,
-                    ["-p", "no:cacheprovider", "-x", "-q"] + shlex.split(args.pytest_args),
-                    args.timeout_multiplier)
-        )
+        (args.workdir / "pyproject.toml").write_text(config)
         mutmut = Path(sys.executable).with_name("mutmut")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.pop("PYTHONPATH", None)  # mutmut puts its mutated copy first on the path
