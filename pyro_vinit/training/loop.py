@@ -315,7 +315,8 @@ def fit(
             history.loss.append(float(loss))
             if may_compile and captured is not None and captured.num_traces:
                 may_compile = False  # decided once, on the first graph
-                if compile_pays(captured._graphs()[0], steps - step):
+                graphs = captured._graphs()
+                if graphs and compile_pays(graphs[0], steps - step):
                     captured._compile_from_next_step()
                     bar.set_postfix_str("compiling the step")
             bar.update(1)
