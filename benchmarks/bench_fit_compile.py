@@ -25,7 +25,7 @@ clock), I-BLM included.
 
 Usage::
 
-    python -m benchmarks.bench_fit_compile            # full run (about 10 minutes)
+    python -m benchmarks.bench_fit_compile            # full run (about 6 minutes)
     python -m benchmarks.bench_fit_compile --quick    # smoke run, no files
 """
 
