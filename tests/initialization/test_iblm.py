@@ -582,7 +582,11 @@ def test_gram_overflow_in_float32_names_the_layer_and_float64():
     assert message.startswith("init_guide_iblm: the regressions of layer 'l.weight' failed: "
                               "the system matrix has inf or NaN entries (float32 overflows")
     assert re.search(r"inputs reach \|x\| = [0-9.]+e\+20", message)
-    assert "float64 (model.double(), x.double())" in message
+    assert re.search(r"prior scales go down to 1\.0e\+00\. Run the model and the data in "
+                     r"float64 \(model\.double\(\), x\.double\(\)\) or rescale the layer's "
+                     r"inputs; a prior scale whose inverse square overflows must be larger\. A "
+                     r"larger jitter \(now [0-9.e-]+\) helps only a system without inf or NaN$",
+                     message), message
     _assert_unchanged(guide, before)
     pyro.clear_param_store()
     guide = AutoNormal(_OneLayer(F64))
