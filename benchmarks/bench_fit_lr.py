@@ -138,7 +138,7 @@ def latent_numel(guide):
     return sum(site["value"].numel() for _, site in guide.prototype_trace.iter_stochastic_nodes())
 
 
-def run(name, lr, seed, steps, num_samples):
+def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None):
     """One fit: the test metrics at each evaluation, W, the time and the warnings."""
     spec = PROBLEMS[name]
     x, y, xt, yt = spec["data"]()
@@ -155,7 +155,9 @@ def run(name, lr, seed, steps, num_samples):
         warnings.simplefilter("always")
         history = fit(model, guide, (x, y), steps=steps, batch_size=BATCH_SIZE, lr=lr,
                       validation=(xt, yt), eval_every=max(1, steps // 10),
-                      num_samples=num_samples, progress=False, capture=False)
+                      num_samples=num_samples, progress=False, capture=False,
+                      init_options=None if iblm_kl_weight is None
+                      else {"kl_weight": iblm_kl_weight})
     seconds = time.perf_counter() - start
     seen = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
     second = "rmse" if spec["regression"] else "error_rate"
@@ -293,7 +295,7 @@ def main(args):
         for name, lr, seed in bar:
             bar.set_postfix_str(f"{name} lr={lr:.3g} seed={seed}")
             steps = PROBLEMS[name]["steps"] if args.steps is None else args.steps
-            row = run(name, lr, seed, steps, args.num_samples)
+            row = run(name, lr, seed, steps, args.num_samples, args.iblm_kl_weight)
             rows.append(row)
             if args.quick:
                 print(f"{name} lr={lr:.3g} seed {seed}: best MNLL {row['best_mnll']:.3f}, "
@@ -319,6 +321,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=None,
                         help="SVI steps of every problem (default: each problem's own)")
     parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--iblm-kl-weight", type=float, default=None,
+                        help="init_guide_iblm's kl_weight (the output layer at the tempered "
+                             "objective, e.g. 0.01; default: fit's, the exact posterior)")
     parser.add_argument("--from-json", default=None,
                         help="rewrite the tables of this saved run's JSON (no training)")
     main(parse_args(parser, quick={

@@ -192,13 +192,14 @@ class Ours(_PyroRunner):
     package has it (``use_fit``), else the README's loop."""
 
     def __init__(self, make_net, x, y, batch_size, start="iblm", pretrain_epochs=0,
-                 use_fit=False, overrides=None, make_guide=None):
+                 use_fit=False, overrides=None, make_guide=None, init_options=None):
         super().__init__(make_net, x, y, batch_size)
         # the race's guide; another for the benchmarks that reuse this runner
         self.make_guide = make_guide or (lambda model: AutoKTiedNormal(model, rank=2))
         self.start, self.pretrain_epochs = start, pretrain_epochs
         self.use_fit = use_fit
         self.overrides = overrides or {}  # fit_config's lr / kl_weight, where given
+        self.init_options = init_options  # init_guide_iblm's, over fit's
 
     def setup(self):
         net = self.make_net()
@@ -215,7 +216,8 @@ class Ours(_PyroRunner):
             # captured as a long fit call takes its steps
             init = "iblm" if self.start == "iblm" else None
             pyro_vinit.fit(self.model, self.guide, (self.x, self.y), steps=1,
-                           batch_size=self.batch_size, optim=self.optim, init=init, progress=False)
+                           batch_size=self.batch_size, optim=self.optim, init=init,
+                           init_options=self.init_options, progress=False)
             self.config = pyro_vinit.fit_config(self.guide, **self.overrides)
             captured = getattr(pyro_vinit, "CapturedSVI", SVI)  # an older package: eager
             self.svi = captured(self.model, self.guide, self.optim, self.config.elbo())
@@ -242,8 +244,10 @@ def ours_overrides(args):
 def make_runner(method, spec, data, args):
     x, y = data[0], data[1]
     if method == OURS:
+        iblm = getattr(args, "iblm_kl_weight", None)
         return Ours(spec["net"], x, y, BATCH_SIZE, use_fit=args.use_fit,
-                    overrides=ours_overrides(args))
+                    overrides=ours_overrides(args),
+                    init_options=None if iblm is None else {"kl_weight": iblm})
     if method == OURS_TRAINED:
         return Ours(spec["net"], x, y, BATCH_SIZE, start="trained",
                     pretrain_epochs=spec["pretrain_epochs"], use_fit=args.use_fit,
@@ -537,6 +541,9 @@ def parse_args(argv=None):
                         help="ours: fit_config's learning rate instead of its default")
     parser.add_argument("--kl-weight", type=float, default=None,
                         help="ours: fit_config's KL weight instead of its default")
+    parser.add_argument("--iblm-kl-weight", type=float, default=None,
+                        help="ours (I-BLM): init_guide_iblm's kl_weight, e.g. 0.01 for the "
+                             "output layer at the tempered objective")
     parser.add_argument("--validation", action="store_true", help="Pyro's validation on")
     parser.add_argument("--use-fit", dest="use_fit", action="store_true", default=None,
                         help="ours through pyro_vinit.fit (the default when the package has it)")
