@@ -285,7 +285,8 @@ def fit(
     svi = SVI(model, guide, optim, elbo)
     captured: Optional[CapturedSVI] = None
     # capture=None compiles a CPU step whose graph, once traced, projects a saving over
-    # the steps left that repays the compile twice (_inductor.compile_pays)
+    # the captured steps left (not the partial batches') that repays the compile twice
+    # (_inductor.compile_pays)
     may_compile = capture is None and batches.first[0].device.type == "cpu"
     if capture == "compile" or _use_capture(cast(Optional[bool], capture), steps - done,
                                             batches.first[0].device):
@@ -316,7 +317,8 @@ def fit(
             if may_compile and captured is not None and captured.num_traces:
                 may_compile = False  # decided once, on the first graph
                 graphs = captured._graphs()
-                if graphs and compile_pays(graphs[0], steps - step):
+                left = (steps - step) * batches.full_batches // batches.batches_per_epoch
+                if graphs and compile_pays(graphs[0], left):
                     captured._compile_from_next_step()
                     bar.set_postfix_str("compiling the step")
             bar.update(1)
