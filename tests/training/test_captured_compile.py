@@ -170,7 +170,7 @@ def test_fit_capture_compile_passes_it_through(monkeypatch):
     plain = run(True)
     assert compiled == []
     through = run("compile")
-    assert len(compiled) == 1 and through.captured
+    assert len(compiled) == 1 and through.captured and through.compiled and not plain.compiled
     assert through.loss == plain.loss and len(set(plain.loss)) == 6
     with pytest.raises(TypeError, match="capture must be"):
         fit(None, None, (x, y), capture="yes")
@@ -314,14 +314,23 @@ def test_fit_warns_once_where_its_compile_fails(monkeypatch):
         raise RuntimeError("no C++ compiler")
 
     with pytest.warns(RuntimeWarning, match="fit: the step of this long run is not compiled "
-                      r"\(inductor failed: RuntimeError: no C\+\+ compiler\)") as record:
+                      r"\(inductor failed: RuntimeError: no C\+\+ compiler\).*replayed "
+                      r"uncompiled \(pass capture=True to skip the attempt\)") as record:
         history, compiled, _ = _fit_run(monkeypatch, compile=failing)
     assert len([w for w in record if "not compiled" in str(w.message)]) == 1
     assert record[0].filename == __file__  # the warning points at fit's caller
     assert len(compiled) == 1 and history.captured and not history.compiled
 
 
-def test_fit_never_compiles_off_the_cpu_or_when_told_not_to(monkeypatch):
+def test_history_compiled_only_where_a_step_ran_compiled(monkeypatch):
+    # capture="compile" asks for it, but one step is eager: nothing was compiled
+    history, compiled, _ = _fit_run(monkeypatch, steps=1, capture="compile")
+    assert history.captured and compiled == [] and not history.compiled
+    history, compiled, _ = _fit_run(monkeypatch, steps=2, capture="compile")
+    assert len(compiled) == 1 and history.compiled
+
+
+def test_fit_never_compiles_when_told_not_to(monkeypatch):
     monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cpu": 1})
     history, compiled, decided = _fit_run(monkeypatch, capture=True)
     assert decided == [] and not history.compiled
