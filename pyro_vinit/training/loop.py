@@ -175,9 +175,9 @@ def fit(
         step traced once and replayed: the same losses under the same seed);
         None (default) does where it pays for its tracing: for a call of 300
         steps or more on a CPU, 100 on CUDA; on a CPU it also compiles the
-        traced step with inductor where the steps left are projected to save
-        twice the compile's cost (tens of seconds; see the "Training" method
-        page). Batches of another shape than the first (an epoch's last,
+        traced step with inductor where the captured steps left are projected
+        to save twice the compile's cost (tens of seconds; see the "Training"
+        method page). Batches of another shape than the first (an epoch's last,
         partial batch) take the eager step. ``"compile"``: captured and
         compiled (``CapturedSVI(compile=True)``; CPU only), however short the
         run; True: captured, never compiled.
