@@ -1,6 +1,7 @@
 """
 The inductor compile of :class:`~pyro_vinit.CapturedSVI`'s traced step
-(``compile=True``). It calls torch internals (``torch._inductor``): no public
+(``compile=True``), and the cost model by which :func:`~pyro_vinit.fit`
+compiles a long run's step. It calls torch internals (``torch._inductor``): no public
 API compiles an aten graph as it stands.
 """
 
@@ -69,11 +70,24 @@ def graph_size(graph: torch.fx.GraphModule) -> Tuple[int, int]:
     return operators, elements
 
 
+def _off_cpu(graph: torch.fx.GraphModule) -> bool:
+    """Whether ``graph`` reads or makes a tensor off the CPU."""
+    for node in graph.graph.nodes:
+        value = node.meta.get("val")
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+                return True
+    return False
+
+
 def compile_pays(graph: torch.fx.GraphModule, steps: int) -> bool:
     """
-    Whether compiling ``graph`` (a CPU step) is projected to save, over
-    ``steps`` replays, at least twice what the compile costs.
+    Whether compiling ``graph`` is projected to save, over ``steps``
+    replays, at least twice what the compile costs; never for a graph with a
+    tensor off the CPU (a model on CUDA that moves its CPU data there).
     """
+    if _off_cpu(graph):
+        return False
     operators, elements = graph_size(graph)
     saved = _SAVED_PER_OPERATOR * operators + _SAVED_PER_ELEMENT * elements
     cost = _COMPILE_SECONDS + _COMPILE_PER_OPERATOR * operators

@@ -80,6 +80,9 @@ class _Batches:
             self.num_data = self.pair[0].shape[0]
             self.first = (self.pair[0][:batch_size], self.pair[1][:batch_size])
             self.batches_per_epoch = math.ceil(self.num_data / batch_size)
+            #: An epoch's batches of the first batch's shapes (the others, an epoch's
+            #: partial last batch, take fit's eager step).
+            self.full_batches = max(1, self.num_data // batch_size)
         else:
             if isinstance(data, torch.Tensor) or not isinstance(data, Iterable):
                 raise TypeError(
@@ -92,15 +95,17 @@ class _Batches:
                     "re-iterable such as a DataLoader or a list of batches"
                 )
             self.loader = cast(Iterable[Batch], data)
-            count, first, batches = 0, None, 0
+            count, first, batches, same = 0, None, 0, 0
             for i, batch in enumerate(self.loader):
                 xb, yb = _check_batch(batch, f"batch {i} of data")
                 first = (xb, yb) if first is None else first
+                same += (xb.shape, yb.shape) == (first[0].shape, first[1].shape)
                 count += xb.shape[0]
                 batches += 1
             if first is None:
                 raise ValueError("fit: data (the loader) yields no batches")
             self.first, self.num_data, self.batches_per_epoch = first, count, batches
+            self.full_batches = same
         self.generator = torch.Generator(device="cpu")
         self.order: Optional[torch.Tensor] = None
         self.position = 0

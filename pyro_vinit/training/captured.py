@@ -442,11 +442,13 @@ class CapturedSVI(SVI):
                     self._restore(buffers, saved, cpu_rng, cuda_rng)
             if reason is not None:
                 self.compile_failure = reason
-                asked = ("fit: the step of this long run" if self._compile_chosen
-                         else "CapturedSVI(compile=True): the step")
+                asked, remedy = (("fit: the step of this long run",
+                                  " (pass capture=True to skip the attempt)")
+                                 if self._compile_chosen
+                                 else ("CapturedSVI(compile=True): the step", ""))
                 if not quiet:
                     warnings.warn(f"{asked} is not compiled ({reason}); this and every later "
-                                  "signature is replayed uncompiled", RuntimeWarning,
+                                  f"signature is replayed uncompiled{remedy}", RuntimeWarning,
                                   stacklevel=4 if self._compile_chosen else 3)
         if compiled is not None:
             capture = _Capture(compiled, params)

@@ -175,9 +175,9 @@ def fit(
         step traced once and replayed: the same losses under the same seed);
         None (default) does where it pays for its tracing: for a call of 300
         steps or more on a CPU, 100 on CUDA; on a CPU it also compiles the
-        traced step with inductor where the steps left are projected to save
-        twice the compile's cost (tens of seconds; see the "Training" method
-        page). Batches of another shape than the first (an epoch's last,
+        traced step with inductor where the captured steps left are projected
+        to save twice the compile's cost (tens of seconds; see the "Training"
+        method page). Batches of another shape than the first (an epoch's last,
         partial batch) take the eager step. ``"compile"``: captured and
         compiled (``CapturedSVI(compile=True)``; CPU only), however short the
         run; True: captured, never compiled.
@@ -285,7 +285,8 @@ def fit(
     svi = SVI(model, guide, optim, elbo)
     captured: Optional[CapturedSVI] = None
     # capture=None compiles a CPU step whose graph, once traced, projects a saving over
-    # the steps left that repays the compile twice (_inductor.compile_pays)
+    # the captured steps left (not the partial batches') that repays the compile twice
+    # (_inductor.compile_pays)
     may_compile = capture is None and batches.first[0].device.type == "cpu"
     if capture == "compile" or _use_capture(cast(Optional[bool], capture), steps - done,
                                             batches.first[0].device):
@@ -316,7 +317,8 @@ def fit(
             if may_compile and captured is not None and captured.num_traces:
                 may_compile = False  # decided once, on the first graph
                 graphs = captured._graphs()
-                if graphs and compile_pays(graphs[0], steps - step):
+                left = (steps - step) * batches.full_batches // batches.batches_per_epoch
+                if graphs and compile_pays(graphs[0], left):
                     captured._compile_from_next_step()
                     bar.set_postfix_str("compiling the step")
             bar.update(1)

@@ -170,7 +170,7 @@ def test_fit_capture_compile_passes_it_through(monkeypatch):
     plain = run(True)
     assert compiled == []
     through = run("compile")
-    assert len(compiled) == 1 and through.captured
+    assert len(compiled) == 1 and through.captured and through.compiled and not plain.compiled
     assert through.loss == plain.loss and len(set(plain.loss)) == 6
     with pytest.raises(TypeError, match="capture must be"):
         fit(None, None, (x, y), capture="yes")
@@ -205,6 +205,20 @@ def test_compile_pays_where_the_projected_saving_repays_the_compile_twice():
     assert compile_pays(graph, int(threshold) + 1)
 
 
+def test_compile_pays_never_for_a_graph_off_the_cpu():
+    # a model on CUDA that moves fit's CPU data there: the data's device alone would allow
+    # a compile, which CapturedSVI(compile=True) refuses for its parameters mid-run
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(w, x):
+        return (x.to(w.device) * w).sum()
+
+    on_cpu = make_fx(step)(torch.ones(1000, 1000), torch.ones(1000, 1000))
+    assert compile_pays(on_cpu, 10**9)
+    parameter_off = make_fx(step)(torch.ones(1000, 1000, device="meta"), torch.ones(1000, 1000))
+    assert not compile_pays(parameter_off, 10**9)
+
+
 def test_compile_pays_for_the_docs_example():
     # the MLP 64-400-400-10 at batch 1000 (the method page's example): fit compiles
     # for 11,000 steps left, not for 10,000
@@ -222,7 +236,7 @@ def test_compile_pays_for_the_docs_example():
 
 
 def _fit_run(monkeypatch, problem="mlp", steps=8, pays=lambda graph, steps: True,
-             compile=None, capture=None):
+             compile=None, capture=None, num_data=32, loader=False):
     """fit's losses from seed 0, and the graphs "compiled" (the functional graph
     itself by default: replayed as it is)."""
     compiled = []
@@ -242,12 +256,13 @@ def _fit_run(monkeypatch, problem="mlp", steps=8, pays=lambda graph, steps: True
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(32, 5, generator=g), torch.arange(32) % 3
+    x, y = torch.randn(num_data, 5, generator=g), torch.arange(num_data) % 3
     net = (mlp((5, 8, 3)) if problem == "mlp" else
            torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
                                torch.nn.Linear(8, 3)))
-    model = BayesianClassifier(bayesianize(net), num_data=32)
-    history = fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=steps, batch_size=16,
+    model = BayesianClassifier(bayesianize(net), num_data=num_data)
+    data = [(x[i:i + 16], y[i:i + 16]) for i in range(0, num_data, 16)] if loader else (x, y)
+    history = fit(model, AutoKTiedNormal(model, rank=2), data, steps=steps, batch_size=16,
                   capture=capture, init=None, progress=False)
     return history, compiled, decided
 
@@ -263,6 +278,19 @@ def test_fit_compiles_a_run_whose_saving_repays_the_compile(monkeypatch):
     assert decided == [6] and len(compiled) == 1
     assert chosen.captured and chosen.compiled
     assert chosen.loss == plain.loss and len(set(plain.loss)) == 8
+
+
+@pytest.mark.parametrize("loader", [False, True])
+@pytest.mark.parametrize("num_data, captured_left", [(40, 6), (12, 10)])
+def test_fit_projects_the_saving_over_the_captured_steps_left(monkeypatch, loader, num_data,
+                                                              captured_left):
+    # 40 rows in batches of 16: the third batch of each epoch (8 rows) takes the eager
+    # step, so of the 10 steps left after the trace, 10 * 2 // 3 = 6 are captured;
+    # 12 rows: every batch is the first's shape
+    monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cpu": 1})
+    history, compiled, decided = _fit_run(monkeypatch, steps=12, num_data=num_data,
+                                          loader=loader)
+    assert decided == [captured_left] and len(compiled) == 1 and history.compiled
 
 
 def test_fit_does_not_compile_where_the_run_is_too_short(monkeypatch):
@@ -286,14 +314,23 @@ def test_fit_warns_once_where_its_compile_fails(monkeypatch):
         raise RuntimeError("no C++ compiler")
 
     with pytest.warns(RuntimeWarning, match="fit: the step of this long run is not compiled "
-                      r"\(inductor failed: RuntimeError: no C\+\+ compiler\)") as record:
+                      r"\(inductor failed: RuntimeError: no C\+\+ compiler\).*replayed "
+                      r"uncompiled \(pass capture=True to skip the attempt\)") as record:
         history, compiled, _ = _fit_run(monkeypatch, compile=failing)
     assert len([w for w in record if "not compiled" in str(w.message)]) == 1
     assert record[0].filename == __file__  # the warning points at fit's caller
     assert len(compiled) == 1 and history.captured and not history.compiled
 
 
-def test_fit_never_compiles_off_the_cpu_or_when_told_not_to(monkeypatch):
+def test_history_compiled_only_where_a_step_ran_compiled(monkeypatch):
+    # capture="compile" asks for it, but one step is eager: nothing was compiled
+    history, compiled, _ = _fit_run(monkeypatch, steps=1, capture="compile")
+    assert history.captured and compiled == [] and not history.compiled
+    history, compiled, _ = _fit_run(monkeypatch, steps=2, capture="compile")
+    assert len(compiled) == 1 and history.compiled
+
+
+def test_fit_never_compiles_when_told_not_to(monkeypatch):
     monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cpu": 1})
     history, compiled, decided = _fit_run(monkeypatch, capture=True)
     assert decided == [] and not history.compiled
