@@ -4,6 +4,7 @@ The inductor compile of :class:`~pyro_vinit.CapturedSVI`'s traced step
 API compiles an aten graph as it stands.
 """
 
+import warnings
 from typing import Any, Callable, List, Optional, Tuple, cast
 
 import torch
@@ -88,11 +89,7 @@ def inductor_compile(graph: torch.fx.GraphModule, params: List[torch.Tensor],
     (``fallback_random``): the same draws from the same generator, so the
     same values as the eager step's. ``graph`` itself is left as it was.
     """
-    # torch internals: no public API compiles an aten graph as it stands
-    # (torch.compile would trace it again with dynamo and guard every call)
     import torch.utils._pytree as pytree
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx
 
     out_spec = graph.graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
     nodes = torch.fx.Graph()  # the same nodes, flat inputs and outputs
@@ -100,8 +97,18 @@ def inductor_compile(graph: torch.fx.GraphModule, params: List[torch.Tensor],
     flat = torch.fx.GraphModule(graph, nodes)
     examples = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
                 for t in [*params, *tensors]]
-    with torch.no_grad(), config.patch(fallback_random=True):
-        compiled = cast(Callable[..., Any], compile_fx(flat, examples))
+    # inductor's first import warns of torch's own deprecations (torch.jit.script_method):
+    # nothing a user can act on, and an error where they turn DeprecationWarning into
+    # one (pytest's -W error), which would leave the step uncompiled
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        # torch internals: no public API compiles an aten graph as it stands
+        # (torch.compile would trace it again with dynamo and guard every call)
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch.no_grad(), config.patch(fallback_random=True):
+            compiled = cast(Callable[..., Any], compile_fx(flat, examples))
 
     def replay(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> Any:
         return pytree.tree_unflatten(list(compiled(*params, *tensors)), out_spec)

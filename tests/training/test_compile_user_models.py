@@ -2,7 +2,8 @@
 (issue 25): a functional model whose step draws more than Normal noise (a
 subsampling plate's indices, dropout's mask) compiled to the eager step's
 losses and parameters (float64, 1e-10 relative); the warnings of a step that
-falls back or is not compiled pointing at the user's line, under fit too."""
+falls back or is not compiled pointing at the user's line, under fit too; torch's
+own deprecation warnings during the compile no error where a user makes them one."""
 
 import warnings
 
@@ -133,3 +134,24 @@ def test_fit_points_a_failed_compile_warning_at_its_caller(monkeypatch):
     (warning,) = [w for w in record if "not compiled" in str(w.message)]
     assert warning.filename == __file__  # not fit's line in loop.py
     assert history.captured and not history.compiled
+
+
+def test_torchs_own_deprecation_warnings_do_not_fail_the_compile(monkeypatch):
+    # inductor's first import warns DeprecationWarning (torch.jit.script_method); a
+    # user's test suite run with -W error::DeprecationWarning then lost the compile
+    from torch._inductor import compile_fx as inductor_module
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from pyro_vinit.training._inductor import inductor_compile
+
+    def warning_compile(graph, examples):
+        warnings.warn("`torch.jit.script_method` is deprecated", DeprecationWarning, stacklevel=2)
+        return graph  # the flat graph, called as inductor's code is
+
+    monkeypatch.setattr(inductor_module, "compile_fx", warning_compile)
+    p, t = torch.randn(3), torch.randn(3)
+    graph = make_fx(lambda ps, ts: ((ps[0] * ts[0]).sum(), [ps[0] * 2]))([p], [t])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        loss, (grad,) = inductor_compile(graph, [p], [t])([p], [t])
+    assert torch.equal(loss, (p * t).sum()) and torch.equal(grad, p * 2)
