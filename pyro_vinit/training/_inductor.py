@@ -5,7 +5,7 @@ API compiles an aten graph as it stands.
 """
 
 import warnings
-from typing import Any, Callable, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -30,11 +30,14 @@ def _schema(node: torch.fx.Node) -> Any:
     return getattr(target, "_schema", None) if node.op == "call_function" else None
 
 
-def held_write(graph: torch.fx.GraphModule) -> Optional[str]:
+def held_write(graph: torch.fx.GraphModule,
+               names: Optional[Dict[int, str]] = None) -> Optional[str]:
     """
     What tensor that ``graph`` does not make it writes in place (a model's
     buffer, e.g. BatchNorm's running statistics; an input), or None.
     Inductor's functional copy of such a graph drops those writes.
+    ``names``: the names of the tensors the graph may hold (a model's
+    buffers), by ``id``, to say which one.
     """
     for node in graph.graph.nodes:
         schema = _schema(node)
@@ -50,8 +53,12 @@ def held_write(graph: torch.fx.GraphModule) -> Optional[str]:
                     break
                 value = value.args[0]
             if isinstance(value, torch.fx.Node) and value.op in ("get_attr", "placeholder"):
+                held = (getattr(graph, str(value.target), None) if value.op == "get_attr"
+                        else None)
+                name = (names or {}).get(id(held)) if held is not None else None
+                what = f"the buffer {name!r}" if name is not None else value.target
                 return (f"it writes in place to a tensor it reads ({node.target} on "
-                        f"{value.target}; e.g. BatchNorm's running statistics), a write that "
+                        f"{what}; e.g. BatchNorm's running statistics), a write that "
                         "inductor's compiled graph would drop")
     return None
 

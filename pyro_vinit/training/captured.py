@@ -430,7 +430,7 @@ class CapturedSVI(SVI):
             return None
         compiled = None
         if self.compile and self.compile_failure is None:
-            reason = held_write(graph)
+            reason = held_write(graph, self._buffer_names())
             # fit's own choice is not refused aloud for a graph inductor would get wrong
             quiet = self._compile_chosen and reason is not None
             if reason is None:
@@ -507,6 +507,16 @@ class CapturedSVI(SVI):
         warn_at_caller(f"CapturedSVI: the step is replayed operator by operator, not as a CUDA "
                        f"graph ({reason})", RuntimeWarning)
         return graph
+
+    def _buffer_names(self) -> Dict[int, str]:
+        """The names of the buffers of ``model`` and ``guide`` (``nn.Module`` s),
+        by ``id``."""
+        names: Dict[int, str] = {}
+        for owner in (self.model, self.guide):
+            if isinstance(owner, torch.nn.Module):
+                for name, buffer in owner.named_buffers():
+                    names.setdefault(id(buffer), name)
+        return names
 
     def _buffers(self) -> List[torch.Tensor]:
         found: Dict[int, torch.Tensor] = {}
