@@ -5,7 +5,8 @@ compiles a long run's step. It calls torch internals (``torch._inductor``): no p
 API compiles an aten graph as it stands.
 """
 
-from typing import Any, Callable, List, Optional, Tuple, cast
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -30,11 +31,14 @@ def _schema(node: torch.fx.Node) -> Any:
     return getattr(target, "_schema", None) if node.op == "call_function" else None
 
 
-def held_write(graph: torch.fx.GraphModule) -> Optional[str]:
+def held_write(graph: torch.fx.GraphModule,
+               names: Optional[Dict[int, str]] = None) -> Optional[str]:
     """
     What tensor that ``graph`` does not make it writes in place (a model's
     buffer, e.g. BatchNorm's running statistics; an input), or None.
     Inductor's functional copy of such a graph drops those writes.
+    ``names``: the names of the tensors the graph may hold (a model's
+    buffers), by ``id``, to say which one.
     """
     for node in graph.graph.nodes:
         schema = _schema(node)
@@ -50,8 +54,12 @@ def held_write(graph: torch.fx.GraphModule) -> Optional[str]:
                     break
                 value = value.args[0]
             if isinstance(value, torch.fx.Node) and value.op in ("get_attr", "placeholder"):
+                held = (getattr(graph, str(value.target), None) if value.op == "get_attr"
+                        else None)
+                name = (names or {}).get(id(held)) if held is not None else None
+                what = f"the buffer {name!r}" if name is not None else value.target
                 return (f"it writes in place to a tensor it reads ({node.target} on "
-                        f"{value.target}; e.g. BatchNorm's running statistics), a write that "
+                        f"{what}; e.g. BatchNorm's running statistics), a write that "
                         "inductor's compiled graph would drop")
     return None
 
@@ -102,11 +110,7 @@ def inductor_compile(graph: torch.fx.GraphModule, params: List[torch.Tensor],
     (``fallback_random``): the same draws from the same generator, so the
     same values as the eager step's. ``graph`` itself is left as it was.
     """
-    # torch internals: no public API compiles an aten graph as it stands
-    # (torch.compile would trace it again with dynamo and guard every call)
     import torch.utils._pytree as pytree
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx
 
     out_spec = graph.graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
     nodes = torch.fx.Graph()  # the same nodes, flat inputs and outputs
@@ -114,8 +118,18 @@ def inductor_compile(graph: torch.fx.GraphModule, params: List[torch.Tensor],
     flat = torch.fx.GraphModule(graph, nodes)
     examples = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
                 for t in [*params, *tensors]]
-    with torch.no_grad(), config.patch(fallback_random=True):
-        compiled = cast(Callable[..., Any], compile_fx(flat, examples))
+    # inductor's first import warns of torch's own deprecations (torch.jit.script_method):
+    # nothing a user can act on, and an error where they turn DeprecationWarning into
+    # one (pytest's -W error), which would leave the step uncompiled
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        # torch internals: no public API compiles an aten graph as it stands
+        # (torch.compile would trace it again with dynamo and guard every call)
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch.no_grad(), config.patch(fallback_random=True):
+            compiled = cast(Callable[..., Any], compile_fx(flat, examples))
 
     def replay(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> Any:
         return pytree.tree_unflatten(list(compiled(*params, *tensors)), out_spec)

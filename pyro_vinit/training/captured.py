@@ -4,7 +4,6 @@ input signature into a graph of aten operations and replayed.
 """
 
 import contextlib
-import warnings
 from collections import OrderedDict
 from typing import (
     Any,
@@ -32,6 +31,7 @@ from pyro_vinit._pyro_compat import active_messengers, traceable_elbos
 from pyro_vinit.training._cuda_graph import CudaGraphReplay, off_device
 from pyro_vinit.training._inductor import held_write, inductor_compile
 from pyro_vinit.training._signature import messenger_state
+from pyro_vinit.training._warn import warn_at_caller
 
 __all__ = ["CapturedSVI"]
 
@@ -302,8 +302,8 @@ class CapturedSVI(SVI):
         self._captures.clear()  # and the records of first steps: never read again
         self._eager_sites.clear()
         self._eager_params.clear()
-        warnings.warn(f"CapturedSVI: {reason}; every later step runs eagerly, as SVI.step",
-                      RuntimeWarning, stacklevel=3)
+        warn_at_caller(f"CapturedSVI: {reason}; every later step runs eagerly, as SVI.step",
+                       RuntimeWarning)
 
     def _signature(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[Hashable]:
         parts: List[Hashable] = []
@@ -430,7 +430,7 @@ class CapturedSVI(SVI):
             return None
         compiled = None
         if self.compile and self.compile_failure is None:
-            reason = held_write(graph)
+            reason = held_write(graph, self._buffer_names())
             # fit's own choice is not refused aloud for a graph inductor would get wrong
             quiet = self._compile_chosen and reason is not None
             if reason is None:
@@ -447,9 +447,8 @@ class CapturedSVI(SVI):
                                  if self._compile_chosen
                                  else ("CapturedSVI(compile=True): the step", ""))
                 if not quiet:
-                    warnings.warn(f"{asked} is not compiled ({reason}); this and every later "
-                                  f"signature is replayed uncompiled{remedy}", RuntimeWarning,
-                                  stacklevel=4 if self._compile_chosen else 3)
+                    warn_at_caller(f"{asked} is not compiled ({reason}); this and every later "
+                                   f"signature is replayed uncompiled{remedy}", RuntimeWarning)
         if compiled is not None:
             capture = _Capture(compiled, params)
             self._captures[key] = capture
@@ -489,9 +488,9 @@ class CapturedSVI(SVI):
                 f"must all be on one CUDA device, found on {found}; move the model and data "
                 "there, or leave cuda_graph=None")
         if len(devices) > 1 and any(d.type == "cuda" for d in devices):
-            warnings.warn(f"CapturedSVI: the step's parameters and tensor arguments are on "
-                          f"{found}, not one CUDA device: it is replayed operator by operator, "
-                          "not as a CUDA graph", RuntimeWarning, stacklevel=4)
+            warn_at_caller(f"CapturedSVI: the step's parameters and tensor arguments are on "
+                           f"{found}, not one CUDA device: it is replayed operator by operator, "
+                           "not as a CUDA graph", RuntimeWarning)
         return None
 
     def _capture_cuda_graph(self, graph: torch.fx.GraphModule, params: List[torch.Tensor],
@@ -507,9 +506,19 @@ class CapturedSVI(SVI):
         if self.cuda_graph:
             raise RuntimeError(f"CapturedSVI(cuda_graph=True): the step cannot be replayed as "
                                f"a CUDA graph ({reason})")
-        warnings.warn(f"CapturedSVI: the step is replayed operator by operator, not as a CUDA "
-                      f"graph ({reason})", RuntimeWarning, stacklevel=4)
+        warn_at_caller(f"CapturedSVI: the step is replayed operator by operator, not as a CUDA "
+                       f"graph ({reason})", RuntimeWarning)
         return graph
+
+    def _buffer_names(self) -> Dict[int, str]:
+        """The names of the buffers of ``model`` and ``guide`` (``nn.Module`` s),
+        by ``id``."""
+        names: Dict[int, str] = {}
+        for owner in (self.model, self.guide):
+            if isinstance(owner, torch.nn.Module):
+                for name, buffer in owner.named_buffers():
+                    names.setdefault(id(buffer), name)
+        return names
 
     def _buffers(self) -> List[torch.Tensor]:
         found: Dict[int, torch.Tensor] = {}
