@@ -310,6 +310,39 @@ def test_fit_takes_a_latent_site_in_a_plate_as_large_as_the_batch_but_not_over_i
     assert len(history.loss) == 2 and all(math.isfinite(v) for v in history.loss)
 
 
+def _functional_classifier(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 5]).to_event(2))
+    z = pyro.sample("z", dist.Bernoulli(0.5))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Categorical(logits=F.linear(x, w) * (1 + z)), obs=y)
+
+
+@pytest.mark.parametrize("case", ["not reparameterized", "fails"])
+def test_fit_checks_a_hand_written_guide_before_anything_changes(case):
+    # Regression: a guide drawing a Bernoulli latent set itself up in the param store,
+    # then failed inside Pyro at the first step ("All distributions in the guide must be
+    # fully reparameterized"); a guide that raised did so from fit's set-up.
+    def guide(x, y=None):
+        loc = pyro.param("w_loc", torch.zeros(3, 5))
+        pyro.sample("w", dist.Normal(loc, 0.1).to_event(2))
+        if case == "fails":
+            raise KeyError("oops")
+        p = pyro.param("p", torch.tensor(0.5), constraint=dist.constraints.unit_interval)
+        pyro.sample("z", dist.Bernoulli(p))
+
+    x, y = blobs()
+    pyro.param("someone_elses", torch.ones(2))
+    before = snapshot()
+    message = (r"the guide draws the sites \['z'\] \(Bernoulli\) without reparameterization"
+               if case == "not reparameterized"
+               else r"the guide fails on the first batch \(x \(64, 5\) torch.float32, y "
+               r"\(64,\) torch.int64\): KeyError: 'oops'")
+    with pytest.raises(ValueError, match=message):
+        fit(_functional_classifier, guide, (x, y), steps=2, batch_size=64, init=None,
+            progress=False)
+    assert_identical(before, snapshot())
+
+
 def test_fit_refuses_a_num_data_that_is_not_the_data_size():
     x, y = blobs()
     model = classifier(num_data=1000)

@@ -25,6 +25,7 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
+from pyro.nn import PyroModule
 from pyro.optim import PyroOptim
 from pyro.poutine.util import site_is_subsample
 from torch import nn
@@ -207,6 +208,34 @@ def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
                 f"fit: the model fails on {what} (x {tuple(x.shape)} {x.dtype}, "
                 f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
             ) from e
+
+
+def _check_guide(guide: Callable[..., Any], batch: Batch) -> None:
+    """A hand-written guide (a function, not an autoguide or a ``PyroModule``) runs
+    on the first batch and draws every latent site reparameterized, as fit's ELBO
+    needs: checked in :func:`_sandbox`, before set-up writes the param store."""
+    if isinstance(guide, (AutoGuide, PyroModule)):
+        return  # (an autoguide refuses what it cannot draw at its own set-up)
+    x, y = batch
+    with _sandbox(guide):
+        try:
+            trace = poutine.trace(guide).get_trace(x, y)
+        except Exception as e:  # the user's guide: any error, said with context
+            raise ValueError(
+                f"fit: the guide fails on the first batch (x {tuple(x.shape)} {x.dtype}, "
+                f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
+            ) from e
+    drawn = {name: type(_base(site["fn"])).__name__ for name, site in trace.nodes.items()
+             if site["type"] == "sample" and not site["is_observed"]
+             and not getattr(site["fn"], "has_rsample", False)}
+    if drawn:
+        raise ValueError(
+            f"fit: the guide draws the sites {sorted(drawn)} "
+            f"({', '.join(sorted(set(drawn.values())))}) without reparameterization, and "
+            "fit's ELBO (TraceMeanField_ELBO) needs every guide draw reparameterized: "
+            "marginalize discrete latents in the model (config_enumerate and TraceEnum_ELBO "
+            "in your own SVI loop), or train with SVI(model, guide, optim, Trace_ELBO())"
+        )
 
 
 def _check_targets(site: Any, y: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ from pyro_vinit.training._support import (
     _Batches,
     _check_batch,
     _check_checkpoint,
+    _check_guide,
     _check_model,
     _check_validation,
     _evaluate,
@@ -222,6 +223,7 @@ def fit(
         raise ValueError(f"fit: capture='compile' is measured on the CPU only; the data is on "
                          f"{batches.first[0].device}: pass capture=True or None there")
     learned_noise = _check_model(model, batches.first, num_data)
+    _check_guide(guide, batches.first)
     chunk = max(1, min(num_data, 4096))  # validation rows per model call
     if validation is not None:
         _check_validation(model, validation, chunk)
