@@ -27,7 +27,7 @@ PACKAGE = "pyro_vinit"
 #: module); the components of one layer are independent of each other.
 #: ``""`` is ``pyro_vinit/__init__.py``, which re-exports the public API.
 LAYERS = [
-    ["_typing"],
+    ["_typing", "_warn"],
     ["_pyro_compat"],
     ["distributions", "schedules", "data"],
     ["guides"],

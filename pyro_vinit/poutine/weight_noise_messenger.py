@@ -3,7 +3,6 @@ Finding the layer calls whose weights are sample sites, and applying a
 weight-noise strategy (:mod:`pyro_vinit.poutine.noise`) chosen per site.
 """
 
-import warnings
 from types import TracebackType
 from typing import Callable, Dict, Optional, Set, Type, Union
 
@@ -12,6 +11,7 @@ from pyro.distributions import constraints
 
 from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
 from pyro_vinit._typing import SampleSite
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.poutine._site_value import SiteValue, eager
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
 from pyro_vinit.poutine.noise import AutoWeightNoise, WeightNoise
@@ -144,7 +144,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
         if report is not None:
             if self.strict:
                 raise ValueError(report)
-            warnings.warn(report, stacklevel=2)
+            warn_at_caller(report, UserWarning)
 
     def _report(self) -> Optional[str]:
         untreated = dict(self._untreated)

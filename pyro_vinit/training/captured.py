@@ -28,10 +28,10 @@ from pyro.optim import PyroOptim
 from pyro.poutine.messenger import Messenger
 
 from pyro_vinit._pyro_compat import active_messengers, traceable_elbos
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.training._cuda_graph import CudaGraphReplay, off_device
 from pyro_vinit.training._inductor import held_write, inductor_compile
 from pyro_vinit.training._signature import messenger_state
-from pyro_vinit.training._warn import warn_at_caller
 
 __all__ = ["CapturedSVI"]
 

@@ -199,6 +199,8 @@ def test_fallback_reports_in_full(model, reason):
         with LocalReparamMessenger():
             model(x)
     assert [str(w.message) for w in record] == [_HEAD + reason + _WARN_END]
+    # at the user's with statement, not in torch's torch.compiler.disable wrapper of __exit__
+    assert record[0].filename == __file__
     with pytest.raises(ValueError) as error, LocalReparamMessenger(strict=True):
         model(x)
     assert str(error.value) == _HEAD + reason + _STRICT_END
