@@ -797,6 +797,52 @@ def test_guide_list_whose_output_layer_is_another_members_is_refused(output_memb
         _assert_state(g, state)
 
 
+_OWNED_REST = (r"; I-BLM fits each member's layers as a network that ends in its own output "
+               r"layer\. Give one member all the layer weights \(e\.g\. poutine\.block\(model, "
+               r"hide=\[<hyperparameters>\]\)\), or start the members with "
+               r"init_guide\(guide\[0\], data, method='xavier'\) and fit\(\.\.\., init=None\)$")
+
+
+@pytest.mark.parametrize("data_form", ["pair", "batches"])
+@pytest.mark.parametrize("likelihood", ["logits", "probs", "normal"])
+def test_guide_list_output_layer_check_reads_every_likelihood_and_data_form(likelihood,
+                                                                           data_form):
+    # The refusal above for a Categorical(probs=...) and a Normal likelihood (whose output
+    # feeds the mean), and for data as a re-iterable of batches, with the whole message.
+    from pyro.infer.autoguide import AutoDelta
+
+    x, y, _, _ = blobs(num_classes=3, dim=5, n=120)
+    if likelihood == "normal":
+        y = x.sum(-1)
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([8, 5]).to_event(2))
+        out = 1 if likelihood == "normal" else 3
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([out, 8]).to_event(2))
+        h = F.linear(torch.tanh(F.linear(x, w1)), w2)
+        with pyro.plate("data", x.shape[0]):
+            if likelihood == "logits":
+                pyro.sample("obs", dist.Categorical(logits=h), obs=y)
+            elif likelihood == "probs":
+                pyro.sample("obs", dist.Categorical(probs=h.softmax(-1)), obs=y)
+            else:
+                pyro.sample("obs", dist.Normal(h.squeeze(-1), 1.0), obs=y)
+
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=["w2"])))
+    guide.append(AutoDelta(pyro.poutine.block(model, expose=["w2"])))
+    guide(x, y)
+    before = [_state(g) for g in guide]
+    data = ((x, y) if data_form == "pair" else
+            torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=60))
+    with pytest.raises(ValueError, match=r"^init_guide_iblm: the layer that feeds the "
+                       r"likelihood, 'w2', belongs to member 1: AutoDelta, not to member 0: "
+                       r"AutoNormal, which owns the layers \['w1'\]" + _OWNED_REST):
+        init_guide_iblm(guide, data)
+    for g, state in zip(guide, before):
+        _assert_state(g, state)
+
+
 def test_guide_list_members_built_with_expose_are_fitted_as_with_hide():
     # Regression: a member built with poutine.block(model, expose=[its sites]) has the
     # observed site hidden too, and I-BLM refused it: "I-BLM needs a model with exactly
