@@ -12,10 +12,11 @@ Usage::
 """
 
 import functools
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.infer.autoguide import AutoGuide
 from pyro.nn import PyroModule, PyroSample
@@ -28,6 +29,33 @@ from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.guides.auto_radial_normal import AutoRadialNormal
 
 __all__ = ["posterior_as_prior", "set_priors"]
+
+
+class _ConstrainedPosterior(dist.TransformedDistribution):  # type: ignore[misc]
+    # The guide's unconstrained posterior pushed through biject_to(support), with the
+    # site's support: torch derives a TransformedDistribution's support from its last
+    # transform's codomain, which is the real line for e.g. biject_to(nonnegative) (a
+    # HalfNormal's) and biject_to(interval(a, b)) (a Uniform's), both ending in an
+    # AffineTransform. A guide of the next task would then treat the site as real-valued
+    # (and init_to_feasible put it at 0).
+    arg_constraints: Dict[str, constraints.Constraint] = {}
+
+    def __init__(self, base: dist.TorchDistribution, support: constraints.Constraint,
+                 validate_args: Optional[bool] = None) -> None:
+        self._support = support
+        super().__init__(base, [biject_to(support)], validate_args=validate_args)
+
+    @constraints.dependent_property(is_discrete=False)
+    def support(self) -> constraints.Constraint:
+        return self._support
+
+    def expand(self, batch_shape: Union[torch.Size, Tuple[int, ...]],
+               _instance: Optional["_ConstrainedPosterior"] = None
+               ) -> "_ConstrainedPosterior":
+        new: _ConstrainedPosterior = self._get_checked_instance(_ConstrainedPosterior, _instance)
+        super().expand(batch_shape, _instance=new)
+        new._support = self._support
+        return new
 
 
 @functools.singledispatch
@@ -77,7 +105,9 @@ def posterior_as_prior(guide: AutoGuide) -> Dict[str, dist.TorchDistribution]:
       a Normal or k-tied posterior against a radial prior does the same.
 
     A constrained site (e.g. a ``HalfNormal`` noise scale) gets the guide's
-    unconstrained posterior pushed through ``biject_to(support)``. A site in a
+    unconstrained posterior pushed through ``biject_to(support)``, a
+    :class:`~pyro.distributions.TransformedDistribution` with the site's
+    support (so that the next guide constrains the site as before). A site in a
     subsampled plate gets its full-size posterior; index it by the subsample
     in the model.
 
@@ -91,8 +121,9 @@ def posterior_as_prior(guide: AutoGuide) -> Dict[str, dist.TorchDistribution]:
         loc, scale = loc.detach().clone(), scale.detach().clone()
         event_dim = site["fn"].event_dim + loc.dim() - site["value"].dim()
         posterior = _unconstrained_family(guide, name, loc, scale, event_dim)
-        if not is_real_support(site["fn"].support):
-            posterior = dist.TransformedDistribution(posterior, biject_to(site["fn"].support))
+        support = site["fn"].support
+        if support is not None and not is_real_support(support):
+            posterior = _ConstrainedPosterior(posterior, support)
         priors[name] = posterior
     return priors
 
