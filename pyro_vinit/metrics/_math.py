@@ -173,6 +173,16 @@ def _regression_inputs(
     if not (scale > 0).all():
         # NaN fails the comparison too
         raise ValueError(f"scale must be positive (and not NaN), got min {scale.min().item()}")
+    if (scale.dim() == 1 and loc.dim() > 1 and scale.shape[0] > 1
+            and scale.shape[0] == loc.shape[0] == loc.shape[-1]):
+        # A per-sample (S,) scale (e.g. Predictive's samples of a learned noise site) would
+        # broadcast along the points (or the last event dim) when their number equals S,
+        # e.g. in a streaming evaluation whose batch size is the number of samples.
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)} is ambiguous for loc.shape = "
+            f"{tuple(loc.shape)}: as many samples as points; pass scale[:, None] for one "
+            "scale per sample, or scale[None] for one per point"
+        )
     try:
         # torch.broadcast_shapes is unannotated.
         shape = torch.broadcast_shapes(scale.shape, loc.shape)  # type: ignore[no-untyped-call]
