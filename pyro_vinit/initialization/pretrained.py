@@ -18,7 +18,7 @@ from pyro_vinit.initialization._collective import LocalCollective
 from pyro_vinit.initialization._data import Data
 from pyro_vinit.initialization._fits import Fit
 from pyro_vinit.initialization._options import IBLMOptions
-from pyro_vinit.initialization._passes import layer_inputs, refresh_norm_statistics
+from pyro_vinit.initialization._passes import layer_inputs
 from pyro_vinit.initialization._regressions import unit_inputs, unit_priors
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.initialization._tracing import Layer, Prepared, _to_layout, guide_medians, prepare
@@ -74,8 +74,10 @@ def init_guide_pretrained(
         s_{ji}^2 = 1 / A_{ii}, \qquad
         A_{ii} = \Lambda_{ii}^{-1} + \sigma_j^{-2} \textstyle\sum_n x_{ni}^2.
 
-    So the guide's median is the trained network. Nothing is written unless
-    every step succeeds. See :doc:`/methods/iblm` for the measurements.
+    So the guide's median is the trained network. BatchNorm running
+    statistics are left as trained (:func:`~pyro_vinit.update_batch_norm`
+    recomputes them), so in eval mode too. Nothing is written unless every
+    step succeeds. See :doc:`/methods/iblm` for the measurements.
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
         AutoRadialNormal guide of the model (set up from the first rows if not yet).
@@ -147,7 +149,6 @@ def init_guide_pretrained(
                 fit.var = torch.minimum(fit.var, (max_scale_ratio * prior_scale).to(fit.var) ** 2)
             for name, (loc, var) in fit.site_values(prep.site_shape).items():
                 set_loc_and_scale(guide, name, loc, var.sqrt())
-        refresh_norm_statistics(prep, values, chunk_rows, collective)
     return guide
 
 

@@ -122,6 +122,29 @@ def test_conv_median_is_the_trained_network(digits, trained_cnn):
     assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_batch_norm_median_is_the_trained_network_in_eval_mode(digits):
+    # The running statistics of a trained BatchNorm (a momentum average over the
+    # training batches) differ from its input's statistics over the data; they are the
+    # trained network's, and stay: the median in eval mode predicts as it does.
+    x, y, x_test, y_test = digits
+    x, x_test = x.reshape(-1, 1, 8, 8), x_test.reshape(-1, 1, 8, 8)
+    torch.manual_seed(0)
+    net = _train(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                               nn.Linear(4 * 6 * 6, 10)), x, y, steps=100)
+    net.eval()
+    with torch.no_grad():
+        expected = net(x_test)
+    running = {k: v.clone() for k, v in net[1].state_dict().items()}
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x)).eval()
+    for scale in ["iblm", "moped"]:
+        guide = AutoNormal(model)
+        init_guide_pretrained(guide, (x, y), scale=scale)
+        for k, v in net[1].state_dict().items():
+            assert torch.equal(v, running[k]), k
+        assert_close(_median_logits(model, guide, x_test, y_test), expected, atol=1e-5,
+                     rtol=1e-5)
+
+
 # ---------------------------------------------------------------- the standard deviations
 
 
