@@ -18,7 +18,7 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from pyro.distributions.torch_distribution import TorchDistributionMixin
-from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide import AutoGuide, AutoGuideList
 from pyro.nn import PyroModule, PyroSample
 from torch.distributions import Distribution, biject_to
 
@@ -111,10 +111,16 @@ def posterior_as_prior(guide: AutoGuide) -> Dict[str, dist.TorchDistribution]:
     subsampled plate gets its full-size posterior; index it by the subsample
     in the model.
 
-    :param guide: A set-up guide :mod:`~pyro_vinit.guides.site_params` supports.
+    An :class:`~pyro.infer.autoguide.AutoGuideList` gives the priors of its
+    parts together; each part must be a supported guide.
+
+    :param guide: A set-up guide :mod:`~pyro_vinit.guides.site_params`
+        supports, or an AutoGuideList of such guides.
     :return: A dict mapping site name to distribution.
     :rtype: dict
     """
+    if isinstance(guide, AutoGuideList):
+        return _guide_list_priors(guide)
     priors: Dict[str, dist.TorchDistribution] = {}
     for name, site in site_params.latent_sites(guide).items():
         loc, scale = site_params.get_loc_and_scale(guide, name)
@@ -125,6 +131,27 @@ def posterior_as_prior(guide: AutoGuide) -> Dict[str, dist.TorchDistribution]:
         if support is not None and not is_real_support(support):
             posterior = _ConstrainedPosterior(posterior, support)
         priors[name] = posterior
+    return priors
+
+
+def _guide_list_priors(guide: AutoGuideList) -> Dict[str, dist.TorchDistribution]:
+    if guide.prototype_trace is None:
+        raise RuntimeError(
+            "AutoGuideList is not set up yet: call the guide once with the model's "
+            "arguments (e.g. guide(x, y), or one svi.step) first."
+        )
+    priors: Dict[str, dist.TorchDistribution] = {}
+    for i, part in enumerate(guide):
+        if not isinstance(part, AutoGuide) or not (
+                isinstance(part, AutoGuideList) or site_params.is_supported(part)):
+            raise TypeError(
+                f"posterior_as_prior: part {i} of the AutoGuideList, a "
+                f"{type(part).__name__}, has no per-site Normal or radial posterior to "
+                "become a prior; build that part with a guide site_params supports (e.g. "
+                "AutoNormal, AutoKTiedNormal, AutoRadialNormal), or give its sites priors of "
+                "your own"
+            )
+        priors.update(posterior_as_prior(part))
     return priors
 
 
@@ -149,9 +176,16 @@ def set_priors(
     :param PyroModule model: The model.
     :param dict priors: Site name to distribution (of :mod:`pyro.distributions`).
     :rtype: PyroModule
+    :raises TypeError: for a model that is not a module (e.g. a function).
     :raises KeyError: for a name that is not a PyroSample of the model.
     :raises ValueError: for a distribution of the wrong shape.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"set_priors: model must be a PyroModule, got {type(model).__name__}; a model "
+            "written as a function takes its priors in its own pyro.sample statements, "
+            "e.g. pyro.sample(name, priors[name])"
+        )
     targets = []
     for name, prior in priors.items():
         parent_name, _, leaf = name.rpartition(".")

@@ -238,3 +238,44 @@ def test_constrained_priors_keep_the_site_support(Guide):
     assert_close(samples["noise"], torch.tensor(1.0))
     assert_close(samples["rate"], torch.tensor(1.0))
     assert_close(samples["scales"], torch.ones(3, 2))
+
+
+def test_guide_list_gives_the_priors_of_its_parts():
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList
+
+    def parts(second):
+        guide = AutoGuideList(model)
+        guide.append(AutoRadialNormal(poutine.block(model, expose=["w", "b"])))
+        guide.append(second(poutine.block(model, hide=["w", "b"])))
+        return guide
+
+    guide = parts(AutoNormal)
+    with pytest.raises(RuntimeError, match="not set up yet"):
+        posterior_as_prior(guide)
+    guide()
+    priors = posterior_as_prior(guide)
+    assert sorted(priors) == ["b", "local", "noise", "w"]
+    radial, normal = guide[0], guide[1]
+    for name, part in [("w", radial), ("b", radial), ("noise", normal), ("local", normal)]:
+        expected = posterior_as_prior(part)[name]
+        assert type(priors[name]) is type(expected), name
+        if name in ("w", "b"):
+            assert_close(priors[name].scale, radial.get_radial_scale(name))
+        torch.manual_seed(0)
+        draws = priors[name].sample((3,))
+        torch.manual_seed(0)
+        assert_close(draws, expected.sample((3,)))
+    delta = parts(AutoDelta)
+    delta()
+    with pytest.raises(TypeError, match=r"^posterior_as_prior: part 1 of the AutoGuideList, a "
+                                        r"AutoDelta, has no per-site"):
+        posterior_as_prior(delta)
+
+
+def test_set_priors_refuses_a_model_function():
+    def functional(x):
+        return pyro.sample("w", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(TypeError, match="model must be a PyroModule, got function; a model "
+                                        "written as a function takes its priors in its own"):
+        set_priors(functional, {"w": dist.Normal(1.0, 1.0)})
