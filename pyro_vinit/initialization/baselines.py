@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple, TypeVar
 
 import pyro.poutine as poutine
 import torch
-from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
 from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import is_real_support
@@ -217,6 +217,11 @@ def init_guide(
         return initialized
     if iblm_options:
         raise TypeError(f"init_guide: unexpected options {sorted(iblm_options)} for {method!r}")
+    if isinstance(guide, AutoGuideList):
+        raise TypeError(
+            f"init_guide(method={method!r}) initializes an AutoGuideList member by member: "
+            f"call it on each member, guide[0] to guide[{len(guide) - 1}]"
+        )
     if data is None:
         site_params.check_supported(guide)
         if guide.prototype_trace is None:

@@ -10,9 +10,9 @@ from contextlib import ExitStack
 from typing import Any, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
-from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
-from pyro_vinit._pyro_compat import unwrap_init_messenger
+from pyro_vinit._pyro_compat import handler_chain
 from pyro_vinit.guides.site_params import check_supported, set_loc_and_scale
 from pyro_vinit.initialization._collective import LocalCollective
 from pyro_vinit.initialization._data import Data
@@ -80,7 +80,8 @@ def init_guide_pretrained(
     step succeeds. See :doc:`/methods/iblm` for the measurements.
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
-        AutoRadialNormal guide of the model (set up from the first rows if not yet).
+        AutoRadialNormal guide of the model (set up from the first rows if not
+        yet), or a member of an AutoGuideList (start each member).
     :param data: One tuple of model arguments, ``model(*data)``, or an iterable
         of such tuples (e.g. a DataLoader).
     :param dict weights: The trained value of every layer's weight and bias
@@ -122,6 +123,11 @@ def init_guide_pretrained(
         )
     options = IBLMOptions(max_pool_size=max_pool_size, chunk_rows=chunk_rows,
                           max_scale_ratio=max_scale_ratio, strict=strict)
+    if isinstance(guide, AutoGuideList):
+        raise TypeError(
+            "init_guide_pretrained starts an AutoGuideList member by member: call it on "
+            f"each member, guide[0] to guide[{len(guide) - 1}], with the same data"
+        )
     check_supported(guide)
     collective = LocalCollective()
     with GuideRollback(guide) as rollback, ExitStack() as stack:
@@ -174,12 +180,19 @@ def _model_values(model: Any) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _innermost(model: Any) -> Any:
+    """The callable inside every effect handler wrapped around ``model`` (the guide's
+    InitMessenger, and e.g. the ``poutine.block`` of an AutoGuideList member)."""
+    chain = handler_chain(model)
+    return chain[-1][1] if chain else model
+
+
 def _trained_values(prep: Prepared, weights: Optional[Mapping[str, torch.Tensor]]
                     ) -> Dict[str, torch.Tensor]:
     """Every layer site's trained value, checked, in the site's dtype and device."""
     given = weights is not None
     source = dict(weights) if weights is not None else _model_values(
-        unwrap_init_messenger(prep.guide.model))
+        _innermost(prep.guide.model))
     names = [name for layer in prep.layers for name in layer.site_names]
     missing = [name for name in names if name not in source]
     if missing:

@@ -4,6 +4,7 @@ import warnings
 
 import pyro
 import pyro.distributions as dist
+import pyro.poutine as poutine
 import pytest
 import torch
 import torch.nn.functional as F
@@ -261,6 +262,25 @@ def test_data_free_weights_not_named_weight_warn(method):
         for name, fan_in in [("w1", 3), ("w2", 8)]:
             _, std = site_params.get_loc_and_scale(guide, name)
             assert_close(std, torch.full_like(std, fan_in**-0.5))
+
+
+def test_guide_list_is_initialized_member_by_member():
+    from pyro.infer.autoguide import AutoGuideList
+
+    x, y = torch.randn(6, 3), torch.randn(6)
+    guide = AutoGuideList(_matmul_model)
+    guide.append(AutoNormal(poutine.block(_matmul_model, expose=["w1"])))
+    guide.append(AutoNormal(poutine.block(_matmul_model, hide=["w1"])))
+    guide(x, y)
+    with pytest.raises(TypeError, match=re.escape(
+            "init_guide(method='heuristic') initializes an AutoGuideList member by member: "
+            "call it on each member, guide[0] to guide[1]")):
+        init_guide(guide, (x, y), method="heuristic")
+    for member in guide:
+        init_guide(member, (x, y), method="heuristic")
+    for member, name, fan_in in [(guide[0], "w1", 3), (guide[1], "w2", 8)]:
+        _, std = site_params.get_loc_and_scale(member, name)
+        assert_close(std, torch.full_like(std, fan_in**-0.5))
 
 
 class _NoisyRegressor(PyroModule):
