@@ -74,9 +74,10 @@ def init_guide_pretrained(
         s_{ji}^2 = 1 / A_{ii}, \qquad
         A_{ii} = \Lambda_{ii}^{-1} + \sigma_j^{-2} \textstyle\sum_n x_{ni}^2.
 
-    So the guide's median is the trained network. BatchNorm running
-    statistics are left as trained (:func:`~pyro_vinit.update_batch_norm`
-    recomputes them), so in eval mode too. Nothing is written unless every
+    So the guide's median is the trained network, in eval mode too: the
+    model's buffers (e.g. BatchNorm running statistics) are left as trained,
+    in train mode as well (:func:`~pyro_vinit.update_batch_norm` recomputes
+    them). Nothing is written unless every
     step succeeds. See :doc:`/methods/iblm` for the measurements.
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
@@ -131,6 +132,9 @@ def init_guide_pretrained(
     check_supported(guide)
     collective = LocalCollective()
     with GuideRollback(guide) as rollback, ExitStack() as stack:
+        # The model runs on the data (in train mode, BatchNorm updates its running
+        # statistics at each run): its buffers are the trained network's, and stay.
+        stack.callback(_restore, _buffers(_innermost(guide.model)))
         pool = collective.open_pool(data, options, stack)
         prep = prepare(guide, None, max_pool_size, chunk_rows, pool=pool)
         trained = _trained_values(prep, weights)
@@ -178,6 +182,19 @@ def _model_values(model: Any) -> Dict[str, torch.Tensor]:
                 site = name[len(TRAINED_PREFIX):]
                 out[f"{path}.{site}" if path else site] = buffer
     return out
+
+
+def _buffers(module: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of ``module`` (if a module) with a copy of its value."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+
+
+@torch.no_grad()
+def _restore(saved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for buffer, value in saved:
+        buffer.copy_(value)
 
 
 def _innermost(model: Any) -> Any:

@@ -135,12 +135,15 @@ def test_batch_norm_median_is_the_trained_network_in_eval_mode(digits):
     with torch.no_grad():
         expected = net(x_test)
     running = {k: v.clone() for k, v in net[1].state_dict().items()}
-    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x)).eval()
-    for scale in ["iblm", "moped"]:
-        guide = AutoNormal(model)
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    # in train mode, each run of the model on the data would move them too
+    for train, scale in [(False, "iblm"), (False, "moped"), (True, "iblm"), (True, "moped")]:
+        guide = AutoNormal(model.train(train))
         init_guide_pretrained(guide, (x, y), scale=scale)
+        assert model.training == train
         for k, v in net[1].state_dict().items():
             assert torch.equal(v, running[k]), k
+        model.eval()
         assert_close(_median_logits(model, guide, x_test, y_test), expected, atol=1e-5,
                      rtol=1e-5)
 
