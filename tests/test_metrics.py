@@ -190,6 +190,11 @@ def test_classification_metrics_dict():
             lambda: metrics.uncertainty_decomposition(loc=torch.zeros(2, 2), scale=torch.ones(2)),
             "ambiguous",
         ),
+        (  # multi-output: (S,) or one scale per output dim?
+            lambda: metrics.mnll(torch.zeros(3, 2), loc=torch.zeros(2, 3, 2), scale=torch.ones(2)),
+            r"as many samples as elements in loc's last dim; pass scale.reshape\(-1, 1, 1\) "
+            r"for one scale per sample, or scale\[None\] for one per element of that dim",
+        ),
         (lambda: metrics.mnll(Y, logits=LOGITS, loc=PROBS, scale=1.0), "either"),
         (lambda: metrics.error_rate(Y, logits=Y.expand(4, 3)), "sampled labels"),
     ],

@@ -178,10 +178,14 @@ def _regression_inputs(
         # A per-sample (S,) scale (e.g. Predictive's samples of a learned noise site) would
         # broadcast along the points (or the last event dim) when their number equals S,
         # e.g. in a streaming evaluation whose batch size is the number of samples.
+        per_sample = "scale[:, None]" if loc.dim() == 2 else (
+            f"scale.reshape(-1{', 1' * (loc.dim() - 1)})")
+        many, one = ("points", "point") if loc.dim() == 2 else (
+            "elements in loc's last dim", "element of that dim")
         raise ValueError(
             f"scale of shape {tuple(scale.shape)} is ambiguous for loc.shape = "
-            f"{tuple(loc.shape)}: as many samples as points; pass scale[:, None] for one "
-            "scale per sample, or scale[None] for one per point"
+            f"{tuple(loc.shape)}: as many samples as {many}; pass {per_sample} for one "
+            f"scale per sample, or scale[None] for one per {one}"
         )
     try:
         # torch.broadcast_shapes is unannotated.
