@@ -176,6 +176,25 @@ def test_classification_metrics_dict():
             lambda: metrics.mnll(torch.zeros(3), loc=torch.zeros(2, 3), scale=torch.ones(2)),
             r"per-sample scale of shape \(S,\) = \(2,\): pass scale\[:, None\]",
         ),
+        (  # ... and with as many samples as points (e.g. a streaming batch of S points),
+            # where it would broadcast along the points: ambiguous, not silently per point
+            lambda: metrics.mnll(torch.zeros(2), loc=torch.zeros(2, 2), scale=torch.ones(2)),
+            r"ambiguous.*scale\[:, None\] for one scale per sample, or scale\[None\]",
+        ),
+        (
+            lambda: metrics.RegressionMetrics().update(
+                torch.zeros(2), loc=torch.zeros(2, 2), scale=torch.ones(2)),
+            "ambiguous",
+        ),
+        (
+            lambda: metrics.uncertainty_decomposition(loc=torch.zeros(2, 2), scale=torch.ones(2)),
+            "ambiguous",
+        ),
+        (  # multi-output: (S,) or one scale per output dim?
+            lambda: metrics.mnll(torch.zeros(3, 2), loc=torch.zeros(2, 3, 2), scale=torch.ones(2)),
+            r"as many samples as elements in loc's last dim; pass scale.reshape\(-1, 1, 1\) "
+            r"for one scale per sample, or scale\[None\] for one per element of that dim",
+        ),
         (lambda: metrics.mnll(Y, logits=LOGITS, loc=PROBS, scale=1.0), "either"),
         (lambda: metrics.error_rate(Y, logits=Y.expand(4, 3)), "sampled labels"),
     ],
@@ -651,3 +670,16 @@ def test_accumulator_sums_half_precision_batches_in_float64():
     reg = metrics.RegressionMetrics()
     reg.update(torch.zeros(3001).half(), loc=torch.ones(1, 3001).half(), scale=1.0)
     assert reg.compute()["rmse"] == 1.0
+
+
+def test_unambiguous_scales_with_as_many_samples_as_points():
+    # S == N: the explicit per-sample (S, 1) and per-point (1, N) forms give the closed
+    # forms; one Normal(0, s) sample per scale, targets y = 0: -log p = log(s sqrt(2 pi))
+    loc, y = torch.zeros(2, 2), torch.zeros(2)
+    per_sample, per_point = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0])
+    half_log_2pi = 0.5 * math.log(2 * math.pi)
+    # per sample: each point's density is the mixture of N(0, 1) and N(0, 2) at 0
+    mixture = -math.log(0.5 * (1.0 + 0.5)) + half_log_2pi
+    assert_close(metrics.mnll(y, loc=loc, scale=per_sample[:, None]), torch.tensor(mixture))
+    points = half_log_2pi + 0.5 * (math.log(1.0) + math.log(3.0))
+    assert_close(metrics.mnll(y, loc=loc, scale=per_point[None]), torch.tensor(points))

@@ -12,12 +12,13 @@ Usage::
 """
 
 import functools
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 from pyro.distributions.torch_distribution import TorchDistributionMixin
-from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide import AutoGuide, AutoGuideList
 from pyro.nn import PyroModule, PyroSample
 from torch.distributions import Distribution, biject_to
 
@@ -28,6 +29,33 @@ from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.guides.auto_radial_normal import AutoRadialNormal
 
 __all__ = ["posterior_as_prior", "set_priors"]
+
+
+class _ConstrainedPosterior(dist.TransformedDistribution):  # type: ignore[misc]
+    # The guide's unconstrained posterior pushed through biject_to(support), with the
+    # site's support: torch derives a TransformedDistribution's support from its last
+    # transform's codomain, which is the real line for e.g. biject_to(nonnegative) (a
+    # HalfNormal's) and biject_to(interval(a, b)) (a Uniform's), both ending in an
+    # AffineTransform. A guide of the next task would then treat the site as real-valued
+    # (and init_to_feasible put it at 0).
+    arg_constraints: Dict[str, constraints.Constraint] = {}
+
+    def __init__(self, base: dist.TorchDistribution, support: constraints.Constraint,
+                 validate_args: Optional[bool] = None) -> None:
+        self._support = support
+        super().__init__(base, [biject_to(support)], validate_args=validate_args)
+
+    @constraints.dependent_property(is_discrete=False)
+    def support(self) -> constraints.Constraint:
+        return self._support
+
+    def expand(self, batch_shape: Union[torch.Size, Tuple[int, ...]],
+               _instance: Optional["_ConstrainedPosterior"] = None
+               ) -> "_ConstrainedPosterior":
+        new: _ConstrainedPosterior = self._get_checked_instance(_ConstrainedPosterior, _instance)
+        super().expand(batch_shape, _instance=new)
+        new._support = self._support
+        return new
 
 
 @functools.singledispatch
@@ -77,23 +105,53 @@ def posterior_as_prior(guide: AutoGuide) -> Dict[str, dist.TorchDistribution]:
       a Normal or k-tied posterior against a radial prior does the same.
 
     A constrained site (e.g. a ``HalfNormal`` noise scale) gets the guide's
-    unconstrained posterior pushed through ``biject_to(support)``. A site in a
+    unconstrained posterior pushed through ``biject_to(support)``, a
+    :class:`~pyro.distributions.TransformedDistribution` with the site's
+    support (so that the next guide constrains the site as before). A site in a
     subsampled plate gets its full-size posterior; index it by the subsample
     in the model.
 
-    :param guide: A set-up guide :mod:`~pyro_vinit.guides.site_params` supports.
+    An :class:`~pyro.infer.autoguide.AutoGuideList` gives the priors of its
+    parts together; each part must be a supported guide.
+
+    :param guide: A set-up guide :mod:`~pyro_vinit.guides.site_params`
+        supports, or an AutoGuideList of such guides.
     :return: A dict mapping site name to distribution.
     :rtype: dict
     """
+    if isinstance(guide, AutoGuideList):
+        return _guide_list_priors(guide)
     priors: Dict[str, dist.TorchDistribution] = {}
     for name, site in site_params.latent_sites(guide).items():
         loc, scale = site_params.get_loc_and_scale(guide, name)
         loc, scale = loc.detach().clone(), scale.detach().clone()
         event_dim = site["fn"].event_dim + loc.dim() - site["value"].dim()
         posterior = _unconstrained_family(guide, name, loc, scale, event_dim)
-        if not is_real_support(site["fn"].support):
-            posterior = dist.TransformedDistribution(posterior, biject_to(site["fn"].support))
+        support = site["fn"].support
+        if support is not None and not is_real_support(support):
+            posterior = _ConstrainedPosterior(posterior, support)
         priors[name] = posterior
+    return priors
+
+
+def _guide_list_priors(guide: AutoGuideList) -> Dict[str, dist.TorchDistribution]:
+    if guide.prototype_trace is None:
+        raise RuntimeError(
+            "AutoGuideList is not set up yet: call the guide once with the model's "
+            "arguments (e.g. guide(x, y), or one svi.step) first."
+        )
+    priors: Dict[str, dist.TorchDistribution] = {}
+    for i, part in enumerate(guide):
+        if not isinstance(part, AutoGuide) or not (
+                isinstance(part, AutoGuideList) or site_params.is_supported(part)):
+            raise TypeError(
+                f"posterior_as_prior: part {i} of the AutoGuideList, a "
+                f"{type(part).__name__}, has no per-site Normal or radial posterior to "
+                "become a prior; build that part with a guide site_params supports (e.g. "
+                "AutoNormal, AutoKTiedNormal, AutoRadialNormal), or give its sites priors of "
+                "your own"
+            )
+        priors.update(posterior_as_prior(part))
     return priors
 
 
@@ -118,9 +176,16 @@ def set_priors(
     :param PyroModule model: The model.
     :param dict priors: Site name to distribution (of :mod:`pyro.distributions`).
     :rtype: PyroModule
+    :raises TypeError: for a model that is not a module (e.g. a function).
     :raises KeyError: for a name that is not a PyroSample of the model.
     :raises ValueError: for a distribution of the wrong shape.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"set_priors: model must be a PyroModule, got {type(model).__name__}; a model "
+            "written as a function takes its priors in its own pyro.sample statements, "
+            "e.g. pyro.sample(name, priors[name])"
+        )
     targets = []
     for name, prior in priors.items():
         parent_name, _, leaf = name.rpartition(".")

@@ -2,11 +2,12 @@
 
 import math
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, TypeVar
 
 import pyro.poutine as poutine
 import torch
-from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
 from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import is_real_support
@@ -176,10 +177,12 @@ def init_guide(
     The data-free methods need only a set-up guide; their layers are then
     recognized by name: every real-support site with two or more dims is a
     weight, and a real-support site ``<module>.bias`` of matching size is its
-    bias. With data, the layers are found by tracing the model's ``F.linear`` /
-    ``F.conv*d`` calls. Sites that are not a layer's weight or bias (e.g. a
-    ``HalfNormal`` noise scale) keep the guide's own initialization, and the
-    writes (through :mod:`~pyro_vinit.guides.site_params`) are all or nothing.
+    bias, with ``nn.Linear``'s ``(out, in)`` layout (a warning names the weights
+    not called ``<module>.weight``). With data, the layers are found by tracing
+    the model's ``F.linear`` / ``F.conv*d`` calls and matrix products. Sites
+    that are not a layer's weight or bias (e.g. a ``HalfNormal`` noise scale)
+    keep the guide's own initialization, and the writes (through
+    :mod:`~pyro_vinit.guides.site_params`) are all or nothing.
 
     :param guide: A guide :mod:`~pyro_vinit.guides.site_params` supports:
         AutoNormal, AutoDiagonalNormal, AutoLowRankMultivariateNormal,
@@ -214,6 +217,11 @@ def init_guide(
         return initialized
     if iblm_options:
         raise TypeError(f"init_guide: unexpected options {sorted(iblm_options)} for {method!r}")
+    if isinstance(guide, AutoGuideList):
+        raise TypeError(
+            f"init_guide(method={method!r}) initializes an AutoGuideList member by member: "
+            f"call it on each member, guide[0] to guide[{len(guide) - 1}]"
+        )
     if data is None:
         site_params.check_supported(guide)
         if guide.prototype_trace is None:
@@ -222,6 +230,18 @@ def init_guide(
                 "init_guide(guide, (x, y), method=...)) or call the guide once first"
             )
         layers, prep = _layers_by_name(guide), None
+        guessed = [layer.weight_name for layer in layers
+                   if layer.weight_name.rpartition(".")[2] != "weight"]
+        if guessed and method != "uninformative":
+            warnings.warn(
+                f"init_guide(method={method!r}): without data, layers are recognized by "
+                f"name, and the sites {guessed}, not named '<module>.weight', are taken for "
+                "weights in nn.Linear's (out, in) layout (fan-in: the last dims), which is "
+                "wrong for e.g. x @ w; pass data (init_guide(guide, (x, y), method=...)) "
+                "to find the layers by tracing the model",
+                UserWarning,
+                stacklevel=2,
+            )
     else:
         prep = prepare(guide, data, max_pool_size, chunk_rows=4096, normal_priors=False)
         layers = prep.layers

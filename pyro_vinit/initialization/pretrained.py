@@ -10,15 +10,15 @@ from contextlib import ExitStack
 from typing import Any, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
-from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
-from pyro_vinit._pyro_compat import unwrap_init_messenger
+from pyro_vinit._pyro_compat import handler_chain
 from pyro_vinit.guides.site_params import check_supported, set_loc_and_scale
 from pyro_vinit.initialization._collective import LocalCollective
 from pyro_vinit.initialization._data import Data
 from pyro_vinit.initialization._fits import Fit
 from pyro_vinit.initialization._options import IBLMOptions
-from pyro_vinit.initialization._passes import layer_inputs, refresh_norm_statistics
+from pyro_vinit.initialization._passes import layer_inputs
 from pyro_vinit.initialization._regressions import unit_inputs, unit_priors
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.initialization._tracing import Layer, Prepared, _to_layout, guide_medians, prepare
@@ -74,11 +74,15 @@ def init_guide_pretrained(
         s_{ji}^2 = 1 / A_{ii}, \qquad
         A_{ii} = \Lambda_{ii}^{-1} + \sigma_j^{-2} \textstyle\sum_n x_{ni}^2.
 
-    So the guide's median is the trained network. Nothing is written unless
-    every step succeeds. See :doc:`/methods/iblm` for the measurements.
+    So the guide's median is the trained network, in eval mode too: the
+    model's buffers (e.g. BatchNorm running statistics) are left as trained,
+    in train mode as well (:func:`~pyro_vinit.update_batch_norm` recomputes
+    them). Nothing is written unless every
+    step succeeds. See :doc:`/methods/iblm` for the measurements.
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
-        AutoRadialNormal guide of the model (set up from the first rows if not yet).
+        AutoRadialNormal guide of the model (set up from the first rows if not
+        yet), or a member of an AutoGuideList (start each member).
     :param data: One tuple of model arguments, ``model(*data)``, or an iterable
         of such tuples (e.g. a DataLoader).
     :param dict weights: The trained value of every layer's weight and bias
@@ -120,9 +124,17 @@ def init_guide_pretrained(
         )
     options = IBLMOptions(max_pool_size=max_pool_size, chunk_rows=chunk_rows,
                           max_scale_ratio=max_scale_ratio, strict=strict)
+    if isinstance(guide, AutoGuideList):
+        raise TypeError(
+            "init_guide_pretrained starts an AutoGuideList member by member: call it on "
+            f"each member, guide[0] to guide[{len(guide) - 1}], with the same data"
+        )
     check_supported(guide)
     collective = LocalCollective()
     with GuideRollback(guide) as rollback, ExitStack() as stack:
+        # The model runs on the data (in train mode, BatchNorm updates its running
+        # statistics at each run): its buffers are the trained network's, and stay.
+        stack.callback(_restore, _buffers(_innermost(guide.model)))
         pool = collective.open_pool(data, options, stack)
         prep = prepare(guide, None, max_pool_size, chunk_rows, pool=pool)
         trained = _trained_values(prep, weights)
@@ -147,7 +159,6 @@ def init_guide_pretrained(
                 fit.var = torch.minimum(fit.var, (max_scale_ratio * prior_scale).to(fit.var) ** 2)
             for name, (loc, var) in fit.site_values(prep.site_shape).items():
                 set_loc_and_scale(guide, name, loc, var.sqrt())
-        refresh_norm_statistics(prep, values, chunk_rows, collective)
     return guide
 
 
@@ -173,12 +184,32 @@ def _model_values(model: Any) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _buffers(module: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of ``module`` (if a module) with a copy of its value."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+
+
+@torch.no_grad()
+def _restore(saved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for buffer, value in saved:
+        buffer.copy_(value)
+
+
+def _innermost(model: Any) -> Any:
+    """The callable inside every effect handler wrapped around ``model`` (the guide's
+    InitMessenger, and e.g. the ``poutine.block`` of an AutoGuideList member)."""
+    chain = handler_chain(model)
+    return chain[-1][1] if chain else model
+
+
 def _trained_values(prep: Prepared, weights: Optional[Mapping[str, torch.Tensor]]
                     ) -> Dict[str, torch.Tensor]:
     """Every layer site's trained value, checked, in the site's dtype and device."""
     given = weights is not None
     source = dict(weights) if weights is not None else _model_values(
-        unwrap_init_messenger(prep.guide.model))
+        _innermost(prep.guide.model))
     names = [name for layer in prep.layers for name in layer.site_names]
     missing = [name for name in names if name not in source]
     if missing:

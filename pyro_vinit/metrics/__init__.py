@@ -20,7 +20,9 @@ Inputs that would give a plausible but wrong number are refused with an error
 that says what to pass instead: ``logits`` whose every row is non-negative and
 sums to 1 (probabilities: pass ``probs=``), NaN in any input (a diverged model
 would otherwise get a finite error rate or entropy), ``+inf`` logits, and
-one-hot labels (pass class indices, ``y.argmax(-1)``). Labels may have any
+one-hot labels (pass class indices, ``y.argmax(-1)``), and a one-dimensional
+``scale`` when there are as many samples as points (per sample or per point?
+pass ``scale[:, None]`` or ``scale[None]``). Labels may have any
 integer dtype, or be floats holding whole numbers.
 
 The Monte Carlo predictive distribution is the mixture of the ``S``

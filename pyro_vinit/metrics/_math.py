@@ -173,6 +173,20 @@ def _regression_inputs(
     if not (scale > 0).all():
         # NaN fails the comparison too
         raise ValueError(f"scale must be positive (and not NaN), got min {scale.min().item()}")
+    if (scale.dim() == 1 and loc.dim() > 1 and scale.shape[0] > 1
+            and scale.shape[0] == loc.shape[0] == loc.shape[-1]):
+        # A per-sample (S,) scale (e.g. Predictive's samples of a learned noise site) would
+        # broadcast along the points (or the last event dim) when their number equals S,
+        # e.g. in a streaming evaluation whose batch size is the number of samples.
+        per_sample = "scale[:, None]" if loc.dim() == 2 else (
+            f"scale.reshape(-1{', 1' * (loc.dim() - 1)})")
+        many, one = ("points", "point") if loc.dim() == 2 else (
+            "elements in loc's last dim", "element of that dim")
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)} is ambiguous for loc.shape = "
+            f"{tuple(loc.shape)}: as many samples as {many}; pass {per_sample} for one "
+            f"scale per sample, or scale[None] for one per {one}"
+        )
     try:
         # torch.broadcast_shapes is unannotated.
         shape = torch.broadcast_shapes(scale.shape, loc.shape)  # type: ignore[no-untyped-call]

@@ -76,7 +76,9 @@ class WeightNoiseMessenger(LayerCallMessenger):
     not treat, with the reason, and the weight-like ones (real-valued, two
     dims or more) that never reached a layer call it sees; sites the config
     leaves alone are not named. Without ``strict`` each site is named once
-    per handler instance. Requirements and fallbacks are those of
+    per handler instance. A name of a dict ``config`` that no sample site of
+    the run has (e.g. misspelt) is reported the same way. Requirements and
+    fallbacks are those of
     :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
 
     :param config: A strategy for every site, a dict from site names to
@@ -111,6 +113,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
         self.config = config
         self.strict = strict
         self._warned: Set[str] = set()
+        self._warned_unknown: Set[str] = set()
 
     def _strategy(self, msg: SampleSite) -> Optional[WeightNoise]:
         """The strategy ``config`` gives the site of ``msg``, or None."""
@@ -131,6 +134,31 @@ class WeightNoiseMessenger(LayerCallMessenger):
         super()._start_run()
         self._untreated: Dict[str, str] = {}
         self._reached: Set[str] = set()
+        self._sampled: Set[str] = set()
+
+    @eager
+    def _pyro_post_sample(self, msg: SampleSite) -> None:
+        self._sampled.add(msg["name"])
+        super()._pyro_post_sample(msg)
+
+    def _unknown_names(self) -> Optional[str]:
+        # The names of a dict config that no sample site of the run has (e.g. misspelt):
+        # their sites would silently keep their ordinary sample.
+        if not isinstance(self.config, dict) or not self._sampled:
+            return None
+        unknown = [name for name, strategy in self.config.items()
+                   if strategy is not None and name not in self._sampled]
+        if not self.strict:
+            unknown = [name for name in unknown if name not in self._warned_unknown]
+            self._warned_unknown.update(unknown)
+        if not unknown:
+            return None
+        latent = sorted(self._latent)
+        return (
+            f"{type(self).__name__}: config names {unknown}, but no sample site of this "
+            f"run has that name (its latent sites: {latent}); the sites meant keep their "
+            "ordinary sample. Use the model's site names."
+        )
 
     @eager
     def __exit__(
@@ -139,9 +167,10 @@ class WeightNoiseMessenger(LayerCallMessenger):
         exc_value: Optional[BaseException],
         traceback: Optional[TracebackType],
     ) -> None:
-        report = self._report() if exc_type is None else None
+        reports = [self._report(), self._unknown_names()] if exc_type is None else []
         super().__exit__(exc_type, exc_value, traceback)
-        if report is not None:
+        report = "\n".join(r for r in reports if r is not None)
+        if report:
             if self.strict:
                 raise ValueError(report)
             warn_at_caller(report, UserWarning)

@@ -198,3 +198,84 @@ def test_set_priors_checks_shapes_of_distribution_priors_and_takes_callables():
     trace = poutine.trace(model).get_trace()
     assert trace.nodes["w"]["fn"].mean.tolist() == [[1.0, 1.0]] * 3
     assert trace.nodes["v"]["fn"].mean.tolist() == [2.0] * 4
+
+
+def _constrained_model():
+    pyro.sample("noise", dist.HalfNormal(1.0))  # support nonnegative
+    pyro.sample("rate", dist.Uniform(-1.0, 3.0))  # support interval(-1, 3)
+    with pyro.plate("plate", 3):
+        pyro.sample("scales", dist.HalfNormal(torch.ones(2)).to_event(1))
+
+
+@pytest.mark.parametrize("Guide", GUIDES)
+def test_constrained_priors_keep_the_site_support(Guide):
+    # biject_to(nonnegative) and biject_to(interval) end in an AffineTransform, whose
+    # codomain (hence a plain TransformedDistribution's support) is the real line: the
+    # next task's guide would then treat the site as real-valued and init_to_feasible
+    # start it at 0, where the model's Normal(mu, noise) fails.
+    guide = Guide(_constrained_model)
+    guide()
+    priors = posterior_as_prior(guide)
+    trace = poutine.trace(_constrained_model).get_trace()
+    for name, prior in priors.items():
+        assert str(prior.support) == str(trace.nodes[name]["fn"].support), name
+        assert prior.support.check(prior.sample()).all(), name
+    expanded = priors["noise"].expand((4,))
+    assert expanded.batch_shape == (4,) and str(expanded.support) == str(priors["noise"].support)
+    assert (expanded.sample() > 0).all()
+
+    def next_model():
+        for name, prior in priors.items():
+            if name == "scales":
+                with pyro.plate("plate", 3):
+                    pyro.sample(name, prior)
+            else:
+                pyro.sample(name, prior)
+
+    next_guide = AutoNormal(next_model)  # init_to_feasible: the unconstrained 0
+    next_guide()
+    samples = next_guide.median()
+    assert_close(samples["noise"], torch.tensor(1.0))
+    assert_close(samples["rate"], torch.tensor(1.0))
+    assert_close(samples["scales"], torch.ones(3, 2))
+
+
+def test_guide_list_gives_the_priors_of_its_parts():
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList
+
+    def parts(second):
+        guide = AutoGuideList(model)
+        guide.append(AutoRadialNormal(poutine.block(model, expose=["w", "b"])))
+        guide.append(second(poutine.block(model, hide=["w", "b"])))
+        return guide
+
+    guide = parts(AutoNormal)
+    with pytest.raises(RuntimeError, match="not set up yet"):
+        posterior_as_prior(guide)
+    guide()
+    priors = posterior_as_prior(guide)
+    assert sorted(priors) == ["b", "local", "noise", "w"]
+    radial, normal = guide[0], guide[1]
+    for name, part in [("w", radial), ("b", radial), ("noise", normal), ("local", normal)]:
+        expected = posterior_as_prior(part)[name]
+        assert type(priors[name]) is type(expected), name
+        if name in ("w", "b"):
+            assert_close(priors[name].scale, radial.get_radial_scale(name))
+        torch.manual_seed(0)
+        draws = priors[name].sample((3,))
+        torch.manual_seed(0)
+        assert_close(draws, expected.sample((3,)))
+    delta = parts(AutoDelta)
+    delta()
+    with pytest.raises(TypeError, match=r"^posterior_as_prior: part 1 of the AutoGuideList, a "
+                                        r"AutoDelta, has no per-site"):
+        posterior_as_prior(delta)
+
+
+def test_set_priors_refuses_a_model_function():
+    def functional(x):
+        return pyro.sample("w", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(TypeError, match="model must be a PyroModule, got function; a model "
+                                        "written as a function takes its priors in its own"):
+        set_priors(functional, {"w": dist.Normal(1.0, 1.0)})

@@ -1,8 +1,10 @@
 import math
 import re
+import warnings
 
 import pyro
 import pyro.distributions as dist
+import pyro.poutine as poutine
 import pytest
 import torch
 import torch.nn.functional as F
@@ -229,6 +231,56 @@ def test_data_free_layers_by_name():
                "weight) to initialize")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         init_guide(guide, method="xavier")
+
+
+def _matmul_model(x, y=None):
+    # a functional model's x @ w: each weight is (in, out), the transpose of nn.Linear's
+    w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([3, 8]).to_event(2))
+    w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([8, 1]).to_event(2))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("obs", dist.Normal((torch.tanh(x @ w1) @ w2).squeeze(-1), 1.0), obs=y)
+
+
+@pytest.mark.parametrize("method", ["heuristic", "xavier", "orthogonal"])
+def test_data_free_weights_not_named_weight_warn(method):
+    # By name, w1 (3, 8) would get the variance 1/8 and w2 (8, 1) 1/1 (the fan-ins are 3
+    # and 8): a warning names them and says to pass data, which traces the layers.
+    x, y = torch.randn(6, 3), torch.randn(6)
+    guide = AutoNormal(_matmul_model)
+    guide(x, y)
+    with pytest.warns(UserWarning, match=re.escape(
+            f"init_guide(method={method!r}): without data, layers are recognized by name, "
+            "and the sites ['w1', 'w2'], not named '<module>.weight', are taken for weights "
+            "in nn.Linear's (out, in) layout")):
+        init_guide(guide, method=method)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        init_guide(guide, (x, y), method=method)
+        init_guide(guide, method="uninformative")  # 0 and 1 whatever the layout
+    if method == "heuristic":
+        init_guide(guide, (x, y), method=method)
+        for name, fan_in in [("w1", 3), ("w2", 8)]:
+            _, std = site_params.get_loc_and_scale(guide, name)
+            assert_close(std, torch.full_like(std, fan_in**-0.5))
+
+
+def test_guide_list_is_initialized_member_by_member():
+    from pyro.infer.autoguide import AutoGuideList
+
+    x, y = torch.randn(6, 3), torch.randn(6)
+    guide = AutoGuideList(_matmul_model)
+    guide.append(AutoNormal(poutine.block(_matmul_model, expose=["w1"])))
+    guide.append(AutoNormal(poutine.block(_matmul_model, hide=["w1"])))
+    guide(x, y)
+    with pytest.raises(TypeError, match=re.escape(
+            "init_guide(method='heuristic') initializes an AutoGuideList member by member: "
+            "call it on each member, guide[0] to guide[1]")):
+        init_guide(guide, (x, y), method="heuristic")
+    for member in guide:
+        init_guide(member, (x, y), method="heuristic")
+    for member, name, fan_in in [(guide[0], "w1", 3), (guide[1], "w2", 8)]:
+        _, std = site_params.get_loc_and_scale(member, name)
+        assert_close(std, torch.full_like(std, fan_in**-0.5))
 
 
 class _NoisyRegressor(PyroModule):

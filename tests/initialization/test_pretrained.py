@@ -122,6 +122,32 @@ def test_conv_median_is_the_trained_network(digits, trained_cnn):
     assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_batch_norm_median_is_the_trained_network_in_eval_mode(digits):
+    # The running statistics of a trained BatchNorm (a momentum average over the
+    # training batches) differ from its input's statistics over the data; they are the
+    # trained network's, and stay: the median in eval mode predicts as it does.
+    x, y, x_test, y_test = digits
+    x, x_test = x.reshape(-1, 1, 8, 8), x_test.reshape(-1, 1, 8, 8)
+    torch.manual_seed(0)
+    net = _train(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                               nn.Linear(4 * 6 * 6, 10)), x, y, steps=100)
+    net.eval()
+    with torch.no_grad():
+        expected = net(x_test)
+    running = {k: v.clone() for k, v in net[1].state_dict().items()}
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    # in train mode, each run of the model on the data would move them too
+    for train, scale in [(False, "iblm"), (False, "moped"), (True, "iblm"), (True, "moped")]:
+        guide = AutoNormal(model.train(train))
+        init_guide_pretrained(guide, (x, y), scale=scale)
+        assert model.training == train
+        for k, v in net[1].state_dict().items():
+            assert torch.equal(v, running[k]), k
+        model.eval()
+        assert_close(_median_logits(model, guide, x_test, y_test), expected, atol=1e-5,
+                     rtol=1e-5)
+
+
 # ---------------------------------------------------------------- the standard deviations
 
 
@@ -469,3 +495,28 @@ def test_other_latent_sites_warn_or_raise(digits, trained_mlp):
         message + ". Pass strict=True to make this an error."]
     if "MUTANT_UNDER_TEST" not in os.environ:  # (mutmut's trampolines add frames)
         assert record[0].filename == __file__  # the warning points at the call
+
+
+def test_guide_list_members_read_the_trained_values_through_their_block(digits, trained_mlp):
+    # A member's model is poutine.block(model, ...): the trained buffers are read from the
+    # module inside it, so each member starts from them, and the list's median is the
+    # trained network. The list itself is refused with the way to start it.
+    from pyro.infer.autoguide import AutoGuideList
+
+    x, y, x_test, y_test = digits
+    net = copy.deepcopy(trained_mlp)
+    with torch.no_grad():
+        expected = net(x_test)
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    first = ["net.0.weight", "net.0.bias"]
+    guide = AutoGuideList(model)
+    guide.append(AutoRadialNormal(pyro.poutine.block(model, expose=first)))
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=first)))
+    guide(x[:2], y[:2])
+    with pytest.raises(TypeError, match=re.escape(
+            "init_guide_pretrained starts an AutoGuideList member by member: call it on "
+            "each member, guide[0] to guide[1], with the same data")):
+        init_guide_pretrained(guide, (x, y))
+    for member in guide:
+        init_guide_pretrained(member, (x, y))
+    assert_close(_median_logits(model, guide, x_test, y_test), expected, atol=1e-5, rtol=1e-5)

@@ -491,3 +491,29 @@ def test_auto_weight_noise_keeps_a_point_mass_unreported():
         with weight_noise(config=AutoWeightNoise(), strict=True):
             loss = Trace_ELBO().differentiable_loss(model, guide, x, y)
     assert torch.isfinite(loss)
+
+
+def test_config_names_that_no_site_has_are_reported():
+    # A misspelt name would leave its site on the ordinary sample, with no report (the
+    # sites the config leaves alone are not named): the name is reported instead, once
+    # per handler without strict.
+    handler = WeightNoiseMessenger(config={"w1": Flipout(), "w_2": Flipout()})
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(handler)
+        messages = [str(w.message) for w in caught]
+        if _ == 0:
+            assert messages == [
+                "WeightNoiseMessenger: config names ['w_2'], but no sample site of this run "
+                "has that name (its latent sites: ['w1', 'w2']); the sites meant keep their "
+                "ordinary sample. Use the model's site names."
+            ]
+        else:
+            assert messages == []
+    with pytest.raises(ValueError, match=r"config names \['w_2'\], but no sample site"):
+        _run(WeightNoiseMessenger(config={"w1": Flipout(), "w_2": Flipout()}, strict=True))
+    # None entries and observed sites are not misspellings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run(WeightNoiseMessenger(config={"w1": Flipout(), "w2": None, "w_3": None}))
