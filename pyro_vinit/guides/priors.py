@@ -145,8 +145,8 @@ def _guide_list_priors(guide: AutoGuideList) -> Dict[str, dist.TorchDistribution
         if not isinstance(part, AutoGuide) or not (
                 isinstance(part, AutoGuideList) or site_params.is_supported(part)):
             raise TypeError(
-                f"posterior_as_prior: part {i} of the AutoGuideList, a "
-                f"{type(part).__name__}, has no per-site Normal or radial posterior to "
+                f"posterior_as_prior: part {i} of the AutoGuideList "
+                f"({type(part).__name__}) has no per-site Normal or radial posterior to "
                 "become a prior; build that part with a guide site_params supports (e.g. "
                 "AutoNormal, AutoKTiedNormal, AutoRadialNormal), or give its sites priors of "
                 "your own"

@@ -267,8 +267,8 @@ def test_guide_list_gives_the_priors_of_its_parts():
         assert_close(draws, expected.sample((3,)))
     delta = parts(AutoDelta)
     delta()
-    with pytest.raises(TypeError, match=r"^posterior_as_prior: part 1 of the AutoGuideList, a "
-                                        r"AutoDelta, has no per-site"):
+    with pytest.raises(TypeError, match=r"^posterior_as_prior: part 1 of the AutoGuideList "
+                                        r"\(AutoDelta\) has no per-site"):
         posterior_as_prior(delta)
 
 
