@@ -75,10 +75,11 @@ def init_guide_pretrained(
         A_{ii} = \Lambda_{ii}^{-1} + \sigma_j^{-2} \textstyle\sum_n x_{ni}^2.
 
     So the guide's median is the trained network, in eval mode too: the
-    model's buffers (e.g. BatchNorm running statistics) are left as trained,
-    in train mode as well (:func:`~pyro_vinit.update_batch_norm` recomputes
-    them). Nothing is written unless every
-    step succeeds. See :doc:`/methods/iblm` for the measurements.
+    model's buffers (e.g. BatchNorm running statistics) keep their trained
+    values, though the model runs on the data (in train mode, too);
+    :func:`~pyro_vinit.update_batch_norm` recomputes them. Nothing is
+    written unless every step succeeds. See :doc:`/methods/iblm` for the
+    measurements.
 
     :param guide: An AutoNormal, AutoDiagonalNormal, AutoKTiedNormal or
         AutoRadialNormal guide of the model (set up from the first rows if not
