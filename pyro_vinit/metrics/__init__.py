@@ -19,11 +19,13 @@ probabilities and are refused with a pointer to the logits.
 Inputs that would give a plausible but wrong number are refused with an error
 that says what to pass instead: ``logits`` whose every row is non-negative and
 sums to 1 (probabilities: pass ``probs=``), NaN in any input (a diverged model
-would otherwise get a finite error rate or entropy), ``+inf`` logits, and
+would otherwise get a finite error rate or entropy), ``+inf`` logits,
 one-hot labels (pass class indices, ``y.argmax(-1)``), and a one-dimensional
-``scale`` when there are as many samples as points (per sample or per point?
-pass ``scale[:, None]`` or ``scale[None]``). Labels may have any
-integer dtype, or be floats holding whole numbers.
+``scale`` when there are as many samples as entries in ``loc``'s last dim,
+the points or a multi-output model's outputs (per sample or per entry? pass
+``scale[:, None]``, ``scale.reshape(-1, 1, 1)`` for multi-output, or
+``scale[None]``). Labels may have any integer dtype, or be floats holding
+whole numbers.
 
 The Monte Carlo predictive distribution is the mixture of the ``S``
 likelihoods, :math:`p(y \\mid x) \\approx \\frac{1}{S} \\sum_s p(y \\mid x, w_s)`.
