@@ -233,6 +233,44 @@ def test_data_free_layers_by_name():
         init_guide(guide, method="xavier")
 
 
+def test_data_free_bias_without_a_module_prefix_is_paired():
+    # a functional model's sites "weight" and "bias" (no "<module>." prefix): the bias is
+    # the layer's, set with it (mean 0, the weight's Xavier std) rather than left alone
+    def model(x, y=None):
+        w = pyro.sample("weight", dist.Normal(0.0, 1.0).expand([3, 5]).to_event(2))
+        b = pyro.sample("bias", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x, w, b)), obs=y)
+
+    x, y = torch.randn(6, 5), torch.arange(6) % 3
+    guide = AutoNormal(model, init_loc_fn=lambda site: torch.ones(site["fn"].shape()))
+    guide(x, y)
+    init_guide(guide, method="xavier")
+    std = math.sqrt(2.0 / (5 + 3))
+    assert torch.equal(guide.locs.bias, torch.zeros(3))
+    assert_close(guide.scales.bias, torch.full((3,), std), rtol=1e-6)
+    assert_close(guide.scales.weight, torch.full((3, 5), std), rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["map", "lsuv"])
+def test_data_methods_take_a_hyperparameter_fixed_by_condition(method):
+    # pyro.condition fixes tau, an observed site of the trace that is no likelihood: the
+    # baselines with data read the single likelihood through the same rule as fit and I-BLM
+    def model(x, y=None):
+        tau = pyro.sample("tau", dist.HalfNormal(1.0))
+        w = pyro.sample("w", dist.Normal(0.0, tau).expand([3, 5]).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)), obs=y)
+
+    conditioned = pyro.condition(model, data={"tau": torch.tensor(1.0)})
+    x, y = torch.randn(32, 5), torch.arange(32) % 3
+    guide = AutoNormal(conditioned)
+    guide(x, y)
+    init_guide(guide, (x, y), method=method, map_steps=2)
+    assert torch.isfinite(guide.locs.w).all() and not torch.equal(guide.locs.w,
+                                                                  torch.zeros(3, 5))
+
+
 def _matmul_model(x, y=None):
     # a functional model's x @ w: each weight is (in, out), the transpose of nn.Linear's
     w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([3, 8]).to_event(2))
