@@ -1,7 +1,6 @@
 """Mean-field Normal autoguide with rank-k tied standard deviations."""
 
 import math
-import warnings
 from operator import attrgetter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -15,6 +14,7 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 
 from pyro_vinit._pyro_compat import deep_setattr, share_prototype, unwrap_init_messenger
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.distributions import KTiedNormal
 from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import AutoSiteGuide
@@ -154,12 +154,12 @@ class AutoKTiedNormal(AutoSiteGuide):
                      and not any(f.full_size is not None and f.full_size > f.size
                                  for f in nodes[name]["cond_indep_stack"])]
         if in_plates:
-            warnings.warn(
+            warn_at_caller(
                 f"AutoKTiedNormal: the latent sites {in_plates} have two or more dims, of which "
                 "plate (batch) dims, so their standard deviations are not tied: they get "
                 "AutoNormal's per-element scales. If one is a weight matrix, draw it as one "
                 "event to tie it, e.g. dist.Normal(0, s).expand([m, n]).to_event(2) outside the "
-                "plates over its dims", UserWarning, stacklevel=2)
+                "plates over its dims", UserWarning)
 
     def _get_factors(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         return attrgetter(name)(self.scale_u), attrgetter(name)(self.scale_v)

@@ -320,6 +320,7 @@ def test_matrix_in_plates_is_named_as_untied():
     with pytest.warns(UserWarning, match=r"\['w', 'v'\] have two or more dims") as record:
         guide()
     assert len(record) == 1
+    assert record[0].filename == __file__  # the user's call, not the guide's set-up
     assert guide.scales.w.shape == (6, 4) and guide.get_scale_factors("m")[0].shape == (6, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
