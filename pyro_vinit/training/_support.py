@@ -197,15 +197,16 @@ def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
 
 
 def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
-                 what: str) -> Any:
-    """The trace of ``model(x, y)`` run in :func:`_sandbox`; any error of the
-    user's model is raised again, saying that it failed on ``what``."""
+                 what: str, role: str = "model") -> Any:
+    """The trace of ``model(x, y)`` (the user's ``role``: model or guide) run in
+    :func:`_sandbox`; any error of it is raised again, saying that it failed on
+    ``what``."""
     with _sandbox(model):
         try:
             return poutine.trace(model).get_trace(x, y)
-        except Exception as e:  # the user's model: any error, said with context
+        except Exception as e:  # the user's code: any error, said with context
             raise ValueError(
-                f"fit: the model fails on {what} (x {tuple(x.shape)} {x.dtype}, "
+                f"fit: the {role} fails on {what} (x {tuple(x.shape)} {x.dtype}, "
                 f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
             ) from e
 
@@ -216,15 +217,7 @@ def _check_guide(guide: Callable[..., Any], batch: Batch) -> None:
     needs: checked in :func:`_sandbox`, before set-up writes the param store."""
     if isinstance(guide, (AutoGuide, PyroModule)):
         return  # (an autoguide refuses what it cannot draw at its own set-up)
-    x, y = batch
-    with _sandbox(guide):
-        try:
-            trace = poutine.trace(guide).get_trace(x, y)
-        except Exception as e:  # the user's guide: any error, said with context
-            raise ValueError(
-                f"fit: the guide fails on the first batch (x {tuple(x.shape)} {x.dtype}, "
-                f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
-            ) from e
+    trace = _trial_trace(guide, *batch, "the first batch", role="guide")
     drawn = {name: type(_base(site["fn"])).__name__ for name, site in trace.nodes.items()
              if site["type"] == "sample" and not site["is_observed"]
              and not getattr(site["fn"], "has_rsample", False)}
