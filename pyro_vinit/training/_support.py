@@ -31,6 +31,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
+from pyro_vinit.training.averaging import ParamAverage
 from pyro_vinit.training.config import FitHistory
 
 __all__: List[str] = []
@@ -435,12 +436,13 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
 
 
 def _save(path: str, step: int, optim: PyroOptim, model: Callable[..., Any],
-          batches: _Batches, history: FitHistory) -> None:
+          batches: _Batches, history: FitHistory, averager: ParamAverage) -> None:
     state = {
         "format": _CHECKPOINT_FORMAT,
         "step": step,
         "param_store": pyro.get_param_store().get_state(),
         "optim": optim.get_state(),
+        "average": averager.get_state(),
         "model": model.state_dict() if isinstance(model, nn.Module) else None,
         "rng": _rng_state(),
         "batches": batches.state(),

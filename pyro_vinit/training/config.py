@@ -31,6 +31,7 @@ from pyro_vinit.poutine import (
     local_reparam,
     weight_noise,
 )
+from pyro_vinit.training.averaging import ParamAverage, _check_decay
 from pyro_vinit.training.optim import GroupedAdam
 
 __all__ = ["FitConfig", "FitHistory", "fit_config", "is_initialized"]
@@ -46,8 +47,10 @@ class FitConfig:
 
         config = fit_config(guide)
         svi = SVI(model, guide, config.optimizer(), config.elbo())
+        average = config.averager()
         with config.handlers():
             svi.step(x, y)
+        average.update()
 
     :param float lr: Adam's learning rate.
     :param int warmup_steps: Steps over which the learning rate rises
@@ -63,6 +66,9 @@ class FitConfig:
         deviations, relative to the prior's.
     :param int iblm_batch_size: I-BLM's rows per unit, at most half the
         data (:meth:`iblm_options`).
+    :param float average: The decay of the moving average of the parameters
+        (:class:`~pyro_vinit.training.ParamAverage`) that :func:`fit`
+        evaluates and returns; 0 for the last step's values.
     """
 
     lr: float = 3e-3
@@ -72,6 +78,7 @@ class FitConfig:
     weight_noise: Optional[Callable[[], ContextManager[Any]]] = None
     max_scale_ratio: Optional[float] = 0.1
     iblm_batch_size: int = 512
+    average: float = 0.99
 
     def iblm_options(self, num_data: int) -> Dict[str, Any]:
         """The options of :func:`~pyro_vinit.init_guide_iblm` for ``num_data``
@@ -86,6 +93,11 @@ class FitConfig:
         up over :attr:`warmup_steps`: the values of ``pyro.optim.Adam`` (after the
         warm-up) with one fused step over all parameters."""
         return GroupedAdam({"lr": self.lr}, warmup_steps=self.warmup_steps)
+
+    def averager(self) -> ParamAverage:
+        """A fresh :class:`~pyro_vinit.training.ParamAverage` with decay :attr:`average`,
+        to update after each step."""
+        return ParamAverage(self.average)
 
     def elbo(self) -> TraceMeanField_ELBO:
         """A fresh ``TraceMeanField_ELBO`` with :attr:`num_particles`."""
@@ -154,6 +166,7 @@ def fit_config(
     kl_weight: Optional[float] = None,
     num_particles: Optional[int] = None,
     learned_noise: Optional[bool] = None,
+    average: Optional[float] = None,
 ) -> FitConfig:
     """
     The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
@@ -171,15 +184,20 @@ def fit_config(
     distribution) for an ``AutoGuideList`` with a member of those, and
     no handler for other guides; before training, I-BLM with
     :meth:`FitConfig.iblm_options` (512 rows per unit, at most half the data,
-    and the standard deviations capped at 0.1 times the prior's).
+    and the standard deviations capped at 0.1 times the prior's); after each
+    step, a moving average of the parameters with decay 0.99
+    (:meth:`FitConfig.averager`), which :func:`fit` evaluates and returns.
 
     Usage::
 
         config = fit_config(guide)
         init_guide_iblm(guide, (x, y), **config.iblm_options(len(x)))
         svi = SVI(model, guide, config.optimizer(), config.elbo())
+        average = config.averager()
         with config.handlers():
             svi.step(x, y)
+        average.update()
+        average.write()  # at the end
 
     :param guide: The guide.
     :param float lr: Overrides the learning rate.
@@ -192,6 +210,8 @@ def fit_config(
         ``learn_noise``) or :class:`~pyro_vinit.nn.BayesianClassifier`; for
         any other model, 0.01 with a warning (:func:`fit` reads it from the
         model's likelihood).
+    :param float average: Overrides the decay of the parameters' moving
+        average, in ``[0, 1)``; 0 keeps the last step's values.
     """
     if learned_noise is not None and not isinstance(learned_noise, bool):
         raise TypeError(
@@ -218,6 +238,9 @@ def fit_config(
     if num_particles is not None:
         _check_positive("num_particles", num_particles, int)
         changes["num_particles"] = num_particles
+    if average is not None:
+        _check_decay(average, "fit: average")
+        changes["average"] = float(average)
     return replace(FitConfig(), **changes)
 
 

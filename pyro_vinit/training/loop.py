@@ -41,6 +41,7 @@ from pyro_vinit.training._support import (
     _set_rng_state,
     _set_up,
 )
+from pyro_vinit.training.averaging import _check_decay
 from pyro_vinit.training.batch_norm import update_batch_norm
 from pyro_vinit.training.captured import CapturedSVI
 from pyro_vinit.training.config import (
@@ -118,6 +119,7 @@ def fit(
     checkpoint: Optional[Union[str, "os.PathLike[str]"]] = None,
     checkpoint_every: Optional[int] = None,
     capture: Union[bool, str, None] = None,
+    average: Optional[float] = None,
 ) -> FitHistory:
     r"""
     Trains a Bayesian neural network ``model(x, y)`` and its ``guide`` on
@@ -183,6 +185,10 @@ def fit(
         compiled (``CapturedSVI(compile=True)``; CPU only), however short the
         run; True: captured, never compiled.
     :type capture: bool or str
+    :param float average: The decay of the moving average of the parameters
+        (:class:`ParamAverage`) instead of 0.99: validation evaluates the
+        average, and it is written into the parameters after the last step;
+        0 keeps the last step's values.
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------
@@ -201,6 +207,8 @@ def fit(
         _check_positive("kl_weight", kl_weight)
     if num_particles is not None:
         _check_positive("num_particles", num_particles, int)
+    if average is not None:
+        _check_decay(average, "fit: average")
     if capture is not None and not isinstance(capture, bool) and capture != "compile":
         raise TypeError(f"fit: capture must be True, False or None (automatic), or 'compile', "
                         f"got {capture!r}")
@@ -276,11 +284,14 @@ def fit(
                 "afresh", UserWarning, stacklevel=2)
         _set_up(guide, batches.first)
     config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
-                        learned_noise=learned_noise)
+                        learned_noise=learned_noise, average=average)
     history.config = config
     optim = optim if optim is not None else config.optimizer()
+    averager = config.averager()
     if resumed is not None:
         optim.set_state(resumed["optim"])
+        if resumed.get("average") is not None:
+            averager.set_state(resumed["average"])
         batches.set_state(resumed["batches"])
         _set_rng_state(resumed["rng"])
     elbo = config.elbo()
@@ -304,6 +315,16 @@ def fit(
         history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
                                                             num_samples, chunk)})
     norm_data = batches.pair if batches.pair is not None else batches.loader
+
+    def evaluate(step: int) -> None:
+        # eval mode predicts with running statistics: recompute them for the parameters
+        # evaluated (they lag behind while SVI trains); a model without BatchNorm layers
+        # is left alone
+        update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
+        if validation is not None:
+            history.validation.append({"step": float(step), **_evaluate(
+                model, guide, *validation, num_samples, chunk)})
+
     bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
     try:
         for step in range(done + 1, steps + 1):
@@ -316,6 +337,7 @@ def fit(
                 warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
                               stacklevel=2)
             history.loss.append(float(loss))
+            averager.update()
             if may_compile and captured is not None and captured.num_traces:
                 may_compile = False  # decided once, on the first graph
                 graphs = captured._graphs()
@@ -326,20 +348,19 @@ def fit(
             bar.update(1)
             if step % 10 == 0 or step == steps:
                 bar.set_postfix(loss=f"{loss / num_data:.4g}")
-            if step == steps or (validation is not None and step % every == 0):
-                # eval mode predicts with running statistics: recompute them for the
-                # posterior SVI has moved to (they lag behind while it trains); a model
-                # without BatchNorm layers is left alone
-                update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
-                if validation is not None:
-                    history.validation.append({"step": float(step),
-                                               **_evaluate(model, guide, *validation,
-                                                           num_samples, chunk)})
+            if validation is not None and step % every == 0 and step < steps:
+                with averager.swapped():
+                    evaluate(step)
             if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
                                      or step == steps):
-                _save(path, step, optim, model, batches, history)
+                # the parameters as trained and the average's state: a resumed call
+                # continues as this one would have
+                _save(path, step, optim, model, batches, history, averager)
     finally:
         bar.close()
+    averager.write()  # what fit returns (a resumed call that trains no further: the saved one)
+    if done < steps:
+        evaluate(steps)
     history.compiled = (captured is not None and captured.compile and captured.num_traces > 0
                         and captured.compile_failure is None)
     _warn_if_worse(history.validation, config.kl_weight)

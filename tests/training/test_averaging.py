@@ -1,0 +1,220 @@
+"""ParamAverage (its closed form, swap, write, state) and fit's use of it: fit
+returns and evaluates the average that fit_config's documented loop computes."""
+
+import pyro
+import pytest
+import torch
+
+from pyro_vinit import AutoKTiedNormal, ParamAverage, fit, fit_config
+from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+
+
+def _set(values):
+    # the param store's "a" and "b" set to the given values, in place
+    store = pyro.get_param_store()
+    for name, value in values.items():
+        with torch.no_grad():
+            store.get_param(name, torch.zeros_like(value)).unconstrained().copy_(value)
+
+
+def test_average_is_the_mean_then_an_exponential_average():
+    decay = 0.75  # the plain mean for the first 1 / (1 - decay) = 4 updates
+    average = ParamAverage(decay)
+    values = [torch.tensor([float(i), -2.0 * i]) for i in range(1, 8)]
+    expected = None
+    for n, value in enumerate(values, 1):
+        _set({"a": value})
+        average.update()
+        weight = max(1 - decay, 1 / n)
+        expected = value.clone() if expected is None else (1 - weight) * expected + weight * value
+    assert average.count == 7
+    with average.swapped():
+        inside = pyro.param("a").detach().clone()
+    assert torch.allclose(inside, expected, rtol=0, atol=1e-6)
+    # the first four: the mean of 1..4
+    average, mean = ParamAverage(decay), torch.stack(values[:4]).mean(0)
+    for value in values[:4]:
+        _set({"a": value})
+        average.update()
+    average.write()
+    assert torch.allclose(pyro.param("a").detach(), mean, rtol=0, atol=1e-6)
+
+
+def test_decay_zero_keeps_the_last_values():
+    average = ParamAverage(0.0)
+    for value in (torch.tensor([1.0]), torch.tensor([5.0])):
+        _set({"a": value})
+        average.update()
+    average.write()
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([5.0]))
+
+
+def test_swapped_restores_the_parameters_even_after_an_error():
+    average = ParamAverage(0.5)
+    for value in (torch.tensor([0.0, 0.0]), torch.tensor([4.0, 8.0])):
+        _set({"a": value})
+        average.update()
+    param = pyro.get_param_store().get_param("a").unconstrained()
+    with pytest.raises(RuntimeError, match="inside"):
+        with average.swapped():
+            assert torch.equal(param.detach(), torch.tensor([2.0, 4.0]))
+            raise RuntimeError("inside")
+    assert torch.equal(param.detach(), torch.tensor([4.0, 8.0]))
+    assert pyro.get_param_store().get_param("a").unconstrained() is param
+
+
+def test_before_any_update_nothing_is_written():
+    _set({"a": torch.tensor([3.0])})
+    average = ParamAverage()
+    average.write()
+    with average.swapped():
+        assert torch.equal(pyro.param("a").detach(), torch.tensor([3.0]))
+
+
+def test_a_parameter_set_afresh_restarts_its_average():
+    average = ParamAverage(0.5)
+    _set({"a": torch.tensor([10.0])})
+    average.update()
+    pyro.clear_param_store()
+    _set({"a": torch.tensor([1.0]), "b": torch.tensor([2.0])})
+    average.update()  # "a" is a new tensor: its average starts at 1, not at 10
+    average.write()
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([1.0]))
+    assert torch.equal(pyro.param("b").detach(), torch.tensor([2.0]))
+
+
+def test_a_constrained_parameter_is_averaged_unconstrained():
+    store = pyro.get_param_store()
+    pyro.param("s", torch.tensor([1.0]), constraint=torch.distributions.constraints.positive)
+    average = ParamAverage(0.0 + 0.5)
+    for value in (1.0, 100.0):
+        with torch.no_grad():
+            store.get_param("s").unconstrained().copy_(torch.tensor([value]).log())
+        average.update()
+    average.write()  # the mean of the logs: the geometric mean
+    assert pyro.param("s").item() == pytest.approx(10.0, rel=1e-5)
+
+
+def test_state_round_trip_and_unknown_names():
+    average = ParamAverage(0.5)
+    for value in (torch.tensor([2.0]), torch.tensor([6.0])):
+        _set({"a": value})
+        average.update()
+    state = average.get_state()
+    other = ParamAverage(0.9)
+    other.set_state(state)
+    assert (other.decay, other.count) == (0.5, 2)
+    other.write()
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([4.0]))
+    before = (other.decay, other.count)
+    with pytest.raises(ValueError, match=r"\['zz'\] are not parameters"):
+        other.set_state({**state, "decay": 0.1, "average": {"zz": torch.zeros(1)}})
+    assert (other.decay, other.count) == before
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.0, float("nan"), True, "0.9", None])
+def test_bad_decay_is_refused(decay):
+    with pytest.raises(ValueError, match=r"decay must be a number in \[0, 1\)"):
+        ParamAverage(decay)
+
+
+@pytest.mark.parametrize("average", [1.0, -1e-3, float("inf"), False])
+def test_fit_refuses_a_bad_average_before_anything_changes(average):
+    x, y = _data()
+    model = _model()
+    with pytest.raises(ValueError, match=r"fit: average must be a number in \[0, 1\)"):
+        fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=2, progress=False,
+            average=average)
+    assert not list(pyro.get_param_store().keys())
+    with pytest.raises(ValueError, match=r"fit: average must be"):
+        fit_config(AutoKTiedNormal(model, rank=2), average=average)
+
+
+def _data(n=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    x = 3 * torch.eye(3, 4)[y] + torch.randn(n, 4, generator=g)
+    return x.double(), y
+
+
+def _model(n=96):
+    return BayesianClassifier(bayesianize(mlp((4, 8, 3))), num_data=n).double()
+
+
+def _params():
+    # unconstrained: the values the average is taken of
+    return {k: v.detach().clone() for k, v in pyro.get_param_store().named_parameters()}
+
+
+def _fit(steps, average, **options):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = _data()
+    model = _model()
+    history = fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=steps, batch_size=32,
+                  progress=False, capture=False, average=average, **options)
+    return history, _params()
+
+
+def test_fit_returns_the_average_of_its_steps():
+    # average=0 gives the steps' own parameters (the averager draws nothing, so the
+    # trajectory is the same); fit(average=0.7) returns their average
+    decay, steps = 0.7, 6
+    expected = None
+    for n in range(1, steps + 1):
+        _, params = _fit(n, 0.0)
+        weight = max(1 - decay, 1 / n)
+        expected = params if expected is None else {
+            k: (1 - weight) * expected[k] + weight * params[k] for k in params}
+    history, averaged = _fit(steps, decay)
+    assert history.config.average == decay
+    for name, value in expected.items():
+        assert torch.allclose(averaged[name], value, rtol=1e-12, atol=1e-14), name
+    assert any(not torch.equal(averaged[k], params[k]) for k in params)  # not the last step's
+
+
+def test_fit_validates_the_average():
+    # the evaluation at step 2 of a 4-step call is that of a 2-step call, which
+    # evaluates the average it returns (same draws: the same seed and order)
+    x, y = _data(seed=1)
+    long, _ = _fit(4, 0.9, validation=(x, y), eval_every=2)
+    short, _ = _fit(2, 0.9, validation=(x, y), eval_every=2)
+    assert [v["step"] for v in long.validation] == [0.0, 2.0, 4.0]
+    assert long.validation[1] == short.validation[1]
+    raw, _ = _fit(2, 0.0, validation=(x, y), eval_every=2)
+    assert raw.validation[1] != short.validation[1]  # control: the average is not the last step
+
+
+def test_a_resumed_call_that_trains_no_further_returns_the_average(tmp_path):
+    path = tmp_path / "c.pt"
+    _, averaged = _fit(4, 0.9, checkpoint=path)
+    with pytest.warns(UserWarning, match="nothing is trained"):
+        _, again = _fit(4, 0.9, checkpoint=path)
+    for name, value in averaged.items():
+        assert torch.equal(again[name], value), name
+
+
+def test_a_modules_parameters_are_averaged_instead_of_the_stores():
+    layer = torch.nn.Linear(2, 1)
+    _set({"a": torch.tensor([7.0])})
+    average = ParamAverage(0.5, module=layer)
+    first = layer.weight.detach().clone()
+    average.update()
+    with torch.no_grad():
+        layer.weight.add_(2.0)
+        pyro.get_param_store().get_param("a").unconstrained().fill_(1.0)
+    average.update()
+    average.write()
+    assert torch.allclose(layer.weight.detach(), first + 1.0)
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([1.0]))  # not averaged
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        ParamAverage(module="guide")
+
+
+def test_nothing_to_average_warns_once():
+    average = ParamAverage()
+    with pytest.warns(UserWarning, match="module_local_params") as caught:
+        average.update()
+        average.update()
+    assert len(caught) == 1
+    assert average.count == 2
