@@ -20,7 +20,9 @@ with this library's guide, initializer and handlers:
    :func:`~pyro_vinit.poutine.local_reparam` by
    :class:`~pyro_vinit.poutine.HandledELBO`, wrapped in
    :class:`~torch.nn.parallel.DistributedDataParallel` and trained with
-   :class:`torch.optim.Adam`;
+   :class:`torch.optim.Adam`; fit's moving average of the parameters
+   (:class:`~pyro_vinit.ParamAverage`, the same on every rank) is written
+   into them at the end;
 3. every global minibatch of ``--batch-size`` points is split into one
    equal shard per rank. The likelihood is scaled to the full training set
    (``BayesianClassifier(num_data=N)``: a ``pyro.plate("data", N,
@@ -57,7 +59,7 @@ from pyro.infer.autoguide import init_to_sample
 from torch.nn.parallel import DistributedDataParallel
 
 import pyro_vinit.data
-from pyro_vinit import AutoKTiedNormal, FitConfig, fit_config, init_guide_iblm
+from pyro_vinit import AutoKTiedNormal, FitConfig, ParamAverage, fit_config, init_guide_iblm
 from pyro_vinit.metrics import classification_metrics
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.poutine import HandledELBO, KLAnnealingMessenger, LocalReparamMessenger
@@ -159,6 +161,8 @@ def train(args, loss_fn, x_train, y_train, rank, world_size, device):
     # fit's warm-up: the learning rate rises linearly over the first warmup_steps steps
     warmup = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda done: min(1.0, (done + 1) / max(1, args.warmup_steps)))
+    # fit's moving average of the parameters (the same on every rank), written at the end
+    average = ParamAverage(args.average)
     shard = args.batch_size // world_size
     # The same global batches on every rank (one generator, one seed), each rank its slice.
     batches = torch.Generator().manual_seed(args.seed)
@@ -175,6 +179,7 @@ def train(args, loss_fn, x_train, y_train, rank, world_size, device):
         loss.backward()
         optim.step()
         warmup.step()
+        average.update()
         loss_fn.annealing.step()  # on every rank: λ follows the global step
         running.append(loss.detach())
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
@@ -188,6 +193,7 @@ def train(args, loss_fn, x_train, y_train, rank, world_size, device):
             if rank == 0:
                 print(f"step {step + 1}: loss {curve[-1]['loss']:.4f} per training point, "
                       f"KL weight {curve[-1]['kl_weight']:.2f}")
+    average.write()
     return curve
 
 
@@ -288,6 +294,9 @@ def parse_args(argv=None):
                         help="steps of the learning rate's linear warm-up (0: none)")
     parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
                         help="the weight of the KL term (1: the full ELBO)")
+    parser.add_argument("--average", type=float, default=FIT.average,
+                        help="decay of the parameters' moving average, written at the end "
+                             "(0: the last step's)")
     parser.add_argument("--kl-warmup", type=int, default=0,
                         help="global steps of a linear KL warm-up to --kl-weight (0: none)")
     parser.add_argument("--log-every", type=int, default=100)

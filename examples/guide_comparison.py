@@ -173,22 +173,27 @@ def train(model, guide, data, *, steps, lr, batch_size, eval_every=0, eval_sampl
     batches = minibatches(x_train, y_train, batch_size)
     config = fit_config(guide, lr=lr)  # fit's: Adam, TraceMeanField_ELBO, KL weight, handler
     svi = SVI(model, guide, config.optimizer(), config.elbo())
+    average = config.averager()  # fit's moving average of the parameters, evaluated
     curve, snr, losses, step_times = [], {}, [], []
     for step in tqdm(range(steps + 1), desc=desc, leave=False, disable=desc is None):
         if step in snr_steps:
             snr[step] = measure_snr(model, guide, config, batches, snr_draws)
         if eval_every and (step % eval_every == 0 or step == steps):
-            metrics = evaluate(model, guide, x_test, y_test, eval_samples)
+            with average.swapped():
+                metrics = evaluate(model, guide, x_test, y_test, eval_samples)
+                std = posterior_std(guide, x_test[:1])
             loss = sum(losses) / len(losses) if losses else math.nan
             curve.append({"step": step, "train_loss": loss / len(x_train),
-                          "weight_std": posterior_std(guide, x_test[:1]), **metrics})
+                          "weight_std": std, **metrics})
             losses = []
         if step == steps:
+            average.write()
             break
         start = time.perf_counter()
         with config.handlers():
             losses.append(svi.step(*next(batches)))
         step_times.append(time.perf_counter() - start)
+        average.update()
     # the median ignores the first step's one-off costs and load spikes on a shared machine
     ms_per_step = 1e3 * torch.tensor(step_times).median().item() if step_times else math.nan
     return {"curve": curve, "snr": snr, "ms_per_step": ms_per_step}

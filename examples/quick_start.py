@@ -108,8 +108,10 @@ def evaluate(model, guide, elbo, data, num_samples):
 def train(args, model, guide, data):
     x_train, y_train = data[:2]
     # fit's configuration: Adam, TraceMeanField_ELBO, the KL weight and the weight-noise handler
-    config = fit_config(guide, lr=args.lr, kl_weight=args.kl_weight)
+    config = fit_config(guide, lr=args.lr, kl_weight=args.kl_weight, average=args.average)
     elbo = TraceMeanField_ELBO()  # the unannealed objective, for the curves
+    # fit's moving average of the parameters: what is evaluated, and kept at the end
+    average = config.averager()
     svi = SVI(model, guide, config.optimizer(), config.elbo())
     # the KL term weighted by λ = kl_weight throughout (optionally reached by a linear warm-up)
     schedule = LinearWarmup(args.kl_warmup, end=args.kl_weight) if args.kl_warmup else None
@@ -124,17 +126,20 @@ def train(args, model, guide, data):
     start = time.perf_counter()
     for step in tqdm(range(args.steps + 1), desc=f"SVI ({args.guide})"):
         if step % args.eval_every == 0 or step == args.steps:
-            metrics = evaluate(model, guide, elbo, data, args.eval_samples)
+            with average.swapped():
+                metrics = evaluate(model, guide, elbo, data, args.eval_samples)
             loss = sum(losses) / len(losses) / len(x_train) if losses else None
             curve.append({"step": step, "kl_weight": annealing.scale, "train_loss": loss,
                           "seconds": time.perf_counter() - start, **metrics})
             losses = []
         if step == args.steps:
+            average.write()
             break
         idx = torch.randint(0, len(x_train), (args.batch_size,))
         # Both handlers must see the guide and the model: they wrap the step.
         with annealing, weight_noise():
             losses.append(svi.step(x_train[idx], y_train[idx]))
+        average.update()
         annealing.step()
     return curve
 
@@ -263,6 +268,8 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=FIT.lr)
     parser.add_argument("--kl-weight", type=float, default=FIT.kl_weight,
                         help="the weight λ of the KL term (1: the full ELBO)")
+    parser.add_argument("--average", type=float, default=FIT.average,
+                        help="decay of the parameters' moving average (0: the last step's)")
     parser.add_argument("--kl-warmup", type=int, default=0,
                         help="steps of a linear warm-up of the KL weight from 0 to λ (0: none)")
     parser.add_argument("--eval-every", type=int, default=100)
