@@ -138,8 +138,9 @@ def latent_numel(guide):
     return sum(site["value"].numel() for _, site in guide.prototype_trace.iter_stochastic_nodes())
 
 
-def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None):
-    """One fit: the test metrics at each evaluation, W, the time and the warnings."""
+def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None, average=None):
+    """One fit: the test metrics at each evaluation, W, the time and the warnings
+    (``average``: fit's decay of the parameters' moving average, if not its default)."""
     spec = PROBLEMS[name]
     x, y, xt, yt = spec["data"]()
     pyro.clear_param_store()
@@ -157,7 +158,8 @@ def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None):
                       validation=(xt, yt), eval_every=max(1, steps // 10),
                       num_samples=num_samples, progress=False, capture=False,
                       init_options=None if iblm_kl_weight is None
-                      else {"kl_weight": iblm_kl_weight})
+                      else {"kl_weight": iblm_kl_weight},
+                      **({} if average is None else {"average": average}))
     seconds = time.perf_counter() - start
     seen = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
     second = "rmse" if spec["regression"] else "error_rate"

@@ -51,6 +51,8 @@ SCRIPTS = {
                                   "|"],
     "bench_conv_noise.py": ["digits CNN, batch 128", "LRT on every layer (local_reparam()) ÷",
                             "load average"],
+    "bench_fit_average.py": ["| digits_50 |", "best / final, average=0 |",
+                             "seeds 0.99 < 0 (best, final)", "of 1 |"],
     # digits_50: N, W, N/W, the rule's lr and its grid neighbour
     "bench_fit_lr.py": ["| digits_50 | 1438 | 3760 | 0.382 | 9.28e-03 | 0.008 |",
                         "seeds rule < 3e-3", "(best after I-BLM / final)",
