@@ -16,7 +16,10 @@ Methods:
   long ``fit`` call one at a time, as a user's own loop takes them with
   ``fit_config``: fit's ELBO, handlers and optimizer (``GroupedAdam`` at
   fit's learning rate) through :class:`~pyro_vinit.CapturedSVI` (which a
-  long ``fit`` call uses; its tracing step on the clock); otherwise the
+  long ``fit`` call uses; its tracing step on the clock), each step followed
+  by the update of fit's moving average of the parameters
+  (:meth:`~pyro_vinit.FitConfig.averager`, on the clock), which is what is
+  evaluated; otherwise the
   README's recipe: ``AutoKTiedNormal(rank=2)``,
   ``init_guide_iblm(batch_size=512, max_scale_ratio=0.1)`` (on the clock),
   then ``TraceMeanField_ELBO`` under ``KLAnnealingMessenger(0.1)`` and
@@ -221,6 +224,9 @@ class Ours(_PyroRunner):
             self.config = pyro_vinit.fit_config(self.guide, **self.overrides)
             captured = getattr(pyro_vinit, "CapturedSVI", SVI)  # an older package: eager
             self.svi = captured(self.model, self.guide, self.optim, self.config.elbo())
+            # fit's moving average of the parameters, which it evaluates (older packages: none)
+            self.average = (self.config.averager() if hasattr(self.config, "averager")
+                            else None)
             return
         if self.start == "iblm":
             init_guide_iblm(self.guide, (self.x, self.y), batch_size=512, max_scale_ratio=0.1)
@@ -230,15 +236,24 @@ class Ours(_PyroRunner):
         if self.use_fit:
             with self.config.handlers():
                 self.svi.step(*self._batch())
+            if self.average is not None:
+                self.average.update()
             return
         with KLAnnealingMessenger(0.1), local_reparam():
             self.svi.step(*self._batch())
+
+    def logits(self, x, num_samples):
+        if getattr(self, "average", None) is None:
+            return super().logits(x, num_samples)
+        with self.average.swapped():
+            return super().logits(x, num_samples)
 
 
 def ours_overrides(args):
     """fit_config's settings that ``--lr`` and ``--kl-weight`` override for ours."""
     return {k: v for k, v in (("lr", getattr(args, "lr", None)),
-                              ("kl_weight", getattr(args, "kl_weight", None))) if v is not None}
+                              ("kl_weight", getattr(args, "kl_weight", None)),
+                              ("average", getattr(args, "average", None))) if v is not None}
 
 
 def make_runner(method, spec, data, args):
@@ -541,6 +556,9 @@ def parse_args(argv=None):
                         help="ours: fit_config's learning rate instead of its default")
     parser.add_argument("--kl-weight", type=float, default=None,
                         help="ours: fit_config's KL weight instead of its default")
+    parser.add_argument("--average", type=float, default=None,
+                        help="ours: fit_config's decay of the parameters' moving average "
+                             "(0: none)")
     parser.add_argument("--iblm-kl-weight", type=float, default=None,
                         help="ours (I-BLM): init_guide_iblm's kl_weight, e.g. 0.01 for the "
                              "output layer at the tempered objective")
