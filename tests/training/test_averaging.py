@@ -218,3 +218,15 @@ def test_nothing_to_average_warns_once():
         average.update()
     assert len(caught) == 1
     assert average.count == 2
+
+
+def test_a_resumed_call_averages_with_its_own_decay(tmp_path):
+    # the checkpoint holds the last step's parameters: resumed with average=0, the
+    # call returns the uninterrupted average=0 run's (not an average at the saved 0.5)
+    path = tmp_path / "c.pt"
+    _fit(2, 0.5, checkpoint=path)
+    history, resumed = _fit(4, 0.0, checkpoint=path)
+    assert history.config.average == 0.0
+    _, straight = _fit(4, 0.0)
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
