@@ -77,25 +77,24 @@ class ParamAverage:
             return dict(self.module.named_parameters())
         return dict(pyro.get_param_store().named_parameters())
 
-    def _tracked(self) -> Tuple[List[str], List[torch.Tensor], List[torch.Tensor]]:
+    def _tracked(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         # the parameters now; a name that is new, or whose tensor was replaced (set
         # afresh by pyro.param, a reloaded store), starts at its current value
-        names, params, averages = [], [], []
+        params, averages = [], []
         for name, param in self._source().items():
             if self._params.get(name) is not param or self._average[name].shape != param.shape:
                 self._params[name] = param
                 self._average[name] = param.detach().clone()
-            names.append(name)
             params.append(param)
             averages.append(self._average[name])
-        return names, params, averages
+        return params, averages
 
     @torch.no_grad()
     def update(self) -> None:
         """Moves the average towards the parameters' current values (call it after
         each step)."""
         self.count += 1
-        _, params, averages = self._tracked()
+        params, averages = self._tracked()
         if not params:
             if not self._warned:
                 self._warned = True
@@ -117,7 +116,7 @@ class ParamAverage:
         and optimizer that holds them sees the averaged values)."""
         if self.count == 0:
             return
-        _, params, averages = self._tracked()
+        params, averages = self._tracked()
         for param, average in zip(params, averages):
             param.copy_(average)
 
@@ -128,7 +127,7 @@ class ParamAverage:
         if self.count == 0:
             yield
             return
-        _, params, _ = self._tracked()
+        params, _ = self._tracked()
         with torch.no_grad():
             saved = [p.detach().clone() for p in params]
         self.write()

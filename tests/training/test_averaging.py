@@ -1,6 +1,8 @@
 """ParamAverage (its closed form, swap, write, state) and fit's use of it: fit
 returns and evaluates the average that fit_config's documented loop computes."""
 
+import re
+
 import pyro
 import pytest
 import torch
@@ -107,14 +109,37 @@ def test_state_round_trip_and_unknown_names():
     other.write()
     assert torch.equal(pyro.param("a").detach(), torch.tensor([4.0]))
     before = (other.decay, other.count)
-    with pytest.raises(ValueError, match=r"\['zz'\] are not parameters"):
+    with pytest.raises(ValueError, match=r"^ParamAverage.set_state: \['zz'\] are not "
+                                         r"parameters of the param store$"):
         other.set_state({**state, "decay": 0.1, "average": {"zz": torch.zeros(1)}})
     assert (other.decay, other.count) == before
+    # the first five of six unknown names; a module's own wording
+    many = {f"z{i}": torch.zeros(1) for i in range(6)}
+    with pytest.raises(ValueError, match=r"\['z0', 'z1', 'z2', 'z3', 'z4'\] are not "
+                                         r"parameters of the module$"):
+        ParamAverage(module=torch.nn.Linear(1, 1)).set_state({**state, "average": many})
+
+
+def test_set_state_casts_the_averages_to_the_parameters_dtype():
+    _set({"a": torch.tensor([1.0], dtype=torch.float64)})
+    average = ParamAverage(0.5)
+    average.set_state({"decay": 0.5, "count": 3,
+                       "average": {"a": torch.tensor([2.5], dtype=torch.float32)}})
+    third = torch.tensor([1 / 3], dtype=torch.float64)
+    _set({"a": third})
+    average.update()  # the 4th: weight 1/2, in float64
+    average.write()
+    assert pyro.param("a").dtype == torch.float64
+    expected = 0.5 * torch.tensor([2.5], dtype=torch.float64) + 0.5 * third
+    # float64 to rounding (a float32 average would be off by about 1e-8)
+    assert torch.allclose(pyro.param("a").detach(), expected, rtol=1e-15, atol=0)
 
 
 @pytest.mark.parametrize("decay", [-0.1, 1.0, float("nan"), True, "0.9", None])
 def test_bad_decay_is_refused(decay):
-    with pytest.raises(ValueError, match=r"decay must be a number in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"^ParamAverage: decay must be a number in \[0, 1\) "
+                                         r"\(the decay of the parameters' moving average; 0 "
+                                         rf"for none\), got {re.escape(repr(decay))}$"):
         ParamAverage(decay)
 
 
@@ -207,7 +232,8 @@ def test_a_modules_parameters_are_averaged_instead_of_the_stores():
     average.write()
     assert torch.allclose(layer.weight.detach(), first + 1.0)
     assert torch.equal(pyro.param("a").detach(), torch.tensor([1.0]))  # not averaged
-    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match="^ParamAverage: module must be a torch.nn.Module, "
+                                        "got str$"):
         ParamAverage(module="guide")
 
 
