@@ -261,9 +261,19 @@ def fit(
                           f"steps={steps}: nothing is trained", UserWarning, stacklevel=2)
         device = batches.first[0].device  # the checkpoint was loaded onto the CPU
         store_state = resumed["param_store"]
-        pyro.get_param_store().set_state({
-            "params": {k: v.to(device) for k, v in store_state["params"].items()},
-            "constraints": store_state["constraints"]})
+        # into the tensors set up (those the model's and guide's modules hold: a module's
+        # state_dict, the moving average and the optimizer see the values), else afresh
+        store = pyro.get_param_store()
+        held = dict(store.named_parameters())
+        fresh = {}
+        with torch.no_grad():
+            for name, value in store_state["params"].items():
+                same = name in held and held[name].shape == value.shape
+                if same and held[name].dtype == value.dtype:
+                    held[name].copy_(value)
+                else:
+                    fresh[name] = value.to(device)
+        store.set_state({"params": fresh, "constraints": store_state["constraints"]})
         if isinstance(model, nn.Module) and resumed["model"] is not None:
             model.load_state_dict(resumed["model"])
         history.loss = list(resumed["loss"])
@@ -348,7 +358,9 @@ def fit(
             bar.update(1)
             if step % 10 == 0 or step == steps:
                 bar.set_postfix(loss=f"{loss / num_data:.4g}")
-            if validation is not None and step % every == 0 and step < steps:
+            if step == steps or (validation is not None and step % every == 0):
+                # the average evaluated (and the running statistics computed for it), before
+                # the checkpoint: a resumed call that trains no further returns the same
                 with averager.swapped():
                     evaluate(step)
             if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
@@ -359,8 +371,6 @@ def fit(
     finally:
         bar.close()
     averager.write()  # what fit returns (a resumed call that trains no further: the saved one)
-    if done < steps:
-        evaluate(steps)
     history.compiled = (captured is not None and captured.compile and captured.num_traces > 0
                         and captured.compile_failure is None)
     _warn_if_worse(history.validation, config.kl_weight)

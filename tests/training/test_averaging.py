@@ -194,6 +194,33 @@ def test_a_resumed_call_that_trains_no_further_returns_the_average(tmp_path):
         assert torch.equal(again[name], value), name
 
 
+def test_a_resumed_finished_call_keeps_the_last_evaluation_and_batch_norm(tmp_path):
+    # the final evaluation and BatchNorm's statistics for the average are in the
+    # checkpoint: a resumed call that trains no further returns what the uninterrupted did
+    x, y = _data()
+    xv, yv = _data(seed=1)
+
+    def run():
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                  torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        model = BayesianClassifier(bayesianize(net), num_data=96).double()
+        history = fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=4, batch_size=32,
+                      validation=(xv, yv), eval_every=2, progress=False, capture=False,
+                      average=0.9, checkpoint=tmp_path / "c.pt")
+        return history, {k: v.clone() for k, v in model.state_dict().items()}
+
+    history, state = run()
+    with pytest.warns(UserWarning, match="nothing is trained"):
+        again, state_again = run()
+    assert [v["step"] for v in again.validation] == [0.0, 2.0, 4.0]
+    assert again.validation == history.validation
+    assert any("running_mean" in k for k in state)
+    for name, value in state.items():
+        assert torch.equal(state_again[name], value), name
+
+
 def test_a_modules_parameters_are_averaged_instead_of_the_stores():
     layer = torch.nn.Linear(2, 1)
     _set({"a": torch.tensor([7.0])})
