@@ -37,6 +37,7 @@ from pyro_vinit.training._support import (
     _check_validation,
     _evaluate,
     _load,
+    _rng_state,
     _save,
     _set_rng_state,
     _set_up,
@@ -358,11 +359,17 @@ def fit(
             bar.update(1)
             if step % 10 == 0 or step == steps:
                 bar.set_postfix(loss=f"{loss / num_data:.4g}")
-            if step == steps or (validation is not None and step % every == 0):
-                # the average evaluated (and the running statistics computed for it), before
-                # the checkpoint: a resumed call that trains no further returns the same
+            scheduled = validation is not None and step % every == 0
+            if step == steps or scheduled:
+                # the average evaluated (and the running statistics computed for it) before
+                # the checkpoint: a resumed call that trains no further returns the same; an
+                # evaluation only because the call ends leaves the generator as it found it:
+                # a longer call resumed from its checkpoint trains on as an uninterrupted one
+                rng = None if scheduled else _rng_state()
                 with averager.swapped():
                     evaluate(step)
+                if rng is not None:
+                    _set_rng_state(rng)
             if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
                                      or step == steps):
                 # the parameters as trained and the average's state: a resumed call

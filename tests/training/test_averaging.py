@@ -221,6 +221,21 @@ def test_a_resumed_finished_call_keeps_the_last_evaluation_and_batch_norm(tmp_pa
         assert torch.equal(state_again[name], value), name
 
 
+def test_a_longer_call_resumed_with_validation_trains_on_as_an_uninterrupted_one(tmp_path):
+    # the 4-step call's last evaluation (not one of the 6-step call's, every 3) draws
+    # from the generator but leaves it as it was before its checkpoint
+    x, y = _data(seed=1)
+    path = tmp_path / "c.pt"
+    straight, params = _fit(6, 0.8, validation=(x, y), eval_every=3)
+    _fit(4, 0.8, validation=(x, y), eval_every=3, checkpoint=path)
+    resumed, again = _fit(6, 0.8, validation=(x, y), eval_every=3, checkpoint=path)
+    assert [v["step"] for v in resumed.validation] == [0.0, 3.0, 4.0, 6.0]
+    assert resumed.loss == straight.loss
+    assert resumed.validation[-1] == straight.validation[-1]
+    for name, value in params.items():
+        assert torch.equal(again[name], value), name
+
+
 def test_a_modules_parameters_are_averaged_instead_of_the_stores():
     layer = torch.nn.Linear(2, 1)
     _set({"a": torch.tensor([7.0])})
