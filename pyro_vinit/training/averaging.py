@@ -5,12 +5,13 @@ averaging), which :func:`~pyro_vinit.training.fit` evaluates and returns.
 
 import contextlib
 import math
-import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pyro
 import torch
 from torch import nn
+
+from pyro_vinit._warn import warn_at_caller
 
 __all__ = ["ParamAverage"]
 
@@ -102,8 +103,8 @@ class ParamAverage:
                 where = ("the module has no parameters" if self.module is not None else
                          "Pyro's param store holds no parameters (with module_local_params=True"
                          ", pass the module: ParamAverage(decay, module=loss_fn))")
-                warnings.warn(f"ParamAverage.update: nothing to average: {where}",
-                              UserWarning, stacklevel=2)
+                warn_at_caller(f"ParamAverage.update: nothing to average: {where}",
+                               UserWarning)
             return
         weight = max(1.0 - self.decay, 1.0 / self.count)
         if weight == 1.0:

@@ -42,7 +42,7 @@ from pyro_vinit.training._support import (
     _set_rng_state,
     _set_up,
 )
-from pyro_vinit.training.averaging import _check_decay
+from pyro_vinit.training.averaging import ParamAverage, _check_decay
 from pyro_vinit.training.batch_norm import update_batch_norm
 from pyro_vinit.training.captured import CapturedSVI
 from pyro_vinit.training.config import (
@@ -189,7 +189,9 @@ def fit(
     :param float average: The decay of the moving average of the parameters
         (:class:`ParamAverage`) instead of 0.99: validation evaluates the
         average, and it is written into the parameters after the last step;
-        0 keeps the last step's values.
+        0 keeps the last step's values. Under
+        ``pyro.settings.set(module_local_params=True)`` the model's and guide's
+        module parameters are averaged.
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------
@@ -299,6 +301,10 @@ def fit(
     history.config = config
     optim = optim if optim is not None else config.optimizer()
     averager = config.averager()
+    modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
+    if pyro.settings.get("module_local_params") and modules:
+        # the modules hold their parameters, not the param store
+        averager = ParamAverage(config.average, module=nn.ModuleList(modules))
     if resumed is not None:
         optim.set_state(resumed["optim"])
         if resumed.get("average") is not None:

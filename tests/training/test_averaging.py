@@ -236,6 +236,34 @@ def test_a_longer_call_resumed_with_validation_trains_on_as_an_uninterrupted_one
         assert torch.equal(again[name], value), name
 
 
+def test_fit_averages_module_local_parameters():
+    # with module_local_params=True the parameters live in the model's and guide's
+    # modules, not in the param store: fit averages those
+    def run(steps, average):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        x, y = _data()
+        with pyro.settings.context(module_local_params=True):
+            model = _model()
+            guide = AutoKTiedNormal(model, rank=2)
+            fit(model, guide, (x, y), steps=steps, batch_size=32, progress=False,
+                capture=False, init=None, average=average)
+        assert not list(pyro.get_param_store().keys())
+        return {k: v.detach().clone() for k, v in guide.named_parameters()}
+
+    decay, steps = 0.5, 4
+    expected = None
+    for n in range(1, steps + 1):
+        params = run(n, 0.0)
+        weight = max(1 - decay, 1 / n)
+        expected = params if expected is None else {
+            k: (1 - weight) * expected[k] + weight * params[k] for k in params}
+    averaged = run(steps, decay)
+    for name, value in expected.items():
+        assert torch.allclose(averaged[name], value, rtol=1e-12, atol=1e-14), name
+    assert any(not torch.equal(averaged[k], params[k]) for k in params)
+
+
 def test_a_modules_parameters_are_averaged_instead_of_the_stores():
     layer = torch.nn.Linear(2, 1)
     _set({"a": torch.tensor([7.0])})
@@ -259,4 +287,5 @@ def test_nothing_to_average_warns_once():
         average.update()
         average.update()
     assert len(caught) == 1
+    assert caught[0].filename == __file__  # the user's line, not torch.no_grad's wrapper
     assert average.count == 2
