@@ -112,6 +112,43 @@ def test_state_round_trip_and_unknown_names():
     assert (other.decay, other.count) == before
 
 
+def test_a_restored_average_survives_the_store_restored_after_it():
+    # saving.rst's resume: set the guide up, restore the average and the store (in
+    # either order); the store's new tensors take the restored average on
+    average = ParamAverage(0.5)
+    for value in (torch.tensor([2.0]), torch.tensor([6.0])):
+        _set({"a": value})
+        average.update()
+    state, store_state = average.get_state(), pyro.get_param_store().get_state()
+    store_state = {"params": {k: v.detach().clone() for k, v in store_state["params"].items()},
+                   "constraints": dict(store_state["constraints"])}
+    pyro.clear_param_store()
+    _set({"a": torch.tensor([0.0])})  # set up afresh
+    resumed = ParamAverage(0.5)
+    resumed.set_state(state)
+    pyro.get_param_store().set_state(store_state)  # new tensors, the last step's values
+    _set({"a": torch.tensor([10.0])})
+    resumed.update()  # 0.5 * 4 + 0.5 * 10
+    resumed.write()
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([7.0]))
+
+
+def test_a_parameter_rewrapped_keeps_its_average():
+    # a PyroModule turns the store's plain tensor into an nn.Parameter of the same
+    # storage (e.g. after a store loaded onto another device): the same parameter
+    average = ParamAverage(0.5)
+    _set({"a": torch.tensor([2.0])})
+    average.update()
+    store = pyro.get_param_store()
+    wrapped = torch.nn.Parameter(store._params["a"])
+    store._params["a"] = wrapped
+    with torch.no_grad():
+        wrapped.fill_(6.0)
+    average.update()
+    average.write()
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([4.0]))
+
+
 @pytest.mark.parametrize("decay", [-0.1, 1.0, float("nan"), True, "0.9", None])
 def test_bad_decay_is_refused(decay):
     with pytest.raises(ValueError, match=r"decay must be a number in \[0, 1\)"):
