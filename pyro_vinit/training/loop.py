@@ -309,6 +309,7 @@ def fit(
         optim.set_state(resumed["optim"])
         if resumed.get("average") is not None:
             averager.set_state(resumed["average"])
+            averager.decay = config.average  # this call's, as its learning rate is
         batches.set_state(resumed["batches"])
         _set_rng_state(resumed["rng"])
     elbo = config.elbo()

@@ -301,6 +301,18 @@ def test_fit_averages_module_local_parameters():
     assert any(not torch.equal(averaged[k], params[k]) for k in params)
 
 
+def test_a_resumed_call_averages_with_its_own_decay(tmp_path):
+    # the call's average=, as its lr=, applies to the steps it trains (history.config
+    # says so); decay 0 returns the last step's parameters
+    path = tmp_path / "c.pt"
+    _, raw = _fit(4, 0.0)
+    _fit(2, 0.9, checkpoint=path)
+    history, resumed = _fit(4, 0.0, checkpoint=path)
+    assert history.config.average == 0.0
+    for name, value in raw.items():
+        assert torch.equal(resumed[name], value), name
+
+
 def test_a_modules_parameters_are_averaged_instead_of_the_stores():
     layer = torch.nn.Linear(2, 1)
     _set({"a": torch.tensor([7.0])})
