@@ -172,7 +172,8 @@ def fit(
         the optimizer's state, the RNG states and the step are saved every
         ``checkpoint_every`` steps and at the end; if it exists, training
         resumes from it (bit-identically for an ``(x, y)`` pair, unless the
-        step is compiled: inductor's float rounding is its own).
+        step is compiled: inductor's float rounding is its own). Refused under
+        ``module_local_params=True``, whose parameters the store lacks.
     :type checkpoint: str or os.PathLike
     :param int checkpoint_every: Steps between checkpoints (default: only at the end).
     :param capture: Take the steps through :class:`CapturedSVI` (the
@@ -226,6 +227,14 @@ def fit(
         raise ValueError("fit: pass lr or optim, not both (lr sets the default optimizer's)")
     if not callable(model) or not callable(guide):
         raise TypeError("fit: model and guide must be callables (a Pyro model and its guide)")
+    modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
+    local = bool(pyro.settings.get("module_local_params")) and bool(modules)
+    if checkpoint is not None and local:
+        raise ValueError(
+            "fit: a checkpoint holds the param store's parameters, and under pyro.settings."
+            "set(module_local_params=True) the model's and guide's are their modules' own: "
+            "it would resume from fresh ones. Save and load the guide's state_dict around "
+            "fit instead (the Saving page), or train with module_local_params=False")
     batches = _Batches(data, batch_size)
     num_data = batches.num_data
     if validation is not None:
@@ -301,9 +310,7 @@ def fit(
     history.config = config
     optim = optim if optim is not None else config.optimizer()
     averager = config.averager()
-    modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
-    if pyro.settings.get("module_local_params") and modules:
-        # the modules hold their parameters, not the param store
+    if local:  # the modules hold their parameters, not the param store
         averager = ParamAverage(config.average, module=nn.ModuleList(modules))
     if resumed is not None:
         optim.set_state(resumed["optim"])

@@ -313,6 +313,19 @@ def test_a_resumed_call_averages_with_its_own_decay(tmp_path):
         assert torch.equal(resumed[name], value), name
 
 
+def test_fit_refuses_a_checkpoint_of_module_local_parameters(tmp_path):
+    # the checkpoint would not hold them: a resumed call would train fresh ones
+    x, y = _data()
+    with pyro.settings.context(module_local_params=True):
+        model = _model()
+        guide = AutoKTiedNormal(model, rank=2)
+        with pytest.raises(ValueError, match="module_local_params=True"):
+            fit(model, guide, (x, y), steps=2, progress=False, init=None,
+                checkpoint=tmp_path / "c.pt")
+    assert guide.prototype_trace is None and not list(guide.parameters())
+    assert not (tmp_path / "c.pt").exists()
+
+
 def test_a_modules_parameters_are_averaged_instead_of_the_stores():
     layer = torch.nn.Linear(2, 1)
     _set({"a": torch.tensor([7.0])})
