@@ -161,8 +161,9 @@ def train(args, loss_fn, x_train, y_train, rank, world_size, device):
     # fit's warm-up: the learning rate rises linearly over the first warmup_steps steps
     warmup = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda done: min(1.0, (done + 1) / max(1, args.warmup_steps)))
-    # fit's moving average of the parameters (the same on every rank), written at the end
-    average = ParamAverage(args.average)
+    # fit's moving average of the parameters (the same on every rank), written at the end;
+    # with module_local_params they are the loss module's, not the param store's
+    average = ParamAverage(args.average, module=loss_fn)
     shard = args.batch_size // world_size
     # The same global batches on every rank (one generator, one seed), each rank its slice.
     batches = torch.Generator().manual_seed(args.seed)

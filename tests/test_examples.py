@@ -26,6 +26,7 @@ def test_example_quick(path, tmp_path):
         env={**os.environ, "MPLBACKEND": "Agg"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "nothing to average" not in result.stderr  # ParamAverage given the parameters
     outputs = os.listdir(tmp_path)
     assert any(name.endswith(".json") for name in outputs), outputs
 

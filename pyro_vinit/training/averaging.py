@@ -5,12 +5,13 @@ averaging), which :func:`~pyro_vinit.training.fit` evaluates and returns.
 
 import contextlib
 import math
-import warnings
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import pyro
 import torch
 from torch import nn
+
+from pyro_vinit._warn import warn_at_caller
 
 __all__ = ["ParamAverage"]
 
@@ -71,6 +72,7 @@ class ParamAverage:
         self._params: Dict[str, torch.Tensor] = {}
         self._average: Dict[str, torch.Tensor] = {}
         self._warned = False
+        self._restored: Set[str] = set()
 
     def _source(self) -> Dict[str, torch.Tensor]:
         if self.module is not None:
@@ -79,12 +81,24 @@ class ParamAverage:
 
     def _tracked(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         # the parameters now; a name that is new, or whose tensor was replaced (set
-        # afresh by pyro.param, a reloaded store), starts at its current value
+        # afresh by pyro.param, a reloaded store), starts at its current value, unless
+        # the new tensor is the old one's storage (an nn.Parameter made of it by a
+        # PyroModule) or the first one seen since set_state (a store restored after it)
         params, averages = [], []
         for name, param in self._source().items():
-            if self._params.get(name) is not param or self._average[name].shape != param.shape:
+            old = self._params.get(name)
+            if old is not param:
+                average = self._average.get(name)
+                kept = (old is not None and average is not None
+                        and (average.shape, average.dtype, average.device)
+                        == (param.shape, param.dtype, param.device)
+                        and (name in self._restored or old.data_ptr() == param.data_ptr()))
                 self._params[name] = param
+                if not kept:
+                    self._average[name] = param.detach().clone()
+            elif self._average[name].shape != param.shape:
                 self._average[name] = param.detach().clone()
+            self._restored.discard(name)
             params.append(param)
             averages.append(self._average[name])
         return params, averages
@@ -101,8 +115,8 @@ class ParamAverage:
                 where = ("the module has no parameters" if self.module is not None else
                          "Pyro's param store holds no parameters (with module_local_params=True"
                          ", pass the module: ParamAverage(decay, module=loss_fn))")
-                warnings.warn(f"ParamAverage.update: nothing to average: {where}",
-                              UserWarning, stacklevel=2)
+                warn_at_caller(f"ParamAverage.update: nothing to average: {where}",
+                               UserWarning)
             return
         weight = max(1.0 - self.decay, 1.0 / self.count)
         if weight == 1.0:
@@ -157,5 +171,6 @@ class ParamAverage:
         self.decay = float(state["decay"])
         self.count = int(state["count"])
         self._params = {name: store[name] for name in state["average"]}
+        self._restored = set(state["average"])
         self._average = {name: value.detach().clone().to(store[name].device, store[name].dtype)
                          for name, value in state["average"].items()}

@@ -37,11 +37,12 @@ from pyro_vinit.training._support import (
     _check_validation,
     _evaluate,
     _load,
+    _rng_state,
     _save,
     _set_rng_state,
     _set_up,
 )
-from pyro_vinit.training.averaging import _check_decay
+from pyro_vinit.training.averaging import ParamAverage, _check_decay
 from pyro_vinit.training.batch_norm import update_batch_norm
 from pyro_vinit.training.captured import CapturedSVI
 from pyro_vinit.training.config import (
@@ -171,7 +172,8 @@ def fit(
         the optimizer's state, the RNG states and the step are saved every
         ``checkpoint_every`` steps and at the end; if it exists, training
         resumes from it (bit-identically for an ``(x, y)`` pair, unless the
-        step is compiled: inductor's float rounding is its own).
+        step is compiled: inductor's float rounding is its own). Refused under
+        ``module_local_params=True``, whose parameters the store lacks.
     :type checkpoint: str or os.PathLike
     :param int checkpoint_every: Steps between checkpoints (default: only at the end).
     :param capture: Take the steps through :class:`CapturedSVI` (the
@@ -188,7 +190,9 @@ def fit(
     :param float average: The decay of the moving average of the parameters
         (:class:`ParamAverage`) instead of 0.99: validation evaluates the
         average, and it is written into the parameters after the last step;
-        0 keeps the last step's values.
+        0 keeps the last step's values. Under
+        ``pyro.settings.set(module_local_params=True)`` the model's and guide's
+        module parameters are averaged.
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------
@@ -223,6 +227,14 @@ def fit(
         raise ValueError("fit: pass lr or optim, not both (lr sets the default optimizer's)")
     if not callable(model) or not callable(guide):
         raise TypeError("fit: model and guide must be callables (a Pyro model and its guide)")
+    modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
+    local = bool(pyro.settings.get("module_local_params")) and bool(modules)
+    if checkpoint is not None and local:
+        raise ValueError(
+            "fit: a checkpoint holds the param store's parameters, and under pyro.settings."
+            "set(module_local_params=True) the model's and guide's are their modules' own: "
+            "it would resume from fresh ones. Save and load the guide's state_dict around "
+            "fit instead (the Saving page), or train with module_local_params=False")
     batches = _Batches(data, batch_size)
     num_data = batches.num_data
     if validation is not None:
@@ -261,9 +273,19 @@ def fit(
                           f"steps={steps}: nothing is trained", UserWarning, stacklevel=2)
         device = batches.first[0].device  # the checkpoint was loaded onto the CPU
         store_state = resumed["param_store"]
-        pyro.get_param_store().set_state({
-            "params": {k: v.to(device) for k, v in store_state["params"].items()},
-            "constraints": store_state["constraints"]})
+        # into the tensors set up (those the model's and guide's modules hold: a module's
+        # state_dict, the moving average and the optimizer see the values), else afresh
+        store = pyro.get_param_store()
+        held = dict(store.named_parameters())
+        fresh = {}
+        with torch.no_grad():
+            for name, value in store_state["params"].items():
+                same = name in held and held[name].shape == value.shape
+                if same and held[name].dtype == value.dtype:
+                    held[name].copy_(value)
+                else:
+                    fresh[name] = value.to(device)
+        store.set_state({"params": fresh, "constraints": store_state["constraints"]})
         if isinstance(model, nn.Module) and resumed["model"] is not None:
             model.load_state_dict(resumed["model"])
         history.loss = list(resumed["loss"])
@@ -288,6 +310,8 @@ def fit(
     history.config = config
     optim = optim if optim is not None else config.optimizer()
     averager = config.averager()
+    if local:  # the modules hold their parameters, not the param store
+        averager = ParamAverage(config.average, module=nn.ModuleList(modules))
     if resumed is not None:
         optim.set_state(resumed["optim"])
         if resumed.get("average") is not None:
@@ -349,9 +373,17 @@ def fit(
             bar.update(1)
             if step % 10 == 0 or step == steps:
                 bar.set_postfix(loss=f"{loss / num_data:.4g}")
-            if validation is not None and step % every == 0 and step < steps:
+            scheduled = validation is not None and step % every == 0
+            if step == steps or scheduled:
+                # the average evaluated (and the running statistics computed for it) before
+                # the checkpoint: a resumed call that trains no further returns the same; an
+                # evaluation only because the call ends leaves the generator as it found it:
+                # a longer call resumed from its checkpoint trains on as an uninterrupted one
+                rng = None if scheduled else _rng_state()
                 with averager.swapped():
                     evaluate(step)
+                if rng is not None:
+                    _set_rng_state(rng)
             if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
                                      or step == steps):
                 # the parameters as trained and the average's state: a resumed call
@@ -360,8 +392,6 @@ def fit(
     finally:
         bar.close()
     averager.write()  # what fit returns (a resumed call that trains no further: the saved one)
-    if done < steps:
-        evaluate(steps)
     history.compiled = (captured is not None and captured.compile and captured.num_traces > 0
                         and captured.compile_failure is None)
     _warn_if_worse(history.validation, config.kl_weight)

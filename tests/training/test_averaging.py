@@ -135,6 +135,43 @@ def test_set_state_casts_the_averages_to_the_parameters_dtype():
     assert torch.allclose(pyro.param("a").detach(), expected, rtol=1e-15, atol=0)
 
 
+def test_a_restored_average_survives_the_store_restored_after_it():
+    # saving.rst's resume: set the guide up, restore the average and the store (in
+    # either order); the store's new tensors take the restored average on
+    average = ParamAverage(0.5)
+    for value in (torch.tensor([2.0]), torch.tensor([6.0])):
+        _set({"a": value})
+        average.update()
+    state, store_state = average.get_state(), pyro.get_param_store().get_state()
+    store_state = {"params": {k: v.detach().clone() for k, v in store_state["params"].items()},
+                   "constraints": dict(store_state["constraints"])}
+    pyro.clear_param_store()
+    _set({"a": torch.tensor([0.0])})  # set up afresh
+    resumed = ParamAverage(0.5)
+    resumed.set_state(state)
+    pyro.get_param_store().set_state(store_state)  # new tensors, the last step's values
+    _set({"a": torch.tensor([10.0])})
+    resumed.update()  # 0.5 * 4 + 0.5 * 10
+    resumed.write()
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([7.0]))
+
+
+def test_a_parameter_rewrapped_keeps_its_average():
+    # a PyroModule turns the store's plain tensor into an nn.Parameter of the same
+    # storage (e.g. after a store loaded onto another device): the same parameter
+    average = ParamAverage(0.5)
+    _set({"a": torch.tensor([2.0])})
+    average.update()
+    store = pyro.get_param_store()
+    wrapped = torch.nn.Parameter(store._params["a"])
+    store._params["a"] = wrapped
+    with torch.no_grad():
+        wrapped.fill_(6.0)
+    average.update()
+    average.write()
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([4.0]))
+
+
 @pytest.mark.parametrize("decay", [-0.1, 1.0, float("nan"), True, "0.9", None])
 def test_bad_decay_is_refused(decay):
     with pytest.raises(ValueError, match=r"^ParamAverage: decay must be a number in \[0, 1\) "
@@ -219,6 +256,101 @@ def test_a_resumed_call_that_trains_no_further_returns_the_average(tmp_path):
         assert torch.equal(again[name], value), name
 
 
+def test_a_resumed_finished_call_keeps_the_last_evaluation_and_batch_norm(tmp_path):
+    # the final evaluation and BatchNorm's statistics for the average are in the
+    # checkpoint: a resumed call that trains no further returns what the uninterrupted did
+    x, y = _data()
+    xv, yv = _data(seed=1)
+
+    def run():
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                  torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        model = BayesianClassifier(bayesianize(net), num_data=96).double()
+        history = fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=4, batch_size=32,
+                      validation=(xv, yv), eval_every=2, progress=False, capture=False,
+                      average=0.9, checkpoint=tmp_path / "c.pt")
+        return history, {k: v.clone() for k, v in model.state_dict().items()}
+
+    history, state = run()
+    with pytest.warns(UserWarning, match="nothing is trained"):
+        again, state_again = run()
+    assert [v["step"] for v in again.validation] == [0.0, 2.0, 4.0]
+    assert again.validation == history.validation
+    assert any("running_mean" in k for k in state)
+    for name, value in state.items():
+        assert torch.equal(state_again[name], value), name
+
+
+def test_a_longer_call_resumed_with_validation_trains_on_as_an_uninterrupted_one(tmp_path):
+    # the 4-step call's last evaluation (not one of the 6-step call's, every 3) draws
+    # from the generator but leaves it as it was before its checkpoint
+    x, y = _data(seed=1)
+    path = tmp_path / "c.pt"
+    straight, params = _fit(6, 0.8, validation=(x, y), eval_every=3)
+    _fit(4, 0.8, validation=(x, y), eval_every=3, checkpoint=path)
+    resumed, again = _fit(6, 0.8, validation=(x, y), eval_every=3, checkpoint=path)
+    assert [v["step"] for v in resumed.validation] == [0.0, 3.0, 4.0, 6.0]
+    assert resumed.loss == straight.loss
+    assert resumed.validation[-1] == straight.validation[-1]
+    for name, value in params.items():
+        assert torch.equal(again[name], value), name
+
+
+def test_fit_averages_module_local_parameters():
+    # with module_local_params=True the parameters live in the model's and guide's
+    # modules, not in the param store: fit averages those
+    def run(steps, average):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        x, y = _data()
+        with pyro.settings.context(module_local_params=True):
+            model = _model()
+            guide = AutoKTiedNormal(model, rank=2)
+            fit(model, guide, (x, y), steps=steps, batch_size=32, progress=False,
+                capture=False, init=None, average=average)
+        assert not list(pyro.get_param_store().keys())
+        return {k: v.detach().clone() for k, v in guide.named_parameters()}
+
+    decay, steps = 0.5, 4
+    expected = None
+    for n in range(1, steps + 1):
+        params = run(n, 0.0)
+        weight = max(1 - decay, 1 / n)
+        expected = params if expected is None else {
+            k: (1 - weight) * expected[k] + weight * params[k] for k in params}
+    averaged = run(steps, decay)
+    for name, value in expected.items():
+        assert torch.allclose(averaged[name], value, rtol=1e-12, atol=1e-14), name
+    assert any(not torch.equal(averaged[k], params[k]) for k in params)
+
+
+def test_a_resumed_call_averages_with_its_own_decay(tmp_path):
+    # the call's average=, as its lr=, applies to the steps it trains (history.config
+    # says so); decay 0 returns the last step's parameters
+    path = tmp_path / "c.pt"
+    _, raw = _fit(4, 0.0)
+    _fit(2, 0.9, checkpoint=path)
+    history, resumed = _fit(4, 0.0, checkpoint=path)
+    assert history.config.average == 0.0
+    for name, value in raw.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def test_fit_refuses_a_checkpoint_of_module_local_parameters(tmp_path):
+    # the checkpoint would not hold them: a resumed call would train fresh ones
+    x, y = _data()
+    with pyro.settings.context(module_local_params=True):
+        model = _model()
+        guide = AutoKTiedNormal(model, rank=2)
+        with pytest.raises(ValueError, match="module_local_params=True"):
+            fit(model, guide, (x, y), steps=2, progress=False, init=None,
+                checkpoint=tmp_path / "c.pt")
+    assert guide.prototype_trace is None and not list(guide.parameters())
+    assert not (tmp_path / "c.pt").exists()
+
+
 def test_a_modules_parameters_are_averaged_instead_of_the_stores():
     layer = torch.nn.Linear(2, 1)
     _set({"a": torch.tensor([7.0])})
@@ -243,16 +375,5 @@ def test_nothing_to_average_warns_once():
         average.update()
         average.update()
     assert len(caught) == 1
+    assert caught[0].filename == __file__  # the user's line, not torch.no_grad's wrapper
     assert average.count == 2
-
-
-def test_a_resumed_call_averages_with_its_own_decay(tmp_path):
-    # the checkpoint holds the last step's parameters: resumed with average=0, the
-    # call returns the uninterrupted average=0 run's (not an average at the saved 0.5)
-    path = tmp_path / "c.pt"
-    _fit(2, 0.5, checkpoint=path)
-    history, resumed = _fit(4, 0.0, checkpoint=path)
-    assert history.config.average == 0.0
-    _, straight = _fit(4, 0.0)
-    for name, value in straight.items():
-        assert torch.equal(resumed[name], value), name
