@@ -286,11 +286,14 @@ def test_data_free_weights_not_named_weight_warn(method):
     x, y = torch.randn(6, 3), torch.randn(6)
     guide = AutoNormal(_matmul_model)
     guide(x, y)
-    with pytest.warns(UserWarning, match=re.escape(
+    with pytest.warns(UserWarning, match="^" + re.escape(
             f"init_guide(method={method!r}): without data, layers are recognized by name, "
             "and the sites ['w1', 'w2'], not named '<module>.weight', are taken for weights "
-            "in nn.Linear's (out, in) layout")):
+            "in nn.Linear's (out, in) layout (fan-in: the last dims), which is wrong for e.g. "
+            "x @ w; pass data (init_guide(guide, (x, y), method=...)) to find the layers by "
+            "tracing the model") + "$") as caught:
         init_guide(guide, method=method)
+    assert caught[0].filename == __file__  # the user's call
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         init_guide(guide, (x, y), method=method)
@@ -300,6 +303,18 @@ def test_data_free_weights_not_named_weight_warn(method):
         for name, fan_in in [("w1", 3), ("w2", 8)]:
             _, std = site_params.get_loc_and_scale(guide, name)
             assert_close(std, torch.full_like(std, fan_in**-0.5))
+
+
+@pytest.mark.parametrize("method", ["heuristic", "xavier", "orthogonal"])
+def test_data_free_weights_named_weight_do_not_warn(method):
+    # the names of bayesianize's layers ('0.weight', '2.weight'): taken as nn.Linear's
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    model = BayesianClassifier(bayesianize(mlp((3, 4, 2))))
+    guide = AutoNormal(model)
+    guide(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        init_guide(guide, method=method)
 
 
 def test_guide_list_is_initialized_member_by_member():

@@ -160,6 +160,16 @@ def test_patches_reproduce_conv(op, shape, kwargs):
     assert_close(out, conv, atol=1e-5, rtol=1e-5)
 
 
+def test_patches_defaults_and_valid_padding():
+    # stride 1, no padding, no dilation by default; "valid" is no padding
+    x = torch.randn(2, 3, 6, 5)
+    expected = _loop_patches(x, (3, 2), (1, 1), (0, 0), (1, 1))
+    assert_close(extract_patches(x, (3, 2)), expected)
+    assert_close(extract_patches(x, (3, 2), padding="valid"), expected)
+    with pytest.raises(ValueError, match="padding must be 'valid', 'same' or ints, got 'full'"):
+        extract_patches(x, (3, 2), padding="full")
+
+
 # ---------------------------------------------------------------- digits
 
 
