@@ -156,6 +156,33 @@ def test_a_restored_average_survives_the_store_restored_after_it():
     assert torch.equal(pyro.param("a").detach(), torch.tensor([7.0]))
 
 
+def test_a_tensor_replaced_after_the_restored_one_starts_afresh():
+    # set_state's grace holds for the first tensor seen only: a later replacement of
+    # the parameter (a store set afresh) restarts its average
+    average = ParamAverage(0.5)
+    _set({"a": torch.tensor([2.0])})
+    average.update()
+    resumed = ParamAverage(0.5)
+    resumed.set_state(average.get_state())
+    resumed.update()  # the restored tensor seen: 0.5 * 2 + 0.5 * 2
+    pyro.clear_param_store()
+    _set({"a": torch.tensor([9.0])})
+    resumed.update()
+    resumed.write()
+    assert torch.equal(pyro.param("a").detach(), torch.tensor([9.0]))
+
+
+def test_a_parameter_resized_in_place_starts_afresh():
+    average = ParamAverage(0.5)
+    _set({"a": torch.tensor([2.0])})
+    average.update()
+    param = pyro.get_param_store().get_param("a").unconstrained()
+    param.data = torch.tensor([1.0, 3.0])  # the same tensor object, another shape
+    average.update()
+    average.write()
+    assert torch.equal(param.detach(), torch.tensor([1.0, 3.0]))
+
+
 def test_a_parameter_rewrapped_keeps_its_average():
     # a PyroModule turns the store's plain tensor into an nn.Parameter of the same
     # storage (e.g. after a store loaded onto another device): the same parameter
