@@ -216,6 +216,8 @@ def fit_config(
     if learned_noise is not None and not isinstance(learned_noise, bool):
         raise TypeError(
             f"fit: learned_noise must be True, False or None, got {learned_noise!r}")
+    if average is not None:  # before the learned-noise warning below
+        _check_decay(average, "fit: average")
     changes: Dict[str, Any] = {"weight_noise": _default_weight_noise(guide)}
     if lr is not None:
         _check_positive("lr", lr)
@@ -239,7 +241,6 @@ def fit_config(
         _check_positive("num_particles", num_particles, int)
         changes["num_particles"] = num_particles
     if average is not None:
-        _check_decay(average, "fit: average")
         changes["average"] = float(average)
     return replace(FitConfig(), **changes)
 
