@@ -1,4 +1,5 @@
 import math
+import os
 import re
 import warnings
 
@@ -293,7 +294,8 @@ def test_data_free_weights_not_named_weight_warn(method):
             "x @ w; pass data (init_guide(guide, (x, y), method=...)) to find the layers by "
             "tracing the model") + "$") as caught:
         init_guide(guide, method=method)
-    assert caught[0].filename == __file__  # the user's call
+    # at the caller, not inside the package (mutation testing adds frames of its own)
+    assert "pyro_vinit" not in os.path.normpath(caught[0].filename).split(os.sep)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         init_guide(guide, (x, y), method=method)
