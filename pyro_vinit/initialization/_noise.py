@@ -112,6 +112,13 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
         what = f"the noise site {noise_name!r}"
     else:
         store = pyro.get_param_store()
+        if noise_name not in store:
+            raise ValueError(
+                f"I-BLM sets the model's learned noise param {noise_name!r} through Pyro's "
+                "param store, which does not hold it (under pyro.settings.set("
+                "module_local_params=True) it is its module's own): run I-BLM with "
+                "module_local_params=False, or pass init=None to fit"
+            )
         shape = store[noise_name].shape
         support = store.get_state()["constraints"][noise_name]
         what = f"the noise param {noise_name!r}"

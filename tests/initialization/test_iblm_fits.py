@@ -30,3 +30,23 @@ def test_noise_site_std_is_that_of_log_sigma_capped_at_a_tenth(n, spread):
     init_guide_iblm(guide, (x, y), batch_size=min(n, 128), noise_scale=0.3)
     torch.testing.assert_close(guide.scales.sigma, torch.tensor(spread, dtype=F64), atol=0,
                                rtol=1e-12)
+
+
+def test_a_module_local_noise_param_is_refused_and_the_guide_kept():
+    # under module_local_params the regressor's learned noise is its module's own, not in
+    # the param store through which I-BLM sets it: a clear error, the guide unchanged
+    from pyro_vinit import AutoKTiedNormal
+    from pyro_vinit.nn import BayesianRegressor, bayesianize, mlp
+
+    x, y = torch.randn(64, 4), torch.randn(64)
+    with pyro.settings.context(module_local_params=True):
+        model = BayesianRegressor(bayesianize(mlp((4, 8, 1))), num_data=64, learn_noise=True)
+        guide = AutoKTiedNormal(model, rank=2)
+        guide(x, y)
+        before = {k: v.detach().clone() for k, v in guide.state_dict().items()}
+        with pytest.raises(ValueError, match="learned noise param 'noise_scale' through "
+                                             "Pyro's param store, which does not hold it"):
+            init_guide_iblm(guide, (x, y), batch_size=32)
+        after = guide.state_dict()
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)
