@@ -131,8 +131,7 @@ class ParamAverage:
         if self.count == 0:
             return
         params, averages = self._tracked()
-        for param, average in zip(params, averages):
-            param.copy_(average)
+        torch._foreach_copy_(params, averages)
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
@@ -141,16 +140,15 @@ class ParamAverage:
         if self.count == 0:
             yield
             return
-        params, _ = self._tracked()
+        params, averages = self._tracked()
         with torch.no_grad():
             saved = [p.detach().clone() for p in params]
-        self.write()
+            torch._foreach_copy_(params, averages)
         try:
             yield
         finally:
             with torch.no_grad():
-                for param, value in zip(params, saved):
-                    param.copy_(value)
+                torch._foreach_copy_(params, saved)
 
     def get_state(self) -> Dict[str, Any]:
         """The decay, the number of updates and the averages (by parameter name),

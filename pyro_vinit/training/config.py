@@ -21,6 +21,7 @@ import pyro
 from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoGuide, AutoGuideList, AutoNormal
 from pyro.optim import PyroOptim
+from torch import nn
 
 from pyro_vinit._pyro_compat import handler_chain
 from pyro_vinit.guides import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal
@@ -94,10 +95,11 @@ class FitConfig:
         warm-up) with one fused step over all parameters."""
         return GroupedAdam({"lr": self.lr}, warmup_steps=self.warmup_steps)
 
-    def averager(self) -> ParamAverage:
+    def averager(self, module: Optional[nn.Module] = None) -> ParamAverage:
         """A fresh :class:`~pyro_vinit.training.ParamAverage` with decay :attr:`average`,
-        to update after each step."""
-        return ParamAverage(self.average)
+        to update after each step: of the param store's parameters, or of ``module``'s
+        (under ``module_local_params=True``, e.g. the loss module)."""
+        return ParamAverage(self.average, module=module)
 
     def elbo(self) -> TraceMeanField_ELBO:
         """A fresh ``TraceMeanField_ELBO`` with :attr:`num_particles`."""

@@ -42,7 +42,7 @@ from pyro_vinit.training._support import (
     _set_rng_state,
     _set_up,
 )
-from pyro_vinit.training.averaging import ParamAverage, _check_decay
+from pyro_vinit.training.averaging import _check_decay
 from pyro_vinit.training.batch_norm import update_batch_norm
 from pyro_vinit.training.captured import CapturedSVI
 from pyro_vinit.training.config import (
@@ -309,9 +309,8 @@ def fit(
                         learned_noise=learned_noise, average=average)
     history.config = config
     optim = optim if optim is not None else config.optimizer()
-    averager = config.averager()
-    if local:  # the modules hold their parameters, not the param store
-        averager = ParamAverage(config.average, module=nn.ModuleList(modules))
+    # under module_local_params the modules hold their parameters, not the param store
+    averager = config.averager(nn.ModuleList(modules) if local else None)
     if resumed is not None:
         optim.set_state(resumed["optim"])
         if resumed.get("average") is not None:
@@ -340,16 +339,6 @@ def fit(
         history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
                                                             num_samples, chunk)})
     norm_data = batches.pair if batches.pair is not None else batches.loader
-
-    def evaluate(step: int) -> None:
-        # eval mode predicts with running statistics: recompute them for the parameters
-        # evaluated (they lag behind while SVI trains); a model without BatchNorm layers
-        # is left alone
-        update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
-        if validation is not None:
-            history.validation.append({"step": float(step), **_evaluate(
-                model, guide, *validation, num_samples, chunk)})
-
     bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
     try:
         for step in range(done + 1, steps + 1):
@@ -381,7 +370,13 @@ def fit(
                 # a longer call resumed from its checkpoint trains on as an uninterrupted one
                 rng = None if scheduled else _rng_state()
                 with averager.swapped():
-                    evaluate(step)
+                    # eval mode predicts with running statistics: recompute them for the
+                    # average (they lag behind while SVI trains); a model without
+                    # BatchNorm layers is left alone
+                    update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
+                    if validation is not None:
+                        history.validation.append({"step": float(step), **_evaluate(
+                            model, guide, *validation, num_samples, chunk)})
                 if rng is not None:
                     _set_rng_state(rng)
             if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
