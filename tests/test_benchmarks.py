@@ -167,11 +167,13 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     with open(tmp_path / "gpu_check.json") as f:
         found = json.load(f)
     assert found["tests"]["returncode"] == 0 and " passed" in found["tests"]["summary"]
-    assert found["agreement"]["agree"]
+    compiled = "AutoKTiedNormal(2) + LRT, CapturedSVI(compile=True) (inductor, CUDA graph)"
+    captured = "AutoKTiedNormal(2) + LRT, CapturedSVI (CUDA graph)"
+    assert set(found["agreement"]) == {captured, compiled}
+    assert all(a["agree"] for a in found["agreement"].values())
     (row,) = found["steps"]
     ours = {"AutoKTiedNormal(2) + LRT, SVI (eager)",
-            "AutoKTiedNormal(2) + LRT, CapturedSVI (op by op)",
-            "AutoKTiedNormal(2) + LRT, CapturedSVI (CUDA graph)"}
+            "AutoKTiedNormal(2) + LRT, CapturedSVI (op by op)", captured, compiled}
     assert ours <= set(row["ms"])
     assert set(row["capture_cost"]) == ours - {"AutoKTiedNormal(2) + LRT, SVI (eager)"}
     assert "I-BLM initialization" in result.stdout

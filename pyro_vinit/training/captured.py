@@ -226,11 +226,14 @@ class CapturedSVI(SVI):
     :param bool compile: Compile each graph with inductor
         (``torch._inductor``, its random draws left to PyTorch's generator:
         the same draws and values as the eager step) and call the compiled
-        code instead of the replay; CPU only. A compile takes tens of
-        seconds: it pays in runs of many thousands of steps (see the
-        "Performance" page). Where inductor fails, or the step writes to a
-        tensor it does not make (BatchNorm's running statistics), it warns
-        once and replays uncompiled.
+        code instead of the replay, on the CPU or a CUDA device (there
+        replayed as a CUDA graph, as ``cuda_graph`` says; inductor may order
+        independent draws its own way there: the same distribution and the
+        same run for a seed, not the eager step's values). A compile takes
+        seconds to tens of seconds: it pays in runs of many thousands of
+        steps (see the "Performance" page). Where inductor fails, or the step
+        writes to a tensor it does not make (BatchNorm's running statistics),
+        it warns once and replays uncompiled.
     """
 
     def __init__(
@@ -258,9 +261,6 @@ class CapturedSVI(SVI):
                              f"{cuda_graph!r}")
         if not isinstance(compile, bool):
             raise ValueError(f"CapturedSVI: compile must be True or False, got {compile!r}")
-        if compile and cuda_graph:
-            raise ValueError("CapturedSVI: compile=True is measured on the CPU only and does "
-                             "not take cuda_graph=True; pass one of them")
         super().__init__(model, guide, optim, loss)  # type: ignore[no-untyped-call]
         self.max_signatures = max_signatures
         self.cuda_graph = cuda_graph
@@ -337,8 +337,9 @@ class CapturedSVI(SVI):
             tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
             if tensors:
                 self._graph_device([], tensors)
-        if self.compile:  # before anything runs: the data must be on the CPU
-            self._check_cpu([a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)])
+        if self.compile:  # before anything runs: the data must be where inductor compiles
+            self._check_compilable([a for a in [*args, *kwargs.values()]
+                                    if isinstance(a, torch.Tensor)])
         key = self._signature(args, kwargs)
         if key is None:
             self._fall_back("an argument that is neither a tensor nor hashable")
@@ -410,7 +411,7 @@ class CapturedSVI(SVI):
         params = self._eager_params[key]
         tensors = [a for a in [*args, *(kwargs[k] for k in names)] if isinstance(a, torch.Tensor)]
         if self.compile:
-            self._check_cpu(params)
+            self._check_compilable(params)
         device = self._graph_device(params, tensors)
         buffers = self._buffers()
         saved = [b.detach().clone() for b in buffers]
@@ -449,15 +450,14 @@ class CapturedSVI(SVI):
                 if not quiet:
                     warn_at_caller(f"{asked} is not compiled ({reason}); this and every later "
                                    f"signature is replayed uncompiled{remedy}", RuntimeWarning)
-        if compiled is not None:
-            capture = _Capture(compiled, params)
-            self._captures[key] = capture
-            return capture
-        _reuse_dead_buffers(graph)
         replay: Callable[..., Any] = graph
+        if compiled is not None:
+            replay = compiled
+        else:
+            _reuse_dead_buffers(graph)
         if device is not None:
             try:
-                replay = self._capture_cuda_graph(graph, params, tensors, device)
+                replay = self._capture_cuda_graph(graph, replay, params, tensors, device)
             finally:
                 self._restore(buffers, saved, cpu_rng, cuda_rng)  # the warm-up run's updates
         capture = _Capture(replay, params)
@@ -465,13 +465,13 @@ class CapturedSVI(SVI):
         return capture
 
     @staticmethod
-    def _check_cpu(tensors: List[torch.Tensor]) -> None:
-        found = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
+    def _check_compilable(tensors: List[torch.Tensor]) -> None:
+        found = sorted({str(t.device) for t in tensors if t.device.type not in ("cpu", "cuda")})
         if found:
             raise ValueError(
                 f"CapturedSVI(compile=True): the step's parameters and tensor arguments must "
-                f"be on the CPU (the compiled step is measured there only), found on {found}; "
-                "leave compile=False on this device")
+                f"be on the CPU or a CUDA device (where the compiled step is measured), found "
+                f"on {found}; leave compile=False on this device")
 
     def _graph_device(self, params: List[torch.Tensor],
                       tensors: List[torch.Tensor]) -> Optional[torch.device]:
@@ -493,14 +493,15 @@ class CapturedSVI(SVI):
                            "not as a CUDA graph", RuntimeWarning)
         return None
 
-    def _capture_cuda_graph(self, graph: torch.fx.GraphModule, params: List[torch.Tensor],
-                            tensors: List[torch.Tensor],
+    def _capture_cuda_graph(self, graph: torch.fx.GraphModule, replay: Callable[..., Any],
+                            params: List[torch.Tensor], tensors: List[torch.Tensor],
                             device: torch.device) -> Callable[..., Any]:
-        """``graph`` as a CUDA graph, or (with one warning) ``graph`` itself."""
+        """``replay`` (``graph`` itself, or inductor's compile of it) as a CUDA
+        graph, or (with one warning) ``replay`` itself."""
         reason = off_device(graph, device)
         if reason is None:
             try:
-                return CudaGraphReplay(graph, params, tensors, device)
+                return CudaGraphReplay(replay, params, tensors, device)
             except Exception as error:  # an operator that cannot be captured
                 reason = _describe(error)
         if self.cuda_graph:
@@ -508,7 +509,7 @@ class CapturedSVI(SVI):
                                f"a CUDA graph ({reason})")
         warn_at_caller(f"CapturedSVI: the step is replayed operator by operator, not as a CUDA "
                        f"graph ({reason})", RuntimeWarning)
-        return graph
+        return replay
 
     def _buffer_names(self) -> Dict[int, str]:
         """The names of the buffers of ``model`` and ``guide`` (``nn.Module`` s),

@@ -184,8 +184,9 @@ def fit(
         to save twice the compile's cost (tens of seconds; see the "Training"
         method page). Batches of another shape than the first (an epoch's last,
         partial batch) take the eager step. ``"compile"``: captured and
-        compiled (``CapturedSVI(compile=True)``; CPU only), however short the
-        run; True: captured, never compiled.
+        compiled (``CapturedSVI(compile=True)``; on a CPU or CUDA, where
+        its draws may come in another order than the eager step's), however
+        short the run; True: captured, never compiled.
     :type capture: bool or str
     :param float average: The decay of the moving average of the parameters
         (:class:`ParamAverage`) instead of 0.99: validation evaluates the
@@ -239,9 +240,10 @@ def fit(
     num_data = batches.num_data
     if validation is not None:
         validation = _check_batch(validation, "validation")
-    if capture == "compile" and batches.first[0].device.type != "cpu":
-        raise ValueError(f"fit: capture='compile' is measured on the CPU only; the data is on "
-                         f"{batches.first[0].device}: pass capture=True or None there")
+    if capture == "compile" and batches.first[0].device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fit: capture='compile' is measured on the CPU and CUDA only; the "
+                         f"data is on {batches.first[0].device}: pass capture=True or None "
+                         "there")
     learned_noise = _check_model(model, batches.first, num_data)
     _check_guide(guide, batches.first)
     chunk = max(1, min(num_data, 4096))  # validation rows per model call

@@ -1,10 +1,13 @@
 """CapturedSVI(compile=True): inductor's compile of the traced step gives the
 eager step's losses, gradients and parameters under the same seed (float64,
-1e-10 relative); bad values and devices refused before anything changes; a
-compile that fails, or a step that writes to a model's buffer, replayed
-uncompiled after one warning; fit(capture="compile") passing it through, and
-fit(capture=None) compiling where its cost model says the run repays it."""
+1e-10 relative; on CUDA, as one CUDA graph, where independent draws may come in
+inductor's order: then the same distribution, in standard errors); bad values
+and devices refused before anything changes; a compile that fails, or a step
+that writes to a model's buffer, replayed uncompiled after one warning;
+fit(capture="compile") passing it through, and fit(capture=None) compiling
+where its cost model says the run repays it."""
 
+import functools
 import warnings
 
 import pyro
@@ -16,6 +19,7 @@ import pyro_vinit.training.captured as training_captured
 import pyro_vinit.training.loop as training_loop
 from pyro_vinit import AutoKTiedNormal, CapturedSVI, fit, fit_config
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+from pyro_vinit.training._cuda_graph import CudaGraphReplay
 from pyro_vinit.training._inductor import compile_pays, graph_size
 from tests.test_captured import PROBLEMS, GradRecorder, _close
 
@@ -31,13 +35,14 @@ def _no_inductor():
     return None
 
 
-def _steps(make_svi, problem="mlp", steps=4, after=3):
-    """Losses and recorded gradients of ``steps`` steps from seed 0, the
-    parameters after ``after`` steps, and the SVI object."""
+def _steps(make_svi, problem="mlp", steps=4, after=3, device="cpu", lr=1e-2):
+    """Losses and recorded gradients of ``steps`` steps from seed 0 (Adam, ``lr``),
+    the parameters after ``after`` steps, and the SVI object."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    model, make_guide, data, handler = PROBLEMS[problem]("cpu")
-    optim = GradRecorder()
+    with torch.device(device):
+        model, make_guide, data, handler = PROBLEMS[problem](device)
+    optim = GradRecorder(lr)
     svi = make_svi(model, make_guide(model), optim, TraceMeanField_ELBO())
     losses, params = [], None
     for step in range(steps):
@@ -75,16 +80,62 @@ def _assert_same_run(eager, other):
 
 
 @pytest.mark.skipif(_no_inductor() is not None, reason=str(_no_inductor()))
-def test_compiled_step_equals_eager_step():
-    eager = _float64(_steps, SVI)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no fallback, no uncompiled replay
-        compiled = _float64(_steps, lambda *a: CapturedSVI(*a, compile=True))
-    svi = compiled[-1]
-    assert svi.num_traces == 1 and svi.fallback_reason is None and svi.compile_failure is None
-    (capture,) = svi._captures.values()
-    assert not isinstance(capture.graph, torch.fx.GraphModule)  # inductor's, not the replay
-    _assert_same_run(eager, compiled)
+def test_compiled_step_equals_eager_step(device):
+    # on CUDA, inductor's kernels replayed as a CUDA graph (an MLP whose draws are
+    # ordered by the data they feed: see the test below for independent draws)
+    for problem in ["mlp"]:
+        eager = _float64(_steps, SVI, problem, device=device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback, no uncompiled replay
+            compiled = _float64(_steps, lambda *a: CapturedSVI(*a, compile=True), problem,
+                                device=device)
+        svi = compiled[-1]
+        assert svi.num_traces == 1 and svi.fallback_reason is None
+        assert svi.compile_failure is None, problem
+        (capture,) = svi._captures.values()
+        # inductor's code (on CUDA, in a CUDA graph), not the graph's replay
+        assert not isinstance(capture.graph, torch.fx.GraphModule), problem
+        assert isinstance(capture.graph, CudaGraphReplay) == (device.type == "cuda"), problem
+        _assert_same_run(eager, compiled)
+
+
+def _fixed_draws(make_svi, problem, device, steps):
+    """The losses and gradients of ``steps`` replays at fixed parameters (lr 0): fresh
+    draws of ``problem``'s step, from seed 0."""
+    losses, grads, _, _, svi = _float64(_steps, make_svi, problem, steps, steps, device=device,
+                                        lr=0.0)
+    rows = torch.stack([torch.cat([v.flatten() for _, v in sorted(g.items())])
+                        for g in grads[2:]])  # the replays only
+    return torch.tensor(losses[2:], dtype=torch.float64), rows, svi
+
+
+def _z(a, b):
+    """The difference of the means of ``a`` and ``b`` (rows: draws), in standard errors."""
+    se = (a.var(0) / len(a) + b.var(0) / len(b)).sqrt().clamp_min(1e-300)
+    return (a.mean(0) - b.mean(0)) / se
+
+
+@pytest.mark.skipif(_no_inductor() is not None, reason=str(_no_inductor()))
+@pytest.mark.parametrize("problem", ["cnn", "learned_noise"])
+def test_compiled_cuda_step_draws_as_the_eager_step(device, problem):
+    # On CUDA inductor takes independent draws (AutoMeanFieldNormal's weight sites) in an
+    # order of its own: not the eager step's values, but the same distribution (loss and
+    # gradients within Monte Carlo error of the eager step's at fixed parameters) and the
+    # same run for the same seed. On the CPU the compiled step draws exactly as eager.
+    if device.type != "cuda":
+        pytest.skip("the CPU's compiled step draws as the eager one: "
+                    "test_compiled_step_equals_eager_step")
+    eager_loss, eager_grads, _ = _fixed_draws(SVI, problem, device, 400)
+    make = functools.partial(CapturedSVI, compile=True)
+    loss, grads, svi = _fixed_draws(make, problem, device, 400)
+    assert svi.compile_failure is None and isinstance(
+        next(iter(svi._captures.values())).graph, CudaGraphReplay)
+    assert len(set(loss.tolist())) == len(loss)  # fresh draws
+    assert _z(loss[:, None], eager_loss[:, None]).abs().item() < 4
+    z = _z(grads, eager_grads).abs()  # about N(0, 1) each: E|z| = 0.80
+    assert z.mean() < 1.0 and z.max() < 5.5, (z.mean(), z.max())
+    again, _, _ = _fixed_draws(make, problem, device, 20)
+    assert again.tolist() == loss[:18].tolist()  # the same seed, the same run
 
 
 def test_bad_values_are_refused_at_construction():
@@ -94,16 +145,18 @@ def test_bad_values_are_refused_at_construction():
         with pytest.raises(ValueError, match="compile must be True or False"):
             CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), TraceMeanField_ELBO(),
                         compile=value)
-    with pytest.raises(ValueError, match="CPU only"):
-        CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), TraceMeanField_ELBO(),
-                    compile=True, cuda_graph=True)
+    # inductor's code replayed as a CUDA graph, where the step runs on CUDA
+    svi = CapturedSVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), TraceMeanField_ELBO(),
+                      compile=True, cuda_graph=True)
+    assert svi.compile and svi.cuda_graph
 
 
 def test_data_off_the_cpu_is_refused_before_the_step():
     model, make_guide, (x, y), handler = PROBLEMS["mlp"]("cpu")
     svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
                       TraceMeanField_ELBO(), compile=True)
-    with handler(), pytest.raises(ValueError, match=r"compile=True.*CPU.*\['meta'\]"):
+    with handler(), pytest.raises(ValueError,
+                                  match=r"compile=True.*CPU or a CUDA device.*\['meta'\]"):
         svi.step(x.to("meta"), y.to("meta"))  # a device other than the CPU, on any host
     assert len(pyro.get_param_store()) == 0 and svi.num_traces == 0
 
@@ -180,7 +233,8 @@ def test_fit_capture_compile_passes_it_through(monkeypatch):
     pyro.clear_param_store()
     model = BayesianClassifier(bayesianize(mlp((5, 8, 3))), num_data=64)
     guide = AutoKTiedNormal(model, rank=2)
-    with pytest.raises(ValueError, match="capture='compile' is measured on the CPU only"):
+    with pytest.raises(ValueError, match="capture='compile' is measured on the CPU and CUDA "
+                                         "only; the data is on meta"):
         fit(model, guide, (x.to("meta"), y.to("meta")), steps=2, capture="compile",
             progress=False)
     assert len(pyro.get_param_store()) == 0 and guide.prototype_trace is None
