@@ -87,3 +87,57 @@ def test_mutate_refuses_a_resume_that_would_reset_the_results(tmp_path):
                            ["-q"], 15.0)
     reason = mutate.resume_refusal(tmp_path, other)
     assert "reset every result" in reason and "tests/test_x.py" in reason
+
+
+def _meta(workdir, name, codes, hashes):
+    path = workdir / "mutants" / (name + ".meta")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"exit_code_by_key": codes, "hash_by_function_name": hashes,
+                                "type_check_error_by_key": {},
+                                "durations_by_key": {k: 1.0 for k, v in codes.items()
+                                                     if v is not None},
+                                "estimated_durations_by_key": {}}))
+    return path
+
+
+def test_mutate_ledger_carries_results_to_a_fresh_run(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "mutate", os.path.join(ROOT, "tools", "mutate.py"))
+    mutate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutate)
+    settings = mutate._config(["pyro_vinit/training"], ["tests/training"], ["-q"], 15.0)
+    ledger = tmp_path / "ledger" / "training.json"
+    run = tmp_path / "run"
+    name = "pyro_vinit/training/loop.py"
+    _meta(run, name, {"pyro_vinit.training.loop.x_fit__mutmut_1": 1,
+                      "pyro_vinit.training.loop.x_fit__mutmut_2": None,
+                      "pyro_vinit.training.loop.xǁAǁb__mutmut_1": 0},
+          {"x_fit": "h1", "xǁAǁb": "h2"})
+    assert mutate.save_ledger(run, ledger, settings) == 2  # the decided results only
+    saved = json.loads(ledger.read_text())
+    assert saved["settings"] == settings
+    assert saved["files"][name]["exit_code_by_key"] == {
+        "pyro_vinit.training.loop.x_fit__mutmut_1": 1,
+        "pyro_vinit.training.loop.xǁAǁb__mutmut_1": 0}
+    # a fresh scratch directory: the whole record, for mutmut to compare the hashes
+    fresh = tmp_path / "fresh"
+    assert mutate.load_ledger(fresh, ledger) == 2
+    meta = json.loads((fresh / "mutants" / (name + ".meta")).read_text())
+    assert meta["exit_code_by_key"] == saved["files"][name]["exit_code_by_key"]
+    assert meta["hash_by_function_name"] == {"x_fit": "h1", "xǁAǁb": "h2"}
+    # a directory with results of its own: only what it lacks, for unchanged functions
+    again = tmp_path / "again"
+    _meta(again, name, {"pyro_vinit.training.loop.x_fit__mutmut_1": None,
+                        "pyro_vinit.training.loop.x_fit__mutmut_2": 2,
+                        "pyro_vinit.training.loop.xǁAǁb__mutmut_1": None},
+          {"x_fit": "h1", "xǁAǁb": "changed"})
+    assert mutate.load_ledger(again, ledger) == 1
+    meta = json.loads((again / "mutants" / (name + ".meta")).read_text())
+    assert meta["exit_code_by_key"] == {"pyro_vinit.training.loop.x_fit__mutmut_1": 1,
+                                        "pyro_vinit.training.loop.x_fit__mutmut_2": 2,
+                                        "pyro_vinit.training.loop.xǁAǁb__mutmut_1": None}
+    # other settings: refused, naming the ledger's
+    assert mutate.ledger_refusal(ledger, settings) is None
+    assert mutate.ledger_refusal(tmp_path / "none.json", settings) is None
+    other = mutate._config(["pyro_vinit/training"], ["tests"], ["-q"], 15.0)
+    assert "other settings" in mutate.ledger_refusal(ledger, other)

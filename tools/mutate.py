@@ -10,6 +10,15 @@ mutants the tests killed and how many survived. Mutants listed in
 ``tools/mutmut_equivalent.txt`` (equivalent to the original code, so no test
 can kill them) are counted apart.
 
+A run of thousands of mutants outlasts a session, and ``build/`` does not
+survive a fresh checkout: ``--ledger FILE`` (a JSON file kept in the repository,
+e.g. under ``tools/mutmut_ledger/``) carries the results over. Before the run
+its results are written into the scratch directory, where mutmut keeps those of
+every function whose code is unchanged (it compares each function's hash) and
+tests only the rest; after the run, or with ``--summary-only``, the scratch
+directory's results are written back to it. A ledger holds the settings of its
+run and is refused for others.
+
 Usage::
 
     python tools/mutate.py --modules pyro_vinit/distributions --tests tests/distributions
@@ -64,6 +73,81 @@ def resume_refusal(workdir, config):
     return (f"--resume/--mutants with settings other than {workdir}'s run would make mutmut "
             f"reset every result there ({'; '.join(changed)}); give that run's --modules, "
             f"--tests, --pytest-args and --timeout-multiplier:\n{before}")
+
+
+def _function_of(mutant):
+    """The mangled function name of a mutant (``pkg.mod.x_f__mutmut_3`` -> ``x_f``), as
+    mutmut keys its functions' hashes."""
+    return mutant.rpartition(".")[2].rpartition("__mutmut_")[0]
+
+
+def save_ledger(workdir, path, settings):
+    """Writes the decided results of the run in ``workdir`` (run with ``settings``,
+    its pyproject.toml text) to the ledger ``path``: per mutated file, its functions'
+    hashes and its mutants' exit codes and durations."""
+    files = {}
+    for meta in sorted((Path(workdir) / "mutants").rglob("*.py.meta")):
+        data = json.loads(meta.read_text())
+        codes = {k: v for k, v in data["exit_code_by_key"].items() if v is not None}
+        if not codes:
+            continue
+        name = meta.relative_to(Path(workdir) / "mutants").as_posix().removesuffix(".meta")
+        files[name] = {
+            "hash_by_function_name": data.get("hash_by_function_name", {}),
+            "exit_code_by_key": codes,
+            "durations_by_key": {k: round(v, 3) for k, v in
+                                 data.get("durations_by_key", {}).items() if k in codes},
+        }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"settings": settings, "files": files}, indent=1,
+                                     sort_keys=True) + "\n")
+    return sum(len(f["exit_code_by_key"]) for f in files.values())
+
+
+def ledger_refusal(path, settings):
+    """Why the ledger ``path`` cannot seed a run with ``settings``, or None."""
+    if not Path(path).exists():
+        return None
+    before = json.loads(Path(path).read_text())["settings"]
+    if before == settings:
+        return None
+    return (f"the ledger {path} holds a run with other settings; give its --modules, "
+            f"--tests, --pytest-args and --timeout-multiplier, or another --ledger:\n{before}")
+
+
+def load_ledger(workdir, path):
+    """Writes the ledger ``path``'s results into ``workdir``'s mutmut data: a file's
+    whole record where ``workdir`` has none (mutmut then keeps the results of the
+    functions whose hash is unchanged), else the results ``workdir`` lacks for
+    functions of the same hash. Returns the number of results written."""
+    if not Path(path).exists():
+        return 0
+    written = 0
+    for name, entry in json.loads(Path(path).read_text())["files"].items():
+        meta = Path(workdir) / "mutants" / (name + ".meta")
+        if meta.exists():
+            data = json.loads(meta.read_text())
+            hashes = data.get("hash_by_function_name", {})
+            for key, code in entry["exit_code_by_key"].items():
+                function = _function_of(key)
+                if (key in data["exit_code_by_key"] and data["exit_code_by_key"][key] is None
+                        and function in hashes
+                        and hashes[function] == entry["hash_by_function_name"].get(function)):
+                    data["exit_code_by_key"][key] = code
+                    if key in entry["durations_by_key"]:
+                        data.setdefault("durations_by_key", {})[key] = \
+                            entry["durations_by_key"][key]
+                    written += 1
+        else:
+            data = {"exit_code_by_key": dict(entry["exit_code_by_key"]),
+                    "hash_by_function_name": dict(entry["hash_by_function_name"]),
+                    "type_check_error_by_key": {},
+                    "durations_by_key": dict(entry["durations_by_key"]),
+                    "estimated_durations_by_key": {}}
+            written += len(entry["exit_code_by_key"])
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps(data, indent=4))
+    return written
 
 
 def _equivalent():
@@ -144,6 +228,10 @@ def main():
                              "(mutmut's default 15); lower it where many mutants hang")
     parser.add_argument("--summary-only", action="store_true",
                         help="print the table of the last run without running mutmut")
+    parser.add_argument("--ledger", type=Path, default=None,
+                        help="a JSON file of results carried from run to run (e.g. "
+                             "tools/mutmut_ledger/initialization.json): read before the run, "
+                             "written after it (and with --summary-only)")
     args = parser.parse_args()
     for path in args.modules + args.tests:
         # a test may be a pytest id, ``file::test``: the file must exist
@@ -158,7 +246,11 @@ def main():
             reason = resume_refusal(args.workdir, config)
             if reason:
                 parser.error(reason)
-        else:
+        if args.ledger is not None:
+            reason = ledger_refusal(args.ledger, config)
+            if reason:
+                parser.error(reason)
+        if not (args.resume or args.mutants):
             shutil.rmtree(args.workdir, ignore_errors=True)
         args.workdir.mkdir(parents=True, exist_ok=True)
         for name in ("pyro_vinit", "tests"):
@@ -167,6 +259,8 @@ def main():
                             ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "setup.cfg", args.workdir / "setup.cfg")
         (args.workdir / "pyproject.toml").write_text(config)
+        if args.ledger is not None:
+            print(f"{load_ledger(args.workdir, args.ledger)} results from {args.ledger}")
         mutmut = Path(sys.executable).with_name("mutmut")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.pop("PYTHONPATH", None)  # mutmut puts its mutated copy first on the path
@@ -181,6 +275,13 @@ def main():
         print("\n".join(survivors))
     summary = {m: dict(c) for m, c in counts.items()}
     (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.ledger is not None:
+        settings = (args.workdir / "pyproject.toml").read_text()
+        reason = ledger_refusal(args.ledger, settings)
+        if reason:
+            parser.error(reason)
+        print(f"{save_ledger(args.workdir, args.ledger, settings)} results written to "
+              f"{args.ledger}")
 
 
 if __name__ == "__main__":
