@@ -507,8 +507,9 @@ class CapturedSVI(SVI):
         if self.cuda_graph:
             raise RuntimeError(f"CapturedSVI(cuda_graph=True): the step cannot be replayed as "
                                f"a CUDA graph ({reason})")
-        warn_at_caller(f"CapturedSVI: the step is replayed operator by operator, not as a CUDA "
-                       f"graph ({reason})", RuntimeWarning)
+        how = ("inductor's compiled step runs" if replay is not graph
+               else "the step is replayed operator by operator")
+        warn_at_caller(f"CapturedSVI: {how}, not as a CUDA graph ({reason})", RuntimeWarning)
         return replay
 
     def _buffer_names(self) -> Dict[int, str]:

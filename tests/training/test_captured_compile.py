@@ -393,3 +393,51 @@ def test_fit_never_compiles_when_told_not_to(monkeypatch):
     assert decided == [] and not history.compiled
     history, compiled, decided = _fit_run(monkeypatch, capture=False)
     assert decided == [] and compiled == [] and not history.captured
+
+
+class _FakeCudaGraph:
+    """Stands in for CudaGraphReplay on the CPU: runs the warm-up (its draws and
+    buffer writes) as the real one does, then calls the step it was given."""
+
+    def __init__(self, replay, params, tensors, device):
+        replay(params, [t.clone() for t in tensors])  # the warm-up
+        self.replay = replay
+
+    def __call__(self, params, tensors):
+        return self.replay(params, tensors)
+
+
+class _FailingCudaGraph(_FakeCudaGraph):
+    def __init__(self, replay, params, tensors, device):
+        super().__init__(replay, params, tensors, device)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("replay", [_FakeCudaGraph, _FailingCudaGraph])
+def test_compiled_step_in_a_cuda_graph_restores_the_warm_up(monkeypatch, replay):
+    # the CUDA path's order on the CPU: inductor's compile (a stand-in), then the CUDA
+    # graph's warm-up, which draws; captured or not, the step draws as the eager one
+    def compiled(graph, params, tensors):
+        return lambda p, t: graph(p, t)
+
+    monkeypatch.setattr(training_captured, "inductor_compile", compiled)
+    monkeypatch.setattr(training_captured, "CudaGraphReplay", replay)
+    monkeypatch.setattr(training_captured, "off_device", lambda graph, device: None)
+    monkeypatch.setattr(CapturedSVI, "_graph_device", lambda self, p, t: torch.device("cuda"))
+    eager = _float64(_steps, SVI)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other = _float64(_steps, lambda *a: CapturedSVI(*a, compile=True))
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    svi = other[-1]
+    assert svi.compile_failure is None and svi.num_traces == 1
+    (capture,) = svi._captures.values()
+    if replay is _FailingCudaGraph:
+        # inductor's code called as it is: not "operator by operator", which it is not
+        (message,) = messages
+        assert "compiled step runs" in message and "not as a CUDA graph" in message
+        assert "operator by operator" not in message and "stream is capturing" in message
+        assert not isinstance(capture.graph, (torch.fx.GraphModule, _FakeCudaGraph))
+    else:
+        assert messages == [] and isinstance(capture.graph, _FakeCudaGraph)
+    _assert_same_run(eager, other)
