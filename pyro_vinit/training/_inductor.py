@@ -107,8 +107,10 @@ def inductor_compile(graph: torch.fx.GraphModule, params: List[torch.Tensor],
     """
     ``graph`` (functional: before ``CapturedSVI``'s in-place rewrite)
     compiled whole by inductor, called as ``graph`` is. Its random draws stay PyTorch's
-    (``fallback_random``): the same draws from the same generator, so the
-    same values as the eager step's. ``graph`` itself is left as it was.
+    (``fallback_random``): the same draws from the same generator, so on the
+    CPU the same values as the eager step's (on CUDA inductor may order
+    independent draws its own way: the same distribution, not the same
+    values). ``graph`` itself is left as it was.
     """
     import torch.utils._pytree as pytree
 
