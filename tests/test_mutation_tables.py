@@ -119,14 +119,19 @@ def test_mutate_ledger_carries_results_to_a_fresh_run(tmp_path):
     assert saved["files"][name]["exit_code_by_key"] == {
         "pyro_vinit.training.loop.x_fit__mutmut_1": 1,
         "pyro_vinit.training.loop.xǁAǁb__mutmut_1": 0}
-    # a fresh scratch directory: the whole record, for mutmut to compare the hashes
+    # a fresh scratch directory (the sources copied in): the whole record, for mutmut
+    # to compare the hashes
     fresh = tmp_path / "fresh"
+    (fresh / name).parent.mkdir(parents=True)
+    (fresh / name).write_text("")
     assert mutate.load_ledger(fresh, ledger) == 2
     meta = json.loads((fresh / "mutants" / (name + ".meta")).read_text())
     assert meta["exit_code_by_key"] == saved["files"][name]["exit_code_by_key"]
     assert meta["hash_by_function_name"] == {"x_fit": "h1", "xǁAǁb": "h2"}
     # a directory with results of its own: only what it lacks, for unchanged functions
     again = tmp_path / "again"
+    (again / name).parent.mkdir(parents=True)
+    (again / name).write_text("")
     _meta(again, name, {"pyro_vinit.training.loop.x_fit__mutmut_1": None,
                         "pyro_vinit.training.loop.x_fit__mutmut_2": 2,
                         "pyro_vinit.training.loop.xǁAǁb__mutmut_1": None},
@@ -136,6 +141,12 @@ def test_mutate_ledger_carries_results_to_a_fresh_run(tmp_path):
     assert meta["exit_code_by_key"] == {"pyro_vinit.training.loop.x_fit__mutmut_1": 1,
                                         "pyro_vinit.training.loop.x_fit__mutmut_2": 2,
                                         "pyro_vinit.training.loop.xǁAǁb__mutmut_1": None}
+    # a file no longer in the sources (deleted, renamed): its results are dropped, not
+    # carried from ledger to ledger and counted (mutmut leaves its record alone)
+    gone = tmp_path / "gone"
+    assert mutate.load_ledger(gone, ledger) == 0
+    assert not (gone / "mutants" / (name + ".meta")).exists()
+    assert mutate.save_ledger(gone, ledger, settings) == 0
     # other settings: refused, naming the ledger's
     assert mutate.ledger_refusal(ledger, settings) is None
     assert mutate.ledger_refusal(tmp_path / "none.json", settings) is None

@@ -119,11 +119,16 @@ def load_ledger(workdir, path):
     """Writes the ledger ``path``'s results into ``workdir``'s mutmut data: a file's
     whole record where ``workdir`` has none (mutmut then keeps the results of the
     functions whose hash is unchanged), else the results ``workdir`` lacks for
-    functions of the same hash. Returns the number of results written."""
+    functions of the same hash. A file that ``workdir``'s sources no longer hold
+    (deleted, renamed) is left out: mutmut would leave its record alone, and it
+    would be counted and carried from ledger to ledger. Returns the number of
+    results written."""
     if not Path(path).exists():
         return 0
     written = 0
     for name, entry in json.loads(Path(path).read_text())["files"].items():
+        if not (Path(workdir) / name).is_file():
+            continue
         meta = Path(workdir) / "mutants" / (name + ".meta")
         if meta.exists():
             data = json.loads(meta.read_text())
