@@ -91,7 +91,7 @@ gpu-wheels: $(STAMP)
 		bayesian-torch==0.5.0 pytest tqdm iniconfig pluggy
 
 gpu-check:
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --target $(GPU_DEPS) $(GPU_WHEELS)/*.whl
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target $(GPU_DEPS) $(GPU_WHEELS)/*.whl
 	PYTHONPATH=$(CURDIR):$(CURDIR)/$(GPU_DEPS) $(GPU_PYTHON) -m benchmarks.gpu_check --device cuda $(GPU_CHECK_ARGS)
 
 # The papers' results on real MNIST (docs/reproducing.rst): JSON, figures and tables into

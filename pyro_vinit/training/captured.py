@@ -488,9 +488,11 @@ class CapturedSVI(SVI):
                 f"must all be on one CUDA device, found on {found}; move the model and data "
                 "there, or leave cuda_graph=None")
         if len(devices) > 1 and any(d.type == "cuda" for d in devices):
+            how = "runs as inductor's compiled code" if self.compile else \
+                "is replayed operator by operator"
             warn_at_caller(f"CapturedSVI: the step's parameters and tensor arguments are on "
-                           f"{found}, not one CUDA device: it is replayed operator by operator, "
-                           "not as a CUDA graph", RuntimeWarning)
+                           f"{found}, not one CUDA device: it {how}, not as a CUDA graph",
+                           RuntimeWarning)
         return None
 
     def _capture_cuda_graph(self, graph: torch.fx.GraphModule, replay: Callable[..., Any],

@@ -81,8 +81,10 @@ def _assert_same_run(eager, other):
 
 @pytest.mark.skipif(_no_inductor() is not None, reason=str(_no_inductor()))
 def test_compiled_step_equals_eager_step(device):
-    # on CUDA, inductor's kernels replayed as a CUDA graph (an MLP whose draws are
-    # ordered by the data they feed: see the test below for independent draws)
+    # exact on the CPU; on CUDA inductor may order the draws its own way (the test below)
+    if device.type != "cpu":
+        pytest.skip("on CUDA the compiled step draws as the eager one in distribution: "
+                    "test_compiled_cuda_step_draws_as_the_eager_step")
     for problem in ["mlp"]:
         eager = _float64(_steps, SVI, problem, device=device)
         with warnings.catch_warnings():
@@ -93,9 +95,9 @@ def test_compiled_step_equals_eager_step(device):
         assert svi.num_traces == 1 and svi.fallback_reason is None
         assert svi.compile_failure is None, problem
         (capture,) = svi._captures.values()
-        # inductor's code (on CUDA, in a CUDA graph), not the graph's replay
+        # inductor's code, not the graph's replay
         assert not isinstance(capture.graph, torch.fx.GraphModule), problem
-        assert isinstance(capture.graph, CudaGraphReplay) == (device.type == "cuda"), problem
+        assert not isinstance(capture.graph, CudaGraphReplay), problem
         _assert_same_run(eager, compiled)
 
 
@@ -116,10 +118,10 @@ def _z(a, b):
 
 
 @pytest.mark.skipif(_no_inductor() is not None, reason=str(_no_inductor()))
-@pytest.mark.parametrize("problem", ["cnn", "learned_noise"])
+@pytest.mark.parametrize("problem", ["mlp", "cnn", "learned_noise"])
 def test_compiled_cuda_step_draws_as_the_eager_step(device, problem):
-    # On CUDA inductor takes independent draws (AutoMeanFieldNormal's weight sites) in an
-    # order of its own: not the eager step's values, but the same distribution (loss and
+    # On CUDA inductor takes independent draws (e.g. AutoMeanFieldNormal's weight sites) in
+    # an order of its own: not the eager step's values, but the same distribution (loss and
     # gradients within Monte Carlo error of the eager step's at fixed parameters) and the
     # same run for the same seed. On the CPU the compiled step draws exactly as eager.
     if device.type != "cuda":
