@@ -157,6 +157,35 @@ def test_guide_initialized_outside_fit_is_kept(count_iblm):
     assert count_iblm == []
 
 
+def test_fit_points_i_blms_warnings_at_its_caller():
+    # I-BLM's warnings raised under fit name the user's call of fit, as under a call of
+    # init_guide_iblm, not fit's own line in loop.py
+    x = torch.randn(64, 3)
+    y = x.sum(-1) + 0.3 * torch.randn(64)
+
+    def model(x, y):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([8, 3]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([1, 8]).to_event(2))
+        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+        with pyro.plate("data", 64, subsample_size=x.shape[0]):
+            mu = F.linear(torch.tanh(F.linear(x, w1)), w2).squeeze(-1)
+            pyro.sample("obs", dist.Normal(mu, sigma), obs=y)
+
+    guide = AutoGuideList(model)
+    guide.append(AutoKTiedNormal(pyro.poutine.block(model, hide=["sigma"]), rank=2))
+    guide.append(AutoNormal(pyro.poutine.block(model, expose=["sigma"])))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(model, guide, (x, y), steps=1, batch_size=16, init_options={"batch_size": 100},
+            progress=False)
+    messages = sorted(str(w.message)[:40] for w in caught)
+    assert messages == ["init_guide_iblm initialized the members ",  # the AutoNormal left
+                        "init_guide_iblm: batch_size=100 is large",  # than the 64 rows
+                        "init_guide_iblm: the guide does not own "]  # 'sigma', held
+    for w in caught:
+        assert w.filename == __file__, (str(w.message)[:60], w.filename, w.lineno)
+
+
 def test_guide_loaded_into_the_param_store_is_kept(count_iblm, tmp_path):
     x, y = blobs()
     model = classifier()

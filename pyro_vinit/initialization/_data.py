@@ -1,11 +1,12 @@
 """The data the initializers read: model arguments, as one tuple or a loader."""
 
 import math
-import warnings
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from typing_extensions import TypeGuard
+
+from pyro_vinit._warn import warn_at_caller
 
 Data = Union[Tuple[Any, ...], Iterable[Sequence[Any]]]
 
@@ -175,14 +176,13 @@ class DataPool:
                  for _ in range(math.ceil(total / self.num_rows))]
         return torch.cat(perms)[:total].reshape(num_batches, batch_size)
 
-    def effective_batch_size(self, batch_size: int, who: str, stacklevel: int = 3) -> int:
+    def effective_batch_size(self, batch_size: int, who: str) -> int:
         """``batch_size``, or the number of rows if that is smaller (with one warning)."""
         if batch_size > self.num_rows:
-            warnings.warn(
+            warn_at_caller(
                 f"{who}: batch_size={batch_size} is larger than the {self.num_rows} rows of "
                 f"data; using batches of {self.num_rows}",
                 UserWarning,
-                stacklevel=stacklevel,
             )
             return self.num_rows
         return batch_size

@@ -5,11 +5,11 @@ transforms its output before the likelihood (:func:`report_transformed_output`),
 which the output layer's regressions would not undo.
 """
 
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.initialization._runs import run_model
 from pyro_vinit.initialization._tracing import (
     Prepared,
@@ -87,17 +87,17 @@ def transformed_output(prep: Prepared) -> Optional[Tuple[str, str]]:
     return output, param
 
 
-def report_transformed_output(prep: Prepared, who: str, stacklevel: int = 3) -> None:
+def report_transformed_output(prep: Prepared, who: str) -> None:
     """Says, in one warning, that the model transforms its output layer's output
     before the likelihood, which the regressions do not undo."""
     found = transformed_output(prep)
     if found is None:
         return
     name, param = found
-    warnings.warn(
+    warn_at_caller(
         f"{who} fits the output layer {name!r} to the targets as the likelihood's {param}, "
         "but the model transforms that layer's output before the likelihood (e.g. a "
         "de-standardization out * std + mean, an offset, a temperature), which the fit does "
         "not undo: the guide starts off by that transform. Move the transform into the "
         "data (e.g. standardize the targets) or into the layer, or initialize with "
-        "init_guide(..., method='xavier')", UserWarning, stacklevel=stacklevel)
+        "init_guide(..., method='xavier')", UserWarning)

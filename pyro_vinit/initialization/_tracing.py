@@ -4,7 +4,6 @@ likelihood and where each layer's output goes (the first pass of
 :func:`prepare`, a run of :func:`~pyro_vinit.initialization._runs.run_model`).
 """
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
@@ -35,6 +34,7 @@ from pyro_vinit._pyro_compat import (
     wrap_inner,
 )
 from pyro_vinit._typing import SampleSite, sample_site
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
 from pyro_vinit.initialization._runs import in_rows, observed_site, run_model
@@ -519,8 +519,7 @@ def trace_structure(
     return structure, first
 
 
-def report_uncovered(structure: ModelStructure, strict: bool, who: str,
-                     stacklevel: int = 3) -> None:
+def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
     """Names, in one warning (or error if ``strict``), the latent sites that the
     initializer leaves at the guide's own initial values."""
     if not structure.uncovered:
@@ -536,11 +535,10 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str,
     )
     if strict:
         raise ValueError(message + "; the guide was left unchanged.")
-    warnings.warn(message + ". Pass strict=True to make this an error.", UserWarning,
-                  stacklevel=stacklevel)
+    warn_at_caller(message + ". Pass strict=True to make this an error.", UserWarning)
 
 
-def report_held(structure: ModelStructure, who: str, stacklevel: int = 3) -> None:
+def report_held(structure: ModelStructure, who: str) -> None:
     """Names, in one warning, the latent sites hidden from the guide that the
     initializer held fixed, and at what."""
     if not structure.held:
@@ -549,11 +547,11 @@ def report_held(structure: ModelStructure, who: str, stacklevel: int = 3) -> Non
         f"{name!r} at {source} ({value.item():.4g})" if value.numel() == 1
         else f"{name!r} at {source}" for name, (value, source) in structure.held.items()
     )
-    warnings.warn(
+    warn_at_caller(
         f"{who}: the guide does not own the latent sites {list(structure.held)} (a "
         f"poutine.block around its model hides them), so it held them fixed for the whole "
         f"call: {held}. Initialize them separately, e.g. with the member of an "
-        "AutoGuideList that owns them", UserWarning, stacklevel=stacklevel)
+        "AutoGuideList that owns them", UserWarning)
 
 
 def prepare(

@@ -14,7 +14,6 @@ Bayes for Deep Models"
 """
 
 import itertools
-import warnings
 from contextlib import ExitStack
 from typing import Any, Callable, Dict, List, Optional, TypeVar, cast
 
@@ -23,6 +22,7 @@ import torch
 from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
 from pyro_vinit._pyro_compat import model_swapped
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.guides.site_params import check_supported, is_supported
 from pyro_vinit.initialization._batch_norm import write_with_norm_noise
 from pyro_vinit.initialization._collective import Collective
@@ -291,10 +291,10 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
                 "pyro_vinit.nn.bayesianize or pyro.nn.PyroSample"
             )
     if others:
-        warnings.warn(
+        warn_at_caller(
             f"init_guide_iblm initialized the members "
             f"{[type(g).__name__ for g in initialized]} of the AutoGuideList; it leaves the "
-            f"others at their own values: {others}", UserWarning, stacklevel=4)
+            f"others at their own values: {others}", UserWarning)
 
 
 def _check_output_layer_owned(guides: AutoGuideList, members: List[AutoGuide],
@@ -359,12 +359,11 @@ def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective:
         prep = prepare(guide, None, options.max_pool_size, options.chunk_rows, pool=pool,
                        owner=owner)
     collective.check_structure(prep.structure)
-    # (the warnings point at the caller of init_guide_iblm or of the initializer)
-    stacklevel = 6 if owner is None else 7
-    report_uncovered(prep.structure, options.strict, "init_guide_iblm", stacklevel=stacklevel)
-    report_held(prep.structure, "init_guide_iblm", stacklevel=stacklevel)
-    report_transformed_output(prep, "init_guide_iblm", stacklevel=stacklevel)
-    pool.effective_batch_size(options.batch_size, "init_guide_iblm", stacklevel=stacklevel)
+    # (the warnings point at the user's call: of init_guide_iblm, of fit, ...)
+    report_uncovered(prep.structure, options.strict, "init_guide_iblm")
+    report_held(prep.structure, "init_guide_iblm")
+    report_transformed_output(prep, "init_guide_iblm")
+    pool.effective_batch_size(options.batch_size, "init_guide_iblm")
     return prep
 
 
