@@ -372,6 +372,24 @@ def test_fit_checks_a_hand_written_guide_before_anything_changes(case):
     assert_identical(before, snapshot())
 
 
+@pytest.mark.parametrize("init", ["iblm", None])
+def test_fit_refuses_plain_module_parameters_under_module_local_params(init):
+    # Regression: under module_local_params=True a plain nn.Parameter of a PyroModule
+    # (BatchNorm's weight in a bayesianized net) has no .unconstrained(), on which Pyro's
+    # SVI steps: fit ran I-BLM, then failed inside pyro/infer/svi.py with "AttributeError:
+    # 'Parameter' object has no attribute 'unconstrained'"
+    x, y = blobs()
+    with pyro.settings.context(module_local_params=True):
+        net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        model = BayesianClassifier(bayesianize(net), num_data=240)
+        guide = AutoKTiedNormal(model)
+        with pytest.raises(ValueError, match=r"fit: the model's parameters \['net.1.bias', "
+                                             r"'net.1.weight'\] are plain nn.Parameters"):
+            fit(model, guide, (x, y), steps=2, batch_size=64, init=init, progress=False)
+    assert guide.prototype_trace is None and not list(guide.parameters())
+    assert not list(pyro.get_param_store().keys())
+
+
 def test_fit_refuses_a_num_data_that_is_not_the_data_size():
     x, y = blobs()
     model = classifier(num_data=1000)

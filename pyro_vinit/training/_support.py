@@ -212,13 +212,36 @@ def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
             ) from e
 
 
+def _check_param_sites(trace: poutine.Trace, role: str) -> None:
+    """Every param site of ``trace`` (of the user's ``role``: model or guide) has
+    the unconstrained tensor on which Pyro's SVI steps: under
+    ``module_local_params=True`` a plain ``nn.Parameter`` of a ``PyroModule``
+    (e.g. BatchNorm's weight) has none."""
+    plain = sorted(name for name, site in trace.nodes.items()
+                   if site["type"] == "param" and not hasattr(site["value"], "unconstrained"))
+    if plain:
+        raise ValueError(
+            f"fit: the {role}'s parameters {plain[:5]} are plain nn.Parameters of a "
+            "PyroModule, which Pyro's SVI (fit's step) cannot train under pyro.settings."
+            "set(module_local_params=True) (it steps on each param's .unconstrained()): "
+            "train with module_local_params=False, or in a PyTorch-native loop "
+            "(pyro_vinit.poutine.HandledELBO and a torch optimizer, the Scaling-out page)"
+        )
+
+
 def _check_guide(guide: Callable[..., Any], batch: Batch) -> None:
     """A hand-written guide (a function, not an autoguide or a ``PyroModule``) runs
     on the first batch and draws every latent site reparameterized, as fit's ELBO
-    needs: checked in :func:`_sandbox`, before set-up writes the param store."""
-    if isinstance(guide, (AutoGuide, PyroModule)):
+    needs: checked in :func:`_sandbox`, before set-up writes the param store. Under
+    ``module_local_params=True`` a hand-written ``PyroModule`` runs too, for
+    :func:`_check_param_sites`."""
+    if isinstance(guide, AutoGuide) or (isinstance(guide, PyroModule) and not pyro.settings.get(
+            "module_local_params")):
         return  # (an autoguide refuses what it cannot draw at its own set-up)
     trace = _trial_trace(guide, *batch, "the first batch", role="guide")
+    _check_param_sites(trace, "guide")
+    if isinstance(guide, PyroModule):
+        return
     drawn = {name: type(_base(site["fn"])).__name__ for name, site in trace.nodes.items()
              if site["type"] == "sample" and not site["is_observed"]
              and not getattr(site["fn"], "has_rsample", False)}
@@ -285,6 +308,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
             f"rows; build it with num_data={num_data}"
         )
     trace = _trial_trace(model, x, y, "the first batch")
+    _check_param_sites(trace, "model")
     observed = _likelihoods(trace, model)
     if not observed:
         raise ValueError(
