@@ -384,9 +384,29 @@ def test_fit_refuses_plain_module_parameters_under_module_local_params(init):
         model = BayesianClassifier(bayesianize(net), num_data=240)
         guide = AutoKTiedNormal(model)
         with pytest.raises(ValueError, match=r"fit: the model's parameters \['net.1.bias', "
-                                             r"'net.1.weight'\] are plain nn.Parameters"):
+                                             r"'net.1.weight'\] are not the param store's.*"
+                                             "module_local_params=True"):
             fit(model, guide, (x, y), steps=2, batch_size=64, init=init, progress=False)
     assert guide.prototype_trace is None and not list(guide.parameters())
+    assert not list(pyro.get_param_store().keys())
+
+
+def test_fit_refuses_a_param_fixed_by_poutine_substitute():
+    # Regression: SVI cannot step on a substituted param's value (no .unconstrained()):
+    # fit failed in I-BLM saying that module_local_params=True, which was not set
+    x = torch.randn(64, 3)
+    y = x.sum(-1)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, 3]).to_event(2))
+        sigma = pyro.param("sigma", torch.tensor(1.0), constraint=dist.constraints.positive)
+        with pyro.plate("data", 64, subsample_size=x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), sigma), obs=y)
+
+    fixed = pyro.poutine.substitute(model, data={"sigma": torch.tensor(0.3)})
+    with pytest.raises(ValueError, match=r"fit: the model's parameters \['sigma'\] are not "
+                                         r"the param store's.*poutine.substitute"):
+        fit(fixed, AutoKTiedNormal(fixed), (x, y), steps=2, batch_size=16, progress=False)
     assert not list(pyro.get_param_store().keys())
 
 

@@ -214,18 +214,21 @@ def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
 
 def _check_param_sites(trace: poutine.Trace, role: str) -> None:
     """Every param site of ``trace`` (of the user's ``role``: model or guide) has
-    the unconstrained tensor on which Pyro's SVI steps: under
-    ``module_local_params=True`` a plain ``nn.Parameter`` of a ``PyroModule``
-    (e.g. BatchNorm's weight) has none."""
+    the unconstrained tensor on which Pyro's SVI steps, which the param store's
+    have: under ``module_local_params=True`` a plain ``nn.Parameter`` of a
+    ``PyroModule`` (e.g. BatchNorm's weight) has none, nor a value that
+    ``poutine.substitute`` gives a param."""
     plain = sorted(name for name, site in trace.nodes.items()
                    if site["type"] == "param" and not hasattr(site["value"], "unconstrained"))
     if plain:
         raise ValueError(
-            f"fit: the {role}'s parameters {plain[:5]} are plain nn.Parameters of a "
-            "PyroModule, which Pyro's SVI (fit's step) cannot train under pyro.settings."
-            "set(module_local_params=True) (it steps on each param's .unconstrained()): "
-            "train with module_local_params=False, or in a PyTorch-native loop "
-            "(pyro_vinit.poutine.HandledELBO and a torch optimizer, the Scaling-out page)"
+            f"fit: the {role}'s parameters {plain[:5]} are not the param store's, and Pyro's "
+            "SVI (fit's step) trains only those (it steps on each param's .unconstrained()): "
+            "under pyro.settings.set(module_local_params=True) they are plain nn.Parameters "
+            "of a PyroModule (train with module_local_params=False, or in a PyTorch-native "
+            "loop: pyro_vinit.poutine.HandledELBO and a torch optimizer, the Scaling-out "
+            "page); a value that poutine.substitute gives a param: make it a constant of "
+            "the model"
         )
 
 
