@@ -14,6 +14,7 @@ from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, PyroSample
 from torch import nn
 
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.initialization.pretrained import TRAINED_PREFIX
 
 __all__ = ["BayesianClassifier", "BayesianRegressor", "bayesianize", "mlp"]
@@ -290,13 +291,12 @@ def _warn_minibatches(
         model._observed_rows = rows
     elif rows != seen:
         model._warned_num_data = True
-        warnings.warn(
+        warn_at_caller(  # the user's call (of the model, of svi.step), not nn.Module's
             f"{type(model).__name__}: conditioned on batches of {seen} and {rows} rows without "
             "num_data. On minibatches pass num_data=<size of the training set>: without it "
             "the likelihood is not scaled up to the data set and the KL term weighs "
             "N / batch times too much",
             UserWarning,
-            stacklevel=3,
         )
 
 

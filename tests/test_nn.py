@@ -396,6 +396,7 @@ def test_no_num_data_warns_once_on_batches_of_different_sizes():
         model(x[:20], y[:20])
         model(x, y)
     assert len(caught) == 1 and "num_data" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the call of the model, not nn.Module's
     scaled = BayesianRegressor(bayesianize(mlp((4, 1))), num_data=30)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
