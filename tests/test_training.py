@@ -898,6 +898,19 @@ def test_a_guide_function_needs_init_none():
     assert snapshot() == {}
 
 
+def test_an_autoguide_i_blm_cannot_read_needs_init_none():
+    # Regression: fit(model, AutoDelta(model), ...) raised site_params' "AutoDelta is not
+    # a supported guide ... register the class", naming no init=None; with it, fit trains
+    x, y = blobs()
+    model = classifier()
+    guide = AutoDelta(model)
+    with pytest.raises(TypeError, match=r"^fit: I-BLM cannot initialize a guide of class "
+                                        r"AutoDelta .*pass init=None"):
+        fit(model, guide, (x, y), steps=2, progress=False)
+    assert snapshot() == {} and guide.prototype_trace is None
+    fit(model, guide, (x, y), steps=2, progress=False, init=None)
+
+
 # ---- update_batch_norm -------------------------------------------------------------------
 
 
