@@ -23,7 +23,7 @@ from pyro.infer.autoguide import AutoGuide, AutoGuideList
 from pyro.optim import PyroOptim
 from torch import nn
 
-from pyro_vinit.guides.site_params import is_supported
+from pyro_vinit.guides.site_params import _supported_names, is_supported
 from pyro_vinit.initialization import init_guide_iblm
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.training._inductor import compile_pays
@@ -260,10 +260,8 @@ def fit(
             and not is_supported(guide)):
         raise TypeError(
             f"fit: I-BLM cannot initialize a guide of class {type(guide).__name__} (it reads and "
-            "writes the per-site posteriors of AutoKTiedNormal, AutoMeanFieldNormal, "
-            "AutoRadialNormal, AutoNormal, AutoDiagonalNormal and "
-            "AutoLowRankMultivariateNormal); pass init=None to train this guide from its own "
-            "initial values"
+            f"writes the per-site posteriors of {', '.join(_supported_names())}); pass "
+            "init=None to train this guide from its own initial values"
         )
     path = os.fspath(checkpoint) if checkpoint is not None else None
     resumed = _load(path) if path is not None and os.path.exists(path) else None
