@@ -74,11 +74,17 @@ def test_figures_file_is_consistent():
             assert row.get("unspecified", 0) <= row["equivalent"], row
 
 
-def test_mutate_refuses_a_resume_that_would_reset_the_results(tmp_path):
+def _mutate_module():
+    """tools/mutate.py, imported (tools/ is no package)."""
     spec = importlib.util.spec_from_file_location(
         "mutate", os.path.join(ROOT, "tools", "mutate.py"))
     mutate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mutate)
+    return mutate
+
+
+def test_mutate_refuses_a_resume_that_would_reset_the_results(tmp_path):
+    mutate = _mutate_module()
     config = mutate._config(["pyro_vinit/training"], ["tests/training"], ["-q"], 15.0)
     assert mutate.resume_refusal(tmp_path, config) is None  # no run yet
     (tmp_path / "pyproject.toml").write_text(config)
@@ -101,10 +107,7 @@ def _meta(workdir, name, codes, hashes):
 
 
 def test_mutate_ledger_carries_results_to_a_fresh_run(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "mutate", os.path.join(ROOT, "tools", "mutate.py"))
-    mutate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mutate)
+    mutate = _mutate_module()
     settings = mutate._config(["pyro_vinit/training"], ["tests/training"], ["-q"], 15.0)
     ledger = tmp_path / "ledger" / "training.json"
     run = tmp_path / "run"
