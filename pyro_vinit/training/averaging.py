@@ -162,10 +162,17 @@ class ParamAverage:
         devices of the parameters of the same names."""
         store = self._source()
         unknown = sorted(set(state["average"]) - set(store))
+        where = "the module" if self.module is not None else "the param store"
         if unknown:
-            where = "the module" if self.module is not None else "the param store"
             raise ValueError(f"ParamAverage.set_state: {unknown[:5]} are not parameters of "
                              f"{where}")
+        shapes = sorted(f"{name} {tuple(value.shape)} vs {tuple(store[name].shape)}"
+                        for name, value in state["average"].items()
+                        if value.shape != store[name].shape)
+        if shapes:  # the average would start over at the parameters, silently
+            raise ValueError(f"ParamAverage.set_state: averages of other shapes than the "
+                             f"parameters of {where} ({', '.join(shapes[:5])}): a state of "
+                             "another model")
         self.decay = float(state["decay"])
         self.count = int(state["count"])
         self._params = {name: store[name] for name in state["average"]}

@@ -119,6 +119,15 @@ def test_state_round_trip_and_unknown_names():
     with pytest.raises(ValueError, match=r"\['z0', 'z1', 'z2', 'z3', 'z4'\] are not "
                                          r"parameters of the module$"):
         ParamAverage(module=torch.nn.Linear(1, 1)).set_state({**state, "average": many})
+    # a state of another model: averages of other shapes, refused before anything changes
+    module = torch.nn.Linear(2, 1)
+    average = ParamAverage(module=module)
+    with pytest.raises(ValueError, match=r"^ParamAverage.set_state: averages of other shapes "
+                                         r"than the parameters of the module \(weight \(1, 3\) "
+                                         r"vs \(1, 2\)\): a state of another model$"):
+        average.set_state({"decay": 0.5, "count": 4,
+                           "average": {"weight": torch.zeros(1, 3), "bias": torch.zeros(1)}})
+    assert (average.decay, average.count, average._average) == (0.99, 0, {})
 
 
 def test_set_state_casts_the_averages_to_the_parameters_dtype():
