@@ -128,6 +128,13 @@ def test_state_round_trip_and_unknown_names():
         average.set_state({"decay": 0.5, "count": 4,
                            "average": {"weight": torch.zeros(1, 3), "bias": torch.zeros(1)}})
     assert (average.decay, average.count, average._average) == (0.99, 0, {})
+    # the first five of six, sorted by name
+    module = torch.nn.Sequential(*[torch.nn.Linear(1, 1) for _ in range(3)])
+    wrong = {name: torch.zeros(2, 2) for name, _ in module.named_parameters()}
+    shapes = [f"{name} (2, 2) vs {tuple(p.shape)}" for name, p in module.named_parameters()]
+    with pytest.raises(ValueError) as error:
+        ParamAverage(module=module).set_state({"decay": 0.5, "count": 1, "average": wrong})
+    assert f"({', '.join(sorted(shapes)[:5])}): a state" in str(error.value)
 
 
 def test_set_state_casts_the_averages_to_the_parameters_dtype():
