@@ -224,12 +224,12 @@ class CapturedSVI(SVI):
         instead (a step that cannot be traced at all still falls back to
         ``SVI``'s, as above); False replays operator by operator.
     :param bool compile: Compile each graph with inductor
-        (``torch._inductor``, its random draws left to PyTorch's generator:
-        the same draws and values as the eager step) and call the compiled
-        code instead of the replay, on the CPU or a CUDA device (there
-        replayed as a CUDA graph, as ``cuda_graph`` says; inductor may order
-        independent draws its own way there: the same distribution and the
-        same run for a seed, not the eager step's values). A compile takes
+        (``torch._inductor``, its random draws left to PyTorch's generator)
+        and call the compiled code instead of the replay: on the CPU the
+        eager step's draws and values; on a CUDA device replayed as a CUDA
+        graph (as ``cuda_graph`` says), where inductor may order independent
+        draws its own way: the same distribution and the same run for a
+        seed, not the eager step's values. A compile takes
         seconds to tens of seconds: it pays in runs of many thousands of
         steps (see the "Performance" page). Where inductor fails, or the step
         writes to a tensor it does not make (BatchNorm's running statistics),
