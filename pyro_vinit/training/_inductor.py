@@ -6,22 +6,36 @@ API compiles an aten graph as it stands.
 """
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, cast
 
 import torch
 
 __all__ = ["compile_pays", "graph_size", "held_write", "inductor_compile"]
 
-# fit's cost model of a compile on the CPU, fitted to five steps (the race's three
-# problems and the MLP 64-400-400-10 at batch 128 and 1000; one thread;
-# benchmarks/bench_fit_compile.py): the compiled step saves about _SAVED_PER_OPERATOR
-# seconds per operator of the traced graph and _SAVED_PER_ELEMENT per element that its
-# operators write; tracing again and compiling costs about _COMPILE_SECONDS, inductor's
-# start-up in the process included, plus _COMPILE_PER_OPERATOR per operator.
-_SAVED_PER_OPERATOR = 2.5e-6
-_SAVED_PER_ELEMENT = 1.3e-10
-_COMPILE_SECONDS = 21.0
-_COMPILE_PER_OPERATOR = 6e-3
+
+class _CostModel(NamedTuple):
+    """A compiled step saves about ``saved_per_operator`` seconds per operator of the
+    traced graph and ``saved_per_element`` per element its operators write; tracing
+    again and compiling costs about ``compile_seconds`` (inductor's start-up in the
+    process included) plus ``compile_per_operator`` per operator."""
+
+    saved_per_operator: float
+    saved_per_element: float
+    compile_seconds: float
+    compile_per_operator: float
+
+
+# fit's cost models of a compile, by the device type of every tensor of the graph. The
+# CPU's is fitted to five steps (the race's three problems and the MLP 64-400-400-10 at
+# batch 128 and 1000; one thread; benchmarks/bench_fit_compile.py). CUDA's to the MLP
+# 64-w-w-10 (586 operators) at widths 400 and 2000, batch 128 and 1024, on an H100 and an
+# H200 (benchmarks/gpu_check.py): the compile saves 1.25-1.68 us per operator over the
+# uncompiled CUDA graph, and its tracing step takes 7-19 s, the most for the first in
+# the process; the saving is taken at its low end, the cost at its high end.
+_COST_MODELS: Dict[str, _CostModel] = {
+    "cpu": _CostModel(2.5e-6, 1.3e-10, 21.0, 6e-3),
+    "cuda": _CostModel(1.25e-6, 1e-12, 17.0, 6e-3),
+}
 #: fit compiles where the projected saving repays the compile this many times over.
 _PAYBACK = 2.0
 
@@ -78,27 +92,33 @@ def graph_size(graph: torch.fx.GraphModule) -> Tuple[int, int]:
     return operators, elements
 
 
-def _off_cpu(graph: torch.fx.GraphModule) -> bool:
-    """Whether ``graph`` reads or makes a tensor off the CPU."""
+def _device_types(graph: torch.fx.GraphModule) -> Set[str]:
+    """The device types of the tensors of one dimension or more that ``graph`` reads
+    or makes (not scalars: Pyro's plate makes its zero log-density on the CPU)."""
+    found = set()
     for node in graph.graph.nodes:
         value = node.meta.get("val")
         for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
-                return True
-    return False
+            if isinstance(tensor, torch.Tensor) and tensor.dim():
+                found.add(tensor.device.type)
+    return found
 
 
 def compile_pays(graph: torch.fx.GraphModule, steps: int) -> bool:
     """
     Whether compiling ``graph`` is projected to save, over ``steps``
-    replays, at least twice what the compile costs; never for a graph with a
-    tensor off the CPU (a model on CUDA that moves its CPU data there).
+    replays, at least twice what the compile costs, by the cost model of the
+    one device type its tensors are on (the CPU's or CUDA's; scalars aside);
+    never for a graph on two device types (a model on CUDA that moves its CPU
+    data there: not a CUDA graph) or on another device.
     """
-    if _off_cpu(graph):
+    types = _device_types(graph)
+    model = _COST_MODELS.get(types.pop()) if len(types) == 1 else None
+    if model is None:
         return False
     operators, elements = graph_size(graph)
-    saved = _SAVED_PER_OPERATOR * operators + _SAVED_PER_ELEMENT * elements
-    cost = _COMPILE_SECONDS + _COMPILE_PER_OPERATOR * operators
+    saved = model.saved_per_operator * operators + model.saved_per_element * elements
+    cost = model.compile_seconds + model.compile_per_operator * operators
     return steps * saved >= _PAYBACK * cost
 
 

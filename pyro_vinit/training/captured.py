@@ -150,11 +150,15 @@ def _reuse_dead_buffers(graph: torch.fx.GraphModule) -> int:
 
 
 class _Capture:
-    """One traced step: the graph and the parameters it reads, in order."""
+    """One traced step: what replays it (the graph, inductor's code or a CUDA graph
+    of either), the parameters it reads, in order, and the traced graph where it is
+    replayed uncompiled."""
 
-    def __init__(self, graph: Callable[..., Any], params: List[torch.Tensor]) -> None:
+    def __init__(self, graph: Callable[..., Any], params: List[torch.Tensor],
+                 uncompiled: Optional[torch.fx.GraphModule] = None) -> None:
         self.graph = graph
         self.params = params
+        self.uncompiled = uncompiled
 
 
 def _describe(error: BaseException) -> str:
@@ -282,8 +286,8 @@ class CapturedSVI(SVI):
 
     def _compile_from_next_step(self) -> None:
         """
-        Compiles each graph from its next step on (fit's choice for a long run;
-        CPU): the held graphs are traced again from their first steps' records.
+        Compiles each graph from its next step on (fit's choice for a long
+        run): the held graphs are traced again from their first steps' records.
         A step that inductor's copy would get wrong (:func:`held_write`) stays
         replayed without a warning; a failed compile warns once, as with
         ``compile=True``.
@@ -293,9 +297,9 @@ class CapturedSVI(SVI):
         self._captures.clear()
 
     def _graphs(self) -> List[torch.fx.GraphModule]:
-        """The held graphs that are replayed operator by operator."""
-        return [c.graph for c in self._captures.values()
-                if isinstance(c.graph, torch.fx.GraphModule)]
+        """The held graphs replayed uncompiled (operator by operator, or as a CUDA
+        graph)."""
+        return [c.uncompiled for c in self._captures.values() if c.uncompiled is not None]
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
@@ -460,7 +464,7 @@ class CapturedSVI(SVI):
                 replay = self._capture_cuda_graph(graph, replay, params, tensors, device)
             finally:
                 self._restore(buffers, saved, cpu_rng, cuda_rng)  # the warm-up run's updates
-        capture = _Capture(replay, params)
+        capture = _Capture(replay, params, graph if compiled is None else None)
         self._captures[key] = capture
         return capture
 

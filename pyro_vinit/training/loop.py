@@ -180,14 +180,15 @@ def fit(
     :param capture: Take the steps through :class:`CapturedSVI` (the
         step traced once and replayed: the same losses under the same seed);
         None (default) does where it pays for its tracing: for a call of 300
-        steps or more on a CPU, 100 on CUDA; on a CPU it also compiles the
-        traced step with inductor where the captured steps left are projected
-        to save twice the compile's cost (tens of seconds; see the "Training"
-        method page). Batches of another shape than the first (an epoch's last,
-        partial batch) take the eager step. ``"compile"``: captured and
-        compiled (``CapturedSVI(compile=True)``; on a CPU or CUDA, where
-        its draws may come in another order than the eager step's), however
-        short the run; True: captured, never compiled.
+        steps or more on a CPU, 100 on CUDA; it also compiles the traced step
+        with inductor where the captured steps left are projected to save
+        twice the compile's cost (tens of seconds, repaid over tens of
+        thousands of steps; see the "Training" method page). Batches of
+        another shape than the first (an epoch's last, partial batch) take the
+        eager step. ``"compile"``: captured and compiled
+        (``CapturedSVI(compile=True)``; on a CPU or CUDA, where its draws may
+        come in another order than the eager step's), however short the run;
+        True: captured, never compiled.
     :type capture: bool or str
     :param float average: The decay of the moving average of the parameters
         (:class:`ParamAverage`) instead of 0.99: validation evaluates the
@@ -331,10 +332,10 @@ def fit(
     elbo = config.elbo()
     svi = SVI(model, guide, optim, elbo)
     captured: Optional[CapturedSVI] = None
-    # capture=None compiles a CPU step whose graph, once traced, projects a saving over
-    # the captured steps left (not the partial batches') that repays the compile twice
-    # (_inductor.compile_pays)
-    may_compile = capture is None and batches.first[0].device.type == "cpu"
+    # capture=None compiles a step whose graph, once traced, projects a saving over the
+    # captured steps left (not the partial batches') that repays the compile twice, by
+    # its device's cost model (_inductor.compile_pays)
+    may_compile = capture is None
     if capture == "compile" or _use_capture(cast(Optional[bool], capture), steps - done,
                                             batches.first[0].device):
         captured = CapturedSVI(model, guide, optim, elbo, compile=capture == "compile")

@@ -269,9 +269,37 @@ def test_compile_pays_where_the_projected_saving_repays_the_compile_twice():
     assert compile_pays(graph, int(threshold) + 1)
 
 
-def test_compile_pays_never_for_a_graph_off_the_cpu():
+def _fake_cuda_graph(step):
+    """``step`` of a 1000 x 1000 tensor traced on CUDA (fake tensors: no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        a = torch.empty(1000, 1000, device="cuda")
+    return make_fx(step, tracing_mode="fake")(a)
+
+
+def test_compile_pays_on_cuda_by_cuda_cost_model():
+    # the saving and cost fitted to gpu_check's MLP on an H100 and an H200; a CPU scalar
+    # (Pyro's plate makes its zero log-density on the CPU) does not count as a device
+    graph = _fake_cuda_graph(lambda a: (a * 2).sum() + torch.zeros(()))
+    assert {n.meta["val"].device.type for n in graph.graph.nodes if "val" in n.meta} == {
+        "cuda", "cpu"}
+    operators, elements = graph_size(graph)
+    assert operators == 4 and elements == 1000003  # mul, sum, zeros, add
+    saved = 4 * 1.25e-6 + 1000003 * 1e-12  # seconds a step
+    cost = 17.0 + 4 * 6e-3
+    threshold = 2 * cost / saved  # about 5.7 million steps
+    assert not compile_pays(graph, int(threshold) - 1)
+    assert compile_pays(graph, int(threshold) + 1)
+    # a CPU tensor with elements: not one CUDA graph, not compiled
+    mixed = _fake_cuda_graph(lambda a: ((a * 2).sum(), torch.zeros(3)))
+    assert not compile_pays(mixed, 10**12)
+
+
+def test_compile_pays_never_for_a_graph_on_two_devices_or_another_device():
     # a model on CUDA that moves fit's CPU data there: the data's device alone would allow
-    # a compile, which CapturedSVI(compile=True) refuses for its parameters mid-run
+    # a compile, which would not be replayed as a CUDA graph
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def step(w, x):
@@ -281,6 +309,9 @@ def test_compile_pays_never_for_a_graph_off_the_cpu():
     assert compile_pays(on_cpu, 10**9)
     parameter_off = make_fx(step)(torch.ones(1000, 1000, device="meta"), torch.ones(1000, 1000))
     assert not compile_pays(parameter_off, 10**9)
+    elsewhere = make_fx(step)(torch.ones(1000, 1000, device="meta"),
+                              torch.ones(1000, 1000, device="meta"))
+    assert not compile_pays(elsewhere, 10**9)  # no cost model measured there
 
 
 def test_compile_pays_for_the_docs_example():
@@ -447,4 +478,70 @@ def test_compiled_step_in_a_cuda_graph_restores_the_warm_up(monkeypatch, replay)
         assert not isinstance(capture.graph, (torch.fx.GraphModule, _FakeCudaGraph))
     else:
         assert messages == [] and isinstance(capture.graph, _FakeCudaGraph)
+    assert svi._graphs() == []  # compiled: nothing left for fit to compile
     _assert_same_run(eager, other)
+
+
+def test_an_uncompiled_cuda_graph_is_offered_to_fits_cost_model(monkeypatch):
+    # fit decides on the traced graph under the CUDA graph (a stand-in here), then
+    # compiles from the next step: traced again, compiled, captured as a CUDA graph again
+    monkeypatch.setattr(training_captured, "CudaGraphReplay", _FakeCudaGraph)
+    monkeypatch.setattr(training_captured, "off_device", lambda graph, device: None)
+    monkeypatch.setattr(CapturedSVI, "_graph_device", lambda self, p, t: torch.device("cuda"))
+    compiled = []
+
+    def compile_(graph, params, tensors):
+        compiled.append(graph)
+        return lambda p, t: graph(p, t)
+
+    monkeypatch.setattr(training_captured, "inductor_compile", compile_)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model, make_guide, data, _ = PROBLEMS["mlp"]("cpu")
+    svi = CapturedSVI(model, make_guide(model), GradRecorder(1e-2), TraceMeanField_ELBO())
+    for _ in range(2):  # eager, then traced and captured
+        svi.step(*data)
+    (capture,) = svi._captures.values()
+    (graph,) = svi._graphs()
+    assert isinstance(capture.graph, _FakeCudaGraph) and graph is capture.uncompiled
+    assert graph_size(graph)[0] > 20 and compiled == []
+    svi._compile_from_next_step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        svi.step(*data)
+    (capture,) = svi._captures.values()
+    assert len(compiled) == 1 and svi.compile_failure is None
+    assert isinstance(capture.graph, _FakeCudaGraph) and capture.uncompiled is None
+    assert svi._graphs() == []
+
+
+@pytest.mark.skipif(_no_inductor() is not None, reason=str(_no_inductor()))
+def test_fit_compiles_a_long_cuda_run(device, monkeypatch):
+    # capture=None on CUDA: CUDA graph first, fit's cost model on its traced graph, then
+    # inductor's code captured as a CUDA graph from the next step; the same run per seed
+    if device.type != "cuda":
+        pytest.skip("the CPU's automatic compile: test_fit_compiles_a_run_whose_saving_...")
+    monkeypatch.setattr(training_loop, "_CAPTURE_MIN_STEPS", {"cuda": 1})
+    offered = []
+
+    def deciding(graph, steps):  # the real model, then a run long enough to repay it
+        offered.append((compile_pays(graph, steps), compile_pays(graph, 10**9)))
+        return True
+
+    monkeypatch.setattr(training_loop, "compile_pays", deciding)
+    runs = []
+    for _ in range(2):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        x = torch.randn(64, 5, device=device)
+        y = torch.arange(64, device=device) % 3
+        model = BayesianClassifier(bayesianize(mlp((5, 8, 3))), num_data=64).to(device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            history = fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=8,
+                          batch_size=32, init=None, progress=False)
+        runs.append(history.loss)
+    assert offered == [(False, True)] * 2  # 6 steps left: far too few
+    assert history.captured and history.compiled
+    assert all(torch.isfinite(torch.tensor(run)).all() for run in runs)
+    assert runs[0] == runs[1] and len(set(runs[0])) == len(runs[0])
