@@ -35,7 +35,7 @@ operators, grouped).
 Usage::
 
     python -m benchmarks.bench_regional_compile            # full run (about 10 minutes)
-    python -m benchmarks.bench_regional_compile --quick    # smoke run, no files
+    python -m benchmarks.bench_regional_compile --quick    # smoke run (no whole-graph control), no files
 """
 
 import contextlib
@@ -256,16 +256,17 @@ def eager_loss_and_grads(parts, x, y):
     return loss.detach(), grads
 
 
-def agreement(x, y, num_data, dtype, seed=7):
+def agreement(x, y, num_data, dtype, seed=7, variants=VARIANTS):
     """Largest relative difference of the loss and of each gradient (to its
     largest element) between each graph (the library's replay, the control,
-    and each compiled one) and the eager step, under the same seed."""
+    and each compiled one of ``variants``) and the eager step, under the same
+    seed."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         x = x.to(dtype)
         out = {}
-        for name, variant in {REPLAY: None, **VARIANTS}.items():
+        for name, variant in {REPLAY: None, **variants}.items():
             pyro.set_rng_seed(0)
             _, parts = fit_step(x, y, num_data, variant)
             params = parts["capture"].params
@@ -310,13 +311,13 @@ def where_time_goes(step, steps):
     return {"wall_ms": 1e3 * wall / steps, "groups_ms": groups}
 
 
-def configurations(batch, x, y, num_data, again=True):
+def configurations(batch, x, y, num_data, again=True, variants=VARIANTS):
     xb, yb = x[:batch], y[:batch]
     configs, compiled = {}, {}
     if BAYESIAN_TORCH is not None:
         configs[BT] = bayesian_torch_step(LinearReparameterization, SIZES, xb, yb, num_data)
     configs[REPLAY], _ = fit_step(xb, yb, num_data)
-    for name, variant in VARIANTS.items():
+    for name, variant in variants.items():
         configs[name], parts = fit_step(xb, yb, num_data, variant, again=again, cold=True)
         compiled[name] = {key: parts[key] for key in ("compile_s", "compile_again_s",
                                                       "regions")}
@@ -391,13 +392,16 @@ def main(args):
     pyro.settings.set(module_local_params=True)  # guides side by side, as nn.Modules
     host = host_info()
     x, y, _, _ = load_digits()
+    # the smoke run compiles each path once (whole graph: the library's own path)
+    variants = {k: v for k, v in VARIANTS.items() if k != WHOLE} if args.quick else VARIANTS
     results = {"config": vars(args), "sizes": SIZES, "bayesian_torch": BAYESIAN_TORCH,
                "inductor_startup_s": startup_s, "batches": {}, "agreement": {}}
     try:
         with pyro.validation_enabled(True):
             for batch in args.batches:
                 pyro.set_rng_seed(0)
-                configs, compiled = configurations(batch, x, y, len(x), again=not args.quick)
+                configs, compiled = configurations(batch, x, y, len(x), again=not args.quick,
+                                                   variants=variants)
                 timings = time_interleaved(configs, rounds=args.rounds, block=args.block,
                                            warmup=args.warmup)
                 results["batches"][batch] = {
@@ -412,8 +416,9 @@ def main(args):
                 print(f"  batch {batch} done", flush=True)
             batch = args.batches[0]
             for dtype in (torch.float64,) if args.quick else (torch.float64, torch.float32):
-                results["agreement"][str(dtype)] = agreement(x[:batch], y[:batch], len(x),
-                                                             dtype)
+                results["agreement"][str(dtype)] = agreement(
+                    x[:batch], y[:batch], len(x), dtype,
+                    variants={LIBRARY: "library"} if args.quick else VARIANTS)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     text = report(results, host, host_info()["load_average"])
