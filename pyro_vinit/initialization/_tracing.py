@@ -489,8 +489,10 @@ def trace_structure(
         for name in layer.site_names:
             if name in seen:
                 raise ValueError(
-                    f"the latent site {name!r} is used by more than one layer call; I-BLM "
-                    "needs each Bayesian layer's weight and bias to be used once"
+                    f"the latent site {name!r} is used by more than one layer call (a "
+                    "shared weight); I-BLM needs each Bayesian layer's weight and bias to be "
+                    "used once: train this model from the guide's own initial values "
+                    "(fit(..., init=None), or SVI without init_guide_iblm)"
                 )
             seen.add(name)
     likelihood = None

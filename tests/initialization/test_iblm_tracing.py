@@ -55,3 +55,32 @@ def test_map_refuses_a_model_with_two_observed_sites_by_name():
                "likelihood); found ['obs_a', 'obs_b']")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         init_guide(guide, (x, y), method="map", batch_size=20, map_steps=2)
+
+
+def _shared_weight_model(x, y=None):
+    # one weight in two layer calls, as a forum user ties an encoder's layers
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([4, 4]).to_event(2))
+    v = pyro.sample("v", dist.Normal(0.0, 1.0).expand([1, 4]).to_event(2))
+    h = torch.relu(torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w)), w))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal(torch.nn.functional.linear(h, v).squeeze(-1), 0.1), obs=y)
+
+
+@pytest.mark.parametrize("call", ["init_guide_iblm", "fit"])
+def test_a_shared_weight_is_refused_by_name_before_anything_changes(call):
+    from pyro_vinit import fit, init_guide_iblm
+
+    x, y = torch.randn(30, 4), torch.randn(30)
+    guide = AutoNormal(_shared_weight_model)
+    if call == "init_guide_iblm":  # set up: its parameters come out as they went in
+        guide(x, y)  # (fit takes a set-up guide as initialized and skips I-BLM)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.raises(ValueError, match=r"the latent site 'w' is used by more than one "
+                       r"layer call .*fit\(\.\.\., init=None\)"):
+        if call == "fit":
+            fit(_shared_weight_model, guide, (x, y), steps=2, progress=False)
+        else:
+            init_guide_iblm(guide, (x, y))
+    after = dict(pyro.get_param_store().items())
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
