@@ -99,7 +99,7 @@ def _device_types(graph: torch.fx.GraphModule) -> Set[str]:
     for node in graph.graph.nodes:
         value = node.meta.get("val")
         for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and tensor.dim():
                 found.add(tensor.device.type)
     return found
 

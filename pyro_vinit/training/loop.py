@@ -173,12 +173,14 @@ def fit(
         the optimizer's state, the RNG states and the step are saved every
         ``checkpoint_every`` steps and at the end; if it exists, training
         resumes from it (bit-identically for an ``(x, y)`` pair, unless the
-        step is compiled: inductor's float rounding is its own). Refused under
+        step is compiled: inductor's float rounding is its own, and on CUDA
+        the order of its draws). Refused under
         ``module_local_params=True``, whose parameters the store lacks.
     :type checkpoint: str or os.PathLike
     :param int checkpoint_every: Steps between checkpoints (default: only at the end).
     :param capture: Take the steps through :class:`CapturedSVI` (the
-        step traced once and replayed: the same losses under the same seed);
+        step traced once and replayed: the same losses under the same seed,
+        uncompiled);
         None (default) does where it pays for its tracing: for a call of 300
         steps or more on a CPU, 100 on CUDA; it also compiles the traced step
         with inductor where the captured steps left are projected to save
