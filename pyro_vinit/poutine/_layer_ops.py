@@ -25,6 +25,7 @@ __all__ = [
     "MATMUL_OPS",
     "LayerCall",
     "batched_layer",
+    "check_batched_input",
     "find_layer_call",
     "is_batched",
     "parse_layer_call",
@@ -290,6 +291,65 @@ def is_batched(op: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> b
     dims (e.g. a sample dim of :class:`~pyro.infer.Predictive` with
     ``parallel=True``), which ``F.<op>`` does not take."""
     return weight.dim() > _spatial(op) + 2 or (bias is not None and bias.dim() > 1)
+
+
+def in_features(op: str, weight: torch.Tensor, kwargs: Dict[str, Any]) -> int:
+    """The size of the input's feature dim (``linear``) or channel dim
+    (``conv*d``) that ``F.<op>`` takes with ``weight``."""
+    if op == "linear":
+        return int(weight.shape[-1])
+    return int(weight.shape[weight.dim() - _spatial(op) - 1]) * int(kwargs.get("groups", 1))
+
+
+def check_batched_input(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    kwargs: Dict[str, Any],
+    name: Optional[str] = None,
+) -> None:
+    """
+    Raises a :class:`ValueError` if ``input`` cannot be the input of
+    ``F.<op>`` with ``weight`` that has leading batch dims (a batched layer
+    call, :func:`is_batched`) because its feature (``linear``) or channel
+    (``conv*d``) dim does not have the size the weight takes.
+
+    Where the layers before such a call ran batched, their outputs carry
+    the weight's batch dims on the left of the model's own dims; a reshape
+    of such an output that counts dims from the left (``nn.Flatten()``,
+    ``x.flatten(1)``, ``x.view(x.size(0), -1)``, ``x.reshape(len(x), -1)``)
+    merges them into the features. No rule can tell which dims were merged,
+    so the call is refused, before the layer runs, with the spellings that
+    count from the right (as Pyro's vectorized models must).
+
+    :param str op: ``"linear"``, ``"conv1d"``, ``"conv2d"`` or ``"conv3d"``.
+    :param torch.Tensor input: The layer's input.
+    :param torch.Tensor weight: The weight, in ``F.<op>``'s layout, with
+        batch dims.
+    :param dict kwargs: The op's remaining arguments (``groups``).
+    :param str name: The sample site of the weight, for the message.
+    :raises ValueError: If the input's feature or channel dim does not fit.
+    """
+    nsp = _spatial(op)
+    expected = in_features(op, weight, kwargs)
+    if input.dim() < nsp + 1:
+        return  # F.<op>'s own error
+    got = input.shape[input.dim() - nsp - 1]
+    if got == expected:
+        return
+    dim = "feature" if op == "linear" else "channel"
+    site = f" (sample site {name!r})" if name else ""
+    raise ValueError(
+        f"F.{op}{site} runs batched (its weight or bias has the batch dims of "
+        f"vectorized samples or particles) with a weight that takes {expected} input "
+        f"{dim}s, but its input of shape {tuple(input.shape)} has {got}. Where the "
+        "layers before it ran batched, their outputs carry these batch dims on the left "
+        "of the model's own dims, so a reshape that counts dims from the left "
+        "(nn.Flatten(), x.flatten(1), x.view(x.size(0), -1), x.reshape(len(x), -1)) "
+        f"merges them with the {dim}s. Count dims from the right instead, as models "
+        "run with vectorized samples must: e.g. nn.Flatten(-3), x.flatten(-3) or "
+        "x.reshape(x.shape[:-3] + (-1,)) for (C, H, W) features."
+    )
 
 
 def batched_layer(

@@ -63,6 +63,7 @@ from pyro_vinit.poutine._layer_ops import (
     MATMUL_OPS,
     LayerCall,
     batched_layer,
+    check_batched_input,
     find_layer_call,
     is_batched,
     op_name,
@@ -292,16 +293,22 @@ class LayerCallMessenger(Messenger):
     ) -> torch.Tensor:
         self._busy = True
         try:
+            batched = is_batched(call.op, call.weight, call.bias)
+            if batched:
+                # before any handler acts on the call: an input that does not fit is refused
+                check_batched_input(
+                    call.op, call.input, call.weight, call.kwargs,
+                    call.weight_name or call.bias_name,
+                )
             out = self._process_layer_call(call)
             if out is not None:
                 return out
-            if is_batched(call.op, call.weight, call.bias):
+            if batched:
                 # a weight with a sample dim (Predictive(parallel=True)): F.<op> takes none
-                batched: torch.Tensor = batched_layer(
+                return batched_layer(
                     call.op, unwrap(call.input), unwrap(call.weight), unwrap(call.bias),
                     call.kwargs,
                 )
-                return batched
             # unchanged: the program's own op, bit for bit
             original: torch.Tensor = func(*unwrap(args), **unwrap(kwargs))
             return original

@@ -33,7 +33,13 @@ class VectorizedLayersMessenger(LayerCallMessenger):
 
     A linear layer is one ``einsum``, a convolution one grouped convolution
     over the weight's batch; layers whose weights have no batch dims run
-    unchanged. The weight-noise handlers
+    unchanged. The model's other operations see these batch dims on the left
+    of its own dims, so a reshape must count dims from the right
+    (``nn.Flatten(-3)``, ``x.flatten(-3)``, not ``nn.Flatten()`` or
+    ``x.flatten(1)``); a batched layer whose input's feature or channel dim
+    does not fit its weight raises a :class:`ValueError` saying so, before
+    the layer runs (:func:`~pyro_vinit.poutine._layer_ops.check_batched_input`).
+    The weight-noise handlers
     (:class:`~pyro_vinit.poutine.WeightNoiseMessenger` and its short forms)
     do the same for every layer call, so they need no extra handler.
     """

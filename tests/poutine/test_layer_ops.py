@@ -208,3 +208,36 @@ def test_op_name():
         ["mm", "matmul", "matmul", "conv2d"]
     unnamed = functools.partial(F.linear, bias=None)
     assert op_name(unnamed) == str(unnamed)
+
+
+
+# op, input shape, weight shape (with the batch dims (S, 1) = (2, 1)), groups
+FITTING = {
+    "linear": ("linear", (5, 4), (2, 1, 3, 4), 1),
+    "linear, batched input": ("linear", (2, 5, 4), (2, 1, 3, 4), 1),
+    "conv1d": ("conv1d", (5, 2, 9), (2, 1, 6, 2, 3), 1),
+    "conv2d, groups": ("conv2d", (2, 5, 4, 6, 6), (2, 1, 6, 2, 3, 3), 2),
+    "conv3d": ("conv3d", (5, 2, 4, 4, 4), (2, 1, 4, 2, 2, 2, 2), 1),
+}
+
+
+@pytest.mark.parametrize("case", FITTING, ids=list(FITTING))
+def test_check_batched_input_refuses_what_the_batched_layer_cannot_run(case):
+    # An input the batched layer runs passes; one feature or channel less, or the
+    # features merged with the dim before them (x.flatten(1) of a batched output), which
+    # the batched layer fails on with torch's own error, is refused with the spellings
+    # that count dims from the right.
+    from pyro_vinit.poutine._layer_ops import batched_layer, check_batched_input
+
+    op, x_shape, w_shape, groups = FITTING[case]
+    kwargs = {} if op == "linear" else {"groups": groups}
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    check_batched_input(op, x, w, kwargs, "w")
+    batched_layer(op, x, w, None, kwargs)
+    c = x.dim() - (1 if op == "linear" else int(op[-2]) + 1)  # the feature or channel dim
+    for bad in (x.narrow(c, 0, x.shape[c] - 1), x.flatten(c - 1, c)):
+        with pytest.raises(RuntimeError):
+            batched_layer(op, bad, w, None, kwargs)
+        with pytest.raises(ValueError, match=rf"F\.{op} \(sample site 'w'\) runs batched.*"
+                           r"x\.flatten\(-3\)"):
+            check_batched_input(op, bad, w, kwargs, "w")

@@ -21,6 +21,7 @@ from pyro_vinit import (
     vectorized_layers,
 )
 from pyro_vinit.nn import BayesianClassifier, bayesianize
+from pyro_vinit.poutine import LayerCallMessenger
 from pyro_vinit.poutine._layer_ops import batched_layer
 from tests.common import assert_close
 
@@ -326,3 +327,107 @@ def test_weight_noise_vectorized_particles_match_sequential_by_moments(make, han
     diff = losses[True].mean() - losses[False].mean()
     se = ((losses[True].var() + losses[False].var()) / 6).sqrt()
     assert abs(diff / se) < 5, (losses, diff, se)
+
+
+# ------------------------------------------------ reshapes of a batched layer's output
+
+
+class _FlattenNet(PyroModule):
+    # A small CNN as a user writes it, its flatten spelled in the forward.
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+        self.conv = nn.Conv2d(1, 4, 3, stride=2, padding=1)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.fc(FLATTEN[self.spelling](torch.relu(self.conv(x))))
+
+
+FLATTEN = {
+    # counting dims from the right: the model's own dims whatever the batch dims
+    "nn.Flatten(-3)": nn.Flatten(-3),
+    "x.flatten(-3)": lambda h: h.flatten(-3),
+    "x.reshape(x.shape[:-3] + (-1,))": lambda h: h.reshape(h.shape[:-3] + (-1,)),
+    "x.view(*x.shape[:-3], -1)": lambda h: h.view(*h.shape[:-3], -1),
+    # counting from the left: merges the batch dims into the features
+    "nn.Flatten()": nn.Flatten(),
+    "x.flatten(1)": lambda h: h.flatten(1),
+    "x.reshape(len(x), -1)": lambda h: h.reshape(len(h), -1),
+}
+FROM_THE_RIGHT = list(FLATTEN)[:4]
+FROM_THE_LEFT = list(FLATTEN)[4:]
+
+
+def _flatten_cnn(spelling):
+    torch.manual_seed(0)
+    return BayesianClassifier(bayesianize(_FlattenNet(spelling))), torch.randn(10, 1, 8, 8)
+
+
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoKTiedNormal])
+@pytest.mark.parametrize("spelling", FROM_THE_RIGHT)
+def test_flatten_from_the_right_equals_a_loop_over_samples(spelling, guide_class):
+    # The spellings the refusal below names: the vectorized Predictive equals the model
+    # run on each of its samples (atol = rtol = 1e-5, float32).
+    model, x = _flatten_cnn(spelling)
+    guide = guide_class(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True,
+                            return_sites=["_RETURN"])
+    with torch.no_grad(), vectorized_layers():
+        trace = predictive.get_vectorized_trace(x)
+    logits = trace.nodes["_RETURN"]["value"]
+    assert logits.shape == (4, 10, 3)
+    with torch.no_grad():
+        expected = _sequential_outputs(model, trace, x, 4)
+    assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+class _Recording(LayerCallMessenger):
+    # The base handler, recording the layer calls it is handed.
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _process_layer_call(self, call):
+        self.seen.append(call.weight_name)
+        return None
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam, flipout, _Recording])
+@pytest.mark.parametrize("spelling", FROM_THE_LEFT)
+def test_flatten_from_the_left_is_refused_before_the_layer_runs(spelling, handler):
+    # A left-counting flatten of a batched conv's output (S, N, C, H, W) gives the linear
+    # layer (S, N * C * H * W) features: refused with the spellings to use instead, at
+    # the layer call, before the handler acts on it (the run without sample dims works).
+    model, x = _flatten_cnn(spelling)
+    y = torch.randint(0, 3, (10,))
+    assert model(x).shape == (10, 3)
+    guide = AutoNormal(model)
+    guide(x, y)
+    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True)
+    message = r"F.linear \(sample site 'net.fc.weight'\) runs batched .* takes 64 input " \
+              r"features, but its input of shape \(4, 640\) has 640.*nn.Flatten\(-3\)"
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        with handler() as h:
+            predictive(x)
+    if handler is _Recording:
+        assert h.seen == ["net.conv.weight"]  # the refused call was never handed on
+    # vectorized particles, under svi.step: refused before the step changes a parameter
+    elbo = Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1)
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), elbo)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.raises(ValueError, match=message.replace(r"\(4, 640\)", r"\(3, 640\)")):
+        with handler():
+            svi.step(x, y)
+    after = dict(pyro.get_param_store().items())
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    # the handler left nothing behind: the same handler runs a right-counting model
+    model, x = _flatten_cnn("x.flatten(-3)")
+    guide = AutoNormal(model)
+    guide(x, y)
+    with torch.no_grad(), handler():
+        samples = Predictive(model, guide=guide, num_samples=4, parallel=True,
+                             return_sites=["_RETURN"])(x)
+    assert samples["_RETURN"].shape == (4, 10, 3)
+    pyro.clear_param_store()
