@@ -38,7 +38,7 @@ class VectorizedLayersMessenger(LayerCallMessenger):
     (``nn.Flatten(-3)``, ``x.flatten(-3)``, not ``nn.Flatten()`` or
     ``x.flatten(1)``); a batched layer whose input's feature or channel dim
     does not fit its weight raises a :class:`ValueError` saying so, before
-    the layer runs (:func:`~pyro_vinit.poutine._layer_ops.check_batched_input`).
+    the layer runs.
     The weight-noise handlers
     (:class:`~pyro_vinit.poutine.WeightNoiseMessenger` and its short forms)
     do the same for every layer call, so they need no extra handler.
