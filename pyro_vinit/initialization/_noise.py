@@ -56,7 +56,15 @@ def fit_noise(prep: Prepared, values: Dict[str, torch.Tensor], targets: Targets,
         fit = solve_layer(prep.pool, head, inputs, targets, options, collective, constant=level)
         stage(prep.site_shape, values, fits, fit, options.propagate)
         return NoiseFit(sigma, None, None)
-    if likelihood.noise in ("site", "param"):
+    return noise_fit(prep, values, sigma, collective)
+
+
+def noise_fit(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tensor,
+              collective: Collective) -> NoiseFit:
+    """The noise std ``sigma`` and, for a noise site or param, the value that gives
+    it to the likelihood (:func:`link_inverse`)."""
+    likelihood = prep.likelihood
+    if likelihood is not None and likelihood.noise in ("site", "param"):
         level = link_inverse(prep, values, sigma, collective)
         return NoiseFit(sigma, likelihood.noise_name, level)
     return NoiseFit(sigma, None, None)

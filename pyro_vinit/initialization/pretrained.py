@@ -1,22 +1,24 @@
 """
 Starting a guide from a trained network: its weights as the posterior
 means, the standard deviations from I-BLM's per-layer Bayesian linear
-regressions on the trained layers' inputs (or MOPED's :math:`\\delta |w|`).
+regressions on the trained layers' inputs (or MOPED's :math:`\\delta |w|`),
+a learnable regression noise at the trained network's residual std.
 """
 
 import math
 import warnings
 from contextlib import ExitStack
-from typing import Any, Dict, List, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Dict, List, Mapping, Optional, Tuple, TypeVar, cast
 
 import torch
 from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
 from pyro_vinit._pyro_compat import handler_chain
-from pyro_vinit.guides.site_params import check_supported, set_loc_and_scale
+from pyro_vinit.guides.site_params import check_supported
 from pyro_vinit.initialization._collective import LocalCollective
 from pyro_vinit.initialization._data import Data
-from pyro_vinit.initialization._fits import Fit
+from pyro_vinit.initialization._fits import Fit, NoiseFit, write_fits
+from pyro_vinit.initialization._noise import noise_fit, residual_std
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._passes import layer_inputs
 from pyro_vinit.initialization._regressions import unit_inputs, unit_priors
@@ -77,7 +79,9 @@ def init_guide_pretrained(
     So the guide's median is the trained network, in eval mode too: the
     model's buffers (e.g. BatchNorm running statistics) keep their trained
     values, though the model runs on the data (in train mode, too);
-    :func:`~pyro_vinit.update_batch_norm` recomputes them. Nothing is
+    :func:`~pyro_vinit.update_batch_norm` recomputes them. A learnable
+    regression noise (a noise site or param) starts at the trained
+    network's root mean square residual on the data. Nothing is
     written unless every step succeeds. See :doc:`/methods/iblm` for the
     measurements.
 
@@ -142,7 +146,7 @@ def init_guide_pretrained(
         _report_uncovered(prep, strict)
         values = guide_medians(guide, prep.first)
         values.update(trained)
-        fits: List[Fit] = []
+        fits: Dict[str, Fit] = {}
         for layer in prep.layers:
             mean = _op_layout(layer, trained)
             if scale == "moped":
@@ -151,16 +155,22 @@ def init_guide_pretrained(
             else:
                 inputs = layer_inputs(prep, values, layer, chunk_rows, collective)
                 var = _blr_variances(layer, inputs, mean, noise_ratio, chunk_rows)
-            fits.append(Fit(layer, mean, var))
+            fits[layer.weight_name] = Fit(layer, mean, var)
+        noise = _trained_noise(prep, values, chunk_rows, collective)
         rollback.checkpoint()
-        for fit in fits:
-            if max_scale_ratio is not None:
-                units = torch.arange(fit.layer.num_units, device=fit.var.device)
-                _, prior_scale = unit_priors(fit.layer, units)
-                fit.var = torch.minimum(fit.var, (max_scale_ratio * prior_scale).to(fit.var) ** 2)
-            for name, (loc, var) in fit.site_values(prep.site_shape).items():
-                set_loc_and_scale(guide, name, loc, var.sqrt())
+        write_fits(prep, fits, noise, max_scale_ratio)
     return guide
+
+
+def _trained_noise(prep: Prepared, values: Dict[str, torch.Tensor], chunk_rows: int,
+                   collective: LocalCollective) -> Optional[NoiseFit]:
+    """A learnable noise site's or param's value at the trained network's root
+    mean square residual on the data (a scale head's is its trained weights)."""
+    likelihood = prep.likelihood
+    if likelihood is None or likelihood.noise not in ("site", "param"):
+        return None
+    sigma = residual_std(prep, values, chunk_rows, collective)
+    return noise_fit(prep, values, sigma, collective)
 
 
 def _check_positive(name: str, value: object, integer: bool = False) -> None:
@@ -252,13 +262,17 @@ def _trained_values(prep: Prepared, weights: Optional[Mapping[str, torch.Tensor]
 
 def _report_uncovered(prep: Prepared, strict: bool) -> None:
     covered = {name for layer in prep.layers for name in layer.site_names}
+    likelihood = prep.likelihood
+    if likelihood is not None and likelihood.noise == "site":
+        covered.add(cast(str, likelihood.noise_name))  # at the residuals' std
     uncovered = [name for name in prep.latent if name not in covered]
     if not uncovered:
         return
     message = (
         "init_guide_pretrained starts the weights and biases of the layers it sees (F.linear, "
-        "F.conv1d/2d/3d and matrix products with a latent weight) from their trained values; "
-        f"these latent sites keep the guide's own initial values: {uncovered}"
+        "F.conv1d/2d/3d and matrix products with a latent weight) from their trained values, "
+        "and a regression's noise site from their residuals; these latent sites keep the "
+        f"guide's own initial values: {uncovered}"
     )
     if strict:
         raise ValueError(message + "; the guide was left unchanged.")

@@ -1,6 +1,7 @@
 import copy
 import os
 import re
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -351,6 +352,59 @@ def test_regression_with_prior_at_the_weights(digits):
     assert_close(_median_logits(model, guide, x, y), expected, atol=1e-5, rtol=1e-5)
 
 
+def _trained_regressor(seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(300, 3)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.3 * torch.randn(300)
+    net = mlp((3, 8, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(200):
+        opt.zero_grad()
+        F.mse_loss(net(x).squeeze(-1), y).backward()
+        opt.step()
+    with torch.no_grad():
+        rms = (y - net(x).squeeze(-1)).pow(2).mean().sqrt()
+    return net, x, y, rms
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+def test_learned_noise_param_starts_at_the_residuals_std(guide_class):
+    # BayesianRegressor(learn_noise=True): a positive PyroParam, written as the
+    # trained network's root mean square residual on the data
+    net, x, y, rms = _trained_regressor()
+    assert 0.2 < rms < 0.5  # about the data's noise, 0.3
+    model = BayesianRegressor(bayesianize(net, keep_weights=True), num_data=300,
+                              learn_noise=True)
+    init_guide_pretrained(guide_class(model), (x, y))
+    assert_close(model.noise_scale.detach(), rms, rtol=1e-4, atol=0)
+
+
+def test_learned_noise_site_starts_at_the_residuals_std():
+    # a functional model whose noise is a latent site: the guide's median at the
+    # residuals' std, its spread min(0.1, 1 / sqrt(2 n)) on the log scale
+    net, x, y, rms = _trained_regressor()
+    weights = {f"{k}": v.detach() for k, v in net.named_parameters()}
+
+    def model(x, y=None):
+        sigma = pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+        w0 = pyro.sample("0.weight", dist.Normal(0.0, 1.0).expand([8, 3]).to_event(2))
+        b0 = pyro.sample("0.bias", dist.Normal(0.0, 1.0).expand([8]).to_event(1))
+        w1 = pyro.sample("2.weight", dist.Normal(0.0, 1.0).expand([1, 8]).to_event(2))
+        b1 = pyro.sample("2.bias", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        mean = F.linear(torch.relu(F.linear(x, w0, b0)), w1, b1).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+
+    guide = AutoNormal(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sigma is started: no site left uncovered
+        init_guide_pretrained(guide, (x, y), weights=weights, strict=True)
+    loc, scale = get_loc_and_scale(guide, "sigma")
+    assert_close(loc.exp(), rms, rtol=1e-4, atol=0)
+    assert_close(scale, torch.tensor(min(0.1, (2.0 * 300) ** -0.5)), rtol=1e-6, atol=0)
+    assert_close(guide.median()["0.weight"], net[0].weight.detach(), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -483,8 +537,8 @@ def test_other_latent_sites_warn_or_raise(digits, trained_mlp):
     before = _snapshot(guide)
     message = ("init_guide_pretrained starts the weights and biases of the layers it sees "
                "(F.linear, F.conv1d/2d/3d and matrix products with a latent weight) from their "
-               "trained values; these latent sites keep the guide's own initial values: "
-               "['temperature']")
+               "trained values, and a regression's noise site from their residuals; these "
+               "latent sites keep the guide's own initial values: ['temperature']")
     with pytest.raises(ValueError,
                        match=f"^{re.escape(message + '; the guide was left unchanged.')}$"):
         init_guide_pretrained(guide, (x, y), strict=True, weights=weights)
