@@ -292,6 +292,26 @@ def test_fit_refuses_an_unscaled_functional_model():
         fit(model, AutoNormal(model), (x, y), steps=2, batch_size=64, progress=False)
 
 
+def test_fit_refuses_a_plate_subsampling_the_batch():
+    # Pyro's tutorial spelling, the model indexing its own data: under fit's batches of
+    # 64 of 240 rows the plate's scale is 64 / 16, the likelihood weighs one batch, and
+    # a later batch of fewer than 16 rows fails inside Pyro after steps were taken
+    x, y = blobs()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 5]).to_event(2))
+        with pyro.plate("data", x.shape[0], subsample_size=16) as ind:
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x[ind], w)), obs=y[ind])
+
+    guide = AutoNormal(model)
+    with pytest.raises(ValueError, match=r"plate\('data', 64, subsample_size=16\), a plate "
+                                         r"over the batch's 64 rows.*pyro.plate\('data', 240, "):
+        fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    # full-batch training: the plate is over the data set
+    fit(model, guide, (x, y), steps=2, batch_size=240, progress=False)
+
+
 class _TwoHeads(PyroModule):
     # a classification and a regression head: r is latent unless observed
     def __init__(self, num_data):
