@@ -437,6 +437,28 @@ def test_fit_refuses_a_num_data_that_is_not_the_data_size():
         fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False)
 
 
+@pytest.mark.parametrize("where", ["y", "x", "loader", "validation"])
+def test_fit_refuses_non_finite_data_before_anything_changes(where):
+    # a guide that is initialized skips I-BLM's own check: before, fit trained until
+    # the batch with the NaN row, then failed inside Pyro with the parameters changed
+    x, y = blobs(n=400)
+    x, y = x.clone(), y.float()
+    model = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=400, learn_noise=True)
+    guide = AutoKTiedNormal(model)
+    fit(model, guide, (x, y), steps=1, progress=False)
+    before = snapshot()
+    (y if where != "x" else x)[300] = float("nan")
+    data = (DataLoader(TensorDataset(x, y), batch_size=100) if where == "loader"
+            else (x, y) if where != "validation" else (x[:300], y[:300]))
+    validation = (x[250:], y[250:]) if where == "validation" else None
+    name = "x" if where == "x" else "y"
+    with pytest.raises(ValueError, match=rf"fit: {name} of .* contains NaN or inf \(row "):
+        fit(model, guide, data, steps=10, validation=validation, progress=False)
+    after = snapshot()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
 # ---- configuration -------------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
+from pyro_vinit.initialization._data import all_finite
 from pyro_vinit.training.averaging import ParamAverage
 from pyro_vinit.training.config import FitHistory
 
@@ -66,6 +67,13 @@ def _check_batch(batch: Any, what: str) -> Batch:
         )
     if x.shape[0] == 0:
         raise ValueError(f"fit: {what} has no rows")
+    for name, t in (("x", x), ("y", y)):
+        if t.is_floating_point() and not all_finite(t):
+            row = int(torch.nonzero(~torch.isfinite(t.reshape(len(t), -1)).all(-1))[0])
+            raise ValueError(
+                f"fit: {name} of {what} contains NaN or inf (row {row} first); clean or "
+                "impute the data before training"
+            )
     return x, y
 
 
