@@ -356,7 +356,8 @@ class BayesianRegressor(PyroModule):
     :func:`~pyro_vinit.init_guide_iblm` sets it to the residual standard
     deviation of the network it fits.
 
-    :param torch.nn.Module net: A network mapping ``x`` to ``(batch, 1)`` or ``(batch,)``.
+    :param torch.nn.Module net: A network mapping ``x`` to ``(batch, 1)`` or ``(batch,)``;
+        the targets ``y`` are ``(batch,)``.
     :param float noise_scale: The likelihood's standard deviation (its
         initial value with ``learn_noise``).
     :param int num_data: Size of the full data set when the model is called on
@@ -409,6 +410,13 @@ class BayesianRegressor(PyroModule):
             raise ValueError(
                 f"BayesianRegressor: the network must output shape (batch,) or (batch, 1), "
                 f"got {tuple(out.shape)} for a batch of {x.shape[0]}"
+            )
+        if y is not None and y.shape != (x.shape[0],):
+            # (a y of shape (batch, 1) would broadcast with the mean to (batch, batch))
+            raise ValueError(
+                f"BayesianRegressor: y must have shape (batch,) = ({x.shape[0]},), got "
+                f"{tuple(y.shape)}" + (": pass y.squeeze(-1)" if y.shape == (x.shape[0], 1)
+                                       else "")
             )
         with _data_plate(x, self.num_data):
             pyro.sample("obs", dist.Normal(mean, self.noise_scale), obs=y)

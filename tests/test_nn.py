@@ -260,6 +260,19 @@ def test_regressor_likelihood_scaling(dtype):
     assert_close(tr.nodes["obs"]["log_prob_sum"], 5.0 * log_n.sum(), atol=1e-5)
 
 
+def test_regressor_refuses_targets_of_another_shape():
+    # a y of shape (batch, 1), as scikit-learn's loaders give, broadcast with the mean to
+    # (batch, batch) and failed deep inside I-BLM (fit) with a torch expand error
+    model = BayesianRegressor(bayesianize(mlp((3, 1))), num_data=30)
+    x = torch.randn(6, 3)
+    with pytest.raises(ValueError, match=r"y must have shape \(batch,\) = \(6,\), got \(6, 1\): "
+                                         r"pass y.squeeze\(-1\)"):
+        model(x, torch.randn(6, 1))
+    with pytest.raises(ValueError, match=r"got \(5,\)$"):
+        model(x, torch.randn(5))
+    assert model(x, torch.randn(6)).shape == (6,)
+
+
 def _blobs(n=40):
     g = torch.Generator().manual_seed(0)
     y = torch.arange(n) % 2

@@ -292,6 +292,26 @@ def test_fit_refuses_an_unscaled_functional_model():
         fit(model, AutoNormal(model), (x, y), steps=2, batch_size=64, progress=False)
 
 
+def test_fit_refuses_a_plate_subsampling_the_batch():
+    # Pyro's tutorial spelling, the model indexing its own data: under fit's batches of
+    # 64 of 240 rows the plate's scale is 64 / 16, the likelihood weighs one batch, and
+    # a later batch of fewer than 16 rows fails inside Pyro after steps were taken
+    x, y = blobs()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 5]).to_event(2))
+        with pyro.plate("data", x.shape[0], subsample_size=16) as ind:
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x[ind], w)), obs=y[ind])
+
+    guide = AutoNormal(model)
+    with pytest.raises(ValueError, match=r"plate\('data', 64, subsample_size=16\), a plate "
+                                         r"over the batch's 64 rows.*pyro.plate\('data', 240, "):
+        fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    # full-batch training: the plate is over the data set
+    fit(model, guide, (x, y), steps=2, batch_size=240, progress=False)
+
+
 class _TwoHeads(PyroModule):
     # a classification and a regression head: r is latent unless observed
     def __init__(self, num_data):
@@ -415,6 +435,28 @@ def test_fit_refuses_a_num_data_that_is_not_the_data_size():
     model = classifier(num_data=1000)
     with pytest.raises(ValueError, match="num_data=1000"):
         fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False)
+
+
+@pytest.mark.parametrize("where", ["y", "x", "loader", "validation"])
+def test_fit_refuses_non_finite_data_before_anything_changes(where):
+    # a guide that is initialized skips I-BLM's own check: before, fit trained until
+    # the batch with the NaN row, then failed inside Pyro with the parameters changed
+    x, y = blobs(n=400)
+    x, y = x.clone(), y.float()
+    model = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=400, learn_noise=True)
+    guide = AutoKTiedNormal(model)
+    fit(model, guide, (x, y), steps=1, progress=False)
+    before = snapshot()
+    (y if where != "x" else x)[300] = float("nan")
+    data = (DataLoader(TensorDataset(x, y), batch_size=100) if where == "loader"
+            else (x, y) if where != "validation" else (x[:300], y[:300]))
+    validation = (x[250:], y[250:]) if where == "validation" else None
+    name = "x" if where == "x" else "y"
+    with pytest.raises(ValueError, match=rf"fit: {name} of .* contains NaN or inf \(row "):
+        fit(model, guide, data, steps=10, validation=validation, progress=False)
+    after = snapshot()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
 
 
 # ---- configuration -------------------------------------------------------------------------

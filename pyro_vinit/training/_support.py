@@ -31,6 +31,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
+from pyro_vinit.initialization._data import all_finite
 from pyro_vinit.training.averaging import ParamAverage
 from pyro_vinit.training.config import FitHistory
 
@@ -66,6 +67,13 @@ def _check_batch(batch: Any, what: str) -> Batch:
         )
     if x.shape[0] == 0:
         raise ValueError(f"fit: {what} has no rows")
+    for name, t in (("x", x), ("y", y)):
+        if t.is_floating_point() and not all_finite(t):
+            row = int(torch.nonzero(~torch.isfinite(t.reshape(len(t), -1)).all(-1))[0])
+            raise ValueError(
+                f"fit: {name} of {what} contains NaN or inf (row {row} first); clean or "
+                "impute the data before training"
+            )
     return x, y
 
 
@@ -333,7 +341,27 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
                 f"num_data={num_data} (BayesianClassifier / BayesianRegressor), or use "
                 f"pyro.plate('data', {num_data}, subsample=...) in your model"
             )
+        _check_batch_plate(site, rows, num_data)
     return _learns_noise(model, x, y, trace, observed)
+
+
+def _check_batch_plate(site: Any, rows: int, num_data: int) -> None:
+    """Refuses a likelihood under a plate over the batch's ``rows`` that subsamples
+    them (``pyro.plate('data', len(x), subsample_size=B)``, the model indexing its
+    own data): its scale ``rows / B`` scales the likelihood to the batch, not to the
+    ``num_data`` rows of the data set."""
+    if rows >= num_data:
+        return
+    for frame in site["cond_indep_stack"]:
+        if frame.full_size == rows and frame.size != rows:
+            raise ValueError(
+                f"fit: the likelihood {site['name']!r} is in pyro.plate({frame.name!r}, "
+                f"{rows}, subsample_size={frame.size}), a plate over the batch's {rows} rows, "
+                f"not the data set's {num_data}: its scale scales the likelihood to the "
+                f"batch, so the KL term would weigh {num_data / rows:.3g} times too much. "
+                f"fit draws the minibatches itself: use pyro.plate({frame.name!r}, "
+                f"{num_data}, subsample_size=len(x)) on the batch as it comes"
+            )
 
 
 def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
