@@ -335,27 +335,12 @@ def test_weights_are_taken_in_the_sites_dtype(digits, trained_mlp):
         assert v.dtype == torch.float64 and torch.equal(v, params[1][k]), k
 
 
-def test_regression_with_prior_at_the_weights(digits):
-    x = torch.randn(200, 3)
-    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(200)
-    net = mlp((3, 8, 1))
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for _ in range(200):
-        opt.zero_grad()
-        F.mse_loss(net(x).squeeze(-1), y).backward()
-        opt.step()
-    with torch.no_grad():
-        expected = net(x).squeeze(-1)
-    model = BayesianRegressor(bayesianize(net, keep_weights=True, prior_loc="weights"), 0.1)
-    guide = AutoNormal(model)
-    init_guide_pretrained(guide, (x, y))
-    assert_close(_median_logits(model, guide, x, y), expected, atol=1e-5, rtol=1e-5)
-
-
-def _trained_regressor(seed=0):
+def _trained_regressor(rows=300, noise=0.3, seed=0):
+    """A ReLU MLP 3-8-1 trained by least squares on a noisy linear function; the data,
+    and the root mean square residual."""
     torch.manual_seed(seed)
-    x = torch.randn(300, 3)
-    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.3 * torch.randn(300)
+    x = torch.randn(rows, 3)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + noise * torch.randn(rows)
     net = mlp((3, 8, 1))
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     for _ in range(200):
@@ -365,6 +350,16 @@ def _trained_regressor(seed=0):
     with torch.no_grad():
         rms = (y - net(x).squeeze(-1)).pow(2).mean().sqrt()
     return net, x, y, rms
+
+
+def test_regression_with_prior_at_the_weights(digits):
+    net, x, y, _ = _trained_regressor(rows=200, noise=0.1)
+    with torch.no_grad():
+        expected = net(x).squeeze(-1)
+    model = BayesianRegressor(bayesianize(net, keep_weights=True, prior_loc="weights"), 0.1)
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (x, y))
+    assert_close(_median_logits(model, guide, x, y), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("guide_class", GUIDES)
