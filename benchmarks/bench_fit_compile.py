@@ -128,9 +128,9 @@ def measure(name, args):
     replay, compiled = timings.median_ms("replay") / 1e3, timings.median_ms("compiled") / 1e3
     cost = setup["compiled"] + args.startup
     saved = replay - compiled
-    predicted_saved = (_inductor._SAVED_PER_OPERATOR * operators
-                       + _inductor._SAVED_PER_ELEMENT * elements)
-    predicted_cost = _inductor._COMPILE_SECONDS + _inductor._COMPILE_PER_OPERATOR * operators
+    model = _inductor._COST_MODELS["cpu"]  # (this benchmark runs on the CPU)
+    predicted_saved = model.saved_per_operator * operators + model.saved_per_element * elements
+    predicted_cost = model.compile_seconds + model.compile_per_operator * operators
     return {
         "step": name, "batch": batch, "operators": operators, "elements": elements,
         "replay_ms": 1e3 * replay, "compiled_ms": 1e3 * compiled,
