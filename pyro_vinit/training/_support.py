@@ -68,7 +68,8 @@ def _check_batch(batch: Any, what: str) -> Batch:
     if x.shape[0] == 0:
         raise ValueError(f"fit: {what} has no rows")
     for name, t in (("x", x), ("y", y)):
-        if t.is_floating_point() and not all_finite(t):
+        # (a meta tensor has no values to check: refused later, for its device)
+        if t.is_floating_point() and t.device.type != "meta" and not all_finite(t):
             row = int(torch.nonzero(~torch.isfinite(t.reshape(len(t), -1)).all(-1))[0])
             raise ValueError(
                 f"fit: {name} of {what} contains NaN or inf (row {row} first); clean or "
