@@ -8,12 +8,12 @@ from typing import Any, Callable, List, Optional, Set
 
 import torch
 
-__all__ = ["CudaGraphReplay", "off_device"]
+__all__ = ["CudaGraphReplay", "node_tensors", "off_device"]
 
 _aten = torch.ops.aten
 
 
-def _node_tensors(graph: torch.fx.GraphModule, node: torch.fx.Node) -> List[torch.Tensor]:
+def node_tensors(graph: torch.fx.GraphModule, node: torch.fx.Node) -> List[torch.Tensor]:
     """The tensors a node of ``graph`` computes (or holds, for a constant)."""
     if node.op == "get_attr":
         value: Any = graph
@@ -43,15 +43,15 @@ def off_device(graph: torch.fx.GraphModule, device: torch.device) -> Optional[st
         if node.op == "placeholder":
             varying.add(node)
         elif node.op == "get_attr":
-            if any(t.device != device and t.numel() for t in _node_tensors(graph, node)) and any(
+            if any(t.device != device and t.numel() for t in node_tensors(graph, node)) and any(
                     user.target not in fresh for user in node.users):
                 return f"{node.target} is a tensor held on another device than {device}"
         if node.op != "call_function":
             continue
-        mine = _node_tensors(graph, node)
+        mine = node_tensors(graph, node)
         if any(t.device == device for t in mine):
             for source in node.all_input_nodes:
-                if any(t.device != device and t.dim() for t in _node_tensors(graph, source)):
+                if any(t.device != device and t.dim() for t in node_tensors(graph, source)):
                     return f"{node.target} reads a tensor from {source.target}, off {device}"
         if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) or any(
                 n in varying for n in node.all_input_nodes):

@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, 
 
 import torch
 
+from pyro_vinit.training._cuda_graph import node_tensors
+
 __all__ = ["compile_pays", "graph_size", "held_write", "inductor_compile"]
 
 
@@ -85,23 +87,15 @@ def graph_size(graph: torch.fx.GraphModule) -> Tuple[int, int]:
         if node.op != "call_function":
             continue
         operators += 1
-        value = node.meta.get("val")
-        for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(tensor, torch.Tensor):
-                elements += tensor.numel()
+        elements += sum(tensor.numel() for tensor in node_tensors(graph, node))
     return operators, elements
 
 
 def _device_types(graph: torch.fx.GraphModule) -> Set[str]:
-    """The device types of the tensors of one dimension or more that ``graph`` reads
-    or makes (not scalars: Pyro's plate makes its zero log-density on the CPU)."""
-    found = set()
-    for node in graph.graph.nodes:
-        value = node.meta.get("val")
-        for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(tensor, torch.Tensor) and tensor.dim():
-                found.add(tensor.device.type)
-    return found
+    """The device types of the tensors of one dimension or more that ``graph`` reads,
+    holds or makes (not scalars: Pyro's plate makes its zero log-density on the CPU)."""
+    return {tensor.device.type for node in graph.graph.nodes
+            for tensor in node_tensors(graph, node) if tensor.dim()}
 
 
 def compile_pays(graph: torch.fx.GraphModule, steps: int) -> bool:
