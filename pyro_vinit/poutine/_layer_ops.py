@@ -433,4 +433,5 @@ def _batched_conv(
     out = out.reshape([batch[i] for i in r_dims] + [batch[i] for i in g_dims] + list(out_event))
     order = r_dims + g_dims
     inverse = [order.index(i) for i in range(len(batch))]
-    return out.permute(inverse + list(range(len(batch), len(batch) + nsp + 1)))
+    # Contiguous, as F.conv*d's own output is: a model's x.view(...) of it must work.
+    return out.permute(inverse + list(range(len(batch), len(batch) + nsp + 1))).contiguous()

@@ -354,6 +354,7 @@ FLATTEN = {
     "nn.Flatten()": nn.Flatten(),
     "x.flatten(1)": lambda h: h.flatten(1),
     "x.reshape(len(x), -1)": lambda h: h.reshape(len(h), -1),
+    "x.view(x.size(0), -1)": lambda h: h.view(h.size(0), -1),
 }
 FROM_THE_RIGHT = list(FLATTEN)[:4]
 FROM_THE_LEFT = list(FLATTEN)[4:]
