@@ -28,7 +28,8 @@ typecheck: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check pyro_vinit tests examples benchmarks docs tools
 	$(BIN)/mypy $(TYPED_MODULES)
-	$(BIN)/python -m pytest -q tests
+	# two workers (pytest-xdist), one torch thread each (tests/conftest.py)
+	$(BIN)/python -m pytest -q -n 2 tests
 
 # Mutation testing, a developer tool (not run in CI): mutates MUTATE_MODULES
 # (packages or .py files) and runs MUTATE_TESTS against each mutant, on one worker.

@@ -1,3 +1,5 @@
+import os
+
 import pyro
 import pytest
 import torch
@@ -31,12 +33,19 @@ def _pyro_defaults():
 
 
 def pytest_configure(config):
-    torch.set_num_threads(2)
+    # Two cores: one thread in each of pytest-xdist's two workers (`-n 2`), two without it.
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
     config.addinivalue_line(
         "markers", "device: takes the `device` fixture (selected by `make gpu-check`: -m device)")
 
 
+# The modules of the smoke runs of the scripts, each test tens of seconds: run first, so
+# that pytest-xdist's two workers (`make test`) are not left waiting on one at the end.
+_SLOW_FIRST = ("test_benchmarks.py", "test_reproduce.py", "test_examples.py", "test_docs.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in _SLOW_FIRST)  # stable: order kept
     for item in items:
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.device)
