@@ -261,7 +261,8 @@ class FitHistory:
         ``"rmse"`` (a Normal one).
     :ivar bool initialized: Whether this call initialized the guide with I-BLM.
     :ivar bool captured: Whether this call took its steps through
-        :class:`CapturedSVI`.
+        :class:`CapturedSVI` without falling back to the eager step (which
+        it warns of).
     :ivar bool compiled: Whether its captured step ran compiled by inductor.
     :ivar FitConfig config: The configuration it trained with.
     """

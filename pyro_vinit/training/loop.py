@@ -341,7 +341,6 @@ def fit(
     if capture == "compile" or _use_capture(cast(Optional[bool], capture), steps - done,
                                             batches.first[0].device):
         captured = CapturedSVI(model, guide, optim, elbo, compile=capture == "compile")
-        history.captured = True
     shape = (batches.first[0].shape, batches.first[1].shape)
     every = eval_every or max(1, steps // 10)
 
@@ -400,6 +399,8 @@ def fit(
     finally:
         bar.close()
     averager.write()  # what fit returns (a resumed call that trains no further: the saved one)
+    # a step that fell back (CapturedSVI warned why) ran eagerly from then on
+    history.captured = captured is not None and captured.fallback_reason is None
     history.compiled = (captured is not None and captured.compile and captured.num_traces > 0
                         and captured.compile_failure is None)
     _warn_if_worse(history.validation, config.kl_weight)
