@@ -196,6 +196,32 @@ def test_a_failed_compile_warns_once_and_replays_uncompiled(monkeypatch):
     assert len(calls) == 1 and svi.num_traces == 2
 
 
+def test_inductor_compile_silences_only_deprecation_warnings(monkeypatch):
+    # inductor's first import warns of torch's own deprecations, which a user cannot act
+    # on (and pytest -W error would turn into a failed compile); its other warnings pass
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with warnings.catch_warnings():  # the deprecations of inductor's first import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch._inductor.compile_fx as compile_fx_module
+
+    from pyro_vinit.training._inductor import inductor_compile
+
+    def warning_compile(graph, examples):
+        warnings.warn("torch.jit.script_method is deprecated", DeprecationWarning, stacklevel=2)
+        warnings.warn("inductor: falling back to an aten kernel", UserWarning, stacklevel=2)
+        return graph
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", warning_compile)
+    graph = make_fx(lambda params, tensors: (params[0] * tensors[0],))(
+        [torch.ones(2)], [torch.ones(2)])  # called as CapturedSVI's graphs are
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        replay = inductor_compile(graph, [torch.ones(2)], [torch.full((2,), 3.0)])
+    assert [w.category for w in record] == [UserWarning]
+    assert torch.equal(replay([torch.ones(2)], [torch.full((2,), 3.0)])[0], torch.full((2,), 3.0))
+
+
 def test_a_step_writing_to_a_buffer_is_replayed_uncompiled(monkeypatch):
     calls = []
     monkeypatch.setattr(training_captured, "inductor_compile",
@@ -267,6 +293,18 @@ def test_compile_pays_where_the_projected_saving_repays_the_compile_twice():
     threshold = 2 * cost / saved  # about 314,000 steps
     assert not compile_pays(graph, int(threshold) - 1)
     assert compile_pays(graph, int(threshold) + 1)
+
+
+def test_compile_pays_from_exactly_twice_the_cost(monkeypatch):
+    # "at least twice": a saving of exactly twice the compile's cost compiles (a cost
+    # model of round numbers, so that the products are exact)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import pyro_vinit.training._inductor as inductor
+
+    monkeypatch.setitem(inductor._COST_MODELS, "cpu", inductor._CostModel(0.5, 0.0, 3.0, 1.0))
+    graph = make_fx(lambda a: (a * 2).sum())(torch.ones(4))  # 2 operators: cost 5, saved 1
+    assert compile_pays(graph, 10) and not compile_pays(graph, 9)
 
 
 def _fake_cuda_graph(step):
