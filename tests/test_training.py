@@ -687,6 +687,94 @@ def test_fit_config_handlers_weight_the_kl_term():
                                      rel=1e-5)
 
 
+def test_fit_config_handlers_refused_inside_a_layer_call_handler_leave_the_stack():
+    # the KL weight is entered first: the weight-noise handler's refusal must unwind it,
+    # or it would reweight every later ELBO in the process
+    from pyro.poutine.runtime import _PYRO_STACK
+
+    config = fit_config(AutoKTiedNormal(classifier()))
+    handlers = config.handlers()
+    assert _PYRO_STACK == []  # entered at the with, not when made
+    with FlipoutMessenger() as outer:
+        with pytest.raises(RuntimeError, match="cannot be entered while FlipoutMessenger"):
+            with handlers:
+                pass
+        assert _PYRO_STACK == [outer]
+    assert _PYRO_STACK == []
+
+
+def _shared_weight_classifier(x, y=None):
+    # one weight matrix used by two layer calls (a tied weight)
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([5, 5]).to_event(2))
+    out = pyro.sample("out", dist.Normal(0.0, 1.0).expand([3, 5]).to_event(2))
+    h = torch.tanh(F.linear(torch.tanh(F.linear(x, w)), w))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Categorical(logits=F.linear(h, out)), obs=y)
+
+
+def test_fit_refuses_a_handler_that_refuses_the_model_before_anything_changes():
+    from pyro.poutine.runtime import _PYRO_STACK
+
+    x, y = blobs()
+    # inside another layer-call handler: fit's own cannot be entered
+    model = classifier()
+    with FlipoutMessenger() as outer:
+        with pytest.raises(ValueError, match=r"^fit: under its weight-noise handler "
+                           r"\(local_reparam\) the model fails on the first batch: "
+                           r"RuntimeError: LocalReparamMessenger cannot be entered while "
+                           r"FlipoutMessenger is active.*fit\(\.\.\., weight_noise=\.\.\.\)"):
+            fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False)
+        assert _PYRO_STACK == [outer]
+    assert len(pyro.get_param_store()) == 0
+    # a shared weight given per-example noise at its first use: refused at its second
+    guide = AutoKTiedNormal(_shared_weight_classifier)
+    for init in ("iblm", None):
+        with pytest.raises(ValueError, match=r"fails on the first batch: ValueError: "
+                           r"LocalReparamMessenger: the sample of site 'w' is used a second"):
+            fit(_shared_weight_classifier, guide, (x, y), steps=2, progress=False, init=init)
+        assert len(pyro.get_param_store()) == 0 and guide.prototype_trace is None
+
+
+def test_fit_weight_noise_chooses_the_handler():
+    x, y = blobs()
+    guide = AutoKTiedNormal(_shared_weight_classifier)
+    seen = []
+
+    def leave_w_out():
+        handler = WeightNoiseMessenger(
+            config=lambda msg: None if msg["name"] == "w" else AutoWeightNoise())
+        seen.append(handler)
+        return handler
+
+    history = fit(_shared_weight_classifier, guide, (x, y), steps=3, progress=False,
+                  init=None, weight_noise=leave_w_out)
+    # one handler for the check on the first batch, then a fresh one at each step
+    assert history.config.weight_noise is leave_w_out and len(seen) == 4
+    assert all(math.isfinite(loss) for loss in history.loss)
+    # none of fit's: the handler around fit applies
+    pyro.clear_param_store()
+    model = classifier()
+    with FlipoutMessenger():
+        history = fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False,
+                      weight_noise=contextlib.nullcontext)
+    assert history.config.weight_noise is contextlib.nullcontext
+
+
+@pytest.mark.parametrize("value, message", [
+    (LocalReparamMessenger(), "not a handler .LocalReparamMessenger."),
+    ("local_reparam", "must be a callable that returns a fresh handler"),
+])
+def test_fit_refuses_a_bad_weight_noise_before_anything_changes(value, message):
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(TypeError, match=f"^fit: weight_noise .*{message}"):
+        fit(model, guide, (x, y), steps=2, progress=False, weight_noise=value)
+    assert len(pyro.get_param_store()) == 0
+    with pytest.raises(TypeError, match=f"^fit: weight_noise .*{message}"):
+        fit_config(guide, weight_noise=value)
+
+
 def test_fit_config_drives_an_own_loop_like_fit():
     # fit = I-BLM with FitConfig's options, then SVI steps under config.handlers()
     x, y = blobs()
@@ -925,7 +1013,7 @@ def test_fit_with_other_guides(guide_class, monkeypatch):
     assert history.initialized and all(math.isfinite(v) for v in history.loss)
     assert history.validation[-1]["error_rate"] < 0.1
     assert set(used) == {"flipout" if guide_class is AutoRadialNormal else "local_reparam"}
-    assert len(used) == 5
+    assert len(used) == 1 + 5  # the model run on the first batch under it, then each step
 
 
 def test_a_guide_function_needs_init_none():

@@ -7,9 +7,11 @@ checkpoints.
 import contextlib
 import math
 import os
+import warnings
 from typing import (
     Any,
     Callable,
+    ContextManager,
     Dict,
     Iterable,
     Iterator,
@@ -219,6 +221,31 @@ def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
                 f"fit: the {role} fails on {what} (x {tuple(x.shape)} {x.dtype}, "
                 f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
             ) from e
+
+
+def _check_weight_noise(model: Callable[..., Any], batch: Batch,
+                        handler: Optional[Callable[[], ContextManager[Any]]]) -> None:
+    """Runs ``model`` on the first batch under a fresh ``handler()``, fit's weight-noise
+    handler, in :func:`_sandbox`: a handler that cannot be entered (another layer-call
+    handler around fit) or that refuses the model (a shared weight given per-example
+    noise) is refused before anything changes."""
+    if handler is None:
+        return
+    x, y = batch
+    with _sandbox(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its fall-backs: the first step warns of them
+        try:
+            with handler():
+                poutine.trace(model).get_trace(x, y)
+        except Exception as e:  # the model ran without it (_check_model): the handler's
+            name = getattr(handler, "__name__", None) or getattr(
+                getattr(handler, "func", None), "__name__", type(handler).__name__)
+            raise ValueError(
+                f"fit: under its weight-noise handler ({name}) the model fails on the first "
+                f"batch: {type(e).__name__}: {e} Choose fit's handler with fit(..., "
+                "weight_noise=...): a callable that returns a fresh one (e.g. lambda: "
+                "weight_noise(config=...)), or contextlib.nullcontext for none (a handler "
+                "around fit then applies)") from e
 
 
 def _check_param_sites(trace: poutine.Trace, role: str) -> None:

@@ -13,6 +13,7 @@ from typing import (
     Callable,
     ContextManager,
     Dict,
+    Iterator,
     List,
     Optional,
 )
@@ -21,6 +22,7 @@ import pyro
 from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoGuide, AutoGuideList, AutoNormal
 from pyro.optim import PyroOptim
+from pyro.poutine.messenger import Messenger
 from torch import nn
 
 from pyro_vinit._pyro_compat import handler_chain
@@ -109,12 +111,18 @@ class FitConfig:
 
     def handlers(self) -> ContextManager[Any]:
         """A context in which to call ``svi.step``: the KL weight and the weight-noise
-        handler, entered afresh at each use."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(KLAnnealingMessenger(self.kl_weight))
-        if self.weight_noise is not None:
-            stack.enter_context(self.weight_noise())
-        return stack
+        handler, entered afresh at each use (at the ``with``; a handler that refuses
+        to enter leaves Pyro's handler stack as it was)."""
+        return self._handlers()
+
+    @contextlib.contextmanager
+    def _handlers(self) -> Iterator[None]:
+        with KLAnnealingMessenger(self.kl_weight):
+            if self.weight_noise is None:
+                yield
+            else:
+                with self.weight_noise():
+                    yield
 
 
 # Per-example noise on linear layers; convolutions keep their weight sample, whose
@@ -133,6 +141,24 @@ def _default_weight_noise(guide: Callable[..., Any]) -> Optional[Callable[[], Co
             _default_weight_noise(member) is not None for member in guide):
         return _LINEAR_AUTO  # each site its own strategy: LRT or Flipout by its family
     return None
+
+
+def _chosen_weight_noise(
+    guide: Callable[..., Any], weight_noise: Optional[Callable[[], ContextManager[Any]]]
+) -> Optional[Callable[[], ContextManager[Any]]]:
+    """``weight_noise`` (checked), or the guide's default where it is None."""
+    if weight_noise is None:
+        return _default_weight_noise(guide)
+    if isinstance(weight_noise, Messenger):
+        raise TypeError(
+            f"fit: weight_noise takes a callable that returns a fresh handler, entered at "
+            f"each step (e.g. local_reparam), not a handler ({type(weight_noise).__name__})")
+    if not callable(weight_noise):
+        raise TypeError(
+            "fit: weight_noise must be a callable that returns a fresh handler (e.g. "
+            "pyro_vinit.poutine.local_reparam, or lambda: weight_noise(config=...)), or "
+            f"contextlib.nullcontext for none; got {type(weight_noise).__name__}")
+    return weight_noise
 
 
 #: fit's KL weight for a model that learns its likelihood's noise scale, where 0.01 lets
@@ -169,6 +195,7 @@ def fit_config(
     num_particles: Optional[int] = None,
     learned_noise: Optional[bool] = None,
     average: Optional[float] = None,
+    weight_noise: Optional[Callable[[], ContextManager[Any]]] = None,
 ) -> FitConfig:
     """
     The configuration :func:`fit` trains ``guide`` with: Adam at learning rate
@@ -214,13 +241,17 @@ def fit_config(
         model's likelihood).
     :param float average: Overrides the decay of the parameters' moving
         average, in ``[0, 1)``; 0 keeps the last step's values.
+    :param callable weight_noise: Overrides the weight-noise handler: a
+        callable that returns a fresh one (e.g. ``lambda:
+        weight_noise(config=...)`` leaving a shared weight's site out), or
+        ``contextlib.nullcontext`` for none.
     """
     if learned_noise is not None and not isinstance(learned_noise, bool):
         raise TypeError(
             f"fit: learned_noise must be True, False or None, got {learned_noise!r}")
     if average is not None:  # before the learned-noise warning below
         _check_decay(average, "fit: average")
-    changes: Dict[str, Any] = {"weight_noise": _default_weight_noise(guide)}
+    changes: Dict[str, Any] = {"weight_noise": _chosen_weight_noise(guide, weight_noise)}
     if lr is not None:
         _check_positive("lr", lr)
         changes["lr"] = float(lr)

@@ -9,6 +9,7 @@ import warnings
 from typing import (
     Any,
     Callable,
+    ContextManager,
     Dict,
     List,
     Optional,
@@ -36,6 +37,7 @@ from pyro_vinit.training._support import (
     _check_guide,
     _check_model,
     _check_validation,
+    _check_weight_noise,
     _evaluate,
     _load,
     _rng_state,
@@ -50,6 +52,7 @@ from pyro_vinit.training.config import (
     FitConfig,
     FitHistory,
     _check_positive,
+    _chosen_weight_noise,
     fit_config,
     is_initialized,
 )
@@ -122,6 +125,7 @@ def fit(
     checkpoint_every: Optional[int] = None,
     capture: Union[bool, str, None] = None,
     average: Optional[float] = None,
+    weight_noise: Optional[Callable[[], ContextManager[Any]]] = None,
 ) -> FitHistory:
     r"""
     Trains a Bayesian neural network ``model(x, y)`` and its ``guide`` on
@@ -198,6 +202,12 @@ def fit(
         0 keeps the last step's values. Under
         ``pyro.settings.set(module_local_params=True)`` the model's and guide's
         module parameters are averaged.
+    :param callable weight_noise: The weight-noise handler instead of
+        fit's (see :func:`fit_config`): a callable that returns a fresh one,
+        entered at each step (e.g. ``lambda: weight_noise(config=...)``
+        leaving a shared weight's site out), or ``contextlib.nullcontext``
+        for none. The model is run on the first batch under it before
+        anything changes.
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------
@@ -250,6 +260,7 @@ def fit(
                          "there")
     learned_noise = _check_model(model, batches.first, num_data)
     _check_guide(guide, batches.first)
+    _check_weight_noise(model, batches.first, _chosen_weight_noise(guide, weight_noise))
     chunk = max(1, min(num_data, 4096))  # validation rows per model call
     if validation is not None:
         _check_validation(model, validation, chunk)
@@ -319,7 +330,8 @@ def fit(
                 "afresh", UserWarning, stacklevel=2)
         _set_up(guide, batches.first)
     config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
-                        learned_noise=learned_noise, average=average)
+                        learned_noise=learned_noise, average=average,
+                        weight_noise=weight_noise)
     history.config = config
     optim = optim if optim is not None else config.optimizer()
     # under module_local_params the modules hold their parameters, not the param store
