@@ -336,6 +336,13 @@ class BayesianClassifier(PyroModule):
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         _warn_minibatches(self, x, y)
         logits: torch.Tensor = self.net(x)
+        if y is not None and y.shape != (x.shape[0],):
+            # (a y of shape (batch, 1) would broadcast with the logits to (batch, batch))
+            raise ValueError(
+                f"BayesianClassifier: y must hold one class label per row, shape (batch,) = "
+                f"({x.shape[0]},), got {tuple(y.shape)}"
+                + (": pass y.squeeze(-1)" if y.shape == (x.shape[0], 1) else "")
+            )
         with _data_plate(x, self.num_data):
             pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
         return logits

@@ -273,6 +273,20 @@ def test_regressor_refuses_targets_of_another_shape():
     assert model(x, torch.randn(6)).shape == (6,)
 
 
+def test_classifier_refuses_targets_of_another_shape():
+    # a column of labels broadcast with the logits to (batch, batch): every row scored
+    # against every row's prediction (with Pyro's validation off, silently)
+    model = BayesianClassifier(bayesianize(mlp((3, 2))), num_data=30)
+    x = torch.randn(6, 3)
+    with pytest.raises(ValueError, match=r"^BayesianClassifier: y must hold one class label "
+                                         r"per row, shape \(batch,\) = \(6,\), got \(6, 1\): "
+                                         r"pass y.squeeze\(-1\)$"):
+        model(x, torch.zeros(6, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"got \(5,\)$"):
+        model(x, torch.zeros(5, dtype=torch.long))
+    assert model(x, torch.zeros(6, dtype=torch.long)).shape == (6, 2)
+
+
 def _blobs(n=40):
     g = torch.Generator().manual_seed(0)
     y = torch.arange(n) % 2

@@ -258,6 +258,34 @@ def test_bad_input_changes_nothing(case, initialized):
     assert is_initialized(guide) == initialized
 
 
+def _column_label_classifier(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 5]).to_event(2))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)), obs=y)
+
+
+@pytest.mark.parametrize("make_model", [classifier, lambda: _column_label_classifier],
+                         ids=["BayesianClassifier", "functional"])
+def test_fit_refuses_a_column_of_labels_before_anything_changes(make_model):
+    # y of shape (N, 1) broadcast a Categorical's log-density to (batch, batch): it got
+    # through I-BLM and failed in Pyro's shape check at the first step (silently wrong
+    # with Pyro's validation off)
+    x, y = blobs()
+    model = make_model()
+    message = (r"BayesianClassifier: y must hold one class label per row"
+               if isinstance(model, BayesianClassifier) else
+               r"^fit: y of shape \(64, 1\) does not fit the likelihood 'obs': its distribution "
+               r"has batch shape \(64,\) and event shape \(\), so y broadcasts its log-density "
+               r"to \(64, 64\); give y the batch shape followed by the event shape "
+               r"\(y.squeeze\(-1\) for a column\)$")
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(ValueError, match=message):
+        fit(model, guide, (x, y[:, None]), steps=2, batch_size=64, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    history = fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert history.steps == 2
+
+
 def test_bad_regression_targets():
     x, y = blobs()
     model = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240)

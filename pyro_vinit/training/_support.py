@@ -309,6 +309,23 @@ def _check_targets(site: Any, y: torch.Tensor) -> None:
         )
 
 
+def _check_log_density_shape(site: Any) -> None:
+    """The observed value of ``site`` does not broadcast its distribution: a log-density
+    of the distribution's batch shape (a column of labels against a batch of logits
+    would score every row against every row's prediction)."""
+    fn: Any = site["fn"]
+    with torch.no_grad():
+        shape = tuple(fn.log_prob(site["value"]).shape)
+    if shape != tuple(fn.batch_shape):
+        value = tuple(site["value"].shape)
+        raise ValueError(
+            f"fit: y of shape {value} does not fit the likelihood {site['name']!r}: its "
+            f"distribution has batch shape {tuple(fn.batch_shape)} and event shape "
+            f"{tuple(fn.event_shape)}, so y broadcasts its log-density to {shape}; give y "
+            "the batch shape followed by the event shape"
+            + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
+
+
 def _likelihoods(trace: poutine.Trace, model: Callable[..., Any]) -> List[Any]:
     """The observed sample sites of a trace of ``model``, less ``pyro.deterministic``'s
     records (observed ``Delta`` sites) and, where the model observes sites of its own
@@ -359,6 +376,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
         _check_no_batch_latents(trace, rows, observed)
     for site in observed:
         _check_targets(site, y)
+        _check_log_density_shape(site)
         scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
             site["scale"].max())
         if rows < num_data and abs(scale - 1.0) < 1e-6:
