@@ -20,7 +20,7 @@ import pyro_vinit.training.loop as training_loop
 from pyro_vinit import AutoKTiedNormal, CapturedSVI, fit, fit_config
 from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
 from pyro_vinit.training._cuda_graph import CudaGraphReplay
-from pyro_vinit.training._inductor import compile_pays, graph_size
+from pyro_vinit.training._inductor import compile_pays, graph_size, held_write
 from tests.test_captured import PROBLEMS, GradRecorder, _close
 
 
@@ -220,6 +220,45 @@ def test_inductor_compile_silences_only_deprecation_warnings(monkeypatch):
         replay = inductor_compile(graph, [torch.ones(2)], [torch.full((2,), 3.0)])
     assert [w.category for w in record] == [UserWarning]
     assert torch.equal(replay([torch.ones(2)], [torch.full((2,), 3.0)])[0], torch.full((2,), 3.0))
+
+
+def test_held_write_finds_a_write_to_a_tensor_the_graph_does_not_make():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    running, out = torch.zeros(4), torch.zeros(2)
+
+    def through_a_view(x):  # a BatchNorm-like update of a slice
+        running[:2].add_(x)
+        return x * 2
+
+    graph = make_fx(through_a_view)(torch.ones(2))
+    names = {id(graph._tensor_constant0): "net.bn.running_mean"}
+    suffix = ("; e.g. BatchNorm's running statistics), a write that inductor's compiled "
+              "graph would drop")
+    assert held_write(graph, names) == ("it writes in place to a tensor it reads (aten.add_."
+                                        "Tensor on the buffer 'net.bn.running_mean'" + suffix)
+    assert held_write(graph).startswith("it writes in place to a tensor it reads (aten.add_."
+                                        "Tensor on _tensor_constant0;")
+
+    def to_an_out_argument(x):  # the written argument a keyword, after one that is not
+        torch.mul(x, x, out=out)
+        return x + 1
+
+    assert held_write(make_fx(to_an_out_argument)(torch.ones(2))) == (
+        "it writes in place to a tensor it reads (aten.mul.out on _tensor_constant0" + suffix)
+
+    def to_an_input(x):
+        x.add_(1)
+        return x * 2
+
+    assert "(aten.add_.Tensor on x_1;" in held_write(make_fx(to_an_input)(torch.ones(2)))
+
+    def to_its_own_tensor(x):  # max: getitem nodes, operators without a schema
+        y = x * 2
+        y.add_(1)
+        return y, x.max(0)
+
+    assert held_write(make_fx(to_its_own_tensor)(torch.ones(2))) is None
 
 
 def test_a_step_writing_to_a_buffer_is_replayed_uncompiled(monkeypatch):
