@@ -910,13 +910,13 @@ def test_regression_with_learned_noise():
 # ---- checkpoints ---------------------------------------------------------------------------
 
 
-def _run(tmp_path, name, steps, every=None):
+def _run(tmp_path, name, steps, every=None, **options):
     x, y = blobs()
     pyro.set_rng_seed(3)
     model = classifier()
     guide = AutoKTiedNormal(model, rank=2)
     return fit(model, guide, (x, y), steps=steps, batch_size=64, progress=False,
-               checkpoint=tmp_path / name, checkpoint_every=every)
+               checkpoint=tmp_path / name, checkpoint_every=every, **options)
 
 
 def test_checkpoint_resumes_bit_identically(tmp_path):
@@ -928,6 +928,27 @@ def test_checkpoint_resumes_bit_identically(tmp_path):
     resumed = _run(tmp_path, "b.pt", 12)  # a fresh model and guide: resumes at step 6
     assert not resumed.initialized
     assert resumed.loss == straight.loss
+    assert_identical(params, snapshot())
+
+
+def test_evaluations_leave_training_as_it_was(tmp_path):
+    # validation draws from the guide; each evaluation leaves the generator as it found
+    # it, so that training does not depend on whether or how often it evaluates, and a
+    # call resumed to train further continues as the uninterrupted one whatever its
+    # default eval_every (a tenth of each call's steps: 1, then 2)
+    x, y = blobs()
+    plain = _run(tmp_path, "plain.pt", 20)
+    params = snapshot()
+    pyro.clear_param_store()
+    validated = _run(tmp_path, "validated.pt", 20, validation=(x, y), eval_every=3)
+    assert [v["step"] for v in validated.validation] == [0, 3, 6, 9, 12, 15, 18, 20]
+    assert validated.loss == plain.loss
+    assert_identical(params, snapshot())
+    pyro.clear_param_store()
+    _run(tmp_path, "resumed.pt", 10, validation=(x, y))
+    pyro.clear_param_store()
+    resumed = _run(tmp_path, "resumed.pt", 20, validation=(x, y))
+    assert resumed.loss == plain.loss
     assert_identical(params, snapshot())
 
 

@@ -359,9 +359,14 @@ def fit(
     # ---- train ---------------------------------------------------------------------------
     from tqdm.auto import tqdm  # type: ignore[import-untyped]  # a dependency of Pyro
 
+    # every evaluation leaves the generator as it found it: training is the same with or
+    # without validation, whatever eval_every, and a call resumed from its checkpoint to
+    # train further continues as the uninterrupted one
     if validation is not None and done == 0:
+        rng = _rng_state()
         history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
                                                             num_samples, chunk)})
+        _set_rng_state(rng)
     norm_data = batches.pair if batches.pair is not None else batches.loader
     bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
     try:
@@ -389,10 +394,8 @@ def fit(
             scheduled = validation is not None and step % every == 0
             if step == steps or scheduled:
                 # the average evaluated (and the running statistics computed for it) before
-                # the checkpoint: a resumed call that trains no further returns the same; an
-                # evaluation only because the call ends leaves the generator as it found it:
-                # a longer call resumed from its checkpoint trains on as an uninterrupted one
-                rng = None if scheduled else _rng_state()
+                # the checkpoint: a resumed call that trains no further returns the same
+                rng = _rng_state()
                 with averager.swapped():
                     # eval mode predicts with running statistics: recompute them for the
                     # average (they lag behind while SVI trains); a model without
@@ -401,8 +404,7 @@ def fit(
                     if validation is not None:
                         history.validation.append({"step": float(step), **_evaluate(
                             model, guide, *validation, num_samples, chunk)})
-                if rng is not None:
-                    _set_rng_state(rng)
+                _set_rng_state(rng)
             if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
                                      or step == steps):
                 # the parameters as trained and the average's state: a resumed call
