@@ -286,6 +286,28 @@ def test_fit_refuses_a_column_of_labels_before_anything_changes(make_model):
     assert history.steps == 2
 
 
+@pytest.mark.parametrize("guide_class", [AutoKTiedNormal, AutoNormal])
+def test_fit_refuses_a_guide_set_up_without_y_before_anything_changes(guide_class):
+    # the guide's prototype drew the likelihood as latent: Pyro's shape error in the step
+    x, y = blobs()
+    y = x.sum(-1)
+    model = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240)
+    guide = guide_class(model)
+    guide(x[:1])
+    before = snapshot()
+    message = (rf"^fit: the {guide_class.__name__} was set up without y: it draws the "
+               r"model's likelihood sites \['obs'\] as latent\. Make a fresh guide \(after "
+               r"pyro.clear_param_store\(\)\) and let fit set it up, or set it up with "
+               r"guide\(x, y\)$")
+    with pytest.raises(ValueError, match=message):
+        fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert_identical(before, snapshot())
+    pyro.clear_param_store()
+    guide = guide_class(model)
+    guide(x[:1], y[:1])
+    assert fit(model, guide, (x, y), steps=2, batch_size=64, progress=False).steps == 2
+
+
 def test_bad_regression_targets():
     x, y = blobs()
     model = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=240)

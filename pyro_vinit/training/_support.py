@@ -268,12 +268,23 @@ def _check_param_sites(trace: poutine.Trace, role: str) -> None:
         )
 
 
-def _check_guide(guide: Callable[..., Any], batch: Batch) -> None:
-    """A hand-written guide (a function, not an autoguide or a ``PyroModule``) runs
-    on the first batch and draws every latent site reparameterized, as fit's ELBO
-    needs: checked in :func:`_sandbox`, before set-up writes the param store. Under
-    ``module_local_params=True`` a hand-written ``PyroModule`` runs too, for
-    :func:`_check_param_sites`."""
+def _check_guide(guide: Callable[..., Any], batch: Batch, likelihoods: List[str]) -> None:
+    """An autoguide set up already does not draw a likelihood site of the model's
+    (``likelihoods``: set up without ``y``). A hand-written guide (a function, not an
+    autoguide or a ``PyroModule``) runs on the first batch and draws every latent site
+    reparameterized, as fit's ELBO needs: checked in :func:`_sandbox`, before set-up
+    writes the param store. Under ``module_local_params=True`` a hand-written
+    ``PyroModule`` runs too, for :func:`_check_param_sites`."""
+    prototype = getattr(guide, "prototype_trace", None)
+    if isinstance(guide, AutoGuide) and prototype is not None:
+        drawn_here = [name for name in likelihoods if name in prototype.nodes
+                      and not prototype.nodes[name]["is_observed"]]
+        if drawn_here:
+            raise ValueError(
+                f"fit: the {type(guide).__name__} was set up without y: it draws the model's "
+                f"likelihood sites {drawn_here} as latent. Make a fresh guide (after "
+                "pyro.clear_param_store()) and let fit set it up, or set it up with "
+                "guide(x, y)")
     if isinstance(guide, AutoGuide) or (isinstance(guide, PyroModule) and not pyro.settings.get(
             "module_local_params")):
         return  # (an autoguide refuses what it cannot draw at its own set-up)
@@ -353,9 +364,11 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
                 )
 
 
-def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool:
+def _check_model(model: Callable[..., Any], batch: Batch,
+                 num_data: int) -> Tuple[bool, List[str]]:
     """Checks the model on the first batch; returns whether it learns its
-    likelihood's noise scale (:func:`_learns_noise`)."""
+    likelihood's noise scale (:func:`_learns_noise`), and the names of its
+    likelihood sites."""
     x, y = batch
     declared = getattr(model, "num_data", None)
     if isinstance(declared, int) and declared != num_data:
@@ -388,7 +401,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int) -> bool
                 f"pyro.plate('data', {num_data}, subsample=...) in your model"
             )
         _check_batch_plate(site, rows, num_data)
-    return _learns_noise(model, x, y, trace, observed)
+    return _learns_noise(model, x, y, trace, observed), [site["name"] for site in observed]
 
 
 def _check_batch_plate(site: Any, rows: int, num_data: int) -> None:
