@@ -911,6 +911,29 @@ def test_validation_metrics_of_a_point_mass():
     assert result["error_rate"] == pytest.approx(float((logits.argmax(-1) != y).float().mean()))
 
 
+def _multi_label(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2, 5]).to_event(2))
+    logits = F.linear(x, w)
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Bernoulli(logits=logits).to_event(1), obs=y)
+    return logits
+
+
+def test_validation_error_rate_of_a_bernoulli_likelihood():
+    # two labels a row: the share of labels whose probability is on the wrong side of 0.5
+    x, _ = blobs()
+    y = torch.stack([x[:, 0] > 0, x[:, 1] + x[:, 2] > 0], -1).float()
+    guide = AutoDelta(_multi_label)
+    history = fit(_multi_label, guide, (x, y), steps=3, init=None, validation=(x, y),
+                  num_samples=3, progress=False)
+    logits = pyro.poutine.condition(_multi_label, {"w": guide.median(x, y)["w"].detach()})(x)
+    result = history.validation[-1]
+    assert result["mnll"] == pytest.approx(float(F.binary_cross_entropy_with_logits(
+        logits, y, reduction="sum")) / len(x), rel=1e-5)
+    assert 0 < result["error_rate"] == pytest.approx(float(((logits > 0) != (y > 0.5)).float()
+                                                           .mean()))
+
+
 def test_regression_with_learned_noise():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 5, generator=g)

@@ -525,6 +525,10 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
                     if isinstance(base, dist.Categorical):
                         kind = "error_rate"
                         sample_means.append(base.probs)
+                    elif isinstance(base, dist.Bernoulli):
+                        kind = "bernoulli"
+                        value = cast(torch.Tensor, observed[0]["value"])
+                        sample_means.append(base.probs.expand(value.shape))
                     elif isinstance(base, (dist.Normal, dist.StudentT)):
                         kind = "rmse"
                         value = cast(torch.Tensor, observed[0]["value"])
@@ -537,6 +541,9 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
         if kind == "error_rate":
             pred = torch.stack(means).mean(0).argmax(-1)
             result[kind] = float((pred != y).float().mean())
+        elif kind == "bernoulli":  # a label wrong where its probability is across 0.5
+            wrong = (torch.stack(means).mean(0) > 0.5) != (y.reshape(means[0].shape) > 0.5)
+            result["error_rate"] = float(wrong.float().mean())
         elif kind == "rmse":
             mean = torch.stack(means).mean(0)
             result[kind] = float((mean - y.reshape(mean.shape)).pow(2).mean().sqrt())

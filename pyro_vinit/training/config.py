@@ -288,8 +288,9 @@ class FitHistory:
         estimate of the whole data set) at every step of this call, and of
         the run it resumed.
     :ivar list validation: One dict per evaluation, with ``"step"``,
-        ``"mnll"`` and ``"error_rate"`` (a Categorical likelihood) or
-        ``"rmse"`` (a Normal one).
+        ``"mnll"`` and ``"error_rate"`` (a Categorical likelihood; for a
+        Bernoulli one, the share of labels whose predictive probability is
+        on the wrong side of 0.5) or ``"rmse"`` (a Normal one).
     :ivar bool initialized: Whether this call initialized the guide with I-BLM.
     :ivar bool captured: Whether this call took its steps through
         :class:`CapturedSVI` without falling back to the eager step (which
