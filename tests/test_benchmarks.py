@@ -60,11 +60,11 @@ SCRIPTS = {
 }
 
 
-def _run(args, tmp_path, pythonpath=ROOT):
+def _run(args, tmp_path, pythonpath=ROOT, **env):
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
         env={**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": pythonpath},
+             "PYTHONPATH": pythonpath, **env},
     )
 
 
@@ -145,8 +145,10 @@ def test_kl_regression_summary_in_nats():
 
 
 def test_fit_lr_from_json_rewrites_the_same_report(tmp_path):
-    # the tables remade from a saved run's JSON are the run's own
-    result = _run(["-m", "benchmarks.bench_fit_lr", "--quick"], tmp_path)
+    # the tables remade from a saved run's JSON are the run's own. --quick writes under
+    # tempfile.gettempdir(), where test_script_quick's run of the script (on the other
+    # pytest-xdist worker) writes too: this run's own, in tmp_path
+    result = _run(["-m", "benchmarks.bench_fit_lr", "--quick"], tmp_path, TMPDIR=str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     saved = result.stdout[:result.stdout.index("wrote ")]
     tables = saved[saved.index("## Per problem and"):]
