@@ -274,10 +274,10 @@ def test_fit_refuses_a_column_of_labels_before_anything_changes(make_model):
     model = make_model()
     message = (r"BayesianClassifier: y must hold one class label per row"
                if isinstance(model, BayesianClassifier) else
-               r"^fit: y of shape \(64, 1\) does not fit the likelihood 'obs': its distribution "
-               r"has batch shape \(64,\) and event shape \(\), so y broadcasts its log-density "
-               r"to \(64, 64\); give y the batch shape followed by the event shape "
-               r"\(y.squeeze\(-1\) for a column\)$")
+               r"^fit: y of shape \(64, 1\) does not fit the likelihood 'obs': its distribution, "
+               r"of batch shape \(64,\) and event shape \(\), broadcasts y to \(64, 64\), which "
+               r"would score each row against other rows' predictions; give y the batch shape "
+               r"followed by the event shape \(y.squeeze\(-1\) for a column\)$")
     guide = AutoKTiedNormal(model)
     with pytest.raises(ValueError, match=message):
         fit(model, guide, (x, y[:, None]), steps=2, batch_size=64, progress=False)
@@ -295,10 +295,10 @@ def test_fit_refuses_a_guide_set_up_without_y_before_anything_changes(guide_clas
     guide = guide_class(model)
     guide(x[:1])
     before = snapshot()
-    message = (rf"^fit: the {guide_class.__name__} was set up without y: it draws the "
-               r"model's likelihood sites \['obs'\] as latent\. Make a fresh guide \(after "
-               r"pyro.clear_param_store\(\)\) and let fit set it up, or set it up with "
-               r"guide\(x, y\)$")
+    message = (rf"^fit: the {guide_class.__name__} was set up without y: its prototype trace "
+               r"drew the model's likelihood sites \['obs'\] as latent\. Make a fresh guide "
+               r"\(after pyro.clear_param_store\(\)\) and let fit set it up, or set it up "
+               r"with guide\(x, y\)$")
     with pytest.raises(ValueError, match=message):
         fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
     assert_identical(before, snapshot())
@@ -306,6 +306,46 @@ def test_fit_refuses_a_guide_set_up_without_y_before_anything_changes(guide_clas
     guide = guide_class(model)
     guide(x[:1], y[:1])
     assert fit(model, guide, (x, y), steps=2, batch_size=64, progress=False).steps == 2
+
+
+def _replicates(x, y=None):
+    # three replicate targets a row, the free rightmost dim of a plate at dim -2 (Pyro's
+    # shape rules allow it): the distribution broadcast up to y, not y broadcast
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, 5]).to_event(2))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x)), dim=-2):
+        pyro.sample("obs", dist.Normal(F.linear(x, w), 1.0), obs=y)
+
+
+def _event_column(x, y=None):
+    # a (batch, 1) mean as a one-element event, y of shape (batch,): y broadcast to
+    # (batch, batch) inside the event's sum, with the log-density of the batch's shape
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, 5]).to_event(2))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Normal(F.linear(x, w), 1.0).to_event(1), obs=y)
+
+
+def test_fit_takes_replicates_and_refuses_a_target_broadcast_inside_the_event():
+    x, _ = blobs()
+    y = x.sum(-1, keepdim=True) + torch.randn(240, 3)
+    assert fit(_replicates, AutoNormal(_replicates), (x, y), steps=2, batch_size=64,
+               progress=False, init=None).steps == 2  # (I-BLM: one target column a unit)
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match=r"^fit: y of shape \(64,\) does not fit the likelihood "
+                                         r"'obs': its distribution, of batch shape \(64,\) and "
+                                         r"event shape \(1,\), broadcasts y to \(64, 64\)"):
+        fit(_event_column, AutoNormal(_event_column), (x, x.sum(-1)), steps=2, batch_size=64,
+            progress=False)
+    assert snapshot() == {}
+
+
+def test_fit_refuses_a_weight_noise_factory_that_returns_no_handler():
+    x, y = blobs()
+    model = classifier()
+    with pytest.raises(TypeError, match=r"^fit: weight_noise \(<lambda>\) returned a NoneType, "
+                                        r"not a handler \(a context manager\)$"):
+        fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False,
+            weight_noise=lambda: None)
+    assert snapshot() == {}
 
 
 def test_bad_regression_targets():

@@ -228,24 +228,30 @@ def _check_weight_noise(model: Callable[..., Any], batch: Batch,
     """Runs ``model`` on the first batch under a fresh ``handler()``, fit's weight-noise
     handler, in :func:`_sandbox`: a handler that cannot be entered (another layer-call
     handler around fit) or that refuses the model (a shared weight given per-example
-    noise) is refused before anything changes."""
+    noise) is refused before anything changes. The guide does not run: a refusal that
+    depends on its distributions (``strict=True`` against a guide that is not a
+    factorized Normal) comes at the first step."""
     if handler is None:
         return
     x, y = batch
     with _sandbox(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its fall-backs: the first step warns of them
+        name = getattr(handler, "__name__", None) or getattr(
+            getattr(handler, "func", None), "__name__", type(handler).__name__)
+        made = handler()
+        if not (hasattr(made, "__enter__") and hasattr(made, "__exit__")):
+            raise TypeError(f"fit: weight_noise ({name}) returned a {type(made).__name__}, "
+                            "not a handler (a context manager)")
         try:
-            with handler():
+            with made:
                 poutine.trace(model).get_trace(x, y)
         except Exception as e:  # the model ran without it (_check_model): the handler's
-            name = getattr(handler, "__name__", None) or getattr(
-                getattr(handler, "func", None), "__name__", type(handler).__name__)
             raise ValueError(
                 f"fit: under its weight-noise handler ({name}) the model fails on the first "
-                f"batch: {type(e).__name__}: {e} Choose fit's handler with fit(..., "
-                "weight_noise=...): a callable that returns a fresh one (e.g. lambda: "
-                "weight_noise(config=...)), or contextlib.nullcontext for none (a handler "
-                "around fit then applies)") from e
+                f"batch: {type(e).__name__}: {str(e).rstrip('.')}. Choose fit's handler with "
+                "fit(..., weight_noise=...): a callable that returns a fresh one (e.g. "
+                "lambda: weight_noise(config=...)), or contextlib.nullcontext for none (a "
+                "handler around fit then applies)") from e
 
 
 def _check_param_sites(trace: poutine.Trace, role: str) -> None:
@@ -281,9 +287,9 @@ def _check_guide(guide: Callable[..., Any], batch: Batch, likelihoods: List[str]
                       and not prototype.nodes[name]["is_observed"]]
         if drawn_here:
             raise ValueError(
-                f"fit: the {type(guide).__name__} was set up without y: it draws the model's "
-                f"likelihood sites {drawn_here} as latent. Make a fresh guide (after "
-                "pyro.clear_param_store()) and let fit set it up, or set it up with "
+                f"fit: the {type(guide).__name__} was set up without y: its prototype trace "
+                f"drew the model's likelihood sites {drawn_here} as latent. Make a fresh guide "
+                "(after pyro.clear_param_store()) and let fit set it up, or set it up with "
                 "guide(x, y)")
     if isinstance(guide, AutoGuide) or (isinstance(guide, PyroModule) and not pyro.settings.get(
             "module_local_params")):
@@ -321,19 +327,25 @@ def _check_targets(site: Any, y: torch.Tensor) -> None:
 
 
 def _check_log_density_shape(site: Any) -> None:
-    """The observed value of ``site`` does not broadcast its distribution: a log-density
-    of the distribution's batch shape (a column of labels against a batch of logits
-    would score every row against every row's prediction)."""
+    """The distribution of the observed ``site`` does not broadcast its value: it may be
+    broadcast up to the value (replicates along a dim it leaves free), but a value
+    broadcast up by it (a column of labels against a batch of logits) would score each
+    row against every row's prediction."""
     fn: Any = site["fn"]
-    with torch.no_grad():
-        shape = tuple(fn.log_prob(site["value"]).shape)
-    if shape != tuple(fn.batch_shape):
-        value = tuple(site["value"].shape)
+    value = tuple(site["value"].shape)
+    full = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    try:
+        broadcast: Any = tuple(torch.broadcast_shapes(value, full))  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        broadcast = None
+    if broadcast != value:
+        what = (f"broadcasts y to {broadcast}" if broadcast is not None
+                else "does not broadcast with y")
         raise ValueError(
             f"fit: y of shape {value} does not fit the likelihood {site['name']!r}: its "
-            f"distribution has batch shape {tuple(fn.batch_shape)} and event shape "
-            f"{tuple(fn.event_shape)}, so y broadcasts its log-density to {shape}; give y "
-            "the batch shape followed by the event shape"
+            f"distribution, of batch shape {tuple(fn.batch_shape)} and event shape "
+            f"{tuple(fn.event_shape)}, {what}, which would score each row against other "
+            "rows' predictions; give y the batch shape followed by the event shape"
             + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
 
 

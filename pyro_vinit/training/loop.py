@@ -207,7 +207,8 @@ def fit(
         entered at each step (e.g. ``lambda: weight_noise(config=...)``
         leaving a shared weight's site out), or ``contextlib.nullcontext``
         for none. The model is run on the first batch under it before
-        anything changes.
+        anything changes (the guide is not: a refusal of the guide's
+        distributions, under ``strict=True``, comes at the first step).
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------
