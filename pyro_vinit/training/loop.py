@@ -27,6 +27,12 @@ from torch import nn
 from pyro_vinit.guides.site_params import _supported_names, is_supported
 from pyro_vinit.initialization import init_guide_iblm
 from pyro_vinit.initialization._rollback import GuideRollback
+from pyro_vinit.training._checks import (
+    _check_guide,
+    _check_model,
+    _check_validation,
+    _check_weight_noise,
+)
 from pyro_vinit.training._inductor import compile_pays
 from pyro_vinit.training._support import (
     Batch,
@@ -34,10 +40,6 @@ from pyro_vinit.training._support import (
     _Batches,
     _check_batch,
     _check_checkpoint,
-    _check_guide,
-    _check_model,
-    _check_validation,
-    _check_weight_noise,
     _evaluate,
     _load,
     _rng_state,
