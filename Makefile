@@ -25,11 +25,11 @@ TYPED_MODULES ?= pyro_vinit
 typecheck: $(STAMP)
 	$(BIN)/mypy $(TYPED_MODULES)
 
+# The suite on two workers (pytest-xdist), one torch thread each (tests/conftest.py), tests
+# handed out two at a time, so that the slow smoke runs sorted first spread over both.
 test: $(STAMP)
 	$(BIN)/ruff check pyro_vinit tests examples benchmarks docs tools
 	$(BIN)/mypy $(TYPED_MODULES)
-	# two workers (pytest-xdist), one torch thread each (tests/conftest.py); tests handed
-	# out two at a time, so that the slow smoke runs sorted first spread over both
 	$(BIN)/python -m pytest -q -n 2 --maxschedchunk 2 tests
 
 # Mutation testing, a developer tool (not run in CI): mutates MUTATE_MODULES
