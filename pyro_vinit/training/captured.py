@@ -17,6 +17,7 @@ from typing import (
     Sequence,
     Set,
     Tuple,
+    cast,
 )
 
 import pyro
@@ -164,8 +165,11 @@ class _Capture:
 def _describe(error: BaseException) -> str:
     message = str(error).splitlines()
     text = f"{type(error).__name__}: {message[0] if message else ''}"
-    if error.__context__ is not None:  # e.g. the capture's end, raising after its cause
-        text += f", after {_describe(error.__context__)}"
+    context = error.__context__
+    if context is not None:  # e.g. the capture's end, raising after its cause
+        said = _describe(context)
+        if said != text:  # (the same error raised again: said once)
+            text += f", after {said}"
     return text
 
 
@@ -211,8 +215,9 @@ class CapturedSVI(SVI):
     (e.g. BatchNorm's running statistics, the buffers of ``model`` and
     ``guide`` when they are ``nn.Module`` s) are restored after tracing, so
     each step updates them once. The graph reads the parameter tensors the
-    traced step found: after replacing them (e.g. loading a param store's
-    state), make a new ``CapturedSVI``.
+    traced step found; where the param store holds others at a later step
+    (its state loaded, a parameter deleted and made again), every signature
+    is recorded and traced afresh, as ``SVI`` would step the new ones.
 
     :param model: The Pyro model.
     :param guide: Its guide.
@@ -276,6 +281,8 @@ class CapturedSVI(SVI):
         self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
         self._eager_sites: Dict[Hashable, Structure] = {}
         self._eager_params: Dict[Hashable, List[torch.Tensor]] = {}
+        # the param store's names of those tensors, by signature: checked at each step
+        self._store_params: Dict[Hashable, List[Tuple[str, torch.Tensor]]] = {}
         #: Why stepping fell back to ``SVI``'s eager step, or None.
         self.fallback_reason: Optional[str] = None
 
@@ -303,9 +310,7 @@ class CapturedSVI(SVI):
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
-        self._captures.clear()  # and the records of first steps: never read again
-        self._eager_sites.clear()
-        self._eager_params.clear()
+        self._forget()  # the graphs and the records of first steps: never read again
         warn_at_caller(f"CapturedSVI: {reason}; every later step runs eagerly, as SVI.step",
                        RuntimeWarning)
 
@@ -348,6 +353,8 @@ class CapturedSVI(SVI):
         if key is None:
             self._fall_back("an argument that is neither a tensor nor hashable")
             return self._eager_step(args, kwargs)
+        if key in self._eager_params and self._replaced(key):
+            self._forget()  # a loaded param store: the graphs read tensors SVI no longer steps
         capture = self._captures.get(key)
         if capture is None and key not in self._eager_sites:
             if len(self._eager_sites) >= 4 * self.max_signatures:
@@ -362,10 +369,16 @@ class CapturedSVI(SVI):
                 loss = self._eager_step(args, kwargs)
             self._eager_sites[key] = recorder.structure
             params: Dict[int, torch.Tensor] = {}
-            for site in found.trace.nodes.values():
-                param = site["value"].unconstrained()  # type: ignore[union-attr]
+            held = dict(pyro.get_param_store().named_parameters())
+            stored: List[Tuple[str, torch.Tensor]] = []
+            for name, site in found.trace.nodes.items():
+                value: Any = site["value"]
+                param = cast(torch.Tensor, value.unconstrained())
                 params.setdefault(id(param), param)
+                if held.get(name) is param:
+                    stored.append((name, param))
             self._eager_params[key] = list(params.values())
+            self._store_params[key] = stored
             return float(loss)
         if capture is None:
             if len(self._captures) >= self.max_signatures:
@@ -389,6 +402,19 @@ class CapturedSVI(SVI):
         for param in used:
             param.grad = None
         return float(loss)
+
+    def _replaced(self, key: Hashable) -> bool:
+        """Whether the param store holds other tensors under the names of those that
+        ``key``'s first step found (its state loaded since)."""
+        held = dict(pyro.get_param_store().named_parameters())
+        return any(held.get(name) is not param for name, param in self._store_params[key])
+
+    def _forget(self) -> None:
+        """Drops every graph and first-step record: each signature starts afresh."""
+        self._captures.clear()
+        self._eager_sites.clear()
+        self._eager_params.clear()
+        self._store_params.clear()
 
     def _trace(self, key: Hashable, args: Sequence[Any],
                kwargs: Dict[str, Any]) -> Optional[_Capture]:
