@@ -1038,6 +1038,25 @@ def test_evaluations_leave_training_as_it_was(tmp_path):
     assert_identical(params, snapshot())
 
 
+def test_a_checkpoint_resumed_with_another_batch_size_warns(tmp_path):
+    x, y = blobs()
+    _run(tmp_path, "d.pt", 5)  # batches of 64
+    pyro.clear_param_store()
+    model = classifier()
+    with pytest.warns(UserWarning, match=r"^fit: the checkpoint was written with batch_size=64; "
+                                         r"this call's batch_size=32 trains on from it, but not "
+                                         r"as the uninterrupted run would$") as record:
+        fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=7, batch_size=32,
+            progress=False, checkpoint=tmp_path / "d.pt")
+    assert record[0].filename == __file__
+    pyro.clear_param_store()
+    _run(tmp_path, "e.pt", 5)
+    with warnings.catch_warnings():  # the same batch size: no warning
+        warnings.simplefilter("error", UserWarning)
+        pyro.clear_param_store()
+        _run(tmp_path, "e.pt", 9)
+
+
 def test_checkpoint_every(tmp_path):
     _run(tmp_path, "c.pt", 7, every=3)
     state = torch.load(tmp_path / "c.pt", weights_only=False)

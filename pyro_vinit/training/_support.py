@@ -6,6 +6,7 @@ the model are in ``_checks``).
 
 import math
 import os
+import warnings
 from typing import (
     Any,
     Callable,
@@ -144,14 +145,20 @@ class _Batches:
 
     def state(self) -> Dict[str, Any]:
         return {"generator": self.generator.get_state(), "order": self.order,
-                "position": self.position}
+                "position": self.position, "batch_size": self.batch_size}
 
     def set_state(self, state: Dict[str, Any]) -> None:
+        saved = state.get("batch_size")  # (absent from the checkpoints of older versions)
+        if self.pair is not None and saved is not None and saved != self.batch_size:
+            warnings.warn(
+                f"fit: the checkpoint was written with batch_size={saved}; this call's "
+                f"batch_size={self.batch_size} trains on from it, but not as the "
+                "uninterrupted run would", UserWarning, stacklevel=3)
         self.generator.set_state(state["generator"])
         self.order, self.position = state["order"], state["position"]
 
 
-# ---- checks that run the model without changing anything -------------------------------
+# ---- distributions, the generator's state ------------------------------------------------
 
 
 def _base(fn: Any) -> Any:
