@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, 
 
 import torch
 
-from pyro_vinit.training._cuda_graph import node_tensors
+from pyro_vinit.training._cuda_graph import node_tensors, off_device
 
 __all__ = ["compile_pays", "graph_size", "held_write", "inductor_compile"]
 
@@ -91,24 +91,32 @@ def graph_size(graph: torch.fx.GraphModule) -> Tuple[int, int]:
     return operators, elements
 
 
-def _device_types(graph: torch.fx.GraphModule) -> Set[str]:
-    """The device types of the tensors of one dimension or more that ``graph`` reads,
-    holds or makes (not scalars: Pyro's plate makes its zero log-density on the CPU)."""
-    return {tensor.device.type for node in graph.graph.nodes
-            for tensor in node_tensors(graph, node) if tensor.dim()}
+def _devices(graph: torch.fx.GraphModule) -> Set[torch.device]:
+    """The devices of the tensors with elements in one dimension or more that
+    ``graph`` takes or holds (its inputs, a model's tensors): where its work runs.
+    Scalars, empty tensors and what the graph makes from them do not count: Pyro
+    makes some on the CPU (a plate's zero log-density, an empty constant), which a
+    CUDA graph replays as it captured them."""
+    return {tensor.device for node in graph.graph.nodes if node.op in ("placeholder", "get_attr")
+            for tensor in node_tensors(graph, node) if tensor.dim() and tensor.numel()}
 
 
 def compile_pays(graph: torch.fx.GraphModule, steps: int) -> bool:
     """
     Whether compiling ``graph`` is projected to save, over ``steps``
     replays, at least twice what the compile costs, by the cost model of the
-    one device type its tensors are on (the CPU's or CUDA's; scalars aside);
-    never for a graph on two device types (a model on CUDA that moves its CPU
-    data there: not a CUDA graph) or on another device.
+    one device type its inputs and tensors are on (the CPU's; CUDA's for a
+    graph that replays as one CUDA graph); never for a graph on two devices (a
+    model on CUDA that moves its CPU data there), a CUDA graph with work off its
+    device (:func:`~pyro_vinit.training._cuda_graph.off_device`), or another
+    device.
     """
-    types = _device_types(graph)
-    model = _COST_MODELS.get(types.pop()) if len(types) == 1 else None
-    if model is None:
+    devices = _devices(graph)
+    if len(devices) != 1:
+        return False
+    device = devices.pop()
+    model = _COST_MODELS.get(device.type)
+    if model is None or (device.type == "cuda" and off_device(graph, device) is not None):
         return False
     operators, elements = graph_size(graph)
     saved = model.saved_per_operator * operators + model.saved_per_element * elements

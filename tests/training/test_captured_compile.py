@@ -369,8 +369,14 @@ def test_compile_pays_on_cuda_by_cuda_cost_model():
     threshold = 2 * cost / saved  # about 5.7 million steps
     assert not compile_pays(graph, int(threshold) - 1)
     assert compile_pays(graph, int(threshold) + 1)
-    # a CPU tensor with elements: not one CUDA graph, not compiled
-    mixed = _fake_cuda_graph(lambda a: ((a * 2).sum(), torch.zeros(3)))
+    # a CPU tensor with elements made from constants: replayed as captured, a CUDA graph;
+    # an empty CPU constant too (Pyro's step holds one, found on the H200)
+    made = _fake_cuda_graph(lambda a: ((a * 2).sum(), torch.zeros(3)))
+    assert compile_pays(made, 10**12)
+    empty = _fake_cuda_graph(lambda a: (a * 2).sum() + torch.tensor([]).sum())
+    assert compile_pays(empty, 10**12)
+    # a draw on the CPU that the step reads: not one CUDA graph, not compiled
+    mixed = _fake_cuda_graph(lambda a: (a * 2).sum() + torch.randn(3).sum().to(a.device))
     assert not compile_pays(mixed, 10**12)
 
 
