@@ -41,13 +41,11 @@ class Fit:
 
 @dataclass
 class NoiseFit:
-    """The estimated observation noise std, and the unconstrained value that
-    gives it to the noise site or param ``name`` (None for a scale head or a
-    fixed scale)."""
+    """The unconstrained value that gives the estimated observation noise std
+    to the noise site or param ``name``."""
 
-    sigma: torch.Tensor
-    name: Optional[str]
-    level: Optional[torch.Tensor]
+    name: str
+    level: torch.Tensor
 
 
 def stage(site_shape: Callable[[str], torch.Size], values: Dict[str, torch.Tensor],
@@ -76,9 +74,8 @@ def write_fits(prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit],
             fit.var = torch.minimum(fit.var, cap)
         for name, (mean, var) in fit.site_values(prep.site_shape).items():
             set_loc_and_scale(guide, name, mean, var.sqrt_())
-    if noise is not None and noise.name is not None:
+    if noise is not None:
         level = noise.level
-        assert level is not None  # set with the noise site's or param's name
         if prep.likelihood.noise == "site":
             # the posterior std of log sigma from n residuals is about 1 / sqrt(2 n)
             spread = min(0.1, (2.0 * prep.pool.num_rows) ** -0.5)

@@ -55,19 +55,19 @@ def fit_noise(prep: Prepared, values: Dict[str, torch.Tensor], targets: Targets,
         inputs = layer_inputs(prep, values, head, options.chunk_rows, collective)
         fit = solve_layer(prep.pool, head, inputs, targets, options, collective, constant=level)
         stage(prep.site_shape, values, fits, fit, options.propagate)
-        return NoiseFit(sigma, None, None)
+        return None
     return noise_fit(prep, values, sigma, collective)
 
 
 def noise_fit(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tensor,
-              collective: Collective) -> NoiseFit:
-    """The noise std ``sigma`` and, for a noise site or param, the value that gives
-    it to the likelihood (:func:`link_inverse`)."""
+              collective: Collective) -> Optional[NoiseFit]:
+    """For a noise site or param, the value that gives the noise std ``sigma`` to
+    the likelihood (:func:`link_inverse`); else None."""
     likelihood = prep.likelihood
     if likelihood is not None and likelihood.noise in ("site", "param"):
         level = link_inverse(prep, values, sigma, collective)
-        return NoiseFit(sigma, likelihood.noise_name, level)
-    return NoiseFit(sigma, None, None)
+        return NoiseFit(cast(str, likelihood.noise_name), level)
+    return None
 
 
 def residual_std(prep: Prepared, values: Dict[str, torch.Tensor], chunk_rows: int,
