@@ -141,9 +141,9 @@ def init_guide_pretrained(
         # statistics at each run): its buffers are the trained network's, and stay.
         stack.callback(_restore, _buffers(_innermost(guide.model)))
         pool = collective.open_pool(data, options, stack)
-        prep = prepare(guide, None, max_pool_size, chunk_rows, pool=pool)
+        prep = prepare(guide, None, options.max_pool_size, options.chunk_rows, pool=pool)
         trained = _trained_values(prep, weights)
-        _report_uncovered(prep, strict)
+        _report_uncovered(prep, options.strict)
         values = guide_medians(guide, prep.first)
         values.update(trained)
         fits: Dict[str, Fit] = {}
@@ -153,12 +153,12 @@ def init_guide_pretrained(
                 # MOPED's scales; a weight of exactly zero gets a tiny positive one
                 var = (delta * mean.abs()).clamp_min(torch.finfo(mean.dtype).tiny).square()
             else:
-                inputs = layer_inputs(prep, values, layer, chunk_rows, collective)
-                var = _blr_variances(layer, inputs, mean, noise_ratio, chunk_rows)
+                inputs = layer_inputs(prep, values, layer, options.chunk_rows, collective)
+                var = _blr_variances(layer, inputs, mean, noise_ratio, options.chunk_rows)
             fits[layer.weight_name] = Fit(layer, mean, var)
-        noise = _trained_noise(prep, values, chunk_rows, collective)
+        noise = _trained_noise(prep, values, options.chunk_rows, collective)
         rollback.checkpoint()
-        write_fits(prep, fits, noise, max_scale_ratio)
+        write_fits(prep, fits, noise, options.max_scale_ratio)
     return guide
 
 

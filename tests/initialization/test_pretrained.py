@@ -245,6 +245,19 @@ def test_reads_at_most_10000_rows_in_chunks_of_4096():
     assert max(sizes) == 4096 and sizes[-3:] == [4096, 4096, 1808], sizes
 
 
+@pytest.mark.parametrize("scale", ["iblm", "moped"])
+def test_reads_at_most_max_pool_size_rows_in_chunks_of_chunk_rows(scale):
+    # of 250 rows, a pool of 100: the set-up runs on at most all of them, and "iblm"'s pass
+    # over the data runs the model on chunks of 30 (MOPED's scales need no pass)
+    sizes = []
+    x, y = torch.randn(250, 3), torch.randn(250)
+    guide = AutoNormal(_linear_regression(sizes))
+    init_guide_pretrained(guide, (x, y), weights={"w": torch.ones(2, 3)}, scale=scale,
+                          max_pool_size=100, chunk_rows=30)
+    assert max(sizes) == 100, sizes
+    assert scale == "moped" or sizes[-4:] == [30, 30, 30, 10], sizes
+
+
 def test_moped_scales_and_cap(digits, trained_mlp):
     x, y, _, _ = digits
     net = copy.deepcopy(trained_mlp)
