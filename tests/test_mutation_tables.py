@@ -155,3 +155,23 @@ def test_mutate_ledger_carries_results_to_a_fresh_run(tmp_path):
     assert mutate.ledger_refusal(tmp_path / "none.json", settings) is None
     other = mutate._config(["pyro_vinit/training"], ["tests"], ["-q"], 15.0)
     assert "other settings" in mutate.ledger_refusal(ledger, other)
+
+
+def test_no_mutant_listed_as_equivalent_was_killed():
+    # an edit renumbers its function's mutants: an entry of tools/mutmut_equivalent.txt
+    # then names another mutant, which a ledger may record as killed (and which
+    # tools/mutate.py would otherwise have counted as equivalent)
+    spec = importlib.util.spec_from_file_location(
+        "mutate", os.path.join(ROOT, "tools", "mutate.py"))
+    mutate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutate)
+    equivalent = mutate._equivalent()
+    assert mutate.stale_equivalents({"a": 1, "b": 3, "c": 0, "d": -24, "e": 1},
+                                    {"a": "", "b": "", "c": "", "d": ""}) == ["a", "b"]
+    ledgers = os.path.join(ROOT, "tools", "mutmut_ledger")
+    stale = []
+    for name in sorted(os.listdir(ledgers)):
+        with open(os.path.join(ledgers, name)) as f:
+            for entry in json.load(f)["files"].values():
+                stale += mutate.stale_equivalents(entry["exit_code_by_key"], equivalent)
+    assert stale == []

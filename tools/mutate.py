@@ -37,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = ROOT / "tools" / "mutmut_equivalent.txt"
+#: mutmut's exit codes of a mutant that a test killed (a failed test; pytest's "interrupted")
+KILLED = (1, 3)
 
 def _toml_list(items):
     return "[" + ", ".join(json.dumps(str(item)) for item in items) + "]"
@@ -175,24 +177,35 @@ def _module_of(mutant, modules):
     return None
 
 
+def stale_equivalents(exit_codes, equivalent):
+    """The mutants listed as equivalent that a test killed: entries left behind by an
+    edit that renumbered their function's mutants (mutmut numbers them in order)."""
+    return sorted(m for m, code in exit_codes.items() if m in equivalent and code in KILLED)
+
+
 def summarize(workdir, modules):
-    """Per module: Counter of killed / survived / no tests / timeout / equivalent."""
+    """Per module: Counter of killed / survived / no tests / timeout / equivalent, the
+    survivors, and the stale entries of the equivalent list."""
     from mutmut.stats import status_by_exit_code
 
     equivalent = _equivalent()
     counts = {module: Counter() for module in modules}
-    survivors = []
+    survivors, stale = [], []
     for meta in sorted((workdir / "mutants").rglob("*.py.meta")):
-        for mutant, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        stale += stale_equivalents(codes, equivalent)
+        for mutant, code in codes.items():
             module = _module_of(mutant, modules)
             if module is None or code is None:
                 continue
             # A timeout means the mutant hangs the tests: detected, though not by an assert.
-            status = "equivalent" if mutant in equivalent else status_by_exit_code[code]
+            status = status_by_exit_code[code]
+            if mutant in equivalent and code not in KILLED:
+                status = "equivalent"
             counts[module][status] += 1
             if status in ("survived", "no tests"):
                 survivors.append(f"{mutant} ({status})")
-    return counts, survivors
+    return counts, survivors, stale
 
 
 def _print_table(counts):
@@ -272,12 +285,16 @@ def main():
         cmd = [str(mutmut), "run", "--max-children", str(args.max_children)] + args.mutants
         subprocess.run(cmd, cwd=args.workdir, env=env, check=True)
 
-    counts, survivors = summarize(args.workdir, args.modules)
+    counts, survivors, stale = summarize(args.workdir, args.modules)
     print()
     _print_table(counts)
     if survivors:
         print(f"\n{len(survivors)} not killed (see `cd {args.workdir} && mutmut show <name>`):")
         print("\n".join(survivors))
+    if stale:
+        print(f"\n{len(stale)} listed in {EQUIVALENT.name} but killed (counted as killed; "
+              "renumbered by an edit? check with `mutmut show <name>`):")
+        print("\n".join(stale))
     summary = {m: dict(c) for m, c in counts.items()}
     (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.ledger is not None:
