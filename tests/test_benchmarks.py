@@ -61,10 +61,12 @@ SCRIPTS = {
 
 
 def _run(args, tmp_path, pythonpath=ROOT, **env):
+    # TMPDIR: a smoke run's files (the scripts' --quick writes under the temporary
+    # folder) in this test's own, not in one that another xdist worker's run overwrites
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
         env={**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": pythonpath, **env},
+             "PYTHONPATH": pythonpath, "TMPDIR": str(tmp_path), **env},
     )
 
 
@@ -145,10 +147,9 @@ def test_kl_regression_summary_in_nats():
 
 
 def test_fit_lr_from_json_rewrites_the_same_report(tmp_path):
-    # the tables remade from a saved run's JSON are the run's own. --quick writes under
-    # tempfile.gettempdir(), where test_script_quick's run of the script (on the other
-    # pytest-xdist worker) writes too: this run's own, in tmp_path
-    result = _run(["-m", "benchmarks.bench_fit_lr", "--quick"], tmp_path, TMPDIR=str(tmp_path))
+    # the tables remade from a saved run's JSON are the run's own (its files in tmp_path,
+    # not where test_script_quick's run of the script on another xdist worker writes)
+    result = _run(["-m", "benchmarks.bench_fit_lr", "--quick"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = result.stdout[:result.stdout.index("wrote ")]
     tables = saved[saved.index("## Per problem and"):]
