@@ -15,7 +15,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_vinit
 import pyro_vinit.training.loop as training_loop
-from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, fit, fit_config, init_guide_iblm
+from pyro_vinit import (
+    AutoKTiedNormal,
+    AutoRadialNormal,
+    fit,
+    fit_config,
+    init_guide_iblm,
+    local_reparam,
+)
 from pyro_vinit.data import load_digits
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
 from pyro_vinit.poutine import (
@@ -810,7 +817,8 @@ def test_fit_refuses_a_handler_that_refuses_the_model_before_anything_changes():
     model = classifier()
     with FlipoutMessenger() as outer:
         with pytest.raises(ValueError, match=r"^fit: under its weight-noise handler "
-                           r"\(local_reparam\) the model fails on the first batch; choose "
+                           r"\(local_reparam\) the model and guide fail on the first batch; "
+                           r"choose "
                            r"fit's handler with fit\(\.\.\., weight_noise=\.\.\.\).*\. "
                            r"RuntimeError: LocalReparamMessenger cannot be entered while "
                            r"FlipoutMessenger is active"):
@@ -820,10 +828,26 @@ def test_fit_refuses_a_handler_that_refuses_the_model_before_anything_changes():
     # a shared weight given per-example noise at its first use: refused at its second
     guide = AutoKTiedNormal(_shared_weight_classifier)
     for init in ("iblm", None):
-        with pytest.raises(ValueError, match=r"fails on the first batch; .* ValueError: "
+        with pytest.raises(ValueError, match=r"fail on the first batch; .* ValueError: "
                            r"LocalReparamMessenger: the sample of site 'w' is used a second"):
             fit(_shared_weight_classifier, guide, (x, y), steps=2, progress=False, init=init)
         assert len(pyro.get_param_store()) == 0 and guide.prototype_trace is None
+    # strict=True against the guide's distributions (radial, not a factorized Normal):
+    # refused before I-BLM writes, the guide not set up; a guide set up kept bit for bit
+    model = classifier()
+    guide = AutoRadialNormal(model)
+    strict = functools.partial(local_reparam, strict=True)
+    for _ in range(2):
+        before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+        with pytest.raises(ValueError, match=r"(?s)fail on the first batch; .* ValueError: "
+                           r"LocalReparamMessenger: 2 latent site\(s\) kept their ordinary "
+                           r"sample.*'net\.0\.weight': its distribution is RadialNormal"):
+            fit(model, guide, (x, y), steps=2, progress=False, weight_noise=strict)
+        after = dict(pyro.get_param_store().items())
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert (guide.prototype_trace is None) == (not before)
+        guide(x, y)  # the second time set up already
 
 
 def test_fit_weight_noise_chooses_the_handler():

@@ -55,6 +55,11 @@ class GuideRollback:
     ) -> None:
         if exc_type is None:
             return
+        self.restore()
+
+    def restore(self) -> None:
+        """Restores the guide and the param store as :meth:`__exit__` does on an
+        error (for a block that must leave nothing behind either way)."""
         with torch.no_grad():
             for param, value in self._values:
                 param.copy_(value)

@@ -19,6 +19,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_vinit._pyro_compat import is_deterministic_site
+from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.training._support import (
     Batch,
     _base,
@@ -70,14 +71,15 @@ def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
             ) from e
 
 
-def _check_weight_noise(model: Callable[..., Any], batch: Batch,
+def _check_weight_noise(model: Callable[..., Any], guide: Callable[..., Any], batch: Batch,
                         handler: Optional[Callable[[], ContextManager[Any]]]) -> None:
-    """Runs ``model`` on the first batch under a fresh ``handler()``, fit's weight-noise
-    handler, in :func:`_sandbox`: a handler that cannot be entered (another layer-call
-    handler around fit) or that refuses the model (a shared weight given per-example
-    noise) is refused before anything changes. The guide does not run: a refusal that
-    depends on its distributions (``strict=True`` against a guide that is not a
-    factorized Normal) comes at the first step."""
+    """Runs ``guide`` and ``model`` (replayed on the guide's draws, as fit's ELBO
+    runs them) on the first batch under a fresh ``handler()``, fit's weight-noise
+    handler, in :func:`_sandbox`, the guide left as it was (not set up, if it was
+    not): a handler that cannot be entered (another layer-call handler around fit)
+    or that refuses the model or the guide's distributions (a shared weight given
+    per-example noise; ``strict=True`` against a guide that is not a factorized
+    Normal) is refused before anything changes."""
     if handler is None:
         return
     x, y = batch
@@ -89,16 +91,24 @@ def _check_weight_noise(model: Callable[..., Any], batch: Batch,
         if not (hasattr(made, "__enter__") and hasattr(made, "__exit__")):
             raise TypeError(f"fit: weight_noise ({name}) returned a {type(made).__name__}, "
                             "not a handler (a context manager)")
+        rollback = GuideRollback(guide) if isinstance(guide, nn.Module) else None
+        if rollback is not None:
+            rollback.__enter__()
         try:
+            guide(x, y)  # set up (an autoguide), as fit does, outside the handler
             with made:
-                poutine.trace(model).get_trace(x, y)
+                drawn = poutine.trace(guide).get_trace(x, y)
+                poutine.trace(poutine.replay(model, trace=drawn)).get_trace(x, y)
         except Exception as e:  # the model ran without it (_check_model): the handler's
             raise ValueError(
-                f"fit: under its weight-noise handler ({name}) the model fails on the first "
-                "batch; choose fit's handler with fit(..., weight_noise=...): a callable that "
-                "returns a fresh one (e.g. lambda: weight_noise(config=...)), or "
-                "contextlib.nullcontext for none (a handler around fit then applies). "
+                f"fit: under its weight-noise handler ({name}) the model and guide fail on "
+                "the first batch; choose fit's handler with fit(..., weight_noise=...): a "
+                "callable that returns a fresh one (e.g. lambda: weight_noise(config=...)), "
+                "or contextlib.nullcontext for none (a handler around fit then applies). "
                 f"{type(e).__name__}: {e}") from e
+        finally:
+            if rollback is not None:
+                rollback.restore()
 
 
 def _check_param_sites(trace: poutine.Trace, role: str) -> None:

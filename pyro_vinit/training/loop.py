@@ -208,9 +208,8 @@ def fit(
         fit's (see :func:`fit_config`): a callable that returns a fresh one,
         entered at each step (e.g. ``lambda: weight_noise(config=...)``
         leaving a shared weight's site out), or ``contextlib.nullcontext``
-        for none. The model is run on the first batch under it before
-        anything changes (the guide is not: a refusal of the guide's
-        distributions, under ``strict=True``, comes at the first step).
+        for none. The guide and the model are run on the first batch under
+        it before anything changes (the guide left as it was).
     :return: A :class:`FitHistory`.
     """
     # ---- every check first: nothing is modified until they pass --------------------
@@ -263,7 +262,7 @@ def fit(
                          "there")
     learned_noise, likelihoods = _check_model(model, batches.first, num_data)
     _check_guide(guide, batches.first, likelihoods)
-    _check_weight_noise(model, batches.first, _chosen_weight_noise(guide, weight_noise))
+    _check_weight_noise(model, guide, batches.first, _chosen_weight_noise(guide, weight_noise))
     chunk = max(1, min(num_data, 4096))  # validation rows per model call
     if validation is not None:
         _check_validation(model, validation, chunk)
