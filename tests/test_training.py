@@ -289,6 +289,14 @@ def test_fit_refuses_a_column_of_labels_before_anything_changes(make_model):
     with pytest.raises(ValueError, match=message):
         fit(model, guide, (x, y[:, None]), steps=2, batch_size=64, progress=False)
     assert snapshot() == {} and not is_initialized(guide)
+    # the same column as validation labels: scored as (64, 64), silently wrong metrics
+    rows = len(x)
+    with pytest.raises(ValueError, match=message if isinstance(model, BayesianClassifier) else
+                       rf"^fit: the validation y of shape \({rows}, 1\) does not fit the "
+                       rf"likelihood 'obs': .* broadcasts the validation y to \({rows}, {rows}\)"):
+        fit(model, guide, (x, y), steps=2, batch_size=64, progress=False,
+            validation=(x, y[:, None]))
+    assert snapshot() == {} and not is_initialized(guide)
     history = fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
     assert history.steps == 2
 

@@ -183,7 +183,7 @@ def _check_targets(site: Any, y: torch.Tensor) -> None:
         )
 
 
-def _check_log_density_shape(site: Any) -> None:
+def _check_log_density_shape(site: Any, what_y: str = "y") -> None:
     """The distribution of the observed ``site`` does not broadcast its value: it may be
     broadcast up to the value (replicates along a dim it leaves free), but a value
     broadcast up by it (a column of labels against a batch of logits) would score each
@@ -196,10 +196,10 @@ def _check_log_density_shape(site: Any) -> None:
     except RuntimeError:
         broadcast = None
     if broadcast != value:
-        what = (f"broadcasts y to {broadcast}" if broadcast is not None
-                else "does not broadcast with y")
+        what = (f"broadcasts {what_y} to {broadcast}" if broadcast is not None
+                else f"does not broadcast with {what_y}")
         raise ValueError(
-            f"fit: y of shape {value} does not fit the likelihood {site['name']!r}: its "
+            f"fit: {what_y} of shape {value} does not fit the likelihood {site['name']!r}: its "
             f"distribution, of batch shape {tuple(fn.batch_shape)} and event shape "
             f"{tuple(fn.event_shape)}, {what}, which would score each row against other "
             "rows' predictions; give y the batch shape followed by the event shape"
@@ -213,6 +213,7 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
     with torch.no_grad():
         for site in _likelihoods(trace, model):
             _check_targets(site, y)
+            _check_log_density_shape(site, "the validation y")
             fn: Any = site["fn"]
             log_prob = cast(torch.Tensor, fn.log_prob(site["value"]))
             if x.shape[0] > 1 and not (log_prob.dim() and log_prob.shape[0] == x.shape[0]):
