@@ -301,6 +301,30 @@ def test_fit_refuses_a_column_of_labels_before_anything_changes(make_model):
     assert history.steps == 2
 
 
+def _regression(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1], 8]).to_event(2))
+    out = pyro.sample("out", dist.Normal(0.0, 1.0).expand([8, 1]).to_event(2))
+    with pyro.plate("data", 240, subsample_size=x.shape[0]):
+        pyro.sample("obs", dist.Normal((torch.tanh(x @ w) @ out).squeeze(-1), 0.1), obs=y)
+
+
+@pytest.mark.parametrize("batch_size", [240, 64])
+def test_fit_refuses_a_conditioned_likelihood_before_anything_changes(batch_size):
+    # fit shuffles and batches the rows of x; pyro.condition's y stays in its order: the
+    # whole-data batch trained on scrambled pairs, silently (outside-user trial)
+    x, _ = blobs()
+    y = x[:, 0].sin()
+    guide = AutoKTiedNormal(_regression)
+    init_guide_iblm(guide, (x, y))  # on the unconditioned model, as the I-BLM page says
+    before = snapshot()
+    conditioned = pyro.poutine.condition(_regression, data={"obs": y})
+    with pytest.raises(ValueError, match=r"^fit: the likelihood 'obs' is set by "
+                       r"pyro.condition\(model, data=\{'obs': ...\}\), and fit draws "
+                       r"minibatches .* Train the unconditioned model"):
+        fit(conditioned, guide, (x, y), steps=2, batch_size=batch_size, progress=False)
+    assert_identical(before, snapshot())
+
+
 @pytest.mark.parametrize("guide_class", [AutoKTiedNormal, AutoNormal])
 def test_fit_refuses_a_guide_set_up_without_y_before_anything_changes(guide_class):
     # the guide's prototype drew the likelihood as latent: Pyro's shape error in the step

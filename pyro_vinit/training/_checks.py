@@ -18,7 +18,7 @@ from pyro.nn import PyroModule
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 
-from pyro_vinit._pyro_compat import is_deterministic_site
+from pyro_vinit._pyro_compat import conditioned_sites, is_deterministic_site
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.training._support import (
     Batch,
@@ -244,6 +244,15 @@ def _check_model(model: Callable[..., Any], batch: Batch,
         raise ValueError(
             "fit: the model has no observed sample site when called as model(x, y); it must "
             "condition on y, e.g. pyro.sample('obs', dist.Categorical(logits=...), obs=y)"
+        )
+    fixed = sorted(site["name"] for site in observed if site["name"] in conditioned_sites(model))
+    if fixed:
+        raise ValueError(
+            f"fit: the likelihood {fixed[0]!r} is set by pyro.condition(model, data="
+            f"{{{fixed[0]!r}: ...}}), and fit draws minibatches of the rows of x and y (in a "
+            "new order each epoch), which a conditioned value does not follow: x would be "
+            "paired with other rows' targets. Train the unconditioned model, "
+            "fit(model, guide, (x, y)); the guide then serves the conditioned model too"
         )
     rows = x.shape[0]
     if rows < num_data:
