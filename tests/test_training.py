@@ -234,6 +234,17 @@ class _Once:
 BAD = {
     "lengths": (lambda x, y: (x, y[:-1]), {}, ValueError, "same number of rows"),
     "float labels": (lambda x, y: (x, y.float()), {}, TypeError, "integer class labels"),
+    # 1-based: Pyro's support error from inside the SVI step (init=None or set up)
+    "label range": (lambda x, y: (x, y + 1), {}, ValueError,
+                    r"^fit: y holds values outside the support of the likelihood 'obs' "
+                    r"\(Categorical, .*\), e.g. 3: class labels must be 0 to 2 \(1-based "
+                    r"labels: y - 1\)$"),
+    # one bad label of 240, most likely not in the first batch of 8: all of y is checked
+    "one label out of range": (lambda x, y: (x, torch.where(torch.arange(len(y)) == 200, 3, y)),
+                               {"batch_size": 8}, ValueError, "outside the support .* e.g. 3"),
+    "validation range": (lambda x, y: (x, y), {"validation": (torch.zeros(3, 5),
+                                                              torch.tensor([0, 1, 3]))},
+                         ValueError, "outside the support .* e.g. 3"),
     "empty loader": (lambda x, y: [], {}, ValueError, "no batches"),
     "iterator": (lambda x, y: _Once([(x, y)]), {}, TypeError, "read only once"),
     "not a pair": (lambda x, y: (x, y, y), {}, TypeError, "pair"),
@@ -263,6 +274,28 @@ def test_bad_input_changes_nothing(case, initialized):
     assert_identical(before, snapshot())
     assert torch.equal(rng, torch.get_rng_state())
     assert is_initialized(guide) == initialized
+
+
+def _bernoulli(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, x.shape[1]]).to_event(2))
+    with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+        pyro.sample("obs", dist.Bernoulli(logits=F.linear(x, w).squeeze(-1)), obs=y)
+
+
+def test_fit_refuses_bernoulli_targets_of_an_integer_dtype_or_outside_zero_one():
+    # long 0/1 labels failed deep in torch at the first step (binary_cross_entropy_with_
+    # logits: "result type Float can't be cast to ... Long"); I-BLM had accepted them
+    x, y = blobs()
+    y = (y > 0).long()
+    guide = AutoKTiedNormal(_bernoulli)
+    with pytest.raises(TypeError, match=r"^fit: the likelihood 'obs' is Bernoulli, whose "
+                       r"log-density takes floating-point 0/1 targets \(y.float\(\)\), got "
+                       r"torch.int64$"):
+        fit(_bernoulli, guide, (x, y), steps=2, progress=False)
+    with pytest.raises(ValueError, match=r"outside the support .*Bernoulli.* e.g. 2.0$"):
+        fit(_bernoulli, guide, (x, 2.0 * y), steps=2, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    assert fit(_bernoulli, guide, (x, y.float()), steps=2, progress=False).steps == 2
 
 
 def _column_label_classifier(x, y=None):
@@ -1400,8 +1433,10 @@ def test_fit_takes_a_hyperparameter_fixed_by_pyro_condition_for_no_likelihood():
     assert 0.0 <= history.validation[-1]["error_rate"] <= 1.0
 
 
-def test_fit_takes_a_likelihood_given_by_pyro_condition():
-    # the other use of pyro.condition: the observation itself, y passed and unused
+def test_fit_refuses_a_likelihood_given_by_pyro_condition():
+    # the other use of pyro.condition: the observation itself, y passed and unused. It
+    # was taken with the whole data as one batch, whose rows fit shuffles: x paired with
+    # other rows' labels
     x, y = blobs()
 
     def model(x, y=None):
@@ -1410,9 +1445,10 @@ def test_fit_takes_a_likelihood_given_by_pyro_condition():
             return pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)))
 
     conditioned = pyro.condition(model, data={"obs": y})
-    history = fit(conditioned, AutoNormal(conditioned), (x, y), steps=2, batch_size=240,
-                  init=None, progress=False)
-    assert history.steps == 2
+    with pytest.raises(ValueError, match="^fit: the likelihood 'obs' is set by pyro.condition"):
+        fit(conditioned, AutoNormal(conditioned), (x, y), steps=2, batch_size=240,
+            init=None, progress=False)
+    assert snapshot() == {}
 
 
 def test_a_classifier_is_not_run_again_to_read_its_noise():

@@ -168,18 +168,37 @@ def _check_guide(guide: Callable[..., Any], batch: Batch, likelihoods: List[str]
         )
 
 
-def _check_targets(site: Any, y: torch.Tensor) -> None:
-    """The targets' dtype fits the likelihood of the observed ``site``."""
+def _check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = None) -> None:
+    """The targets' dtype fits the likelihood of the observed ``site``, and they lie in
+    its support: ``y`` (the site's value), or all the targets ``all_y`` where given for
+    a Categorical's or Bernoulli's support (the same for every row)."""
     fn = _base(site["fn"])
+    name = site["name"]
     if isinstance(fn, dist.Categorical) and (y.is_floating_point() or y.dtype == torch.bool):
         raise TypeError(
-            f"fit: the likelihood {site['name']!r} is Categorical, so y must hold integer "
+            f"fit: the likelihood {name!r} is Categorical, so y must hold integer "
             f"class labels (y.long()), got {y.dtype}"
+        )
+    if isinstance(fn, dist.Bernoulli) and not y.is_floating_point():
+        raise TypeError(
+            f"fit: the likelihood {name!r} is Bernoulli, whose log-density takes "
+            f"floating-point 0/1 targets (y.float()), got {y.dtype}"
         )
     if not fn.support.is_discrete and not y.is_floating_point():
         raise TypeError(
-            f"fit: the likelihood {site['name']!r} is {type(fn).__name__}, continuous, "
+            f"fit: the likelihood {name!r} is {type(fn).__name__}, continuous, "
             f"so y must be floating point (y.float()), got {y.dtype}"
+        )
+    whole = all_y is not None and isinstance(fn, (dist.Categorical, dist.Bernoulli))
+    values = cast(torch.Tensor, all_y if whole else site["value"])
+    inside = fn.support.check(values)
+    if not bool(inside.all()):
+        bad = values[~inside]  # (the rows, for a support over an event dim)
+        hint = (f": class labels must be 0 to {fn.logits.shape[-1] - 1} (1-based labels: "
+                "y - 1)" if isinstance(fn, dist.Categorical) else "")
+        raise ValueError(
+            f"fit: y holds values outside the support of the likelihood {name!r} "
+            f"({type(fn).__name__}, {fn.support}), e.g. {bad.flatten()[0].item()!r}{hint}"
         )
 
 
@@ -225,9 +244,10 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
                 )
 
 
-def _check_model(model: Callable[..., Any], batch: Batch,
-                 num_data: int) -> Tuple[bool, List[str]]:
-    """Checks the model on the first batch; returns whether it learns its
+def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
+                 all_y: Optional[torch.Tensor] = None) -> Tuple[bool, List[str]]:
+    """Checks the model on the first batch (and class labels on ``all_y``, the data's
+    targets where given); returns whether it learns its
     likelihood's noise scale (:func:`_learns_noise`), and the names of its
     likelihood sites."""
     x, y = batch
@@ -258,7 +278,7 @@ def _check_model(model: Callable[..., Any], batch: Batch,
     if rows < num_data:
         _check_no_batch_latents(trace, rows, observed)
     for site in observed:
-        _check_targets(site, y)
+        _check_targets(site, y, all_y)
         _check_log_density_shape(site)
         scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
             site["scale"].max())

@@ -260,7 +260,8 @@ def fit(
         raise ValueError(f"fit: capture='compile' is measured on the CPU and CUDA only; the "
                          f"data is on {batches.first[0].device}: pass capture=True or None "
                          "there")
-    learned_noise, likelihoods = _check_model(model, batches.first, num_data)
+    learned_noise, likelihoods = _check_model(
+        model, batches.first, num_data, batches.pair[1] if batches.pair is not None else None)
     _check_guide(guide, batches.first, likelihoods)
     _check_weight_noise(model, guide, batches.first, _chosen_weight_noise(guide, weight_noise))
     chunk = max(1, min(num_data, 4096))  # validation rows per model call
