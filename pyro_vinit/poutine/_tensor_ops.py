@@ -51,11 +51,38 @@ SHAPE_QUERIES: FrozenSet[Callable[..., Any]] = NEW_LIKE | frozenset({
 
 #: Functions that read a tensor's data or autograd state and return no tensor
 #: (so no data flows through them).
-DATA_READS: FrozenSet[Callable[..., Any]] = frozenset({
+#: Reads of a tensor's elements that compute nothing (a Python number or list of them).
+VALUE_READS: FrozenSet[Callable[..., Any]] = frozenset({_T.__bool__, _T.item, _T.tolist})
+#: Reads of a tensor's metadata (autograd's, storage's) or its elements (VALUE_READS).
+DATA_READS: FrozenSet[Callable[..., Any]] = VALUE_READS | frozenset({
     getter("requires_grad"), getter("is_leaf"), getter("grad_fn"), getter("_version"),
-    _T.data_ptr, _T.__hash__, _T.__bool__, _T.item, _T.tolist, _T.stride,
-    _T.storage_offset, _T.is_contiguous,
+    _T.data_ptr, _T.__hash__, _T.stride, _T.storage_offset, _T.is_contiguous,
 })
+_ARITHMETIC = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
+               "or", "xor", "lshift", "rshift")
+#: The dunder methods that compute with a tensor's elements (operators, conversions).
+_VALUE_DUNDERS = frozenset(
+    [f"__{p}{name}__" for name in _ARITHMETIC for p in ("", "r", "i")]
+    + [f"__{name}__" for name in ("eq", "ne", "lt", "le", "gt", "ge", "neg", "pos", "abs",
+                                  "invert", "bool", "float", "int", "index", "complex")]
+)
+
+
+def uses_values(func: Callable[..., Any], out: Any) -> bool:
+    """Whether ``func`` (as ``__torch_function__`` receives it), which returned
+    ``out``, computed with its tensors' elements: a tensor computed, or an element
+    read (``.item()``, ``bool(t)``); not a read of an attribute (``.shape``,
+    ``._base``: a descriptor's ``__get__``), a private method of torch's own
+    machinery (``_is_view``), another dunder method (``__hash__``, ``__repr__``) or
+    a query of metadata (``is_conj()``, ``untyped_storage()``, which torch.compile
+    asks of every tensor)."""
+    name: str = getattr(func, "__name__", "")
+    if name.startswith("__"):
+        return name in _VALUE_DUNDERS
+    if name.startswith("_") or func in DATA_READS - VALUE_READS:
+        return False
+    return func in VALUE_READS or isinstance(out, torch.Tensor) or (
+        isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out))
 
 # Ops after which each element of the result is one distinct element of the argument:
 # a Normal's parameters go through them as the value does.

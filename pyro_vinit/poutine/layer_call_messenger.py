@@ -69,7 +69,7 @@ from pyro_vinit.poutine._layer_ops import (
     op_name,
 )
 from pyro_vinit.poutine._site_value import ACTIVE, SiteValue, Uses, eager, unwrap
-from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS
+from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, uses_values
 
 __all__ = ["LayerCall", "LayerCallMessenger"]
 
@@ -282,7 +282,15 @@ class LayerCallMessenger(Messenger):
                 for value in _site_values(args) + _site_values(list(kwargs.values())):
                     if value.msgs:
                         self._on_custom_op(value, op_name(func))
-        return NotImplemented
+                return NotImplemented
+        values = [v for v in _site_values(args) + _site_values(list(kwargs.values())) if v.msgs]
+        if not values:
+            return NotImplemented
+        out = func(*unwrap(args), **unwrap(kwargs))
+        if uses_values(func, out):
+            for value in values:
+                self._on_plain_op(value, op_name(func))
+        return out
 
     def _handle_layer_call(
         self,
@@ -318,6 +326,11 @@ class LayerCallMessenger(Messenger):
     def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
         """Hook called when the site value ``value`` (possibly reshaped) is used
         by a matrix product or layer op that is not intercepted."""
+
+    def _on_plain_op(self, value: SiteValue, op_name: str) -> None:
+        """Hook called when the site value ``value`` (possibly reshaped) is used
+        as drawn by an operation that is no layer call (e.g. ``w.norm()``,
+        ``torch.tanh(w[tokens])``)."""
 
     def _process_layer_call(self, call: LayerCall) -> Optional[torch.Tensor]:
         """

@@ -3,8 +3,9 @@ Finding the layer calls whose weights are sample sites, and applying a
 weight-noise strategy (:mod:`pyro_vinit.poutine.noise`) chosen per site.
 """
 
+import sys
 from types import TracebackType
-from typing import Callable, Dict, Optional, Set, Type, Union
+from typing import Any, Callable, Dict, Optional, Set, Type, Union
 
 import torch
 from pyro.distributions import constraints
@@ -46,6 +47,22 @@ def _is_weight_like(msg: SampleSite) -> bool:
         return False
     plated = any(frame.vectorized for frame in msg["cond_indep_stack"])
     return (len(fn.event_shape) if plated else value.dim()) >= 2
+
+
+#: The functions that compute a distribution's log density (torch's and Pyro's).
+_LOG_DENSITIES = frozenset({"log_prob", "compute_log_prob", "log_abs_det_jacobian"})
+
+
+def _in_log_density() -> bool:
+    """Whether the caller runs inside a log density (asked only of an operation on a
+    draw that got per-example noise: the rare case, so the stack walk costs nothing
+    per step)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in _LOG_DENSITIES:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 class WeightNoiseMessenger(LayerCallMessenger):
@@ -208,10 +225,12 @@ class WeightNoiseMessenger(LayerCallMessenger):
 
     def _post_site_value(self, msg: SampleSite, value: SiteValue) -> None:
         # Defer the site's log density with its value, in the form Trace.compute_log_prob
-        # and compute_score_parts would store it (both skip sites that have it).
-        if not value.is_deferred or msg["is_observed"]:
-            return
+        # and compute_score_parts would store it (both skip sites that have it). A log
+        # density is a term of the ELBO of its own, not the model's use of the draw: it
+        # runs on the plain tensors, out of sight of _on_plain_op.
         fn, scale, mask = msg["fn"], msg["scale"], msg["mask"]
+        if msg["is_observed"] or not (value.is_deferred or fn.has_rsample):
+            return
         shape = fn.batch_shape
         if value.shape != fn.batch_shape + fn.event_shape:
             # torch.broadcast_shapes is unannotated.
@@ -221,7 +240,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
         # On the plain tensor: a log density is never a layer call, and each of its ops on
         # the stand-in would pay a __torch_function__ round trip through the handler.
         unscaled = scaled = SiteValue.defer(
-            lambda: fn.log_prob(value.concrete), shape, like=value
+            lambda: self._unseen(fn.log_prob, value.concrete), shape, like=value
         )
         if not (isinstance(scale, (int, float)) and scale == 1.0 and mask is None):
             scaled_shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
@@ -264,17 +283,18 @@ class WeightNoiseMessenger(LayerCallMessenger):
                 if any(value is v for v in reused):
                     self._fallback(
                         value,
-                        "this sample was already used by an earlier layer call or matrix "
-                        "product in this run (a shared or tied weight) as drawn; every use "
-                        "keeps the ordinary sample, which is exact. Give each layer its own "
+                        "this sample was already used as drawn in this run, by an earlier "
+                        "layer call or matrix product (a shared or tied weight) or by the "
+                        "model's own arithmetic (e.g. w.norm(), w[index]); every use keeps "
+                        "the ordinary sample, which is exact. Give each layer its own "
                         "sample site for per-example noise",
                     )
                 else:
                     self._fallback(
                         value,
                         f"its layer call also uses the sample of site {reused[0].site!r}, "
-                        "which an earlier layer call or matrix product in this run used as "
-                        "drawn, so the call runs on the ordinary samples, which is exact. "
+                        "which this run already used as drawn, so the call runs on the "
+                        "ordinary samples, which is exact. "
                         "Give each layer its own sample sites for per-example noise",
                     )
             return None
@@ -309,13 +329,34 @@ class WeightNoiseMessenger(LayerCallMessenger):
         raise ValueError(
             f"{type(self).__name__}: the sample of site {value.site!r} is used a second "
             f"time (by {op_name}) in one run, after an earlier layer call gave it "
-            "per-example noise (a shared or tied weight, e.g. a siamese net): per-example "
+            "per-example noise (a shared or tied weight, e.g. a siamese net, or the model's "
+            "own arithmetic on it after its layer, e.g. w.norm()): per-example "
             "noise drawn at each use is not jointly exact, and the ordinary sample at this "
             "use alone would bias the objective. Leave the site out of the handler "
             f"(e.g. weight_noise(config=lambda msg: None if msg['name'] == {value.site!r} "
             "else AutoWeightNoise())): every use then keeps the ordinary sample, which is "
             "exact; or give each use its own sample site"
         )
+
+    def _unseen(self, func: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        # func(*args) with the site values in it (a Delta's) run as plain tensors
+        busy, self._busy = self._busy, True
+        try:
+            return func(*args)
+        finally:
+            self._busy = busy
+
+    def _on_plain_op(self, value: SiteValue, op_name: str) -> None:
+        # The draw as drawn enters the program's own arithmetic: a layer call that gave it
+        # per-example noise before would not be jointly exact with it, and one after must
+        # use the same draw (the ordinary sample, exact; reported there). A log density
+        # (the ELBO's term of its own, e.g. Pyro's compute_log_prob of a Delta) is no
+        # such use.
+        if value.uses.noised:
+            if not _in_log_density():
+                self._refuse_reuse(value, op_name)
+            return
+        value.uses.add(value.view_ops if value.is_view else None)
 
     def _on_custom_op(self, value: SiteValue, op_name: str) -> None:
         if value.uses.noised:

@@ -219,12 +219,13 @@ _SHARED_BIAS = (
     "LocalReparamMessenger: 3 latent site(s) kept their ordinary sample, shared by the "
     "whole minibatch:\n"
     "  'w1': " + _NOT_DISTINCT[:-1] + ";\n"
-    "  'w2': its layer call also uses the sample of site 'b', which an earlier layer call "
-    "or matrix product in this run used as drawn, so the call runs on the ordinary samples, "
-    "which is exact. Give each layer its own sample sites for per-example noise;\n"
-    "  'b': this sample was already used by an earlier layer call or matrix product in this "
-    "run (a shared or tied weight) as drawn; every use keeps the ordinary sample, which is "
-    "exact. Give each layer its own sample site for per-example noise."
+    "  'w2': its layer call also uses the sample of site 'b', which this run already used "
+    "as drawn, so the call runs on the ordinary samples, which is exact. Give each layer its "
+    "own sample sites for per-example noise;\n"
+    "  'b': this sample was already used as drawn in this run, by an earlier layer call or "
+    "matrix product (a shared or tied weight) or by the model's own arithmetic (e.g. "
+    "w.norm(), w[index]); every use keeps the ordinary sample, which is exact. Give each "
+    "layer its own sample site for per-example noise."
 )
 
 
@@ -254,11 +255,19 @@ def _linear_then_mv(x):
     return F.linear(x, w) + torch.mv(w, x[0])
 
 
+def _linear_then_norm(x):
+    # weight normalization written on the output (outside-user trial): the norm of the
+    # draw used after its layer, which had per-example noise independent of it
+    w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+    return F.linear(x, w) / w.norm(dim=1)
+
+
 def _reused_message(handler_name, op):
     return (
         f"{handler_name}: the sample of site 'w' is used a second time (by {op}) in one run, "
         "after an earlier layer call gave it per-example noise (a shared or tied weight, "
-        "e.g. a siamese net): per-example noise drawn at each use is not jointly exact, "
+        "e.g. a siamese net, or the model's own arithmetic on it after its layer, e.g. "
+        "w.norm()): per-example noise drawn at each use is not jointly exact, "
         "and the ordinary sample at this use alone would bias the objective. Leave the "
         "site out of the handler (e.g. weight_noise(config=lambda msg: None if msg['name'] "
         "== 'w' else AutoWeightNoise())): every use then keeps the ordinary sample, which "
@@ -267,8 +276,9 @@ def _reused_message(handler_name, op):
 
 
 @pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("model, op", [(_tied, "linear"), (_linear_then_mv, "mv")],
-                         ids=["tied weight", "then mv"])
+@pytest.mark.parametrize("model, op", [(_tied, "linear"), (_linear_then_mv, "mv"),
+                                       (_linear_then_norm, "norm")],
+                         ids=["tied weight", "then mv", "then norm"])
 @pytest.mark.parametrize("handler_name", ["LocalReparamMessenger", "FlipoutMessenger"])
 def test_second_use_of_a_noised_draw_is_refused(handler_name, model, op, strict):
     # Issue 23 item 6: raised at the second use (strict or not), the site named, and the
@@ -292,6 +302,38 @@ def test_second_use_of_a_noised_draw_is_refused(handler_name, model, op, strict)
 
 def _plain(model, x, w):
     return poutine.condition(model, {"w": w.detach().clone()})(x)
+
+
+def _lookup_then_tied_layer(x):
+    # a tied embedding written with indexing (outside-user trial): the draw's rows looked
+    # up, then the draw as the output layer's weight
+    w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+    e = torch.tanh(w[torch.tensor([0, 1, 2, 1, 3])])
+    return (e + x) @ w.T
+
+
+@pytest.mark.parametrize("cls", ["LocalReparamMessenger", "FlipoutMessenger"])
+def test_a_draw_used_as_drawn_before_its_layer_keeps_the_ordinary_sample(cls):
+    # per-example noise at the layer would be independent of the values the lookup saw
+    import pyro_vinit.poutine as handlers
+
+    x = torch.randn(5, 4)
+    with pytest.warns(UserWarning, match="'w': this sample was already used as drawn"):
+        with poutine.trace() as tr, getattr(handlers, cls)():
+            out = _lookup_then_tied_layer(x)
+    w = tr.trace.nodes["w"]["value"]
+    assert torch.equal(out, _plain(_lookup_then_tied_layer, x, w))
+    # a shape query or metadata read is no use of the values: the layer gets its noise
+    def shape_only(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+        assert w.shape == (4, 4) and not w.is_conj() and w.untyped_storage() is not None
+        return F.linear(x, w)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with poutine.trace() as tr, getattr(handlers, cls)(strict=True):
+            out = shape_only(x)
+    assert not torch.equal(out, _plain(shape_only, x, tr.trace.nodes["w"]["value"]))
 
 
 def test_strict_must_be_a_bool():
@@ -474,7 +516,9 @@ def test_a_use_that_is_no_view_claims_the_whole_draw(use):
         w = pyro.sample("w", dist.Normal(torch.zeros(4, 3), 1.0).to_event(2))
         return F.linear(x, DEPENDENT_USES[use](w)), F.linear(x, w[3:])
 
-    with pyro.poutine.trace() as tr, pytest.warns(UserWarning, match="'w': its value is tra"):
+    # (where the draw's own values chose the slice, argmax used row 3 as drawn first)
+    reason = "this sample was already used as drawn" if "slice" in use else "its value is tra"
+    with pyro.poutine.trace() as tr, pytest.warns(UserWarning, match=f"'w': {reason}"):
         with LocalReparamMessenger():
             first, rest = model()
     w = tr.trace.nodes["w"]["value"] * 1.0

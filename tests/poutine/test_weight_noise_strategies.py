@@ -376,7 +376,8 @@ def test_conv_false_refuses_a_convolution_after_a_noised_use(handler):
     with pytest.raises(ValueError, match="'w' is used a second time \\(by conv2d\\)"):
         with handler():
             model(IMAGE, conv_first=False)
-    with pytest.warns(UserWarning, match="already used by an earlier layer call"):
+    with pytest.warns(UserWarning, match="already used as drawn in this run, by an earlier "
+                      "layer call"):
         with handler():
             h, c, w = model(IMAGE, conv_first=True)
     w = torch.as_tensor(w)
