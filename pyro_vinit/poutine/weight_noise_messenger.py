@@ -5,7 +5,7 @@ weight-noise strategy (:mod:`pyro_vinit.poutine.noise`) chosen per site.
 
 import sys
 from types import TracebackType
-from typing import Any, Callable, Dict, Optional, Set, Type, Union
+from typing import Callable, Dict, Optional, Set, Type, Union
 
 import torch
 from pyro.distributions import constraints
@@ -225,12 +225,10 @@ class WeightNoiseMessenger(LayerCallMessenger):
 
     def _post_site_value(self, msg: SampleSite, value: SiteValue) -> None:
         # Defer the site's log density with its value, in the form Trace.compute_log_prob
-        # and compute_score_parts would store it (both skip sites that have it). A log
-        # density is a term of the ELBO of its own, not the model's use of the draw: it
-        # runs on the plain tensors, out of sight of _on_plain_op.
-        fn, scale, mask = msg["fn"], msg["scale"], msg["mask"]
-        if msg["is_observed"] or not (value.is_deferred or fn.has_rsample):
+        # and compute_score_parts would store it (both skip sites that have it).
+        if not value.is_deferred or msg["is_observed"]:
             return
+        fn, scale, mask = msg["fn"], msg["scale"], msg["mask"]
         shape = fn.batch_shape
         if value.shape != fn.batch_shape + fn.event_shape:
             # torch.broadcast_shapes is unannotated.
@@ -240,7 +238,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
         # On the plain tensor: a log density is never a layer call, and each of its ops on
         # the stand-in would pay a __torch_function__ round trip through the handler.
         unscaled = scaled = SiteValue.defer(
-            lambda: self._unseen(fn.log_prob, value.concrete), shape, like=value
+            lambda: fn.log_prob(value.concrete), shape, like=value
         )
         if not (isinstance(scale, (int, float)) and scale == 1.0 and mask is None):
             scaled_shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
@@ -337,14 +335,6 @@ class WeightNoiseMessenger(LayerCallMessenger):
             "else AutoWeightNoise())): every use then keeps the ordinary sample, which is "
             "exact; or give each use its own sample site"
         )
-
-    def _unseen(self, func: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-        # func(*args) with the site values in it (a Delta's) run as plain tensors
-        busy, self._busy = self._busy, True
-        try:
-            return func(*args)
-        finally:
-            self._busy = busy
 
     def _on_plain_op(self, value: SiteValue, op_name: str) -> None:
         # The draw as drawn enters the program's own arithmetic: a layer call that gave it
