@@ -1,15 +1,42 @@
-"""Leaving a guide (and the param store) exactly as it was when an initializer fails."""
+"""Leaving a guide (the param store, its model's buffers) exactly as it was when an
+initializer fails."""
 
 from types import TracebackType
-from typing import List, Optional, Tuple, Type
+from typing import Any, List, Optional, Tuple, Type
 
 import pyro
 import torch
 
+from pyro_vinit._pyro_compat import handler_chain
+
+
+def innermost(model: Any) -> Any:
+    """The callable inside every effect handler wrapped around ``model`` (an
+    autoguide's InitMessenger, and e.g. the ``poutine.block`` of an AutoGuideList
+    member)."""
+    chain = handler_chain(model)
+    return chain[-1][1] if chain else model
+
+
+def saved_buffers(module: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of ``module`` (if a module) with a copy of its value."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+
+
+@torch.no_grad()
+def restore_buffers(saved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies the values :func:`saved_buffers` kept back into the buffers."""
+    for buffer, value in saved:
+        buffer.copy_(value)
+
 
 class GuideRollback:
     """
-    Restores a guide (and the param store) if the block raises: for a guide
+    Restores a guide (the param store, and the buffers of its model, e.g.
+    BatchNorm's running statistics that the model's runs in train mode moved) if
+    the block raises: for a guide
     that was not set up before the block, its not-set-up state (the
     parameters that setting it up created are removed from it and from the
     param store), so that a corrected call can set it up anew; and, once
@@ -33,6 +60,7 @@ class GuideRollback:
             if isinstance(self._attrs.get(key), dict)
         }
         self._values: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._buffers = saved_buffers(innermost(getattr(self.guide, "model", None)))
         return self
 
     @torch.no_grad()
@@ -60,6 +88,7 @@ class GuideRollback:
     def restore(self) -> None:
         """Restores the guide and the param store as :meth:`__exit__` does on an
         error (for a block that must leave nothing behind either way)."""
+        restore_buffers(self._buffers)
         with torch.no_grad():
             for param, value in self._values:
                 param.copy_(value)

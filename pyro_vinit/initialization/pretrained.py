@@ -8,12 +8,11 @@ a learnable regression noise at the trained network's residual std.
 import math
 import warnings
 from contextlib import ExitStack
-from typing import Any, Dict, List, Mapping, Optional, Tuple, TypeVar, cast
+from typing import Any, Dict, Mapping, Optional, Tuple, TypeVar, cast
 
 import torch
 from pyro.infer.autoguide import AutoGuide, AutoGuideList
 
-from pyro_vinit._pyro_compat import handler_chain
 from pyro_vinit.guides.site_params import check_supported
 from pyro_vinit.initialization._collective import LocalCollective
 from pyro_vinit.initialization._data import Data
@@ -22,7 +21,12 @@ from pyro_vinit.initialization._noise import noise_fit, residual_std
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._passes import layer_inputs
 from pyro_vinit.initialization._regressions import unit_inputs, unit_priors
-from pyro_vinit.initialization._rollback import GuideRollback
+from pyro_vinit.initialization._rollback import (
+    GuideRollback,
+    innermost,
+    restore_buffers,
+    saved_buffers,
+)
 from pyro_vinit.initialization._tracing import Layer, Prepared, _to_layout, guide_medians, prepare
 
 __all__ = ["TRAINED_PREFIX", "init_guide_pretrained"]
@@ -139,7 +143,7 @@ def init_guide_pretrained(
     with GuideRollback(guide) as rollback, ExitStack() as stack:
         # The model runs on the data (in train mode, BatchNorm updates its running
         # statistics at each run): its buffers are the trained network's, and stay.
-        stack.callback(_restore, _buffers(_innermost(guide.model)))
+        stack.callback(restore_buffers, saved_buffers(innermost(guide.model)))
         pool = collective.open_pool(data, options, stack)
         prep = prepare(guide, None, options.max_pool_size, options.chunk_rows, pool=pool)
         trained = _trained_values(prep, weights)
@@ -195,32 +199,12 @@ def _model_values(model: Any) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _buffers(module: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Each buffer of ``module`` (if a module) with a copy of its value."""
-    if not isinstance(module, torch.nn.Module):
-        return []
-    return [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
-
-
-@torch.no_grad()
-def _restore(saved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for buffer, value in saved:
-        buffer.copy_(value)
-
-
-def _innermost(model: Any) -> Any:
-    """The callable inside every effect handler wrapped around ``model`` (the guide's
-    InitMessenger, and e.g. the ``poutine.block`` of an AutoGuideList member)."""
-    chain = handler_chain(model)
-    return chain[-1][1] if chain else model
-
-
 def _trained_values(prep: Prepared, weights: Optional[Mapping[str, torch.Tensor]]
                     ) -> Dict[str, torch.Tensor]:
     """Every layer site's trained value, checked, in the site's dtype and device."""
     given = weights is not None
     source = dict(weights) if weights is not None else _model_values(
-        _innermost(prep.guide.model))
+        innermost(prep.guide.model))
     names = [name for layer in prep.layers for name in layer.site_names]
     missing = [name for name in names if name not in source]
     if missing:

@@ -547,6 +547,28 @@ def test_nan_in_data_leaves_guide_unchanged(digits):
     _assert_unchanged(guide, before)
 
 
+@pytest.mark.parametrize("case", ["regression fails", "labels refused"])
+def test_a_failed_call_leaves_the_models_batch_norm_statistics(digits, case):
+    # the model's runs in train mode moved BatchNorm's running statistics, which the
+    # failed call kept (outside-user trial): the guide and store were restored, the model not
+    x, y, _, _ = digits
+    net = nn.Sequential(nn.Linear(64, 20), nn.BatchNorm1d(20), nn.ReLU(), nn.Linear(20, 10))
+    model = BayesianClassifier(bayesianize(net), num_data=len(x))
+    guide = AutoNormal(model)
+    guide(x[:4], y[:4])
+    before, buffers = _snapshot(guide), {k: v.clone() for k, v in net.state_dict().items()}
+    if case == "regression fails":
+        bad = x.clone()
+        bad[100] = 3e38  # finite, and overflows in the layers after the first
+        error, data = ValueError, (bad, y)
+    else:
+        error, data = ValueError, (x, y + 1)
+    with pytest.raises(error):
+        init_guide_iblm(guide, data)
+    _assert_unchanged(guide, before)
+    assert all(torch.equal(v, buffers[k]) for k, v in net.state_dict().items())
+
+
 def test_data_whose_sum_overflows_is_finite_and_opposite_infinities_are_not():
     # (the finiteness check reads the sum first: it must not take an overflow for a
     # non-finite element, nor inf + -inf, whose sum is NaN, for a finite one)
