@@ -86,7 +86,9 @@ def observed_site(recorder: LayerRecorderMessenger) -> SampleSite:
     if len(sites) != 1:
         found = [s["name"] for s in sites]
         hint = (
-            "call it with its targets, e.g. init_guide_iblm(guide, (x, y))"
+            "call it with its targets, e.g. init_guide_iblm(guide, (x, y)); a guide set up "
+            "without them (guide(x), Predictive(model, guide=guide)(x)) draws the likelihood "
+            "as a latent site: make a fresh guide and let I-BLM set it up"
             if not sites
             else "I-BLM fits one likelihood; combine the observations into one site"
         )

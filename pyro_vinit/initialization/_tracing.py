@@ -552,8 +552,10 @@ def report_held(structure: ModelStructure, who: str) -> None:
     warn_at_caller(
         f"{who}: the guide does not own the latent sites {list(structure.held)} (a "
         f"poutine.block around its model hides them), so it held them fixed for the whole "
-        f"call: {held}. Initialize them separately, e.g. with the member of an "
-        "AutoGuideList that owns them", UserWarning)
+        f"call: {held}, and leaves them at the values of the guide that owns them (e.g. "
+        "another member of an AutoGuideList, one I-BLM does not start, such as AutoDelta; "
+        "a noise site gets I-BLM's estimate only in a guide that owns it): set them "
+        "yourself, e.g. that member's params in pyro.get_param_store()", UserWarning)
 
 
 def prepare(

@@ -569,6 +569,22 @@ def test_a_failed_call_leaves_the_models_batch_norm_statistics(digits, case):
     assert all(torch.equal(v, buffers[k]) for k, v in net.state_dict().items())
 
 
+def test_a_guide_set_up_without_targets_is_refused_with_the_cause():
+    # Predictive(model, guide)(x) on a fresh guide sets it up drawing the likelihood as
+    # latent: the advice "call it with its targets" alone repeated what the user did
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, 3]).to_event(2))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), 0.1), obs=y)
+
+    x = torch.randn(20, 3)
+    guide = AutoNormal(model)
+    guide(x)
+    with pytest.raises(ValueError, match=r"found \[\]: call it with its targets, .* a guide "
+                       r"set up without them .* make a fresh guide and let I-BLM set it up$"):
+        init_guide_iblm(guide, (x, x.sum(-1)))
+
+
 def test_data_whose_sum_overflows_is_finite_and_opposite_infinities_are_not():
     # (the finiteness check reads the sum first: it must not take an overflow for a
     # non-finite element, nor inf + -inf, whose sum is NaN, for a finite one)
