@@ -80,9 +80,16 @@ def read_targets(prep: Prepared, values: Dict[str, torch.Tensor], options: IBLMO
     softmax = likelihood.family in ("categorical", "onehot")
     output = prep.structure.output_layers[0]
     if output.num_units != y.shape[1]:
+        layered = {name for layer in prep.layers for name in layer.site_names}
+        vectors = [name for name in prep.latent if name not in layered
+                   and len(prep.site_shape(name)) == 1 and prep.site_shape(name)[0] > 1]
+        hint = (f" (the latent sites {vectors} have one dimension: a product h @ w with w of "
+                "shape (D,) is not read as a layer; give it the shape (D, 1) and take "
+                "(h @ w).squeeze(-1))") if vectors else ""
         raise ValueError(
             f"the output layer ({output.weight_name!r}) has {output.num_units} outputs but "
             f"the likelihood has {y.shape[1]} target columns; I-BLM needs them to match"
+            + hint
         )
     return Targets(task, y, noise_var, softmax, fixed)
 

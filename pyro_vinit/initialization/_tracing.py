@@ -498,10 +498,15 @@ def trace_structure(
     likelihood = None
     if normal_priors:
         if not layers:
+            vectors = [name for name, site in sites.items() if site["value"].dim() == 1
+                       and site["value"].shape[0] > 1]
+            hint = (f". The latent sites {vectors} have one dimension: a product x @ beta "
+                    "with beta of shape (D,) is not read as a layer; give it the shape "
+                    "(D, 1) and take (x @ beta).squeeze(-1)") if vectors else ""
             raise NoLayersError(
                 "the model has no F.linear / F.conv layer or matrix product whose weight is "
                 "a latent sample site, so there is nothing to initialize; make the layers "
-                "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample"
+                "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample" + hint
             )
         site = observed_site(recorder)
         _check_not_conditioned(model, site["name"])

@@ -585,6 +585,42 @@ def test_a_guide_set_up_without_targets_is_refused_with_the_cause():
         init_guide_iblm(guide, (x, x.sum(-1)))
 
 
+def _vector_weight_models(column):
+    # Pyro's Bayesian linear regression (alpha + x @ beta) and an MLP with a scalar head
+    shape = (3, 1) if column else (3,)
+
+    def regression(x, y=None):
+        alpha = pyro.sample("alpha", dist.Normal(0.0, 1.0))
+        beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand(shape).to_event(len(shape)))
+        mean = alpha + (x @ beta).reshape(-1)
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(mean, 0.1), obs=y)
+
+    def mlp_head(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([3, 8]).to_event(2))
+        head = (8, 1) if column else (8,)
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand(head).to_event(len(head)))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal((torch.tanh(x @ w1) @ w2).reshape(-1), 0.1), obs=y)
+
+    return regression, mlp_head
+
+
+def test_a_vector_weight_is_named_where_it_is_not_read_as_a_layer():
+    x = torch.randn(40, 3)
+    y = x.sum(-1)
+    regression, mlp_head = _vector_weight_models(column=False)
+    with pytest.raises(ValueError, match=r"The latent sites \['beta'\] have one dimension: a "
+                       r"product x @ beta with beta of shape \(D,\) is not read as a layer; "
+                       r"give it the shape \(D, 1\)"):
+        init_guide_iblm(AutoNormal(regression), (x, y))
+    with pytest.raises(ValueError, match=r"has 8 outputs but the likelihood has 1 target "
+                       r"columns; .* \(the latent sites \['w2'\] have one dimension"):
+        init_guide_iblm(AutoNormal(mlp_head), (x, y))
+    for model in _vector_weight_models(column=True):  # the shape the messages advise
+        init_guide_iblm(AutoNormal(model), (x, y))
+
+
 def test_data_whose_sum_overflows_is_finite_and_opposite_infinities_are_not():
     # (the finiteness check reads the sum first: it must not take an overflow for a
     # non-finite element, nor inf + -inf, whose sum is NaN, for a finite one)
