@@ -1159,12 +1159,22 @@ def test_checkpoint_every(tmp_path):
 
 def test_not_a_checkpoint(tmp_path):
     torch.save({"step": 3}, tmp_path / "x.pt")
+    (tmp_path / "notes.txt").write_text("not a pickle")
     x, y = blobs()
     model = classifier()
-    with pytest.raises(ValueError, match="not a checkpoint"):
-        fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False,
-            checkpoint=tmp_path / "x.pt")
-    assert snapshot() == {}
+    for path, match in [
+        (tmp_path / "x.pt", "not a checkpoint"),
+        # torch's UnpicklingError, IsADirectoryError and, after the whole run, the save's
+        # RuntimeError (outside-user trial): each said by fit, before anything changes
+        (tmp_path / "notes.txt", r"notes.txt' is not a checkpoint written by pyro_vinit.fit "
+                                 r"\(UnpicklingError"),
+        (tmp_path, "is a folder; pass a file path in it"),
+        (tmp_path / "missing" / "run.pt", r"the checkpoint's folder .*missing' does not exist"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False,
+                checkpoint=path)
+        assert snapshot() == {}
 
 
 # ---- models a new user writes --------------------------------------------------------------

@@ -309,9 +309,24 @@ def _check_checkpoint(path: Optional[str], resumed: Dict[str, Any],
         )
 
 
+def _check_checkpoint_path(path: str) -> None:
+    """A checkpoint path that can be written: not a folder, in a folder that exists
+    (checked before training, not at the first save)."""
+    if os.path.isdir(path):
+        raise ValueError(f"fit: the checkpoint {path!r} is a folder; pass a file path in it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"fit: the checkpoint's folder {folder!r} does not exist; create it "
+                         "first (os.makedirs) or pass another path")
+
+
 def _load(path: str) -> Dict[str, Any]:
     # our own file, with the param store's constraints pickled: not weights only
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # not a file torch wrote (e.g. text, a truncated file)
+        raise ValueError(f"fit: {path!r} is not a checkpoint written by pyro_vinit.fit "
+                         f"({type(e).__name__}: {e})") from e
     if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
         raise ValueError(f"fit: {path!r} is not a checkpoint written by pyro_vinit.fit")
     return cast(Dict[str, Any], state)

@@ -40,6 +40,7 @@ from pyro_vinit.training._support import (
     _Batches,
     _check_batch,
     _check_checkpoint,
+    _check_checkpoint_path,
     _evaluate,
     _load,
     _rng_state,
@@ -281,6 +282,8 @@ def fit(
             "init=None to train this guide from its own initial values"
         )
     path = os.fspath(checkpoint) if checkpoint is not None else None
+    if path is not None:
+        _check_checkpoint_path(path)
     resumed = _load(path) if path is not None and os.path.exists(path) else None
     if steps is None:
         steps = (max(1, round(epochs * batches.batches_per_epoch)) if epochs is not None
