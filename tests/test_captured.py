@@ -2,6 +2,7 @@
 same seed (float64, 1e-10 relative), re-tracing, falling back, fresh draws."""
 
 import functools
+import math
 import numbers
 import warnings
 
@@ -397,6 +398,27 @@ def test_validation_runs_on_the_first_step():
     svi = CapturedSVI(model, lambda x: None, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
     with pytest.raises(ValueError, match="support"):
         svi.step(torch.full((3,), 2.0))
+
+
+def test_a_replayed_step_with_a_non_finite_loss_raises_before_the_update():
+    # the replay runs no validation: a NaN batch turned every parameter into NaN, where
+    # SVI raises (outside-user trial); with validation off, SVI steps on as well
+    model, make_guide, (x, y), handler = PROBLEMS["mlp"](torch.device("cpu"))
+    svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO())
+    for _ in range(3):
+        with handler():
+            svi.step(x, y)
+    assert svi.num_traces == 1
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^CapturedSVI: the loss of this step is nan, and "
+                       r"the parameters were not updated"), handler():
+        svi.step(bad, y)
+    assert all(torch.equal(v, before[k]) for k, v in pyro.get_param_store().items())
+    with pyro.validation_enabled(False), handler():
+        assert math.isnan(svi.step(bad, y))
 
 
 def test_bad_arguments():

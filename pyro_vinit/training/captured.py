@@ -4,6 +4,7 @@ input signature into a graph of aten operations and replayed.
 """
 
 import contextlib
+import math
 from collections import OrderedDict
 from typing import (
     Any,
@@ -25,6 +26,7 @@ import torch
 from pyro import poutine
 from pyro.infer import SVI
 from pyro.infer.elbo import ELBO
+from pyro.infer.util import is_validation_enabled
 from pyro.optim import PyroOptim
 from pyro.poutine.messenger import Messenger
 
@@ -199,9 +201,11 @@ class CapturedSVI(SVI):
     that it visits the same sites, and replays the graph. The random draws
     are operations of the graph, drawn afresh at each replay from PyTorch's
     generator: the same draws, loss and gradients as the eager step under
-    the same seed. Where the step cannot be captured (a model whose sites
-    change from step to step, a branch on a tensor's value, an ELBO other
-    than :class:`~pyro.infer.Trace_ELBO` or
+    the same seed. A replayed step runs no validation: with Pyro's on, a
+    loss that is not finite (e.g. a batch holding NaN) raises before the
+    optimizer moves anything. Where the step cannot be captured (a model
+    whose sites differ between its first two steps, a branch on a tensor's
+    value, an ELBO other than :class:`~pyro.infer.Trace_ELBO` or
     :class:`~pyro.infer.TraceMeanField_ELBO`, more than ``max_signatures``
     signatures, or four times as many seen), it warns once and runs every
     later step as ``SVI`` does.
@@ -209,15 +213,17 @@ class CapturedSVI(SVI):
     gradients handed to the optimizer are the graph's static outputs.
 
     Python code of the model runs only while tracing: a model that changes
-    its structure without a sign in its sites or its handlers' floats (e.g.
-    a Python random choice, a float attribute read as a constant) is
-    replayed with its traced structure. Tensors the step updates in place
-    (e.g. BatchNorm's running statistics, the buffers of ``model`` and
-    ``guide`` when they are ``nn.Module`` s) are restored after tracing, so
-    each step updates them once. The graph reads the parameter tensors the
-    traced step found; where the param store holds others at a later step
-    (its state loaded, a parameter deleted and made again), every signature
-    is recorded and traced afresh, as ``SVI`` would step the new ones.
+    its structure later without a sign in its inputs or its handlers'
+    floats (e.g. a Python random choice, an attribute read as a constant:
+    a flag that drops a site, ``module.eval()`` turning dropout off) is
+    replayed with its traced structure; make a new ``CapturedSVI`` then.
+    Tensors the step updates in place (e.g. BatchNorm's running statistics, the
+    buffers of ``model`` and ``guide`` when they are ``nn.Module`` s) are
+    restored after tracing, so each step updates them once. The graph reads the
+    parameter tensors the traced step found; where the param store holds others
+    at a later step (its state loaded, a parameter deleted and made again),
+    every signature is recorded and traced afresh, as ``SVI`` would step the new
+    ones.
 
     :param model: The Pyro model.
     :param guide: Its guide.
@@ -393,6 +399,12 @@ class CapturedSVI(SVI):
                    if isinstance(a, torch.Tensor)]
         with torch.no_grad():  # the graph computes the gradients itself: nothing to record
             loss, grads = capture.graph(capture.params, tensors)
+        if is_validation_enabled() and not math.isfinite(float(loss)):
+            # the eager step's validation would have refused it (SVI raises there)
+            raise ValueError(
+                f"CapturedSVI: the loss of this step is {float(loss)}, and the parameters "
+                "were not updated: a batch with NaN or inf in it, or values outside the "
+                "model's support (the replayed step runs no validation; SVI names the site)")
         used = []
         for param, grad in zip(capture.params, grads):
             if grad is not None:
