@@ -201,7 +201,8 @@ def radial_standard_icdf(q: torch.Tensor, event_numel: int, num_nodes: int = 512
     of :math:`p(\phi)` (width :math:`\sim 1/\sqrt{D}`) and inverted by bisection,
     in float64. Accurate to about 1e-6 in :math:`F`.
 
-    :param torch.Tensor q: Probabilities in (0, 1).
+    :param torch.Tensor q: Probabilities in [0, 1] (-inf and inf at 0 and 1; nan
+        outside, as :meth:`torch.distributions.Normal.icdf`).
     :param int event_numel: :math:`D`.
     :param int num_nodes: Quadrature nodes.
     """
@@ -235,7 +236,10 @@ def radial_standard_icdf(q: torch.Tensor, event_numel: int, num_nodes: int = 512
         below = cdf(mid) < flat
         lo = torch.where(below, mid, lo)
         hi = torch.where(below, hi, mid)
-    return ((lo + hi) / 2).reshape(q.shape).to(q.dtype if q.is_floating_point() else torch.float64)
+    # as Normal.icdf: -inf and inf at 0 and 1 (the radial marginal is unbounded), nan outside
+    z = torch.where(flat <= 0, -math.inf, torch.where(flat >= 1, math.inf, (lo + hi) / 2))
+    z = torch.where((flat < 0) | (flat > 1) | flat.isnan(), math.nan, z)
+    return z.reshape(q.shape).to(q.dtype if q.is_floating_point() else torch.float64)
 
 
 def _normal_cross_entropy(

@@ -328,3 +328,14 @@ def test_marginal_icdf_in_float64():
                  .expand(3, 3), atol=1e-14, rtol=0)
     assert_close(d.marginal_icdf([[0.1], [0.6], [0.9]]), z[:, None].expand(3, 3),
                  atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("event_numel", [1, 2, 10])
+def test_radial_icdf_at_and_beyond_the_ends_is_that_of_normal(event_numel):
+    # the radial marginal is unbounded: -inf and inf at 0 and 1, nan outside [0, 1], as
+    # Normal.icdf; the bisection's bracket gave -40 and 40 for all four (outside-user trial)
+    from pyro_vinit.distributions.radial_normal import radial_standard_icdf
+
+    q = torch.tensor([0.0, 1.0, 1.5, -0.1, float("nan")])
+    z = radial_standard_icdf(q, event_numel)
+    assert z[0] == -math.inf and z[1] == math.inf and z[2:].isnan().all()
