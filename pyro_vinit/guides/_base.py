@@ -1,5 +1,6 @@
 """Shared machinery of the per-site autoguides of :mod:`pyro_vinit.guides`."""
 
+import math
 from contextlib import ExitStack
 from operator import attrgetter
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -55,9 +56,10 @@ def is_real_support(support: Optional[constraints.Constraint]) -> bool:
 
 
 def check_init_scale(cls: type, init_scale: float) -> None:
-    if isinstance(init_scale, bool) or not isinstance(init_scale, float) or not init_scale > 0:
+    if (isinstance(init_scale, bool) or not isinstance(init_scale, float)
+            or not 0 < init_scale < math.inf):
         raise ValueError(
-            f"{cls.__name__}: init_scale must be a positive float (the initial standard "
+            f"{cls.__name__}: init_scale must be a positive finite float (the initial standard "
             f"deviation of each unconstrained latent element), but got {init_scale!r}; "
             "pass e.g. init_scale=0.1"
         )

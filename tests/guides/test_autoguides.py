@@ -304,9 +304,9 @@ def test_conjugate_posterior(Guide):
 
 
 @pytest.mark.parametrize("Guide", [AutoKTiedNormal, AutoRadialNormal, AutoMeanFieldNormal])
-@pytest.mark.parametrize("init_scale", [0.0, -0.1, 1, "0.1", True])
+@pytest.mark.parametrize("init_scale", [0.0, -0.1, 1, "0.1", True, float("inf"), float("nan")])
 def test_bad_init_scale(Guide, init_scale):
-    with pytest.raises(ValueError, match="init_scale must be a positive float"):
+    with pytest.raises(ValueError, match="init_scale must be a positive finite float"):
         Guide(assorted_model, init_scale=init_scale)
 
 

@@ -109,7 +109,7 @@ def test_bad_init_scale_message(Guide):
     with pytest.raises(ValueError) as error:
         Guide(model, init_scale=-1.0)
     assert str(error.value) == (
-        f"{Guide.__name__}: init_scale must be a positive float (the initial standard "
+        f"{Guide.__name__}: init_scale must be a positive finite float (the initial standard "
         "deviation of each unconstrained latent element), but got -1.0; pass e.g. "
         "init_scale=0.1"
     )
