@@ -49,6 +49,8 @@ def _is_weight_like(msg: SampleSite) -> bool:
     return (len(fn.event_shape) if plated else value.dim()) >= 2
 
 
+#: The names (op_name) of the matrix products that are read as layers where they can be.
+_PRODUCTS = frozenset({"matmul", "mm", "addmm", "einsum"})
 #: The functions that compute a distribution's log density (torch's and Pyro's).
 _LOG_DENSITIES = frozenset({"log_prob", "compute_log_prob", "log_abs_det_jacobian"})
 
@@ -362,12 +364,18 @@ class WeightNoiseMessenger(LayerCallMessenger):
             hint = " (conv=False leaves convolutions, transposed ones too, unreported)"
         else:
             hint = ""
-        self._fallback(
-            value,
-            f"it is used by {op_name}, which the handler does not treat (it treats F.linear, "
-            "F.conv1d/2d/3d and matrix products with one weight operand: matmul, @, mm, "
-            f"bmm, mv, addmm, einsum with one contracted index){hint}",
-        )
+        if op_name in _PRODUCTS:  # a product it treats, in a form it does not read
+            reason = (
+                f"it is used by {op_name} in a form the handler does not read as a layer (it "
+                "reads a product of an input and a 2-d weight over one contracted index: not "
+                "a weight of one dimension, one with a batch dim such as vectorized "
+                "particles' leading one, or a product of three)")
+        else:
+            reason = (
+                f"it is used by {op_name}, which the handler does not treat (it treats "
+                "F.linear, F.conv1d/2d/3d and matrix products of an input and a 2-d weight: "
+                f"matmul, @, mm, addmm, einsum with one contracted index){hint}")
+        self._fallback(value, reason)
 
     def _site_strategy(self, value: SiteValue) -> Optional[WeightNoise]:
         """The strategy of the site that drew ``value``, chosen for its distribution

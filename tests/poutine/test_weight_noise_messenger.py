@@ -362,8 +362,8 @@ _OUTSIDE = ("its value was set by an effect handler outside this one (e.g. a gui
             "replayed from outside it), so the distribution that drew it is unknown; apply "
             "the handler to the whole step (e.g. to svi.step), not to the model.")
 _CUSTOM = ("it is used by mv, which the handler does not treat (it treats F.linear, "
-           "F.conv1d/2d/3d and matrix products with one weight operand: matmul, @, mm, bmm, "
-           "mv, addmm, einsum with one contracted index).")
+           "F.conv1d/2d/3d and matrix products of an input and a 2-d weight: matmul, @, mm, "
+           "addmm, einsum with one contracted index).")
 
 
 def _linear(x):
