@@ -153,3 +153,10 @@ def align_rows(tensor: torch.Tensor, what: str, *, n: int, rows: Optional[torch.
         f"subsampled plate nor the {n} rows of the data; I-BLM needs the data rows along "
         "the leading dim"
     )
+
+
+def one_dim_sites(shapes: Dict[str, torch.Size]) -> List[str]:
+    """The names among ``shapes`` of the sites of one dimension (of more than one
+    element): a weight used as ``x @ beta`` with ``beta`` of shape (D,), which is
+    not read as a layer (for the errors that name them)."""
+    return [name for name, shape in shapes.items() if len(shape) == 1 and shape[0] > 1]

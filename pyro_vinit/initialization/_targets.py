@@ -11,6 +11,7 @@ from pyro_vinit._typing import SampleSite
 from pyro_vinit.initialization._collective import Collective
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._passes import observed_sites
+from pyro_vinit.initialization._runs import one_dim_sites
 from pyro_vinit.initialization._tracing import Prepared, unwrap_likelihood
 
 __all__ = ["dirichlet_transform"]
@@ -81,8 +82,8 @@ def read_targets(prep: Prepared, values: Dict[str, torch.Tensor], options: IBLMO
     output = prep.structure.output_layers[0]
     if output.num_units != y.shape[1]:
         layered = {name for layer in prep.layers for name in layer.site_names}
-        vectors = [name for name in prep.latent if name not in layered
-                   and len(prep.site_shape(name)) == 1 and prep.site_shape(name)[0] > 1]
+        vectors = one_dim_sites({name: prep.site_shape(name) for name in prep.latent
+                                 if name not in layered})
         hint = (f" (the latent sites {vectors} have one dimension: a product h @ w with w of "
                 "shape (D,) is not read as a layer; give it the shape (D, 1) and take "
                 "(h @ w).squeeze(-1))") if vectors else ""

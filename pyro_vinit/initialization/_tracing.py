@@ -37,7 +37,7 @@ from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
-from pyro_vinit.initialization._runs import in_rows, observed_site, run_model
+from pyro_vinit.initialization._runs import in_rows, observed_site, one_dim_sites, run_model
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
     PlateRowsMessenger,
@@ -498,8 +498,7 @@ def trace_structure(
     likelihood = None
     if normal_priors:
         if not layers:
-            vectors = [name for name, site in sites.items() if site["value"].dim() == 1
-                       and site["value"].shape[0] > 1]
+            vectors = one_dim_sites({name: site["value"].shape for name, site in sites.items()})
             hint = (f". The latent sites {vectors} have one dimension: a product x @ beta "
                     "with beta of shape (D,) is not read as a layer; give it the shape "
                     "(D, 1) and take (x @ beta).squeeze(-1)") if vectors else ""

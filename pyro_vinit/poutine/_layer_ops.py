@@ -13,7 +13,7 @@ weight-noise handlers (:mod:`~pyro_vinit.poutine.layer_call_messenger`).
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ LAYER_OPS: Dict[Callable[..., Any], Tuple[str, Tuple[str, ...]]] = {
 _CONV_DEFAULTS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
 #: Matrix products that :func:`parse_matmul` can read as a linear layer.
-MATMUL_OPS = {
+MATMUL_OPS: Set[Callable[..., Any]] = {
     torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm,
     torch.addmm, _T.addmm, torch.einsum,
 }

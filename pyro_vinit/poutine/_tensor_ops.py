@@ -49,11 +49,10 @@ SHAPE_QUERIES: FrozenSet[Callable[..., Any]] = NEW_LIKE | frozenset({
     _T.is_complex, _T.element_size, _T.get_device,
 })
 
-#: Functions that read a tensor's data or autograd state and return no tensor
-#: (so no data flows through them).
 #: Reads of a tensor's elements that compute nothing (a Python number or list of them).
 VALUE_READS: FrozenSet[Callable[..., Any]] = frozenset({_T.__bool__, _T.item, _T.tolist})
-#: Reads of a tensor's metadata (autograd's, storage's) or its elements (VALUE_READS).
+#: Functions that read a tensor's data or autograd state and return no tensor (so no
+#: data flows through them): its metadata, or its elements (VALUE_READS).
 DATA_READS: FrozenSet[Callable[..., Any]] = VALUE_READS | frozenset({
     getter("requires_grad"), getter("is_leaf"), getter("grad_fn"), getter("_version"),
     _T.data_ptr, _T.__hash__, _T.stride, _T.storage_offset, _T.is_contiguous,

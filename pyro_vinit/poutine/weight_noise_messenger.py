@@ -13,6 +13,7 @@ from pyro.distributions import constraints
 from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
 from pyro_vinit._typing import SampleSite
 from pyro_vinit._warn import warn_at_caller
+from pyro_vinit.poutine._layer_ops import MATMUL_OPS, op_name
 from pyro_vinit.poutine._site_value import SiteValue, eager
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
 from pyro_vinit.poutine.noise import AutoWeightNoise, WeightNoise
@@ -49,8 +50,8 @@ def _is_weight_like(msg: SampleSite) -> bool:
     return (len(fn.event_shape) if plated else value.dim()) >= 2
 
 
-#: The names (op_name) of the matrix products that are read as layers where they can be.
-_PRODUCTS = frozenset({"matmul", "mm", "addmm", "einsum"})
+#: The names of the matrix products that are read as layers where they can be.
+_PRODUCTS = frozenset(op_name(func) for func in MATMUL_OPS)
 #: The functions that compute a distribution's log density (torch's and Pyro's).
 _LOG_DENSITIES = frozenset({"log_prob", "compute_log_prob", "log_abs_det_jacobian"})
 
