@@ -17,6 +17,7 @@ import pyro_vinit
 import pyro_vinit.training.loop as training_loop
 from pyro_vinit import (
     AutoKTiedNormal,
+    AutoMeanFieldNormal,
     AutoRadialNormal,
     fit,
     fit_config,
@@ -24,6 +25,7 @@ from pyro_vinit import (
     local_reparam,
 )
 from pyro_vinit.data import load_digits
+from pyro_vinit.guides import site_params
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
 from pyro_vinit.poutine import (
     AutoWeightNoise,
@@ -208,6 +210,80 @@ def test_guide_loaded_into_the_param_store_is_kept(count_iblm, tmp_path):
     assert len(count_iblm) == 1  # the first fit's only
     for name, value in snapshot().items():
         assert (value - saved[name]).abs().max() <= 1e-5, name
+
+
+SET_UP_GUIDES = {
+    "AutoKTiedNormal": lambda model: AutoKTiedNormal(model, rank=2),
+    "AutoRadialNormal": AutoRadialNormal,
+    "AutoMeanFieldNormal": AutoMeanFieldNormal,
+    "AutoNormal": AutoNormal,
+    "AutoDiagonalNormal": AutoDiagonalNormal,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("make_guide", SET_UP_GUIDES.values(), ids=list(SET_UP_GUIDES))
+def test_fit_starts_a_guide_only_set_up_by_a_call_with_iblm(count_iblm, make_guide, dtype):
+    # a call guide(x, y) before fit (to look at the parameters, as Pyro's tutorials do)
+    # made fit take the guide as initialized and train it from the prior's scale
+    x, y = blobs()
+    x = x.to(dtype)
+    model = classifier().to(dtype)
+    guide = make_guide(model)
+    guide(x, y)
+    assert not is_initialized(guide)
+    with pytest.warns(UserWarning, match=r"^fit: the \w+ is set up \(e.g. by a call guide\(x, "
+                      r"y\)\) but not initialized or trained: every scale is still its "
+                      r"init_scale, so fit starts it with I-BLM, replacing its set-up values; "
+                      r"pass init=None to train from them$"):
+        history = fit(model, guide, (x, y), steps=1, progress=False)
+    assert history.initialized and len(count_iblm) == 1 and is_initialized(guide)
+
+
+def test_a_set_up_guide_that_was_trained_loaded_or_initialized_is_kept(count_iblm):
+    x, y = blobs()
+    model = classifier()
+    trained = AutoNormal(model)
+    svi = pyro.infer.SVI(model, trained, pyro.optim.Adam({"lr": 1e-3}), pyro.infer.Trace_ELBO())
+    svi.step(x, y)  # the user's own loop: one step moves every scale
+    assert is_initialized(trained)
+    state = trained.state_dict()
+    pyro.clear_param_store()
+    loaded = AutoNormal(model)
+    loaded(x, y)
+    assert not is_initialized(loaded)
+    loaded.load_state_dict(state)
+    assert is_initialized(loaded)
+    # an initializer's values count even where every scale is init_scale (e.g. capped there)
+    pyro.clear_param_store()
+    guide = AutoKTiedNormal(model, rank=2)
+    init_guide_iblm(guide, (x, y))
+    for name in site_params.latent_sites(guide):
+        loc, scale = site_params.get_loc_and_scale(guide, name)
+        site_params.set_loc_and_scale(guide, name, loc, torch.full_like(scale, 0.1))
+    assert is_initialized(guide)
+    fit(model, guide, (x, y), steps=1, progress=False)
+    assert count_iblm == []
+
+
+def test_guide_list_only_set_up_by_a_call_is_started_with_iblm(count_iblm):
+    x, y = blobs()
+    model = classifier()
+    guide = AutoGuideList(model)
+    guide.append(AutoKTiedNormal(pyro.poutine.block(model, hide_fn=lambda m: m["name"].endswith(
+        "bias")), rank=2))
+    guide.append(AutoNormal(pyro.poutine.block(model, expose_fn=lambda m: m["name"].endswith(
+        "bias"))))
+    guide(x, y)
+    assert not is_initialized(guide)
+    with pytest.warns(UserWarning, match="is set up"):
+        fit(model, guide, (x, y), steps=1, progress=False)
+    assert len(count_iblm) == 1 and is_initialized(guide)
+    trained = AutoGuideList(model)
+    trained.append(AutoDelta(pyro.poutine.block(model, hide_fn=lambda m: m["name"].endswith(
+        "bias"))))
+    trained(x, y)
+    assert is_initialized(trained)  # an AutoDelta's set-up values look like trained ones
 
 
 def test_init_none_skips_iblm(count_iblm):

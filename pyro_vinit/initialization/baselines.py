@@ -12,6 +12,7 @@ from pyro.infer.autoguide import AutoGuide, AutoGuideList
 from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.initialization._data import Data
+from pyro_vinit.initialization._marks import mark_initialized
 from pyro_vinit.initialization._runs import capture
 from pyro_vinit.initialization._tracing import (
     Layer,
@@ -280,4 +281,5 @@ def init_guide(
             loc = means.get(name, like.new_zeros(shape))
             scale = torch.full_like(loc, math.sqrt(var))
             site_params.set_loc_and_scale(guide, name, loc, scale)
+    mark_initialized(guide)
     return guide

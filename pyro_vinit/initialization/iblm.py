@@ -28,6 +28,7 @@ from pyro_vinit.initialization._batch_norm import write_with_norm_noise
 from pyro_vinit.initialization._collective import Collective
 from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
 from pyro_vinit.initialization._fits import Fit, stage, write_fits
+from pyro_vinit.initialization._marks import mark_initialized
 from pyro_vinit.initialization._noise import fit_noise
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._output import output_layer_site, report_transformed_output
@@ -194,10 +195,11 @@ def _initialize(guide: _G, data: Data, options: IBLMOptions,
     """I-BLM on ``guide``, or on each member it supports of an ``AutoGuideList``."""
     if isinstance(guide, AutoGuideList):
         _initialize_list(guide, data, options, process_group)
-        return guide
-    check_supported(guide)
-    with GuideRollback(guide) as rollback:
-        _initialize_member(guide, data, options, process_group, rollback.checkpoint)
+    else:
+        check_supported(guide)
+        with GuideRollback(guide) as rollback:
+            _initialize_member(guide, data, options, process_group, rollback.checkpoint)
+    mark_initialized(guide)
     return guide
 
 

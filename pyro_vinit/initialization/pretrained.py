@@ -17,6 +17,7 @@ from pyro_vinit.guides.site_params import check_supported
 from pyro_vinit.initialization._collective import LocalCollective
 from pyro_vinit.initialization._data import Data
 from pyro_vinit.initialization._fits import Fit, NoiseFit, write_fits
+from pyro_vinit.initialization._marks import mark_initialized
 from pyro_vinit.initialization._noise import noise_fit, residual_std
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._passes import layer_inputs
@@ -163,6 +164,7 @@ def init_guide_pretrained(
         noise = _trained_noise(prep, values, options.chunk_rows, collective)
         rollback.checkpoint()
         write_fits(prep, fits, noise, options.max_scale_ratio)
+    mark_initialized(guide)
     return guide
 
 

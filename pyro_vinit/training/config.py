@@ -19,6 +19,7 @@ from typing import (
 )
 
 import pyro
+import torch
 from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoGuide, AutoGuideList, AutoNormal
 from pyro.optim import PyroOptim
@@ -27,6 +28,8 @@ from torch import nn
 
 from pyro_vinit._pyro_compat import handler_chain
 from pyro_vinit.guides import AutoKTiedNormal, AutoMeanFieldNormal, AutoRadialNormal
+from pyro_vinit.guides.site_params import get_loc_and_scale, is_supported, latent_sites
+from pyro_vinit.initialization._marks import marked_initialized
 from pyro_vinit.poutine import (
     AutoWeightNoise,
     KLAnnealingMessenger,
@@ -315,10 +318,13 @@ class FitHistory:
 def is_initialized(guide: Callable[..., Any]) -> bool:
     """
     Whether :func:`fit` takes ``guide`` as initialized (and so does not run
-    I-BLM on it): an autoguide that is set up (by an initializer, by
-    training, or by a call before ``load_state_dict``), or whose parameters
-    are in Pyro's param store (e.g. after ``pyro.get_param_store().load``).
-    A guide that is not an :class:`~pyro.infer.autoguide.AutoGuide` is never
+    I-BLM on it): an autoguide written by an initializer of this package,
+    trained, or loaded (by ``load_state_dict``, or into Pyro's param store,
+    e.g. by ``pyro.get_param_store().load``). An autoguide that a call only
+    set up (``guide(x, y)``: every scale still ``init_scale``) is not; nor
+    is one of a class whose set-up values cannot be told from trained ones
+    (e.g. ``AutoLowRankMultivariateNormal``, ``AutoDelta``), which is. A
+    guide that is not an :class:`~pyro.infer.autoguide.AutoGuide` is never
     taken as initialized (I-BLM cannot start it: train it with ``init=None``).
 
     Usage::
@@ -329,7 +335,33 @@ def is_initialized(guide: Callable[..., Any]) -> bool:
     """
     if isinstance(guide, AutoGuide):
         if guide.prototype_trace is not None:
-            return True
+            return _marked(guide) or not only_set_up(guide)
         prefix = f"{type(guide).__name__}."  # an autoguide's params are named after its class
         return any(name.startswith(prefix) for name in pyro.get_param_store().keys())
     return False
+
+
+def _marked(guide: nn.Module) -> bool:
+    if isinstance(guide, AutoGuideList):
+        return marked_initialized(guide) or all(_marked(part) for part in guide)
+    return marked_initialized(guide)
+
+
+@torch.no_grad()
+def only_set_up(guide: AutoGuide) -> bool:
+    """Whether every scale of the set-up autoguide ``guide`` is still its
+    ``init_scale`` (of every member of an ``AutoGuideList``), as a call that
+    only sets the guide up leaves it."""
+    if isinstance(guide, AutoGuideList):
+        return all(isinstance(part, AutoGuide) and only_set_up(part) for part in guide)
+    init_scale = getattr(guide, "_init_scale", None)
+    if not is_supported(guide) or not isinstance(init_scale, float):
+        return False
+    for name in latent_sites(guide):
+        _, scale = get_loc_and_scale(guide, name)
+        # a set-up scale is init_scale through the guide's transform (a few ulps off);
+        # one Adam step moves it by about its learning rate
+        tolerance = 64 * torch.finfo(scale.dtype).eps * init_scale
+        if not bool(((scale - init_scale).abs() <= tolerance).all()):
+            return False
+    return True
