@@ -393,11 +393,18 @@ class Prepared:
 
 
 def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
-    """Before a fresh guide is set up: refuses arguments without the targets (a
-    model run without them would make the observed site a latent one of the guide)."""
+    """Before the first run with the guide: refuses arguments on which the model
+    fails (naming them), or without the targets (a model run without them would
+    make the observed site a latent one of the guide)."""
     model = unwrap_init_messenger(model)
-    with torch.no_grad(), poutine.block():
-        trace = poutine.trace(model).get_trace(*args)
+    try:
+        with torch.no_grad(), poutine.block():
+            trace = poutine.trace(model).get_trace(*args)
+    except Exception as e:  # the user's model: any error, said with the arguments
+        shown = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor)
+                          else type(a).__name__ for a in args)
+        raise ValueError(f"the model fails on the first rows of the data (arguments "
+                         f"{shown}): {type(e).__name__}: {e}") from e
     observed = [
         name
         for name, site in trace.nodes.items()
@@ -578,10 +585,10 @@ def prepare(
     first = next(pool.chunks(min(chunk_rows, _STRUCTURE_ROWS)))
     given = None if owner is None else guide_medians(owner, first)
     model, held = hold_hidden_sites(guide.model, given)
+    # a data plate declared over all the rows draws its subsample among those at hand
+    in_chunk = in_rows(model, PlateRowsMessenger(num_rows=pool.rows_of(first)))
+    check_has_likelihood(in_chunk, first)
     if guide.prototype_trace is None:
-        # a data plate declared over all the rows draws its subsample among those at hand
-        in_chunk = in_rows(model, PlateRowsMessenger(num_rows=pool.rows_of(first)))
-        check_has_likelihood(in_chunk, first)
         with torch.no_grad(), poutine.block(), model_swapped(guide, in_chunk):
             guide(*first)
     sites = site_params.latent_sites(guide)

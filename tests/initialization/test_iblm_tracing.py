@@ -91,3 +91,27 @@ def test_a_shared_weight_is_refused_by_name_before_anything_changes(call):
     after = dict(pyro.get_param_store().items())
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("set_up", [False, True])
+def test_a_model_that_fails_on_the_data_is_named_with_the_arguments(set_up):
+    # float64 data (numpy's default) against a float32 network failed with torch's bare
+    # "mat1 and mat2 must have the same dtype" from deep inside the first model run
+    from pyro_vinit import AutoKTiedNormal, init_guide_iblm
+    from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+
+    x = torch.randn(200, 4, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    model = BayesianClassifier(bayesianize(mlp((4, 8, 2))), num_data=200)
+    guide = AutoKTiedNormal(model)
+    if set_up:
+        guide(x.float(), y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.raises(ValueError, match=re.escape(
+            "the model fails on the first rows of the data (arguments (200, 4) torch.float64, "
+            "(200,) torch.int64): RuntimeError: mat1 and mat2 must have the same dtype")):
+        init_guide_iblm(guide, (x, y))
+    after = dict(pyro.get_param_store().items())
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert (guide.prototype_trace is not None) == set_up
