@@ -13,6 +13,7 @@ from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.initialization._data import Data
 from pyro_vinit.initialization._marks import mark_initialized
+from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.initialization._runs import capture
 from pyro_vinit.initialization._tracing import (
     Layer,
@@ -223,60 +224,62 @@ def init_guide(
             f"init_guide(method={method!r}) initializes an AutoGuideList member by member: "
             f"call it on each member, guide[0] to guide[{len(guide) - 1}]"
         )
-    if data is None:
-        site_params.check_supported(guide)
-        if guide.prototype_trace is None:
-            raise RuntimeError(
-                f"{type(guide).__name__} is not set up yet: pass data (e.g. "
-                "init_guide(guide, (x, y), method=...)) or call the guide once first"
-            )
-        layers, prep = _layers_by_name(guide), None
-        guessed = [layer.weight_name for layer in layers
-                   if layer.weight_name.rpartition(".")[2] != "weight"]
-        if guessed and method != "uninformative":
-            warnings.warn(
-                f"init_guide(method={method!r}): without data, layers are recognized by "
-                f"name, and the sites {guessed}, not named '<module>.weight', are taken for "
-                "weights in nn.Linear's (out, in) layout (fan-in: the last dims), which is "
-                "wrong for e.g. x @ w; pass data (init_guide(guide, (x, y), method=...)) "
-                "to find the layers by tracing the model",
-                UserWarning,
-                stacklevel=2,
-            )
-    else:
-        prep = prepare(guide, data, max_pool_size, chunk_rows=4096, normal_priors=False)
-        layers = prep.layers
+    # a failure leaves the guide (not set up, if it was not), the param store and the
+    # model's buffers (BatchNorm statistics that lsuv's and map's runs move) as they were
+    with GuideRollback(guide):
+        if data is None:
+            site_params.check_supported(guide)
+            if guide.prototype_trace is None:
+                raise RuntimeError(
+                    f"{type(guide).__name__} is not set up yet: pass data (e.g. "
+                    "init_guide(guide, (x, y), method=...)) or call the guide once first"
+                )
+            layers, prep = _layers_by_name(guide), None
+            guessed = [layer.weight_name for layer in layers
+                       if layer.weight_name.rpartition(".")[2] != "weight"]
+            if guessed and method != "uninformative":
+                warnings.warn(
+                    f"init_guide(method={method!r}): without data, layers are recognized by "
+                    f"name, and the sites {guessed}, not named '<module>.weight', are taken for "
+                    "weights in nn.Linear's (out, in) layout (fan-in: the last dims), which is "
+                    "wrong for e.g. x @ w; pass data (init_guide(guide, (x, y), method=...)) "
+                    "to find the layers by tracing the model",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        else:
+            prep = prepare(guide, data, max_pool_size, chunk_rows=4096, normal_priors=False)
+            layers = prep.layers
 
-    like = next(guide.parameters())
-    sites = site_params.latent_sites(guide)
-    means: Dict[str, torch.Tensor] = {}
-    shapes: Dict[str, Tuple[torch.Size, float]] = {}
-    for layer in layers:
-        var = _variance(method, layer)
-        # means are made in the op's layout, stored in the site's (a matmul weight x @ w
-        # is the transpose of its layer's (out, in) weight)
-        name = layer.weight_name
-        site_shape = sites[name]["value"].shape
-        shapes[name] = (site_shape, var)
-        if method in ("orthogonal", "lsuv"):
-            means[name] = layer.to_site(name, _orthogonal(layer, like), site_shape)
+        like = next(guide.parameters())
+        sites = site_params.latent_sites(guide)
+        means: Dict[str, torch.Tensor] = {}
+        shapes: Dict[str, Tuple[torch.Size, float]] = {}
+        for layer in layers:
+            var = _variance(method, layer)
+            # means are made in the op's layout, stored in the site's (a matmul weight x @ w
+            # is the transpose of its layer's (out, in) weight)
+            name = layer.weight_name
+            site_shape = sites[name]["value"].shape
+            shapes[name] = (site_shape, var)
+            if method in ("orthogonal", "lsuv"):
+                means[name] = layer.to_site(name, _orthogonal(layer, like), site_shape)
+            elif method == "map":
+                std = math.sqrt(2.0 / (layer.fan_in + layer.fan_out))
+                means[name] = std * torch.randn(site_shape, dtype=like.dtype, device=like.device)
+            if layer.bias_name is not None:
+                bias_shape = sites[layer.bias_name]["value"].shape
+                shapes[layer.bias_name] = (bias_shape, var)
+                means[layer.bias_name] = like.new_zeros(bias_shape)
+
+        if method == "lsuv":
+            assert prep is not None  # lsuv and map need data, checked above
+            with torch.no_grad():
+                _lsuv(guide, prep, means, batch_size, lsuv_tol, lsuv_max_iters)
         elif method == "map":
-            std = math.sqrt(2.0 / (layer.fan_in + layer.fan_out))
-            means[name] = std * torch.randn(site_shape, dtype=like.dtype, device=like.device)
-        if layer.bias_name is not None:
-            bias_shape = sites[layer.bias_name]["value"].shape
-            shapes[layer.bias_name] = (bias_shape, var)
-            means[layer.bias_name] = like.new_zeros(bias_shape)
+            assert prep is not None
+            _map(guide, prep, means, batch_size, map_steps, map_seconds, map_lr)
 
-    if method == "lsuv":
-        assert prep is not None  # lsuv and map need data, checked above
-        with torch.no_grad():
-            _lsuv(guide, prep, means, batch_size, lsuv_tol, lsuv_max_iters)
-    elif method == "map":
-        assert prep is not None
-        _map(guide, prep, means, batch_size, map_steps, map_seconds, map_lr)
-
-    with site_params.rollback_on_error(guide):
         for name, (shape, var) in shapes.items():
             loc = means.get(name, like.new_zeros(shape))
             scale = torch.full_like(loc, math.sqrt(var))

@@ -1,6 +1,7 @@
 import math
 import os
 import re
+import types
 import warnings
 
 import pyro
@@ -16,6 +17,7 @@ from torch import nn
 from pyro_vinit import AutoKTiedNormal, AutoRadialNormal, init_guide, init_guide_iblm
 from pyro_vinit.data import load_digits
 from pyro_vinit.guides import AutoSiteGuide, site_params
+from pyro_vinit.initialization import baselines
 from pyro_vinit.initialization._runs import capture
 from pyro_vinit.initialization._tracing import guide_values, prepare
 from pyro_vinit.initialization.baselines import METHODS
@@ -496,3 +498,31 @@ def test_map_refuses_a_non_finite_likelihood():
     with pytest.raises(ValueError,
                        match=r"^MAP: the negative log-likelihood is (inf|nan) at step 0$"):
         _map_loc((x, y), map_steps=3)
+
+
+@pytest.mark.parametrize("method", ["lsuv", "map"])
+def test_a_failure_leaves_the_guide_store_and_batch_norm_statistics_as_they_were(method):
+    # lsuv's and map's model runs (in train mode) move BatchNorm's running statistics,
+    # and the guide was set up, before a later failure: it left both changed
+    x = torch.randn(40, 6, dtype=torch.float64)
+    y = torch.arange(40) % 3
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    model = BayesianClassifier(bayesianize(net.double()), num_data=40)
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    guide = AutoNormal(model)
+    options = {"map_steps": 2} if method == "map" else {}
+    def refuse(*args):
+        raise RuntimeError("refused write")
+
+    # the last step, the writes, fails (site_params' own calls are left as they are)
+    failing = types.SimpleNamespace(**{**vars(site_params), "set_loc_and_scale": refuse})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(baselines, "site_params", failing)
+        with pytest.raises(RuntimeError, match="refused write"):
+            init_guide(guide, (x, y), method=method, batch_size=20, **options)
+    assert guide.prototype_trace is None and list(pyro.get_param_store().keys()) == []
+    for name, value in model.named_buffers():
+        assert torch.equal(value, buffers[name]), name
+    init_guide(guide, (x, y), method=method, batch_size=20, **options)  # then it works
+    mean = next(k for k in buffers if k.endswith("running_mean"))
+    assert not torch.equal(dict(model.named_buffers())[mean], buffers[mean])  # moved
