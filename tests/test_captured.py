@@ -12,7 +12,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule
 from pyro.optim import PyroOptim
 from torch import nn
@@ -77,7 +77,14 @@ def _learned_noise(device):
     return model, (lambda m: AutoMeanFieldNormal(m)), (x, y), None
 
 
-PROBLEMS = {"mlp": _mlp, "cnn": _cnn, "batchnorm": _batchnorm, "learned_noise": _learned_noise}
+def _diagonal(device):
+    # AutoDiagonalNormal: each site's value a slice of one latent vector, under LRT
+    model, _, data, handler = _mlp(device)
+    return model, AutoDiagonalNormal, data, handler
+
+
+PROBLEMS = {"mlp": _mlp, "cnn": _cnn, "batchnorm": _batchnorm, "learned_noise": _learned_noise,
+            "diagonal": _diagonal}
 
 
 def _run(cls, problem, device, steps=4, elbo=TraceMeanField_ELBO):

@@ -19,6 +19,7 @@ from typing import (
 
 import torch
 from torch.distributions import Distribution
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._tensor_ops import (
@@ -101,6 +102,12 @@ class Uses:
     def add(self, view_ops: Optional[Tuple[ViewOp, ...]]) -> bool:
         """Records a use of the elements that ``view_ops`` selects (all of
         them if None); returns whether any of them had been used before."""
+        # bookkeeping of shapes, not of values: outside a trace of the step (CapturedSVI),
+        # which could not branch on its mask
+        with disable_proxy_modes_tracing():
+            return self._add(view_ops)
+
+    def _add(self, view_ops: Optional[Tuple[ViewOp, ...]]) -> bool:
         index = None if view_ops is None else _indices(self.shape, view_ops)
         if index is None:
             seen = self.whole or (self.mask is not None and bool(self.mask.any()))
