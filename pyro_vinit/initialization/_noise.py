@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union, cast
 
 import pyro
 import torch
-from torch.distributions import Normal, StudentT, biject_to, transform_to
+from torch.distributions import Normal, StudentT, biject_to
 
 from pyro_vinit.initialization._collective import Collective
 from pyro_vinit.initialization._fits import Fit, NoiseFit, stage
@@ -127,8 +127,10 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
                 "module_local_params=True) it is its module's own): run I-BLM with "
                 "module_local_params=False, or pass init=None to fit"
             )
-        shape = store[noise_name].shape
-        support = store.get_state()["constraints"][noise_name]
+        # set in place: a PyroModule's own nn.Parameter ignores what pyro.param returns
+        param = dict(store.named_parameters())[noise_name]  # unconstrained
+        saved = param.detach().clone()
+        shape = param.shape
         what = f"the noise param {noise_name!r}"
     target = sigma if sigma.numel() == shape.numel() else sigma.pow(2).mean().sqrt()
 
@@ -145,7 +147,8 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
         elif likelihood.noise == "site":
             run_values = {**values, noise_name: biject_to(support)(u)}
         else:
-            kwargs["substitute"] = {noise_name: transform_to(support)(u)}
+            with torch.no_grad():
+                param.copy_(u.to(param).reshape(param.shape))
         recorder = run_model(model, run_values, args, latent, plate_rows=rows, **kwargs)
         site = observed_site(recorder)
         fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # regression
@@ -160,7 +163,12 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
     lo = torch.full(shape, -_LINK_RANGE, dtype=dtype, device=device)
     hi = torch.full(shape, _LINK_RANGE, dtype=dtype, device=device)
     goal = target.reshape(shape) if target.numel() > 1 else target.reshape(()).expand(shape)
-    level, reached = monotone_inverse(scale_at, goal, lo, hi)
+    try:
+        level, reached = monotone_inverse(scale_at, goal, lo, hi)
+    finally:
+        if likelihood.noise == "param" and head is None:
+            with torch.no_grad():
+                param.copy_(saved)  # (the level is written with the fits)
     if not bool(((reached - goal).abs() <= 1e-3 * goal).all()):
         raise ValueError(
             f"I-BLM estimated the observation noise std as {goal.tolist()}, but {what} "

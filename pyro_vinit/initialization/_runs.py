@@ -41,7 +41,6 @@ def run_model(
     norm_statistics: Optional[Dict[int, List[Any]]] = None,
     norm_sync: Optional[NormSyncFn] = None,
     norm_rows: Optional[Tuple[int, int]] = None,
-    substitute: Optional[Dict[str, torch.Tensor]] = None,
 ) -> LayerRecorderMessenger:
     """Runs ``model(*args)`` with the latent sites set to ``values`` (hidden from
     any handler outside, e.g. ``local_reparam``) under a layer recorder, which
@@ -61,8 +60,6 @@ def run_model(
         # model would only draw initial values (a prior sample per site) to be overwritten
         model = unwrap_init_messenger(model)
     fn = poutine.condition(in_rows(model, PlateRowsMessenger(plate_rows, num_rows)), data=values)
-    if substitute:
-        fn = poutine.substitute(fn, data=substitute)
     with torch.no_grad(), poutine.block(), recorder:
         fn(*args)
     recorder.observed[:] = likelihood_sites(recorder.observed, model)
