@@ -8,7 +8,13 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
-from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoGuideList, AutoNormal
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoDiagonalNormal,
+    AutoGuideList,
+    AutoNormal,
+    init_to_sample,
+)
 from pyro.nn import PyroModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -1387,7 +1393,7 @@ def _batchnorm_classifier(n):
 def test_update_batch_norm_is_the_data_statistics_at_the_median():
     x, y = blobs()
     model = _batchnorm_classifier(len(x))
-    guide = AutoNormal(model, init_scale=0.3)
+    guide = AutoNormal(model, init_loc_fn=init_to_sample, init_scale=0.3)
     guide(x, y)
     model.eval()
     params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
@@ -1409,6 +1415,40 @@ def test_update_batch_norm_is_the_data_statistics_at_the_median():
     assert norm.momentum == 0.3 and not model.training
     for k, v in pyro.get_param_store().items():
         assert torch.equal(v.detach(), params[k]), k
+
+
+def test_update_batch_norm_takes_a_last_row_alone_into_the_batch_before_it():
+    # 240 rows in batches of 239: the last row alone failed in train-mode BatchNorm
+    x, y = blobs()
+    model = _batchnorm_classifier(len(x))
+    guide = AutoNormal(model, init_loc_fn=init_to_sample, init_scale=0.3)
+    guide(x, y)
+    update_batch_norm(model, guide, (x, y), batch_size=len(x))
+    whole = model.net[1].running_mean.clone()
+    update_batch_norm(model, guide, (x, y), batch_size=len(x) - 1)  # one batch of 240
+    assert torch.equal(model.net[1].running_mean, whole)
+
+
+def test_update_batch_norm_leaves_a_loaders_batches_of_one_row_out_and_says_so():
+    x, y = blobs()
+    model = _batchnorm_classifier(len(x))
+    guide = AutoNormal(model, init_loc_fn=init_to_sample, init_scale=0.3)
+    guide(x, y)
+    update_batch_norm(model, guide, [(x[:120], y[:120]), (x[120:239], y[120:239])])
+    expected = {k: b.clone() for k, b in model.named_buffers()}
+    with pytest.warns(UserWarning, match=r"^update_batch_norm: the batches \[0, 3\] of data have "
+                      r"a single row, from which BatchNorm computes no statistics; the "
+                      r"statistics are those of the other batches$"):
+        update_batch_norm(model, guide, [(x[239:], y[239:]), (x[:120], y[:120]),
+                                         (x[120:239], y[120:239]), (x[:1], y[:1])])
+    for k, b in model.named_buffers():
+        assert torch.equal(b, expected[k]), k
+    with pytest.raises(ValueError, match=r"^update_batch_norm: every batch of data has a single "
+                       r"row, from which BatchNorm computes no statistics; pass batches of two "
+                       r"rows or more$"):
+        update_batch_norm(model, guide, [(x[:1], y[:1]), (x[1:2], y[1:2])])
+    for k, b in model.named_buffers():
+        assert torch.equal(b, expected[k]), k
 
 
 def test_update_batch_norm_leaves_models_without_batchnorm_alone():
@@ -1558,3 +1598,48 @@ def test_a_classifier_is_not_run_again_to_read_its_noise():
     trace = _trial_trace(model, x, y, "the first batch")
     observed = _likelihoods(trace, model)
     assert _learns_noise(model, x, y, trace, observed) is False and len(calls) == 1
+
+
+def _batch_norm_regressor(num_data):
+    net = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    return BayesianRegressor(bayesianize(net), num_data=num_data)
+
+
+@pytest.mark.parametrize("num_data, sizes", [(257, [128, 129]), (129, [129]), (256, [128, 128]),
+                                             (258, [128, 128, 2])])
+def test_an_epochs_last_batch_of_one_row_joins_the_batch_before_it(num_data, sizes):
+    # BatchNorm cannot train on one row: with 257 rows, batch 128, fit failed at step 3 with
+    # torch's bare "Expected more than 1 value per channel when training"
+    from pyro_vinit.training._support import _Batches
+
+    x, y = torch.randn(num_data, 5), torch.randn(num_data)
+    batches = _Batches((x, y), 128)
+    batches.start()
+    epoch = [next(batches)[0] for _ in range(batches.batches_per_epoch)]
+    assert [len(b) for b in epoch] == sizes
+    assert torch.equal(torch.cat(epoch).sort(0).values, x.sort(0).values)  # each row once
+    assert len(next(batches)[0]) == sizes[0]  # the next epoch
+    model = _batch_norm_regressor(num_data)
+    history = fit(model, AutoKTiedNormal(model), (x, y), steps=2 * len(sizes) + 1,
+                  progress=False)
+    assert history.steps == 2 * len(sizes) + 1
+
+
+def test_a_loaders_batch_of_one_row_is_refused_for_a_batch_norm_model():
+    x, y = torch.randn(257, 5), torch.randn(257)
+    loader = DataLoader(TensorDataset(x, y), batch_size=128)
+    model = _batch_norm_regressor(257)
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(ValueError, match=r"^fit: batch 2 of data has a single row, on which the "
+                       r"model's BatchNorm \('net.1'\) cannot train \(in train mode it needs "
+                       r"more than one value per channel\); leave such a batch out "
+                       r"\(DataLoader\(\.\.\., drop_last=True\)\) or choose a batch size that "
+                       r"leaves none$"):
+        fit(model, guide, loader, steps=2, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    model.eval()  # in eval mode BatchNorm takes one row (update_batch_norm leaves it out)
+    with pytest.warns(UserWarning, match=r"update_batch_norm: the batches \[2\] of data"):
+        fit(model, guide, loader, steps=2, progress=False)
+    pyro.clear_param_store()
+    plain = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=257)
+    fit(plain, AutoKTiedNormal(plain), loader, steps=4, progress=False)  # no BatchNorm: kept

@@ -225,6 +225,21 @@ def _check_log_density_shape(site: Any, what_y: str = "y") -> None:
             + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
 
 
+def _check_one_row_batches(model: Callable[..., Any], one_row: Optional[int]) -> None:
+    """Refuses a batch of one row (its index ``one_row``) for a model with a
+    BatchNorm layer in train mode, which cannot train on one row."""
+    if one_row is None or not isinstance(model, nn.Module):
+        return
+    norms = [name for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if norms:
+        raise ValueError(
+            f"fit: batch {one_row} of data has a single row, on which the model's BatchNorm "
+            f"({norms[0]!r}) cannot train (in train mode it needs more than one value per "
+            "channel); leave such a batch out (DataLoader(..., drop_last=True)) or choose a "
+            "batch size that leaves none")
+
+
 def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> None:
     """The model runs on the validation data and gives one log-density a row."""
     x, y = batch[0][:chunk], batch[1][:chunk]

@@ -88,10 +88,15 @@ class _Batches:
             self.pair = _check_batch(data, "data")
             self.num_data = self.pair[0].shape[0]
             self.first = (self.pair[0][:batch_size], self.pair[1][:batch_size])
-            self.batches_per_epoch = math.ceil(self.num_data / batch_size)
+            #: Whether an epoch's last batch, of one row, joins the batch before it
+            #: (BatchNorm cannot train on one row).
+            self.fold = self.num_data > batch_size and self.num_data % batch_size == 1
+            #: The first batch that has a single row, if any.
+            self.one_row: Optional[int] = 0 if self.num_data == 1 else None
+            self.batches_per_epoch = math.ceil(self.num_data / batch_size) - self.fold
             #: An epoch's batches of the first batch's shapes (the others, an epoch's
             #: partial last batch, take fit's eager step).
-            self.full_batches = max(1, self.num_data // batch_size)
+            self.full_batches = max(1, self.num_data // batch_size - self.fold)
         else:
             if isinstance(data, torch.Tensor) or not isinstance(data, Iterable):
                 raise TypeError(
@@ -104,10 +109,14 @@ class _Batches:
                     "re-iterable such as a DataLoader or a list of batches"
                 )
             self.loader = cast(Iterable[Batch], data)
+            self.fold = False
+            self.one_row = None
             count, first, batches, same = 0, None, 0, 0
             for i, batch in enumerate(self.loader):
                 xb, yb = _check_batch(batch, f"batch {i} of data")
                 first = (xb, yb) if first is None else first
+                if xb.shape[0] == 1 and self.one_row is None:
+                    self.one_row = i
                 same += (xb.shape, yb.shape) == (first[0].shape, first[1].shape)
                 count += xb.shape[0]
                 batches += 1
@@ -130,8 +139,11 @@ class _Batches:
             if self.order is None or self.position >= self.num_data:
                 self.order = torch.randperm(self.num_data, generator=self.generator)
                 self.position = 0
-            idx = self.order[self.position:self.position + self.batch_size].to(x.device)
-            self.position += self.batch_size
+            end = self.position + self.batch_size
+            if self.fold and end == self.num_data - 1:
+                end += 1  # the epoch's last row joins this batch
+            idx = self.order[self.position:end].to(x.device)
+            self.position = end
             return x[idx], y[idx]
         assert self.loader is not None
         for _ in range(2):

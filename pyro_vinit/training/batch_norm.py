@@ -3,6 +3,8 @@
 BatchNorm layers, recomputed for the guide's current posterior.
 """
 
+import itertools
+import warnings
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Union, cast
 
 import pyro.poutine as poutine
@@ -16,8 +18,12 @@ __all__ = ["update_batch_norm"]
 def _batches(data: Union[Batch, Iterable[Batch]], batch_size: int) -> Iterator[Batch]:
     if _is_pair(data):
         x, y = cast(Batch, tuple(data))
-        for i in range(0, len(x), batch_size):
-            yield x[i:i + batch_size], y[i:i + batch_size]
+        starts = list(range(0, len(x), batch_size))
+        if len(starts) > 1 and len(x) - starts[-1] == 1:
+            starts.pop()  # a last row alone joins the batch before it
+        for i, start in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else len(x)
+            yield x[start:end], y[start:end]
         return
     for i, batch in enumerate(cast(Iterable[Any], data)):
         if not _is_pair(batch):
@@ -59,8 +65,10 @@ def update_batch_norm(
     :param callable guide: Its guide, with a ``median(*args)`` method (every
         autoguide has one).
     :param data: An ``(x, y)`` pair of tensors, or an iterable of ``(x, y)``
-        batches (e.g. a ``DataLoader``).
-    :param int batch_size: Rows per model run for an ``(x, y)`` pair.
+        batches (e.g. a ``DataLoader``; a batch of one row, from which
+        BatchNorm computes no statistics, is left out, with a warning).
+    :param int batch_size: Rows per model run for an ``(x, y)`` pair (a last
+        row alone joins the run before it).
     :return: The number of BatchNorm layers updated.
     :rtype: int
     """
@@ -104,9 +112,21 @@ def update_batch_norm(
             m.momentum = None  # a cumulative average over the batches
         model.train()
         conditioned = poutine.block(poutine.condition(model, data=values))
-        conditioned(*first)
-        for batch in batches:  # one at a time: a loader is not held in memory
+        left_out = []
+        for i, batch in enumerate(itertools.chain([first], batches)):
+            if len(batch[0]) == 1:  # (one at a time: a loader is not held in memory)
+                left_out.append(i)  # train-mode BatchNorm takes no single row
+                continue
             conditioned(*batch)
+        if left_out and len(left_out) == i + 1:
+            raise ValueError(
+                "update_batch_norm: every batch of data has a single row, from which "
+                "BatchNorm computes no statistics; pass batches of two rows or more")
+        if left_out:
+            warnings.warn(
+                f"update_batch_norm: the batches {left_out} of data have a single row, from "
+                "which BatchNorm computes no statistics; the statistics are those of the "
+                "other batches", UserWarning, stacklevel=2)
     except BaseException:
         for m, (mean, var, count) in zip(norms, saved):
             for buffer, value in ((m.running_mean, mean), (m.running_var, var),

@@ -30,6 +30,7 @@ from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.training._checks import (
     _check_guide,
     _check_model,
+    _check_one_row_batches,
     _check_validation,
     _check_weight_noise,
 )
@@ -158,7 +159,10 @@ def fit(
     :param int steps: Number of SVI steps (with ``checkpoint``, the total
         including the steps already in it); default 1000 unless ``epochs``.
     :param float epochs: Alternatively, passes over the data.
-    :param int batch_size: Minibatch size for an ``(x, y)`` pair.
+    :param int batch_size: Minibatch size for an ``(x, y)`` pair (an epoch's
+        last row alone joins the batch before it: BatchNorm cannot train on
+        one row; a loader's batch of one row is refused for a model with
+        BatchNorm in train mode).
     :param optim: A Pyro optimizer instead of :meth:`FitConfig.optimizer`
         (pass the same one to a second call to keep Adam's moments).
     :param float lr: Learning rate of the default optimizer.
@@ -255,6 +259,7 @@ def fit(
             "fit instead (the Saving page), or train with module_local_params=False")
     batches = _Batches(data, batch_size)
     num_data = batches.num_data
+    _check_one_row_batches(model, batches.one_row)
     if validation is not None:
         validation = _check_batch(validation, "validation")
     if capture == "compile" and batches.first[0].device.type not in ("cpu", "cuda"):
