@@ -9,6 +9,7 @@ from torch.distributions import Categorical, Normal, StudentT
 
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.initialization._collective import Collective
+from pyro_vinit.initialization._observed import check_targets
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._passes import observed_sites
 from pyro_vinit.initialization._runs import one_dim_sites
@@ -99,6 +100,7 @@ def site_targets(site: SampleSite, family: str, obs: torch.Tensor,
                  scale: Optional[torch.Tensor], alpha: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(targets (rows, k), noise variances (rows, k)) of an observed site's rows."""
     fn = unwrap_likelihood(site)
+    check_targets(site, site["value"])  # dtype and support, as fit checks them
     rows = obs.shape[0] if obs.dim() else 0
     if family == "normal":
         y = obs.reshape(rows, -1)
@@ -107,26 +109,13 @@ def site_targets(site: SampleSite, family: str, obs: torch.Tensor,
     if family == "categorical":
         logits = cast(Categorical, fn).logits
         k = logits.shape[-1]
-        if obs.is_floating_point() and not bool((obs == obs.round()).all()):
-            raise ValueError("Categorical labels must be integers")
         labels = obs.reshape(rows, -1)
-        if labels.shape[1] != 1 or bool(((labels < 0) | (labels >= k)).any()):
-            raise ValueError(
-                f"labels out of range: the Categorical likelihood has {k} classes, so "
-                f"labels must be integers in [0, {k - 1}]; got values in "
-                f"[{labels.min().item()}, {labels.max().item()}]"
-            )
+        if labels.shape[1] != 1:
+            raise ValueError(f"the Categorical likelihood {site['name']!r} takes one label per "
+                             f"row, got {labels.shape[1]}")
         onehot = F.one_hot(labels[:, 0].long(), k).to(logits.dtype)
         return dirichlet_transform(onehot, alpha)
     y = obs.reshape(rows, -1)
-    ok = ((y == 0) | (y == 1)).all()
-    if family == "onehot":
-        ok = ok & (y.sum(-1) == 1).all()
-    if not bool(ok):
-        raise ValueError(
-            f"labels out of range: {type(fn).__name__} observations must be "
-            + ("one-hot rows" if family == "onehot" else "0 or 1")
-        )
     mean, var = dirichlet_transform(y, alpha)
     if family == "bernoulli":  # the logit is the difference of the two classes
         mean_0, var_0 = dirichlet_transform(1 - y, alpha)

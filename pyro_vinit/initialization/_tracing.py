@@ -24,19 +24,18 @@ from torch.distributions import (
 )
 
 from pyro_vinit._pyro_compat import (
-    conditioned_sites,
     handler_chain,
     is_deterministic_site,
     likelihood_sites,
     model_swapped,
     replace_handler,
-    unwrap_init_messenger,
     wrap_inner,
 )
 from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
+from pyro_vinit.initialization._observed import check_has_likelihood, check_not_conditioned
 from pyro_vinit.initialization._runs import in_rows, observed_site, one_dim_sites, run_model
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
@@ -340,19 +339,6 @@ def _latent_only(hide_fn: Callable[[Any], Any]) -> Callable[[Any], bool]:
                         and not site_is_subsample(msg) and bool(hide_fn(msg)))
 
 
-def _check_not_conditioned(model: Callable[..., Any], name: str) -> None:
-    """Refuses a likelihood whose observations ``pyro.condition`` fixes."""
-    if name in conditioned_sites(model):
-        raise ValueError(
-            f"the observed site {name!r} is set by pyro.condition(model, data="
-            f"{{{name!r}: ...}}): I-BLM runs the model on chunks and minibatches of the "
-            "data rows, which a conditioned value does not follow. Pass the observations "
-            "as a model argument instead, e.g. init_guide_iblm(AutoNormal(model), (x, y)) "
-            "on the unconditioned model; the guide then serves the conditioned model too "
-            "(it has the same latent sites)"
-        )
-
-
 # ---------------------------------------------------------------------- the first pass
 
 
@@ -390,34 +376,6 @@ class Prepared:
         if self.structure.likelihood is None:
             raise RuntimeError("the model's likelihood is read only with normal_priors=True")
         return self.structure.likelihood
-
-
-def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
-    """Before the first run with the guide: refuses arguments on which the model
-    fails (naming them), or without the targets (a model run without them would
-    make the observed site a latent one of the guide)."""
-    model = unwrap_init_messenger(model)
-    try:
-        with torch.no_grad(), poutine.block():
-            trace = poutine.trace(model).get_trace(*args)
-    except Exception as e:  # the user's model: any error, said with the arguments
-        shown = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor)
-                          else type(a).__name__ for a in args)
-        raise ValueError(f"the model fails on the first rows of the data (arguments "
-                         f"{shown}): {type(e).__name__}: {e}") from e
-    observed = [
-        name
-        for name, site in trace.nodes.items()
-        if site["type"] == "sample"
-        and site["is_observed"]
-        and not site_is_subsample(site)
-        and not is_deterministic_site(site)
-    ]
-    if not observed:
-        raise ValueError(
-            "the model has no observed sample site on these arguments: I-BLM fits the "
-            "likelihood, so call it with the targets, e.g. init_guide_iblm(guide, (x, y))"
-        )
 
 
 def _roles(
@@ -515,7 +473,7 @@ def trace_structure(
                 "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample" + hint
             )
         site = observed_site(recorder)
-        _check_not_conditioned(model, site["name"])
+        check_not_conditioned(model, site["name"])
         likelihood = _roles(recorder, layers, site)
     covered = seen | ({likelihood.noise_name} if likelihood and likelihood.noise == "site"
                       else set())

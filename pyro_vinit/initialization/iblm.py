@@ -30,6 +30,7 @@ from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
 from pyro_vinit.initialization._fits import Fit, stage, write_fits
 from pyro_vinit.initialization._marks import mark_initialized
 from pyro_vinit.initialization._noise import fit_noise
+from pyro_vinit.initialization._observed import check_has_likelihood
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._output import output_layer_site, report_transformed_output
 from pyro_vinit.initialization._passes import layer_inputs, refresh_norm_statistics
@@ -42,7 +43,6 @@ from pyro_vinit.initialization._targets import dirichlet_transform, read_targets
 from pyro_vinit.initialization._tracing import (
     NoLayersError,
     Prepared,
-    check_has_likelihood,
     guide_medians,
     hold_hidden_sites,
     prepare,

@@ -19,6 +19,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_vinit._pyro_compat import conditioned_sites, is_deterministic_site
+from pyro_vinit.initialization._observed import check_log_density_shape, check_targets
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.training._support import (
     Batch,
@@ -168,63 +169,6 @@ def _check_guide(guide: Callable[..., Any], batch: Batch, likelihoods: List[str]
         )
 
 
-def _check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = None) -> None:
-    """The targets' dtype fits the likelihood of the observed ``site``, and they lie in
-    its support: ``y`` (the site's value), or all the targets ``all_y`` where given for
-    a Categorical's or Bernoulli's support (the same for every row)."""
-    fn = _base(site["fn"])
-    name = site["name"]
-    if isinstance(fn, dist.Categorical) and (y.is_floating_point() or y.dtype == torch.bool):
-        raise TypeError(
-            f"fit: the likelihood {name!r} is Categorical, so y must hold integer "
-            f"class labels (y.long()), got {y.dtype}"
-        )
-    if isinstance(fn, dist.Bernoulli) and not y.is_floating_point():
-        raise TypeError(
-            f"fit: the likelihood {name!r} is Bernoulli, whose log-density takes "
-            f"floating-point 0/1 targets (y.float()), got {y.dtype}"
-        )
-    if not fn.support.is_discrete and not y.is_floating_point():
-        raise TypeError(
-            f"fit: the likelihood {name!r} is {type(fn).__name__}, continuous, "
-            f"so y must be floating point (y.float()), got {y.dtype}"
-        )
-    whole = all_y is not None and isinstance(fn, (dist.Categorical, dist.Bernoulli))
-    values = cast(torch.Tensor, all_y if whole else site["value"])
-    inside = fn.support.check(values)
-    if not bool(inside.all()):
-        bad = values[~inside]  # (the rows, for a support over an event dim)
-        hint = (f": class labels must be 0 to {fn.logits.shape[-1] - 1} (1-based labels: "
-                "y - 1)" if isinstance(fn, dist.Categorical) else "")
-        raise ValueError(
-            f"fit: y holds values outside the support of the likelihood {name!r} "
-            f"({type(fn).__name__}, {fn.support}), e.g. {bad.flatten()[0].item()!r}{hint}"
-        )
-
-
-def _check_log_density_shape(site: Any, what_y: str = "y") -> None:
-    """The distribution of the observed ``site`` does not broadcast its value: it may be
-    broadcast up to the value (replicates along a dim it leaves free), but a value
-    broadcast up by it (a column of labels against a batch of logits) would score each
-    row against every row's prediction."""
-    fn: Any = site["fn"]
-    value = tuple(site["value"].shape)
-    full = tuple(fn.batch_shape) + tuple(fn.event_shape)
-    try:
-        broadcast: Any = tuple(torch.broadcast_shapes(value, full))  # type: ignore[no-untyped-call]
-    except RuntimeError:
-        broadcast = None
-    if broadcast != value:
-        what = (f"broadcasts {what_y} to {broadcast}" if broadcast is not None
-                else f"does not broadcast with {what_y}")
-        raise ValueError(
-            f"fit: {what_y} of shape {value} does not fit the likelihood {site['name']!r}: its "
-            f"distribution, of batch shape {tuple(fn.batch_shape)} and event shape "
-            f"{tuple(fn.event_shape)}, {what}, which would score each row against other "
-            "rows' predictions; give y the batch shape followed by the event shape"
-            + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
-
-
 def _check_one_row_batches(model: Callable[..., Any], one_row: Optional[int]) -> None:
     """Refuses a batch of one row (its index ``one_row``) for a model with a
     BatchNorm layer in train mode, which cannot train on one row."""
@@ -246,8 +190,8 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
     trace = _trial_trace(model, x, y, "the validation data")
     with torch.no_grad():
         for site in _likelihoods(trace, model):
-            _check_targets(site, y)
-            _check_log_density_shape(site, "the validation y")
+            check_targets(site, y, prefix="fit: ")
+            check_log_density_shape(site, "the validation y", prefix="fit: ")
             fn: Any = site["fn"]
             log_prob = cast(torch.Tensor, fn.log_prob(site["value"]))
             if x.shape[0] > 1 and not (log_prob.dim() and log_prob.shape[0] == x.shape[0]):
@@ -293,8 +237,8 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
     if rows < num_data:
         _check_no_batch_latents(trace, rows, observed)
     for site in observed:
-        _check_targets(site, y, all_y)
-        _check_log_density_shape(site)
+        check_targets(site, y, all_y, prefix="fit: ")
+        check_log_density_shape(site, prefix="fit: ")
         scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
             site["scale"].max())
         if rows < num_data and abs(scale - 1.0) < 1e-6:

@@ -743,10 +743,14 @@ def test_labels_out_of_range(digits):
     before = _snapshot(guide)
     bad = y.clone()
     bad[7] = 10
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="outside the support .* e.g. 10: class labels must "
+                                         "be 0 to 9"):
         init_guide_iblm(guide, (x, bad))
     bad[7] = -1
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="outside the support .* e.g. -1"):
+        init_guide_iblm(guide, (x, bad))
+    bad[7], bad[1200] = 0, 10  # beyond the first pass's rows: read with the targets
+    with pytest.raises(ValueError, match="outside the support .* e.g. 10"):
         init_guide_iblm(guide, (x, bad))
     _assert_unchanged(guide, before)
 

@@ -42,28 +42,51 @@ def _model(kind, k, dtype=torch.float32):
 _LABELS = torch.tensor([0, 1, 2, 1, 0, 2, 1, 0])
 
 
-@pytest.mark.parametrize("kind, k, y, message", [
-    ("categorical", 3, _LABELS + 0.5, "Categorical labels must be integers"),
-    ("categorical", 3, torch.where(_LABELS == 2, 3, _LABELS),
-     "labels out of range: the Categorical likelihood has 3 classes, so labels must be "
-     "integers in [0, 2]; got values in [0, 3]"),
-    ("categorical", 3, _LABELS - 1,
-     "labels out of range: the Categorical likelihood has 3 classes, so labels must be "
-     "integers in [0, 2]; got values in [-1, 1]"),
-    ("onehot", 3, torch.tensor([1.0, 0.0, 1.0]).expand(8, 3),
-     "labels out of range: OneHotCategorical observations must be one-hot rows"),
-    ("onehot", 3, 2 * F.one_hot(_LABELS, 3).float(),
-     "labels out of range: OneHotCategorical observations must be one-hot rows"),
-    ("bernoulli", 1, _LABELS.float(), "labels out of range: Bernoulli observations must be 0 or 1"),
-    ("normal", 2, torch.randn(8),
+@pytest.mark.parametrize("kind, k, y, error, message", [
+    ("categorical", 3, _LABELS + 0.5, TypeError,
+     "the likelihood 'obs' is Categorical, so y must hold integer class labels (y.long()), "
+     "got torch.float32"),
+    ("categorical", 3, torch.where(_LABELS == 2, 3, _LABELS), ValueError,
+     "y holds values outside the support of the likelihood 'obs' (Categorical, "
+     "IntegerInterval(lower_bound=0, upper_bound=2)), e.g. 3: class labels must be 0 to 2 "
+     "(1-based labels: y - 1)"),
+    ("categorical", 3, _LABELS - 1, ValueError,
+     "y holds values outside the support of the likelihood 'obs' (Categorical, "
+     "IntegerInterval(lower_bound=0, upper_bound=2)), e.g. -1: class labels must be 0 to 2 "
+     "(1-based labels: y - 1)"),
+    ("onehot", 3, torch.tensor([1.0, 0.0, 1.0]).expand(8, 3), ValueError,
+     "y holds values outside the support of the likelihood 'obs' (OneHotCategorical, "
+     "OneHot()), e.g. 1.0"),
+    ("onehot", 3, 2 * F.one_hot(_LABELS, 3).float(), ValueError,
+     "y holds values outside the support of the likelihood 'obs' (OneHotCategorical, "
+     "OneHot()), e.g. 2.0"),
+    ("bernoulli", 1, _LABELS.float(), ValueError,
+     "y holds values outside the support of the likelihood 'obs' (Bernoulli, Boolean()), "
+     "e.g. 2.0"),
+    ("bernoulli", 1, (_LABELS > 0).long(), TypeError,
+     "the likelihood 'obs' is Bernoulli, whose log-density takes floating-point 0/1 targets "
+     "(y.float()), got torch.int64"),
+    ("normal", 1, _LABELS, TypeError,
+     "the likelihood 'obs' is Normal, continuous, so y must be floating point (y.float()), "
+     "got torch.int64"),
+    ("normal", 1, torch.randn(8, 1), ValueError,
+     "y of shape (8, 1) does not fit the likelihood 'obs': its distribution, of batch shape "
+     "(8,) and event shape (), broadcasts y to (8, 8), which would score each row against "
+     "other rows' predictions; give y the batch shape followed by the event shape "
+     "(y.squeeze(-1) for a column)"),
+    ("normal", 2, torch.randn(8), ValueError,
      "the output layer ('w') has 2 outputs but the likelihood has 1 target columns; I-BLM "
      "needs them to match"),
-], ids=["non_integer", "above", "below", "two_ones", "a_two", "bernoulli", "columns"])
-def test_observations_the_targets_cannot_be_made_from_are_refused(kind, k, y, message):
+], ids=["non_integer", "above", "below", "two_ones", "a_two", "bernoulli", "bernoulli_long",
+        "normal_long", "column", "columns"])
+def test_observations_the_targets_cannot_be_made_from_are_refused(kind, k, y, error, message):
+    # the same checks as fit's (I-BLM had its own, and missed integer regression targets
+    # and a column of targets that the likelihood broadcasts), before anything changes
     x = torch.randn(8, 4)
     guide = AutoNormal(_model(kind, k))
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
         init_guide_iblm(guide, (x, y), batch_size=8)
+    assert guide.prototype_trace is None and list(pyro.get_param_store().keys()) == []
 
 
 def test_observations_without_the_rows_along_the_leading_dim_are_refused_by_name():

@@ -1,0 +1,128 @@
+"""The model on the data, before anything changes: it runs, it has a likelihood,
+and the targets fit the likelihood (its support, dtype and shape)."""
+
+from typing import Any, Callable, Optional, Sequence, cast
+
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import torch
+from pyro.poutine.util import site_is_subsample
+
+from pyro_vinit._pyro_compat import (
+    conditioned_sites,
+    is_deterministic_site,
+    likelihood_sites,
+    unwrap_init_messenger,
+)
+from pyro_vinit.poutine.layer_call_messenger import base_distribution
+
+__all__ = [
+    "check_has_likelihood",
+    "check_log_density_shape",
+    "check_not_conditioned",
+    "check_targets",
+]
+
+
+def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Before the first run with the guide: refuses arguments on which the model
+    fails (naming them), without the targets (a model run without them would
+    make the observed site a latent one of the guide), whose likelihood
+    ``pyro.condition`` sets, or whose targets the likelihood broadcasts."""
+    model = unwrap_init_messenger(model)
+    try:
+        with torch.no_grad(), poutine.block():
+            trace = poutine.trace(model).get_trace(*args)
+    except Exception as e:  # the user's model: any error, said with the arguments
+        shown = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor)
+                          else type(a).__name__ for a in args)
+        raise ValueError(f"the model fails on the first rows of the data (arguments "
+                         f"{shown}): {type(e).__name__}: {e}") from e
+    observed = [
+        site
+        for site in trace.nodes.values()
+        if site["type"] == "sample"
+        and site["is_observed"]
+        and not site_is_subsample(site)
+        and not is_deterministic_site(site)
+    ]
+    if not observed:
+        raise ValueError(
+            "the model has no observed sample site on these arguments: I-BLM fits the "
+            "likelihood, so call it with the targets, e.g. init_guide_iblm(guide, (x, y))"
+        )
+    for site in likelihood_sites(observed, model):
+        check_not_conditioned(model, site["name"])
+        check_log_density_shape(site)  # (dtype and support: as the targets are read)
+
+
+def check_not_conditioned(model: Callable[..., Any], name: str) -> None:
+    """Refuses a likelihood whose observations ``pyro.condition`` fixes."""
+    if name in conditioned_sites(model):
+        raise ValueError(
+            f"the observed site {name!r} is set by pyro.condition(model, data="
+            f"{{{name!r}: ...}}): I-BLM runs the model on chunks and minibatches of the "
+            "data rows, which a conditioned value does not follow. Pass the observations "
+            "as a model argument instead, e.g. init_guide_iblm(AutoNormal(model), (x, y)) "
+            "on the unconditioned model; the guide then serves the conditioned model too "
+            "(it has the same latent sites)"
+        )
+
+
+def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = None,
+                  prefix: str = "") -> None:
+    """The targets' dtype fits the likelihood of the observed ``site``, and they lie in
+    its support: ``y`` (the site's value), or all the targets ``all_y`` where given for
+    a Categorical's or Bernoulli's support (the same for every row). ``prefix`` begins
+    the messages (e.g. ``"fit: "``)."""
+    fn = cast(Any, base_distribution(site["fn"]))
+    name = site["name"]
+    if isinstance(fn, dist.Categorical) and (y.is_floating_point() or y.dtype == torch.bool):
+        raise TypeError(
+            f"{prefix}the likelihood {name!r} is Categorical, so y must hold integer "
+            f"class labels (y.long()), got {y.dtype}"
+        )
+    if isinstance(fn, dist.Bernoulli) and not y.is_floating_point():
+        raise TypeError(
+            f"{prefix}the likelihood {name!r} is Bernoulli, whose log-density takes "
+            f"floating-point 0/1 targets (y.float()), got {y.dtype}"
+        )
+    if not fn.support.is_discrete and not y.is_floating_point():
+        raise TypeError(
+            f"{prefix}the likelihood {name!r} is {type(fn).__name__}, continuous, "
+            f"so y must be floating point (y.float()), got {y.dtype}"
+        )
+    whole = all_y is not None and isinstance(fn, (dist.Categorical, dist.Bernoulli))
+    values = cast(torch.Tensor, all_y if whole else site["value"])
+    inside = fn.support.check(values)
+    if not bool(inside.all()):
+        bad = values[~inside]  # (the rows, for a support over an event dim)
+        hint = (f": class labels must be 0 to {fn.logits.shape[-1] - 1} (1-based labels: "
+                "y - 1)" if isinstance(fn, dist.Categorical) else "")
+        raise ValueError(
+            f"{prefix}y holds values outside the support of the likelihood {name!r} "
+            f"({type(fn).__name__}, {fn.support}), e.g. {bad.flatten()[0].item()!r}{hint}"
+        )
+
+
+def check_log_density_shape(site: Any, what_y: str = "y", prefix: str = "") -> None:
+    """The distribution of the observed ``site`` does not broadcast its value: it may be
+    broadcast up to the value (replicates along a dim it leaves free), but a value
+    broadcast up by it (a column of labels against a batch of logits) would score each
+    row against every row's prediction. ``prefix`` begins the message."""
+    fn: Any = site["fn"]
+    value = tuple(site["value"].shape)
+    full = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    try:
+        broadcast: Any = tuple(torch.broadcast_shapes(value, full))  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        broadcast = None
+    if broadcast != value:
+        what = (f"broadcasts {what_y} to {broadcast}" if broadcast is not None
+                else f"does not broadcast with {what_y}")
+        raise ValueError(
+            f"{prefix}{what_y} of shape {value} does not fit the likelihood {site['name']!r}: "
+            f"its distribution, of batch shape {tuple(fn.batch_shape)} and event shape "
+            f"{tuple(fn.event_shape)}, {what}, which would score each row against other "
+            "rows' predictions; give y the batch shape followed by the event shape"
+            + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
