@@ -80,7 +80,12 @@ class IBLMOptions:
 
 
 def _check_positive(
-    name: str, value: Any, kind: Union[Type[Any], Tuple[Type[Any], ...]] = (int, float)
+    name: str, value: Any, kind: Union[Type[Any], Tuple[Type[Any], ...]] = (int, float),
+    who: str = "IBLMGuideInitializer", zero: bool = False,
 ) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
-        raise ValueError(f"IBLMGuideInitializer: {name} must be positive, got {value!r}")
+    """Refuses ``value`` unless it is a positive ``kind`` (or zero, where ``zero``;
+    not a bool, not nan)."""
+    if (isinstance(value, bool) or not isinstance(value, kind)
+            or not (value >= 0 if zero else value > 0)):
+        what = "non-negative" if zero else "positive"
+        raise ValueError(f"{who}: {name} must be {what}, got {value!r}")

@@ -13,6 +13,7 @@ from pyro_vinit.guides import site_params
 from pyro_vinit.guides._base import is_real_support
 from pyro_vinit.initialization._data import Data
 from pyro_vinit.initialization._marks import mark_initialized
+from pyro_vinit.initialization._options import _check_positive
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.initialization._runs import capture
 from pyro_vinit.initialization._tracing import (
@@ -211,6 +212,13 @@ def init_guide(
         raise ValueError(f"unknown initialization method {method!r}; valid methods are {METHODS}")
     if data is None and method in _DATA_METHODS:
         raise ValueError(f"init_guide(method={method!r}) needs data: pass (x, y) or a loader")
+    for name, value, kind, zero in (
+            ("batch_size", batch_size, int, False), ("max_pool_size", max_pool_size, int, False),
+            ("lsuv_tol", lsuv_tol, (int, float), True),
+            ("lsuv_max_iters", lsuv_max_iters, int, True), ("map_steps", map_steps, int, True),
+            ("map_lr", map_lr, (int, float), False),
+            ("map_seconds", 1.0 if map_seconds is None else map_seconds, (int, float), False)):
+        _check_positive(name, value, kind, who="init_guide", zero=zero)
     if method == "iblm":
         assert data is not None  # checked above
         initialized: _G = init_guide_iblm(

@@ -201,6 +201,27 @@ def test_errors(digits):
     }
 
 
+@pytest.mark.parametrize("option, value, what", [
+    ("batch_size", 0, "positive"), ("batch_size", -1, "positive"),
+    ("batch_size", 2.0, "positive"), ("max_pool_size", 0, "positive"),
+    ("lsuv_tol", float("nan"), "non-negative"), ("lsuv_tol", -0.1, "non-negative"),
+    ("lsuv_max_iters", -1, "non-negative"), ("map_steps", -5, "non-negative"),
+    ("map_steps", 2.5, "non-negative"), ("map_steps", True, "non-negative"),
+    ("map_lr", float("nan"), "positive"), ("map_lr", -1.0, "positive"),
+    ("map_seconds", -1.0, "positive"), ("map_seconds", 0, "positive"),
+])
+@pytest.mark.parametrize("method", ["xavier", "lsuv", "map"])
+def test_bad_options_are_refused_before_anything_changes(method, option, value, what):
+    # they were accepted (and ignored, or failed in torch: Adam's "Invalid learning rate",
+    # torch.cat of no batches) after the guide had been set up
+    x, y = torch.randn(40, 4), torch.arange(40) % 3
+    guide = AutoNormal(_linear(4, 3))
+    with pytest.raises(ValueError, match=f"^init_guide: {option} must be {what}, got "
+                                         f"{re.escape(repr(value))}$"):
+        init_guide(guide, (x, y), method=method, **{option: value})
+    assert guide.prototype_trace is None and list(pyro.get_param_store().keys()) == []
+
+
 def test_data_free_layers_by_name():
     # without data: a weight without a bias site, and a "<module>.bias" whose size is not
     # the weight's output size (left at the guide's own values); no weight at all is refused
