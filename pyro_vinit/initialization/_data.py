@@ -97,6 +97,7 @@ class DataPool:
             rows, aligned = _aligned(batch)
             if first is None:
                 first = (tuple(batch), aligned)
+            _check_like_first(len(parts), batch, first[0])
             _check_finite(batch)
             parts.append(tuple(batch))
             n += rows
@@ -193,3 +194,18 @@ def _device(args: Sequence[Any]) -> torch.device:
         if isinstance(a, torch.Tensor):
             return a.device
     return torch.device("cpu")
+
+
+def _check_like_first(index: int, batch: Sequence[Any], first: Tuple[Any, ...]) -> None:
+    """Refuses batch ``index`` of a data iterable unless its arguments are shaped as
+    the first batch's, but for their rows (they are concatenated along the rows)."""
+    if len(batch) != len(first):
+        raise ValueError(f"batch {index} of the data has {len(batch)} arguments, batch 0 has "
+                         f"{len(first)}")
+    for i, (a, b) in enumerate(zip(batch, first)):
+        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and (a.shape[1:] != b.shape[1:] or a.dtype != b.dtype)):
+            raise ValueError(
+                f"batch {index} of the data has argument {i} of shape {tuple(a.shape)} "
+                f"{a.dtype}, batch 0 of shape {tuple(b.shape)} {b.dtype}: every batch must "
+                "have the shapes and dtypes of the first, but for the number of rows")

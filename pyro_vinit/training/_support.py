@@ -115,6 +115,13 @@ class _Batches:
             for i, batch in enumerate(self.loader):
                 xb, yb = _check_batch(batch, f"batch {i} of data")
                 first = (xb, yb) if first is None else first
+                for name, got, want in (("x", xb, first[0]), ("y", yb, first[1])):
+                    if got.shape[1:] != want.shape[1:] or got.dtype != want.dtype:
+                        raise ValueError(
+                            f"fit: batch {i} of data has {name} of shape {tuple(got.shape)} "
+                            f"{got.dtype}, batch 0 {tuple(want.shape)} {want.dtype}: every "
+                            "batch must have the shapes and dtypes of the first, but for the "
+                            "number of rows")
                 if xb.shape[0] == 1 and self.one_row is None:
                     self.one_row = i
                 same += (xb.shape, yb.shape) == (first[0].shape, first[1].shape)

@@ -62,3 +62,24 @@ def test_batch_that_is_not_a_tuple_is_refused_by_type():
 def test_iterable_without_batches_is_refused(data):
     with pytest.raises(ValueError, match=r"^the data is empty: the iterable yielded no batch$"):
         DataPool(data, 100)
+
+
+def test_a_batch_unlike_the_first_is_refused_by_name():
+    # the concatenation of the batches failed in torch ("Sizes of tensors must match")
+    import re
+
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro_vinit import init_guide_iblm
+    from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+
+    x, y = torch.randn(64, 4), torch.arange(64) % 3
+    guide = AutoNormal(BayesianClassifier(bayesianize(mlp((4, 8, 3))), num_data=64))
+    message = ("batch 1 of the data has argument 0 of shape (32, 3) torch.float32, batch 0 of "
+               "shape (32, 4) torch.float32: every batch must have the shapes and dtypes of "
+               "the first, but for the number of rows")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        init_guide_iblm(guide, [(x[:32], y[:32]), (x[32:, :3], y[32:])], batch_size=32)
+    assert guide.prototype_trace is None
+    with pytest.raises(ValueError, match="batch 1 of the data has 1 arguments, batch 0 has 2"):
+        init_guide_iblm(guide, [(x[:32], y[:32]), (x[32:],)], batch_size=32)
