@@ -1472,8 +1472,17 @@ def test_update_batch_norm_bad_input_changes_nothing():
     for data in (x, (x,), [(x, y), x]):  # not (x, y) batches: said before anything changes
         with pytest.raises(TypeError, match=r"an \(x, y\) pair of tensors or an iterable"):
             update_batch_norm(model, guide, data)
-    with pytest.raises(RuntimeError):  # a batch the model cannot take: statistics restored
+    # a batch the model cannot take: named, with torch's error; statistics restored
+    with pytest.raises(ValueError, match=r"^update_batch_norm: the model fails on batch 0 of "
+                       r"data \(x \(240, 3\) torch.float32, y \(240,\) torch.int64\): "
+                       r"RuntimeError: mat1 and mat2 shapes cannot be multiplied"):
         update_batch_norm(model, guide, (x[:, :3], y))
+    with pytest.raises(ValueError, match=r"^update_batch_norm: the model fails on batch 1 of "
+                       r"data \(x \(40, 5\) torch.float64"):
+        update_batch_norm(model, guide, [(x[:200], y[:200]), (x[200:].double(), y[200:])])
+    with pytest.raises(ValueError, match=r"^update_batch_norm: the guide's median fails on the "
+                       r"first batch \(x \(240, 3\) torch.float32, y \(240,\) torch.int64\): "):
+        update_batch_norm(model, AutoNormal(model), (x[:, :3], y))  # (its set-up runs the model)
     for k, b in model.named_buffers():
         assert torch.equal(b, buffers[k]), k
 

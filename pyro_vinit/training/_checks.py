@@ -27,6 +27,7 @@ from pyro_vinit.training._support import (
     _likelihoods,
     _rng_state,
     _set_rng_state,
+    describe_batch,
 )
 
 __all__: List[str] = []
@@ -67,8 +68,8 @@ def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
             return poutine.trace(model).get_trace(x, y)
         except Exception as e:  # the user's code: any error, said with context
             raise ValueError(
-                f"fit: the {role} fails on {what} (x {tuple(x.shape)} {x.dtype}, "
-                f"y {tuple(y.shape)} {y.dtype}): {type(e).__name__}: {e}"
+                f"fit: the {role} fails on {what} ({describe_batch((x, y))}): "
+                f"{type(e).__name__}: {e}"
             ) from e
 
 

@@ -76,6 +76,12 @@ def _check_batch(batch: Any, what: str) -> Batch:
     return x, y
 
 
+def describe_batch(batch: Batch) -> str:
+    """``x (rows, ...) dtype, y (rows, ...) dtype``, for messages."""
+    x, y = batch
+    return f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}"
+
+
 class _Batches:
     """An endless stream of minibatches: shuffled epochs of an (x, y) pair, or the
     batches of a re-iterable loader, pass after pass."""
