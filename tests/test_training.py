@@ -1,6 +1,7 @@
 import contextlib
 import functools
 import math
+import re
 import warnings
 
 import pyro
@@ -1670,4 +1671,21 @@ def test_a_loader_batch_unlike_the_first_is_refused_by_name(second, message):
     guide = AutoKTiedNormal(model)
     with pytest.raises(ValueError, match=message):
         fit(model, guide, [(x[:128], y[:128]), second], steps=2, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"init": None, "init_options": {"batch_size": 64}},
+     "init_options is used only with init='iblm' (I-BLM's options)"),
+    ({"eval_every": 5}, "eval_every is used only with validation=(x_val, y_val)"),
+    ({"checkpoint_every": 5}, "checkpoint_every is used only with checkpoint=path"),
+])
+def test_an_option_that_another_makes_idle_is_refused(options, message):
+    # they were accepted and ignored
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(ValueError, match=f"^fit: {re.escape(message)}, which this call does not "
+                                         "pass$"):
+        fit(model, guide, (x, y), steps=2, progress=False, **options)
     assert snapshot() == {} and not is_initialized(guide)

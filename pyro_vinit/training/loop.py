@@ -13,6 +13,7 @@ from typing import (
     Dict,
     List,
     Optional,
+    Tuple,
     Union,
     cast,
 )
@@ -240,6 +241,18 @@ def fit(
                         f"got {capture!r}")
     if init not in ("iblm", None):
         raise ValueError(f"fit: init must be 'iblm' or None, got {init!r}")
+    # an option that another one makes idle is refused, not ignored
+    idle: Tuple[Tuple[str, bool, str], ...] = (
+        ("init_options", init_options is not None and init is None,
+         "init='iblm' (I-BLM's options)"),
+        ("eval_every", eval_every is not None and validation is None,
+         "validation=(x_val, y_val)"),
+        ("checkpoint_every", checkpoint_every is not None and checkpoint is None,
+         "checkpoint=path"))
+    for name, unused, needs in idle:
+        if unused:
+            raise ValueError(f"fit: {name} is used only with {needs}, which this call does "
+                             "not pass")
     if optim is not None and not isinstance(optim, PyroOptim):
         raise TypeError(
             f"fit: optim must be a Pyro optimizer (e.g. pyro.optim.Adam({{'lr': 1e-3}})), "
