@@ -239,9 +239,9 @@ def test_fit_starts_a_guide_only_set_up_by_a_call_with_iblm(count_iblm, make_gui
     guide = make_guide(model)
     guide(x, y)
     assert not is_initialized(guide)
-    with pytest.warns(UserWarning, match=r"^fit: the \w+ is set up \(e.g. by a call guide\(x, "
-                      r"y\)\) but not initialized or trained: every scale is still its "
-                      r"init_scale, so fit starts it with I-BLM, replacing its set-up values; "
+    with pytest.warns(UserWarning, match=r"^fit: the \w+ was set up \(e.g. by a call guide\(x, "
+                      r"y\)\) but not initialized or trained: every scale was still its "
+                      r"init_scale, so fit started it with I-BLM, replacing its set-up values; "
                       r"pass init=None to train from them$"):
         history = fit(model, guide, (x, y), steps=1, progress=False)
     assert history.initialized and len(count_iblm) == 1 and is_initialized(guide)
@@ -283,7 +283,7 @@ def test_guide_list_only_set_up_by_a_call_is_started_with_iblm(count_iblm):
         "bias"))))
     guide(x, y)
     assert not is_initialized(guide)
-    with pytest.warns(UserWarning, match="is set up"):
+    with pytest.warns(UserWarning, match="was set up"):
         fit(model, guide, (x, y), steps=1, progress=False)
     assert len(count_iblm) == 1 and is_initialized(guide)
     trained = AutoGuideList(model)
@@ -333,6 +333,10 @@ BAD = {
     "not a pair": (lambda x, y: (x, y, y), {}, TypeError, "pair"),
     "bad batch": (lambda x, y: [(x, y), (x,)], {}, TypeError, "batch 1"),
     "wrong width": (lambda x, y: (x[:, :4], y), {}, ValueError, "fails on the first batch"),
+    "float64": (lambda x, y: (x.double(), y), {}, ValueError,
+                r"fails on the first batch .* must have the same dtype, but got Double and "
+                r"Float\. Give the data the network's dtype \(x\.float\(\) for a float32 "
+                r"network\) or the network the data's \(model\.double\(\)\)\n"),
     "steps": (lambda x, y: (x, y), {"steps": 0}, ValueError, "steps"),
     "both": (lambda x, y: (x, y), {"steps": 2, "epochs": 1}, ValueError, "not both"),
     "lr": (lambda x, y: (x, y), {"lr": -1.0}, ValueError, "lr"),
@@ -1689,3 +1693,14 @@ def test_an_option_that_another_makes_idle_is_refused(options, message):
                                          "pass$"):
         fit(model, guide, (x, y), steps=2, progress=False, **options)
     assert snapshot() == {} and not is_initialized(guide)
+
+
+def test_validation_labels_outside_the_support_are_named_as_the_validation_ys():
+    x, y = blobs()
+    model = classifier()
+    bad = y.clone()
+    bad[3] = 7
+    with pytest.raises(ValueError, match=r"^fit: the validation y holds values outside the "
+                       r"support of the likelihood 'obs' .* e.g. 7"):
+        fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False,
+            validation=(x, bad))

@@ -21,6 +21,7 @@ __all__ = [
     "check_log_density_shape",
     "check_not_conditioned",
     "check_targets",
+    "error_text",
 ]
 
 
@@ -37,7 +38,7 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None
         shown = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor)
                           else type(a).__name__ for a in args)
         raise ValueError(f"the model fails on the first rows of the data (arguments "
-                         f"{shown}): {type(e).__name__}: {e}") from e
+                         f"{shown}): {error_text(e)}") from e
     observed = [
         site
         for site in trace.nodes.values()
@@ -69,17 +70,27 @@ def check_not_conditioned(model: Callable[..., Any], name: str) -> None:
         )
 
 
+def error_text(error: BaseException) -> str:
+    """``Type: message`` of an error of the user's model, with advice after its first
+    line where it is about mixed dtypes (float64 data on a float32 network)."""
+    first, _, rest = str(error).partition("\n")
+    if "dtype" in first:
+        first += (". Give the data the network's dtype (x.float() for a float32 network) "
+                  "or the network the data's (model.double())")
+    return f"{type(error).__name__}: {first}" + (f"\n{rest}" if rest else "")
+
+
 def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = None,
-                  prefix: str = "") -> None:
+                  prefix: str = "", what_y: str = "y") -> None:
     """The targets' dtype fits the likelihood of the observed ``site``, and they lie in
     its support: ``y`` (the site's value), or all the targets ``all_y`` where given for
     a Categorical's or Bernoulli's support (the same for every row). ``prefix`` begins
-    the messages (e.g. ``"fit: "``)."""
+    the messages (e.g. ``"fit: "``), which call the targets ``what_y``."""
     fn = cast(Any, base_distribution(site["fn"]))
     name = site["name"]
     if isinstance(fn, dist.Categorical) and (y.is_floating_point() or y.dtype == torch.bool):
         raise TypeError(
-            f"{prefix}the likelihood {name!r} is Categorical, so y must hold integer "
+            f"{prefix}the likelihood {name!r} is Categorical, so {what_y} must hold integer "
             f"class labels (y.long()), got {y.dtype}"
         )
     if isinstance(fn, dist.Bernoulli) and not y.is_floating_point():
@@ -90,7 +101,7 @@ def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = No
     if not fn.support.is_discrete and not y.is_floating_point():
         raise TypeError(
             f"{prefix}the likelihood {name!r} is {type(fn).__name__}, continuous, "
-            f"so y must be floating point (y.float()), got {y.dtype}"
+            f"so {what_y} must be floating point (y.float()), got {y.dtype}"
         )
     whole = all_y is not None and isinstance(fn, (dist.Categorical, dist.Bernoulli))
     values = cast(torch.Tensor, all_y if whole else site["value"])
@@ -100,7 +111,7 @@ def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = No
         hint = (f": class labels must be 0 to {fn.logits.shape[-1] - 1} (1-based labels: "
                 "y - 1)" if isinstance(fn, dist.Categorical) else "")
         raise ValueError(
-            f"{prefix}y holds values outside the support of the likelihood {name!r} "
+            f"{prefix}{what_y} holds values outside the support of the likelihood {name!r} "
             f"({type(fn).__name__}, {fn.support}), e.g. {bad.flatten()[0].item()!r}{hint}"
         )
 

@@ -19,7 +19,11 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_vinit._pyro_compat import conditioned_sites, is_deterministic_site
-from pyro_vinit.initialization._observed import check_log_density_shape, check_targets
+from pyro_vinit.initialization._observed import (
+    check_log_density_shape,
+    check_targets,
+    error_text,
+)
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.training._support import (
     Batch,
@@ -69,7 +73,7 @@ def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
         except Exception as e:  # the user's code: any error, said with context
             raise ValueError(
                 f"fit: the {role} fails on {what} ({describe_batch((x, y))}): "
-                f"{type(e).__name__}: {e}"
+                f"{error_text(e)}"
             ) from e
 
 
@@ -191,7 +195,7 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
     trace = _trial_trace(model, x, y, "the validation data")
     with torch.no_grad():
         for site in _likelihoods(trace, model):
-            check_targets(site, y, prefix="fit: ")
+            check_targets(site, y, prefix="fit: ", what_y="the validation y")
             check_log_density_shape(site, "the validation y", prefix="fit: ")
             fn: Any = site["fn"]
             log_prob = cast(torch.Tensor, fn.log_prob(site["value"]))

@@ -11,6 +11,7 @@ import pyro.poutine as poutine
 import torch
 from torch import nn
 
+from pyro_vinit.initialization._observed import error_text
 from pyro_vinit.training._support import Batch, _is_pair, describe_batch
 
 __all__ = ["update_batch_norm"]
@@ -103,7 +104,7 @@ def update_batch_norm(
         values = median(*first)
     except Exception as e:  # the user's model and guide: any error, said with the batch
         raise ValueError(f"update_batch_norm: the guide's median fails on the first batch "
-                         f"({describe_batch(first)}): {type(e).__name__}: {e}") from e
+                         f"({describe_batch(first)}): {error_text(e)}") from e
     momenta: List[Optional[float]] = [m.momentum for m in norms]
     saved = [(m.running_mean.clone() if m.running_mean is not None else None,
               m.running_var.clone() if m.running_var is not None else None,
@@ -125,7 +126,7 @@ def update_batch_norm(
                 conditioned(*batch)
             except Exception as e:  # the user's model: any error, said with the batch
                 raise ValueError(f"update_batch_norm: the model fails on batch {i} of data "
-                                 f"({describe_batch(batch)}): {type(e).__name__}: {e}") from e
+                                 f"({describe_batch(batch)}): {error_text(e)}") from e
         if left_out and len(left_out) == i + 1:
             raise ValueError(
                 "update_batch_norm: every batch of data has a single row, from which "

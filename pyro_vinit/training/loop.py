@@ -339,15 +339,16 @@ def fit(
         history.loss = list(resumed["loss"])
         history.validation = list(resumed["validation"])
     elif init == "iblm" and not initialized:
-        if cast(AutoGuide, guide).prototype_trace is not None:
-            warnings.warn(
-                f"fit: the {type(guide).__name__} is set up (e.g. by a call guide(x, y)) but not "
-                "initialized or trained: every scale is still its init_scale, so fit starts it "
-                "with I-BLM, replacing its set-up values; pass init=None to train from them",
-                UserWarning, stacklevel=2)
+        set_up = cast(AutoGuide, guide).prototype_trace is not None
         options = {**defaults.iblm_options(num_data), **(init_options or {})}
         init_data = batches.pair if batches.pair is not None else batches.loader
         init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
+        if set_up:
+            warnings.warn(
+                f"fit: the {type(guide).__name__} was set up (e.g. by a call guide(x, y)) but "
+                "not initialized or trained: every scale was still its init_scale, so fit "
+                "started it with I-BLM, replacing its set-up values; pass init=None to train "
+                "from them", UserWarning, stacklevel=2)
         history.initialized = True
     elif not initialized:  # init=None: Pyro's own initial values, set up here
         guide(*batches.first)

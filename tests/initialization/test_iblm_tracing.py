@@ -109,7 +109,9 @@ def test_a_model_that_fails_on_the_data_is_named_with_the_arguments(set_up):
     before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
     with pytest.raises(ValueError, match=re.escape(
             "the model fails on the first rows of the data (arguments (200, 4) torch.float64, "
-            "(200,) torch.int64): RuntimeError: mat1 and mat2 must have the same dtype")):
+            "(200,) torch.int64): RuntimeError: mat1 and mat2 must have the same dtype, but got "
+            "Double and Float. Give the data the network's dtype (x.float() for a float32 "
+            "network) or the network the data's (model.double())")):
         init_guide_iblm(guide, (x, y))
     after = dict(pyro.get_param_store().items())
     assert before.keys() == after.keys()
