@@ -29,7 +29,8 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None
     """Before the first run with the guide: refuses arguments on which the model
     fails (naming them), without the targets (a model run without them would
     make the observed site a latent one of the guide), whose likelihood
-    ``pyro.condition`` sets, or whose targets the likelihood broadcasts."""
+    ``pyro.condition`` sets, or whose targets do not fit the likelihood
+    (:func:`check_targets`, :func:`check_log_density_shape`)."""
     model = unwrap_init_messenger(model)
     try:
         with torch.no_grad(), poutine.block():
@@ -54,7 +55,8 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None
         )
     for site in likelihood_sites(observed, model):
         check_not_conditioned(model, site["name"])
-        check_log_density_shape(site)  # (dtype and support: as the targets are read)
+        check_targets(site, site["value"])  # (I-BLM checks every row as it reads them)
+        check_log_density_shape(site)
 
 
 def check_not_conditioned(model: Callable[..., Any], name: str) -> None:

@@ -547,3 +547,24 @@ def test_a_failure_leaves_the_guide_store_and_batch_norm_statistics_as_they_were
     init_guide(guide, (x, y), method=method, batch_size=20, **options)  # then it works
     mean = next(k for k in buffers if k.endswith("running_mean"))
     assert not torch.equal(dict(model.named_buffers())[mean], buffers[mean])  # moved
+
+
+@pytest.mark.parametrize("method", ["lsuv", "map"])
+@pytest.mark.parametrize("targets, error, match", [
+    (lambda y: y[:, None], ValueError, r"y of shape \(40, 1\) does not fit the likelihood"),
+    (lambda y: y.round().long(), TypeError, r"is Normal, continuous, so y must be floating"),
+])
+def test_targets_that_do_not_fit_the_likelihood_are_refused(method, targets, error, match):
+    # map trained on (N, 1) targets broadcast against (N,) means without a word
+    x = torch.randn(40, 4)
+    y = x[:, 0] - x[:, 1]
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, 4]).to_event(2))
+        with pyro.plate("data", 40, subsample_size=len(x)):
+            pyro.sample("obs", dist.Normal(F.linear(x, w).squeeze(-1), 0.1), obs=y)
+
+    guide = AutoNormal(model)
+    with pytest.raises(error, match=match):
+        init_guide(guide, (x, targets(y)), method=method, batch_size=20, map_steps=2)
+    assert guide.prototype_trace is None and list(pyro.get_param_store().keys()) == []
