@@ -1704,3 +1704,24 @@ def test_validation_labels_outside_the_support_are_named_as_the_validation_ys():
                        r"support of the likelihood 'obs' .* e.g. 7"):
         fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False,
             validation=(x, bad))
+
+
+def test_the_advice_for_a_model_i_blm_cannot_start_works_through_fit(count_iblm):
+    # a head whose two outputs set the mean and the log-scale: the message said
+    # init_guide(..., method='xavier'), which without data fails, and fit(init='xavier') too
+    x = torch.randn(200, 3)
+    y = x[:, 0] + 0.1 * torch.randn(200)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+        out = F.linear(x, w)
+        with pyro.plate("data", 200, subsample_size=len(x)):
+            pyro.sample("obs", dist.Normal(out[:, 0], out[:, 1].exp()), obs=y)
+
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(ValueError, match=r"Initialize this model with init_guide\(guide, "
+                                         r"\(x, y\), method='xavier'\), which fit then keeps$"):
+        fit(model, guide, (x, y), steps=2, progress=False)
+    pyro_vinit.init_guide(guide, (x, y), method="xavier")
+    assert fit(model, guide, (x, y), steps=2, progress=False).steps == 2
+    assert len(count_iblm) == 1  # the refused attempt only

@@ -131,11 +131,11 @@ def check_log_density_shape(site: Any, what_y: str = "y", prefix: str = "") -> N
     except RuntimeError:
         broadcast = None
     if broadcast != value:
-        what = (f"broadcasts {what_y} to {broadcast}" if broadcast is not None
+        what = (f"broadcasts {what_y} to {broadcast}, which would score each row against "
+                "other rows' predictions" if broadcast is not None
                 else f"does not broadcast with {what_y}")
         raise ValueError(
             f"{prefix}{what_y} of shape {value} does not fit the likelihood {site['name']!r}: "
             f"its distribution, of batch shape {tuple(fn.batch_shape)} and event shape "
-            f"{tuple(fn.event_shape)}, {what}, which would score each row against other "
-            "rows' predictions; give y the batch shape followed by the event shape"
-            + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
+            f"{tuple(fn.event_shape)}, {what}; give y the batch shape followed by the event "
+            "shape" + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))

@@ -174,7 +174,8 @@ def likelihood_family(site: SampleSite) -> str:
         f"I-BLM supports {SUPPORTED_LIKELIHOODS} likelihoods; the observed site "
         f"{site['name']!r} is {type(site['fn']).__name__}"
         + (f" over {type(fn).__name__}" if fn is not site["fn"] else "")
-        + "; use one of these, or a data-free initializer (init_guide(..., method='xavier'))"
+        + "; use one of these, or a data-free initializer (init_guide(guide, (x, y), "
+        "method='xavier'), which fit then keeps)"
     )
 
 
@@ -398,7 +399,8 @@ def _roles(
         raise ValueError(
             f"the outputs of several Bayesian layers ({names}) reach the likelihood's mean "
             f"directly; I-BLM fits one output layer to the targets. Sum them inside one "
-            "layer, or initialize with init_guide(..., method='xavier')"
+            "layer, or initialize with init_guide(guide, (x, y), method='xavier'), which fit "
+            "then keeps"
         )
     layers[outputs[0]].role = "output"
     likelihood = Likelihood(site["name"], family)
@@ -414,7 +416,8 @@ def _roles(
             f"the likelihood's scale depends on the Bayesian layers {names}"
             + (f" and on {[n for _, n in sources]}" if sources else "")
             + "; I-BLM can set one scale head (a layer whose output only sets the scale) "
-            "or one noise site. Initialize this model with init_guide(..., method='xavier')"
+            "or one noise site. Initialize this model with init_guide(guide, (x, y), "
+            "method='xavier'), which fit then keeps"
         )
     if scale_layers:
         layers[scale_layers[0]].role = "scale"

@@ -222,3 +222,18 @@ def test_hidden_layer_of_a_regression_with_a_learned_noise_is_fitted_with_its_fi
                  (4 + x.pow(2).sum(0) / noise**2).reciprocal().expand(h, d), atol=0, rtol=1e-12)
     assert_close(guide.scales.b1.pow(2),
                  (4 + n / noise**2).reciprocal().expand(h), atol=0, rtol=1e-12)
+
+
+def test_targets_that_do_not_broadcast_with_the_likelihood_are_refused_without_the_row_story():
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 4]).to_event(2))
+        with pyro.plate("data", 8):
+            pyro.sample("obs", dist.Normal(F.linear(x, w), 1.0).to_event(1), obs=y)
+
+    message = ("y of shape (8, 2) does not fit the likelihood 'obs': its distribution, of "
+               "batch shape (8,) and event shape (3,), does not broadcast with y; give y the "
+               "batch shape followed by the event shape")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        init_guide_iblm(AutoNormal(model), (x, y), batch_size=8)
