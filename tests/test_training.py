@@ -1725,3 +1725,24 @@ def test_the_advice_for_a_model_i_blm_cannot_start_works_through_fit(count_iblm)
     pyro_vinit.init_guide(guide, (x, y), method="xavier")
     assert fit(model, guide, (x, y), steps=2, progress=False).steps == 2
     assert len(count_iblm) == 1  # the refused attempt only
+
+
+def test_validation_of_a_one_hot_classifier_reports_its_error_rate():
+    # it reported the MNLL only, where a Categorical model's reports the error rate too
+    x, y = blobs()
+    onehot = F.one_hot(y, 3).float()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 5]).to_event(2))
+        with pyro.plate("data", 240, subsample_size=len(x)):
+            pyro.sample("obs", dist.OneHotCategorical(logits=F.linear(x, w)), obs=y)
+
+    history = fit(model, AutoKTiedNormal(model), (x, onehot), steps=40, progress=False,
+                  validation=(x, onehot), num_samples=8)
+    last = history.validation[-1]
+    assert set(last) == {"step", "mnll", "error_rate"}
+    assert 0.0 <= last["error_rate"] < 0.2
+    pyro.clear_param_store()  # the error rate is that of the labels' argmax:
+    labels = fit(model, AutoKTiedNormal(model), (x, onehot), steps=40, progress=False,
+                 validation=(x, F.one_hot((y + 1) % 3, 3).float()), num_samples=8)
+    assert labels.validation[-1]["error_rate"] > 0.8  # the wrong labels: every row wrong

@@ -261,8 +261,8 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
                 sample_lp.append(lp)
                 if len(observed) == 1:
                     base = _base(observed[0]["fn"])
-                    if isinstance(base, dist.Categorical):
-                        kind = "error_rate"
+                    if isinstance(base, (dist.Categorical, dist.OneHotCategorical)):
+                        kind = "error_rate" if isinstance(base, dist.Categorical) else "onehot"
                         sample_means.append(base.probs)
                     elif isinstance(base, dist.Bernoulli):
                         kind = "bernoulli"
@@ -277,9 +277,10 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
                 means.append(torch.cat(sample_means))
         stacked = torch.stack(log_probs)
         result = {"mnll": float(-(stacked.logsumexp(0) - math.log(num_samples)).mean())}
-        if kind == "error_rate":
+        if kind in ("error_rate", "onehot"):
             pred = torch.stack(means).mean(0).argmax(-1)
-            result[kind] = float((pred != y).float().mean())
+            labels = y.argmax(-1) if kind == "onehot" else y
+            result["error_rate"] = float((pred != labels).float().mean())
         elif kind == "bernoulli":  # a label wrong where its probability is across 0.5
             wrong = (torch.stack(means).mean(0) > 0.5) != (y.reshape(means[0].shape) > 0.5)
             result["error_rate"] = float(wrong.float().mean())
