@@ -683,3 +683,33 @@ def test_unambiguous_scales_with_as_many_samples_as_points():
     assert_close(metrics.mnll(y, loc=loc, scale=per_sample[:, None]), torch.tensor(mixture))
     points = half_log_2pi + 0.5 * (math.log(1.0) + math.log(3.0))
     assert_close(metrics.mnll(y, loc=loc, scale=per_point[None]), torch.tensor(points))
+
+
+@pytest.mark.parametrize("form", ["logits (S, N)", "logits (S, N, 1)", "probs (S, N)",
+                                  "probs (S, N, 1)"])
+def test_a_binary_classifiers_one_logit_a_row_is_scored_as_its_bernoulli(form):
+    # (S, N) logits were refused with advice that failed next ("labels y must lie in [0, 1)")
+    import pyro.distributions as dist
+
+    torch.manual_seed(0)
+    y = torch.randint(0, 2, (50,))
+    logits = torch.randn(8, 50) + 2 * (y - 0.5)
+    given = logits if form.startswith("logits") else torch.sigmoid(logits)
+    given = given[..., None] if form.endswith("1)") else given
+    kw = {form.split()[0]: given}
+    got = metrics.classification_metrics(y, **kw)
+    two = metrics.classification_metrics(y, logits=torch.stack([0 * logits, logits], -1))
+    for name in two:
+        assert got[name] == pytest.approx(two[name], rel=1e-5), name
+    lp = dist.Bernoulli(logits=logits).log_prob(y.float())
+    assert got["mnll"] == pytest.approx(float(math.log(8) - lp.logsumexp(0).mean()), rel=1e-5)
+    streamed = metrics.ClassificationMetrics()
+    streamed.update(y, **kw)
+    assert streamed.compute()["mnll"] == pytest.approx(got["mnll"], rel=1e-5)
+
+
+def test_one_logit_a_row_without_labels_must_say_so():
+    with pytest.raises(ValueError, match=r"for a binary classifier's one logit a row use "
+                                         r"\.unsqueeze\(-1\) \(S, N, 1\)$"):
+        metrics.predictive_entropy(logits=torch.randn(8, 50))
+    assert metrics.predictive_entropy(logits=torch.randn(8, 50, 1)).shape == (50,)

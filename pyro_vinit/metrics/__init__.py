@@ -7,7 +7,9 @@ likelihood, with the posterior samples along the leftmost dimension (as
 :class:`~pyro.infer.Predictive` stacks them):
 
 - classification: ``logits`` (or ``probs``) of shape ``(S, N, C)`` and integer
-  labels ``y`` of shape ``(N,)``;
+  labels ``y`` of shape ``(N,)``; a binary classifier's one logit (or
+  probability of class 1) a row, ``(S, N, 1)`` or, with labels, ``(S, N)``,
+  is its Bernoulli's two classes;
 - regression: means ``loc`` of shape ``(S,) + y.shape`` and, where a density is
   needed, the likelihood's standard deviation ``scale`` (a number or a tensor
   broadcastable to ``loc``).

@@ -1,7 +1,7 @@
 """Input checks and the formulas shared by the metric functions and the accumulators."""
 
 import math
-from typing import Optional, Tuple, Union, overload
+from typing import Optional, Tuple, Union, cast, overload
 
 import torch
 
@@ -25,7 +25,8 @@ def _check_samples(
             f"{name} must have shape {what} with the posterior samples on the left, "
             f"got {name}.shape = {tuple(samples.shape)}{got}; "
             "for a single prediction use .unsqueeze(0), "
-            "for a (N, 1) network output use .squeeze(-1)"
+            + ("for a binary classifier's one logit a row use .unsqueeze(-1) (S, N, 1)"
+               if extra_dims else "for a (N, 1) network output use .squeeze(-1)")
         )
 
 
@@ -77,6 +78,24 @@ def _labels(y: torch.Tensor, samples: torch.Tensor, name: str) -> torch.Tensor:
     return y.long()
 
 
+def _two_classes(
+    logits: Optional[torch.Tensor], probs: Optional[torch.Tensor], y: Optional[torch.Tensor]
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    # A binary classifier's logits or probabilities of class 1 (Bernoulli), one a row:
+    # (S, N, 1), or (S, N) with labels y of shape (N,), as the two classes' (S, N, 2).
+    samples = logits if logits is not None else probs
+    if not isinstance(samples, torch.Tensor) or not samples.is_floating_point():
+        return logits, probs
+    if not ((samples.dim() == 3 and samples.shape[-1] == 1)
+            or (samples.dim() == 2 and isinstance(y, torch.Tensor) and y.dim() == 1
+                and samples.shape[1:] == y.shape)):
+        return logits, probs
+    one = samples.reshape(samples.shape[:2])
+    if logits is not None:
+        return torch.stack([torch.zeros_like(one), one], -1), None
+    return None, torch.stack([1 - one, one], -1)
+
+
 @overload
 def _class_log_probs(
     y: torch.Tensor, logits: Optional[torch.Tensor], probs: Optional[torch.Tensor]
@@ -107,6 +126,8 @@ def _class_log_probs(
             "BayesianClassifier), or pass probs=F.one_hot(labels, C).float() for the cruder "
             "estimate from labels"
         )
+    logits, probs = _two_classes(logits, probs, y)
+    samples = logits if logits is not None else cast(torch.Tensor, probs)
     if y is not None and isinstance(samples, torch.Tensor):
         y = _labels(y, samples, name)
     _check_samples(name, samples, y, extra_dims=1)

@@ -19,6 +19,7 @@ from pyro_vinit.metrics._math import (
     _regression_inputs,
     _regression_nll,
     _squared_errors,
+    _two_classes,
 )
 
 __all__ = [
@@ -497,6 +498,7 @@ def classification_metrics(
     :param int num_bins: Number of confidence bins of the ECE.
     :rtype: dict
     """
+    logits, probs = _two_classes(logits, probs, y)  # (the entropy takes no labels)
     kw = dict(logits=logits, probs=probs)
     return {
         "error_rate": error_rate(y, **kw).item(),
