@@ -117,3 +117,12 @@ def test_a_model_that_fails_on_the_data_is_named_with_the_arguments(set_up):
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert (guide.prototype_trace is not None) == set_up
+
+
+def test_one_dim_sites_are_the_vectors_of_more_than_one_element():
+    # (named in the errors about x @ beta with beta of shape (D,); a (1,) site is a scalar's)
+    from pyro_vinit.initialization._runs import one_dim_sites
+
+    shapes = {"a": torch.Size([1]), "b": torch.Size([2]), "c": torch.Size([3]),
+              "d": torch.Size([2, 2]), "e": torch.Size([])}
+    assert one_dim_sites(shapes) == ["b", "c"]
