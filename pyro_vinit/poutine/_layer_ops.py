@@ -188,11 +188,14 @@ def _einsum_as_linear(
 
 
 def parse_matmul(
-    func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any], is_weight: IsWeight
+    func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any], is_weight: IsWeight,
+    sample_dims: Callable[[torch.Tensor], int] = lambda t: 0,
 ) -> Optional[ParsedMatmul]:
     """
     Reads a matrix product of an input and a 2-d weight (``is_weight(t)``
-    true for the weight, not for the input) as a linear layer: returns
+    true for the weight, not for the input; after ``sample_dims(weight)``
+    leading dims of vectorized samples, which make it a batched layer's) as
+    a linear layer: returns
     ``(input, weight, transposed, bias)``, where ``weight`` is the program's
     tensor, ``weight.t()`` if ``transposed`` else ``weight`` is the
     ``(out, in)`` matrix ``F.linear`` takes, ``input`` has the contracted
@@ -233,9 +236,12 @@ def parse_matmul(
         x, w = args
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
         return None
-    if not is_weight(w) or is_weight(x) or w.dim() != 2 or x.dim() < 1:
+    if not is_weight(w) or is_weight(x) or x.dim() < 1:
         return None
-    if func in _MATRIX_ONLY and x.dim() != 2:
+    batch = sample_dims(w)
+    if w.dim() - batch != 2:
+        return None
+    if func in _MATRIX_ONLY and (x.dim() != 2 or batch):
         return None  # mm and addmm take matrices only: the program's own error, not a layer
     return x, w, True, bias
 
@@ -253,6 +259,7 @@ def find_layer_call(
     kwargs: Dict[str, Any],
     is_weight: IsWeight,
     weight_msgs: Callable[[Any], List[SampleSite]] = lambda t: [],
+    sample_dims: Callable[[torch.Tensor], int] = lambda t: 0,
 ) -> Optional[LayerCall]:
     """
     The :class:`LayerCall` of ``func(*args, **kwargs)`` if it is a layer call
@@ -261,7 +268,9 @@ def find_layer_call(
     product's weight is transposed into ``F.linear``'s layout by
     :attr:`torch.Tensor.mT` (which a tensor subclass sees);
     ``weight_msgs(t)`` gives the :attr:`LayerCall.weight_msgs` of the weight
-    and bias ``t``.
+    and bias ``t``, ``sample_dims(t)`` the number of leading dims of a
+    matrix product's weight that are vectorized samples (see
+    :func:`parse_matmul`).
     """
     parsed = parse_layer_call(func, args, kwargs)
     if parsed is not None:
@@ -270,7 +279,7 @@ def find_layer_call(
             return None
         transposed = False
     else:
-        found = parse_matmul(func, args, kwargs, is_weight)
+        found = parse_matmul(func, args, kwargs, is_weight, sample_dims)
         if found is None:
             return None
         x, program_weight, transposed, bias = found

@@ -25,8 +25,10 @@ The handler sees
   (:meth:`~LayerCallMessenger._on_custom_op`).
 
 A layer call whose weight or bias has leading batch dims (the sample dim of
-:class:`~pyro.infer.Predictive` with ``parallel=True``), which ``F.linear``
-and ``F.conv*d`` do not take, runs as one batched layer
+:class:`~pyro.infer.Predictive` with ``parallel=True``, or of an ELBO's
+vectorized particles; for a matrix product, a matrix site in no other
+plate), which ``F.linear`` and ``F.conv*d`` do not take, runs as one batched
+layer
 (:func:`~pyro_vinit.poutine._layer_ops.batched_layer`) when the handler
 leaves it unchanged.
 
@@ -56,7 +58,7 @@ from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, Independent
 from typing_extensions import Self, TypeGuard
 
-from pyro_vinit._pyro_compat import is_predictive_samples
+from pyro_vinit._pyro_compat import is_predictive_samples, is_vectorized_particles
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._layer_ops import (
     LAYER_OPS,
@@ -110,6 +112,22 @@ def _is_latent(value: object) -> TypeGuard[SiteValue]:
 
 def _any(value: object) -> bool:
     return True
+
+
+def _sample_dims(value: torch.Tensor) -> int:
+    # The leading dims of a matrix site's value (or its transpose) that vectorized
+    # samples add: its batch dims, where the site is in no plate but theirs
+    # (Predictive(parallel=True), an ELBO's vectorized particles). A matrix in a plate
+    # of the model's own (e.g. one per head) is the program's batched product.
+    if not _is_latent(value):
+        return 0
+    msg = value.msgs[0]
+    fn = msg["fn"]
+    frames = msg["cond_indep_stack"]
+    if (not frames or len(getattr(fn, "event_shape", ())) != 2
+            or not all(is_vectorized_particles(f) or is_predictive_samples(f) for f in frames)):
+        return 0
+    return max(value.dim() - 2, 0)  # (the sample dim, and the plates' singletons)
 
 
 def _msgs_of(value: Any) -> List[SampleSite]:
@@ -275,7 +293,7 @@ class LayerCallMessenger(Messenger):
             # A layer function with a site value anywhere is seen; a product only with one
             # as its weight (else it is no layer: e.g. a product of two site values).
             is_weight = _any if func in LAYER_OPS else _is_latent
-            call = find_layer_call(func, args, kwargs, is_weight, _msgs_of)
+            call = find_layer_call(func, args, kwargs, is_weight, _msgs_of, _sample_dims)
             if call is not None:
                 return self._handle_layer_call(call, func, args, kwargs)
             if func in _CUSTOM_LAYER_OPS:

@@ -11,8 +11,10 @@ __all__ = ["VectorizedLayersMessenger"]
 class VectorizedLayersMessenger(LayerCallMessenger):
     r"""
     Effect handler that runs each ``F.linear`` / ``F.conv1d/2d/3d`` call
-    (so ``nn.Linear`` and ``nn.Conv*d`` too) whose weight or bias is a
-    sample site with leading batch dims as one batched layer, so that
+    (so ``nn.Linear`` and ``nn.Conv*d`` too), and each matrix product read
+    as a linear layer (``x @ w``, ``x @ w.mT``, ``torch.matmul``, a
+    two-operand ``einsum``), whose weight or bias is a sample site with
+    leading batch dims as one batched layer, so that
     :class:`~pyro.infer.Predictive` with ``parallel=True`` and an ELBO with
     ``vectorize_particles=True`` run such models.
 

@@ -158,6 +158,23 @@ def _cnn():
     return BayesianClassifier(net), torch.randn(10, 1, 8, 8)
 
 
+def _matmul_mlp():
+    # A functional model whose layers mix F.linear, x @ w.mT and x @ w (in, out)
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([8, 6]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([5, 8]).to_event(2))
+        w3 = pyro.sample("w3", dist.Normal(0.0, 1.0).expand([5, 3]).to_event(2))
+        h = torch.relu(F.linear(x, w1))
+        h = torch.relu(h @ w2.mT)
+        logits = h @ w3
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+    torch.manual_seed(0)
+    return model, torch.randn(10, 6)
+
+
 def _sequential_outputs(model, trace, x, num_samples):
     # The model run once per sample, conditioned on that sample's weights.
     weights = {name: site["value"] for name, site in trace.nodes.items()
@@ -170,8 +187,10 @@ def _sequential_outputs(model, trace, x, num_samples):
 
 
 @pytest.mark.parametrize("guide_class", GUIDES)
-@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("make", [_mlp, _cnn, _matmul_mlp], ids=["mlp", "cnn", "matmul"])
 def test_vectorized_predictive_equals_a_loop_over_its_samples(make, guide_class):
+    # (matmul: a product x @ w.mT after a batched F.linear broadcast the two sample dims
+    # into (S, S, N, out) and failed in Predictive's reshape)
     model, x = make()
     guide = guide_class(model)
     guide(x, torch.randint(0, 3, (10,)))
@@ -265,8 +284,10 @@ def test_weight_noise_predictive_matches_sequential_by_moments(handler):
 # ------------------------------------------------ vectorized particles
 
 
-@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("make", [_mlp, _cnn, _matmul_mlp], ids=["mlp", "cnn", "matmul"])
 def test_vectorized_particles_are_exact(make):
+    # (matmul: the products broadcast the particles against each other, and the ELBO
+    # summed the likelihoods of every pair, silently)
     # Each particle's likelihood in the vectorized model trace equals the model's own,
     # run on that particle's weights.
     model, x = make()
@@ -309,7 +330,7 @@ def test_expanded_weight_runs_once_with_the_full_output_shape(op, x_shape, w_sha
 
 
 @pytest.mark.parametrize("handler", [local_reparam, flipout])
-@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("make", [_mlp, _cnn, _matmul_mlp], ids=["mlp", "cnn", "matmul"])
 def test_weight_noise_vectorized_particles_match_sequential_by_moments(make, handler):
     # The ELBO estimate under a weight-noise handler, vectorized and one particle after
     # another: the same expectation (z under 5 over 6 estimates of 50 particles each).
