@@ -56,8 +56,9 @@ class Collective(Protocol):
         """Reads the data into the pool of rows (and keeps it)."""
         ...
 
-    def check_structure(self, structure: ModelStructure) -> None:
-        """Checks the model's structure (the same on every process)."""
+    def check_structure(self, structure: ModelStructure, guide: torch.nn.Module) -> None:
+        """Checks the model's structure and the set-up guide's class and parameter
+        shapes (the same on every process)."""
         ...
 
     def agree(self) -> ContextManager[None]:
@@ -142,7 +143,7 @@ class LocalCollective:
         self._pool = DataPool(data, options.max_pool_size)
         return self._pool
 
-    def check_structure(self, structure: ModelStructure) -> None:
+    def check_structure(self, structure: ModelStructure, guide: torch.nn.Module) -> None:
         pass
 
     def agree(self) -> ContextManager[None]:

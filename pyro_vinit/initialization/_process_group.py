@@ -95,9 +95,14 @@ class ProcessGroupCollective:
         self._pool = pool
         return pool
 
-    def check_structure(self, structure: ModelStructure) -> None:
+    def check_structure(self, structure: ModelStructure, guide: torch.nn.Module) -> None:
         self.shards.check_equal("the model's structure", structure_signature(structure),
                                 "every rank must run the same model and guide")
+        shapes = {name: tuple(value.shape) for name, value in guide.state_dict().items()}
+        self.shards.check_equal("their guides (class and parameter shapes)",
+                                (type(guide).__name__, shapes),
+                                "every rank must build the same guide (its class and options, "
+                                "e.g. AutoKTiedNormal's rank)")
         if structure.batch_norm:
             if structure.block_size is None:
                 self._sync_norms = True

@@ -360,7 +360,7 @@ def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective:
     with collective.agree():
         prep = prepare(guide, None, options.max_pool_size, options.chunk_rows, pool=pool,
                        owner=owner)
-    collective.check_structure(prep.structure)
+    collective.check_structure(prep.structure, guide)
     # (the warnings point at the user's call: of init_guide_iblm, of fit, ...)
     report_uncovered(prep.structure, options.strict, "init_guide_iblm")
     report_held(prep.structure, "init_guide_iblm")

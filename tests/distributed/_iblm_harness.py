@@ -141,10 +141,13 @@ def reference(name: str) -> Dict[str, torch.Tensor]:
         return snapshot(model, guide)
 
 
-def run_case(rank: int, name: str, break_shard: Optional[Callable] = None) -> dict:
+def run_case(rank: int, name: str, break_shard: Optional[Callable] = None,
+             guide_for: Optional[Callable] = None) -> dict:
     case = CASES[name]
     with pyro.settings.context(module_local_params=True):
         model, guide, x, y = build(case)
+        if guide_for is not None:
+            guide = guide_for(rank, model)
         if rank:
             pyro.set_rng_seed(SEED + rank)  # only the initializer's shared stream may align them
         x, y = shard(x, rank), shard(y, rank)
@@ -171,6 +174,14 @@ def _bad_labels_on_rank_1(rank, x, y):
 ERROR_CASES = {"mismatched_features": _wide_features_on_rank_1,
                "bad_labels_on_one_rank": _bad_labels_on_rank_1}
 
+#: Guides that differ between the ranks (each not set up before I-BLM): rank 1's k-tied
+#: guide of another rank failed with a bare index error in the minibatches' windows.
+GUIDE_ERROR_CASES = {
+    "mismatched_guide_rank": lambda rank, model: AutoKTiedNormal(model, rank=2 + rank),
+    "mismatched_guide_class": lambda rank, model: (AutoKTiedNormal(model) if rank
+                                                   else AutoNormal(model)),
+}
+
 
 def worker(rank: int, world_size: int, port: int, out_dir: str, names: List[str]) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
@@ -183,6 +194,9 @@ def worker(rank: int, world_size: int, port: int, out_dir: str, names: List[str]
             results = {name: run_case(rank, name) for name in names}
             for name, breaker in ERROR_CASES.items():
                 results[name] = run_case(rank, "mlp_classification_autonormal", breaker)
+            for name, guide_for in GUIDE_ERROR_CASES.items():
+                results[name] = run_case(rank, "mlp_classification_autonormal",
+                                         guide_for=guide_for)
     finally:
         tdist.destroy_process_group()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from pyro_vinit import init_guide_iblm
 from tests.common import assert_close
 from tests.distributed import _harness, _iblm_harness
-from tests.distributed._iblm_harness import CASES, ERROR_CASES
+from tests.distributed._iblm_harness import CASES, ERROR_CASES, GUIDE_ERROR_CASES
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available()
@@ -74,7 +74,7 @@ def test_batchnorm_statistics_are_global(ranks):
         assert_close(params[key], expected[key], **TOL)
 
 
-@pytest.mark.parametrize("name", list(ERROR_CASES))
+@pytest.mark.parametrize("name", list(ERROR_CASES) + list(GUIDE_ERROR_CASES))
 def test_errors_are_raised_alike_on_every_rank(ranks, name):
     """A rank's bad input makes every rank raise the same clear error (none is left
     waiting in a collective), before anything is written."""
@@ -86,6 +86,9 @@ def test_errors_are_raised_alike_on_every_rank(ranks, name):
     assert kind == "ValueError"
     if name == "mismatched_features":
         assert "differ in their data arguments" in message and "rank 1" in message
+    elif name in GUIDE_ERROR_CASES:
+        assert "differ in their guides (class and parameter shapes)" in message
+        assert "rank 1" in message and "every rank must build the same guide" in message
     else:
         assert "failed on rank 1 of 2" in message
         assert "outside the support of the likelihood" in message
