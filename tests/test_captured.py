@@ -622,6 +622,31 @@ def test_signatures_that_never_repeat_fall_back_with_a_warning():
     assert "made afresh at each step" in svi.fallback_reason
 
 
+def test_a_kl_weight_schedule_that_never_settles_is_named_in_the_fall_back():
+    # its KL weight, a constant of the graph, changes at each step: the warning blamed a
+    # handler "made afresh at each step", which this one was not
+    from pyro_vinit.poutine import KLAnnealingMessenger
+    from pyro_vinit.schedules import LinearWarmup
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+
+    x, y = torch.randn(50, 3), torch.randn(50)
+    svi = CapturedSVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}),
+                      TraceMeanField_ELBO(), max_signatures=2)
+    annealing = KLAnnealingMessenger(LinearWarmup(100))
+    with pytest.warns(RuntimeWarning, match=r"more than 8 input signatures .* \(a "
+                      r"KLAnnealingMessenger schedule: its KL weight, a constant of the graph, "
+                      r"is another at each step"):
+        for _ in range(9):
+            with annealing:
+                svi.step(x, y)
+            annealing.step()
+    assert svi.num_traces == 0
+
+
 class _Factor:
     """A setting object that holds its number privately."""
 

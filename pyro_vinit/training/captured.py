@@ -32,6 +32,7 @@ from pyro.poutine.messenger import Messenger
 
 from pyro_vinit._pyro_compat import active_messengers, traceable_elbos
 from pyro_vinit._warn import warn_at_caller
+from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.training._cuda_graph import CudaGraphReplay, off_device
 from pyro_vinit.training._inductor import held_write, inductor_compile
 from pyro_vinit.training._signature import messenger_state
@@ -184,8 +185,10 @@ class CapturedSVI(SVI):
     (the shapes, strides, dtypes and devices of the tensor arguments, the other
     arguments, and the effect handlers around the step with their settings,
     compared by value: a handler entered afresh at each step with the same
-    strategy, schedule or config function keeps its graph); the optimizer
-    then runs as in ``SVI``.
+    strategy, schedule or config function keeps its graph, and a changed
+    setting, such as the KL weight of a
+    :class:`~pyro_vinit.poutine.KLAnnealingMessenger` schedule during its
+    warm-up, is a new signature); the optimizer then runs as in ``SVI``.
 
     Usage::
 
@@ -365,10 +368,16 @@ class CapturedSVI(SVI):
         if capture is None and key not in self._eager_sites:
             if len(self._eager_sites) >= 4 * self.max_signatures:
                 # signatures that never repeat: every step eager, each one's record kept
+                scheduled = any(isinstance(m, KLAnnealingMessenger) and m.schedule is not None
+                                for m in active_messengers())
+                cause = ("a KLAnnealingMessenger schedule: its KL weight, a constant of "
+                         "the graph, is another at each step, so the step is captured "
+                         "once the schedule settles (e.g. after LinearWarmup's warm-up); "
+                         "or step the schedule less often" if scheduled else
+                         "a handler setting compared by identity, e.g. a tensor scale or "
+                         "mask, made afresh at each step: make it once")
                 self._fall_back(f"more than {4 * self.max_signatures} input signatures "
-                                "(4 x max_signatures) seen, most never again (a handler "
-                                "setting compared by identity, e.g. a tensor scale or "
-                                "mask, made afresh at each step: make it once)")
+                                f"(4 x max_signatures) seen, most never again ({cause})")
                 return self._eager_step(args, kwargs)
             recorder = _SiteRecorder()
             with poutine.trace(param_only=True) as found, recorder:
