@@ -639,7 +639,7 @@ def test_a_kl_weight_schedule_that_never_settles_is_named_in_the_fall_back():
     annealing = KLAnnealingMessenger(LinearWarmup(100))
     with pytest.warns(RuntimeWarning, match=r"more than 8 input signatures .* \(a "
                       r"KLAnnealingMessenger schedule: its KL weight, a constant of the graph, "
-                      r"is another at each step"):
+                      r"changes at each step; make CapturedSVI after the schedule's warm-up"):
         for _ in range(9):
             with annealing:
                 svi.step(x, y)

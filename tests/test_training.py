@@ -1633,6 +1633,7 @@ def test_an_epochs_last_batch_of_one_row_joins_the_batch_before_it(num_data, siz
     assert [len(b) for b in epoch] == sizes
     assert torch.equal(torch.cat(epoch).sort(0).values, x.sort(0).values)  # each row once
     assert len(next(batches)[0]) == sizes[0]  # the next epoch
+    assert len(batches.first[0]) == sizes[0]  # the shape fit captures: every full batch's
     model = _batch_norm_regressor(num_data)
     history = fit(model, AutoKTiedNormal(model), (x, y), steps=2 * len(sizes) + 1,
                   progress=False)
@@ -1654,6 +1655,9 @@ def test_a_loaders_batch_of_one_row_is_refused_for_a_batch_norm_model():
     model.eval()  # in eval mode BatchNorm takes one row (update_batch_norm leaves it out)
     with pytest.warns(UserWarning, match=r"update_batch_norm: the batches \[2\] of data"):
         fit(model, guide, loader, steps=2, progress=False)
+    model.train()
+    with pytest.raises(ValueError, match=r"^fit: batch 0 of data has a single row"):
+        fit(model, AutoKTiedNormal(model), (x, y), batch_size=1, steps=2, progress=False)
     pyro.clear_param_store()
     plain = BayesianRegressor(bayesianize(mlp((5, 8, 1))), num_data=257)
     fit(plain, AutoKTiedNormal(plain), loader, steps=4, progress=False)  # no BatchNorm: kept

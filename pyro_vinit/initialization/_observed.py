@@ -76,7 +76,7 @@ def error_text(error: BaseException) -> str:
     """``Type: message`` of an error of the user's model, with advice after its first
     line where it is about mixed dtypes (float64 data on a float32 network)."""
     first, _, rest = str(error).partition("\n")
-    if "dtype" in first:
+    if "dtype" in first or ("type (" in first and "should be the same" in first):
         first += (". Give the data the network's dtype (x.float() for a float32 network) "
                   "or the network the data's (model.double())")
     return f"{type(error).__name__}: {first}" + (f"\n{rest}" if rest else "")
@@ -90,6 +90,10 @@ def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = No
     the messages (e.g. ``"fit: "``), which call the targets ``what_y``."""
     fn = cast(Any, base_distribution(site["fn"]))
     name = site["name"]
+    try:
+        support = fn.support
+    except NotImplementedError:  # a distribution of the user's that declares none
+        return
     if isinstance(fn, dist.Categorical) and (y.is_floating_point() or y.dtype == torch.bool):
         raise TypeError(
             f"{prefix}the likelihood {name!r} is Categorical, so {what_y} must hold integer "
@@ -100,21 +104,21 @@ def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = No
             f"{prefix}the likelihood {name!r} is Bernoulli, whose log-density takes "
             f"floating-point 0/1 targets (y.float()), got {y.dtype}"
         )
-    if not fn.support.is_discrete and not y.is_floating_point():
+    if not support.is_discrete and not y.is_floating_point():
         raise TypeError(
             f"{prefix}the likelihood {name!r} is {type(fn).__name__}, continuous, "
             f"so {what_y} must be floating point (y.float()), got {y.dtype}"
         )
     whole = all_y is not None and isinstance(fn, (dist.Categorical, dist.Bernoulli))
     values = cast(torch.Tensor, all_y if whole else site["value"])
-    inside = fn.support.check(values)
+    inside = support.check(values)
     if not bool(inside.all()):
         bad = values[~inside]  # (the rows, for a support over an event dim)
         hint = (f": class labels must be 0 to {fn.logits.shape[-1] - 1} (1-based labels: "
                 "y - 1)" if isinstance(fn, dist.Categorical) else "")
         raise ValueError(
             f"{prefix}{what_y} holds values outside the support of the likelihood {name!r} "
-            f"({type(fn).__name__}, {fn.support}), e.g. {bad.flatten()[0].item()!r}{hint}"
+            f"({type(fn).__name__}, {support}), e.g. {bad.flatten()[0].item()!r}{hint}"
         )
 
 
@@ -137,5 +141,5 @@ def check_log_density_shape(site: Any, what_y: str = "y", prefix: str = "") -> N
         raise ValueError(
             f"{prefix}{what_y} of shape {value} does not fit the likelihood {site['name']!r}: "
             f"its distribution, of batch shape {tuple(fn.batch_shape)} and event shape "
-            f"{tuple(fn.event_shape)}, {what}; give y the batch shape followed by the event "
-            "shape" + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
+            f"{tuple(fn.event_shape)}, {what}; give {what_y} the batch shape followed by the "
+            "event shape" + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))

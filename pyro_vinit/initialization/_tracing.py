@@ -533,11 +533,12 @@ def report_held(structure: ModelStructure, who: str) -> None:
 def prepare(
     guide: AutoGuide, data: Optional[Data], max_rows: int, chunk_rows: int,
     normal_priors: bool = True, pool: Optional[DataPool] = None,
-    owner: Optional[AutoGuide] = None,
+    owner: Optional[AutoGuide] = None, likelihood: bool = True,
 ) -> Prepared:
     """Checks the guide class, reads the data (unless a ``pool`` of it is
     given), sets the guide up if needed (after checking that the model has a
-    likelihood on the data), holds the latent sites hidden from the guide
+    likelihood on the data that the targets fit, which ``likelihood`` asks of
+    a set-up guide too), holds the latent sites hidden from the guide
     fixed (at the medians of ``owner``, the guide list the guide belongs to,
     or else of their priors) and reads the model's structure."""
     site_params.check_supported(guide)  # an unsupported guide fails before any work
@@ -548,7 +549,8 @@ def prepare(
     model, held = hold_hidden_sites(guide.model, given)
     # a data plate declared over all the rows draws its subsample among those at hand
     in_chunk = in_rows(model, PlateRowsMessenger(num_rows=pool.rows_of(first)))
-    check_has_likelihood(in_chunk, first)
+    if likelihood or guide.prototype_trace is None:  # (else: the data only finds layers)
+        check_has_likelihood(in_chunk, first)
     if guide.prototype_trace is None:
         with torch.no_grad(), poutine.block(), model_swapped(guide, in_chunk):
             guide(*first)

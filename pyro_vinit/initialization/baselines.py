@@ -234,7 +234,7 @@ def init_guide(
         )
     # a failure leaves the guide (not set up, if it was not), the param store and the
     # model's buffers (BatchNorm statistics that lsuv's and map's runs move) as they were
-    with GuideRollback(guide):
+    with GuideRollback(guide) as rollback:
         if data is None:
             site_params.check_supported(guide)
             if guide.prototype_trace is None:
@@ -256,7 +256,8 @@ def init_guide(
                     stacklevel=2,
                 )
         else:
-            prep = prepare(guide, data, max_pool_size, chunk_rows=4096, normal_priors=False)
+            prep = prepare(guide, data, max_pool_size, chunk_rows=4096, normal_priors=False,
+                           likelihood=method == "map")
             layers = prep.layers
 
         like = next(guide.parameters())
@@ -288,6 +289,7 @@ def init_guide(
             assert prep is not None
             _map(guide, prep, means, batch_size, map_steps, map_seconds, map_lr)
 
+        rollback.checkpoint()  # the writes: all or nothing
         for name, (shape, var) in shapes.items():
             loc = means.get(name, like.new_zeros(shape))
             scale = torch.full_like(loc, math.sqrt(var))

@@ -19,7 +19,6 @@ from typing import (
 
 import torch
 from torch.distributions import Distribution
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._tensor_ops import (
@@ -104,6 +103,8 @@ class Uses:
         them if None); returns whether any of them had been used before."""
         # bookkeeping of shapes, not of values: outside a trace of the step (CapturedSVI),
         # which could not branch on its mask
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
         with disable_proxy_modes_tracing():
             return self._add(view_ops)
 

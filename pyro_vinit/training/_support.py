@@ -93,12 +93,15 @@ class _Batches:
         if _is_pair(data):
             self.pair = _check_batch(data, "data")
             self.num_data = self.pair[0].shape[0]
-            self.first = (self.pair[0][:batch_size], self.pair[1][:batch_size])
             #: Whether an epoch's last batch, of one row, joins the batch before it
             #: (BatchNorm cannot train on one row).
-            self.fold = self.num_data > batch_size and self.num_data % batch_size == 1
+            self.fold = (self.num_data > batch_size > 1
+                         and self.num_data % batch_size == 1)
+            # (the first batch's rows: all of them where the one batch takes the last row)
+            rows = self.num_data if self.fold and self.num_data // batch_size == 1 else batch_size
+            self.first = (self.pair[0][:rows], self.pair[1][:rows])
             #: The first batch that has a single row, if any.
-            self.one_row: Optional[int] = 0 if self.num_data == 1 else None
+            self.one_row: Optional[int] = 0 if min(batch_size, self.num_data) == 1 else None
             self.batches_per_epoch = math.ceil(self.num_data / batch_size) - self.fold
             #: An epoch's batches of the first batch's shapes (the others, an epoch's
             #: partial last batch, take fit's eager step).

@@ -368,12 +368,14 @@ class CapturedSVI(SVI):
         if capture is None and key not in self._eager_sites:
             if len(self._eager_sites) >= 4 * self.max_signatures:
                 # signatures that never repeat: every step eager, each one's record kept
-                scheduled = any(isinstance(m, KLAnnealingMessenger) and m.schedule is not None
-                                for m in active_messengers())
+                scheduled = any(
+                    isinstance(m, KLAnnealingMessenger) and m.schedule is not None
+                    and m.iteration > 0 and m.schedule(m.iteration - 1) != m.scale
+                    for m in active_messengers())
                 cause = ("a KLAnnealingMessenger schedule: its KL weight, a constant of "
-                         "the graph, is another at each step, so the step is captured "
-                         "once the schedule settles (e.g. after LinearWarmup's warm-up); "
-                         "or step the schedule less often" if scheduled else
+                         "the graph, changes at each step; make CapturedSVI after the "
+                         "schedule's warm-up, or raise max_signatures above its length"
+                         if scheduled else
                          "a handler setting compared by identity, e.g. a tensor scale or "
                          "mask, made afresh at each step: make it once")
                 self._fall_back(f"more than {4 * self.max_signatures} input signatures "

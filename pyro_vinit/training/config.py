@@ -321,9 +321,10 @@ def is_initialized(guide: Callable[..., Any]) -> bool:
     I-BLM on it): an autoguide written by an initializer of this package,
     trained, or loaded (by ``load_state_dict``, or into Pyro's param store,
     e.g. by ``pyro.get_param_store().load``). An autoguide that a call only
-    set up (``guide(x, y)``: every scale still ``init_scale``) is not; nor
-    is one of a class whose set-up values cannot be told from trained ones
-    (e.g. ``AutoLowRankMultivariateNormal``, ``AutoDelta``), which is. A
+    set up (``guide(x, y)``: every scale still ``init_scale``) is not, unless
+    its class's set-up values cannot be told from trained ones (e.g.
+    ``AutoLowRankMultivariateNormal``, ``AutoDelta``): such a guide counts as
+    initialized. A
     guide that is not an :class:`~pyro.infer.autoguide.AutoGuide` is never
     taken as initialized (I-BLM cannot start it: train it with ``init=None``).
 

@@ -173,12 +173,13 @@ def fit(
     :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
     :param dict init_options: Keyword options of
         :func:`~pyro_vinit.init_guide_iblm`, over fit's
-        (:meth:`FitConfig.iblm_options`).
+        (:meth:`FitConfig.iblm_options`); refused with ``init=None``.
     :param tuple validation: An ``(x, y)`` pair evaluated before the first
         step, every ``eval_every`` steps and after the last one; a last MNLL
         above the first by over a tenth of its size (and 0.05 nats) is warned
         about (training made the model worse).
-    :param int eval_every: Steps between evaluations (default a tenth of the run).
+    :param int eval_every: Steps between evaluations (default a tenth of the run);
+        refused without ``validation``.
     :param int num_samples: Guide draws of the Monte Carlo predictive.
     :param bool progress: Show a tqdm progress bar with the loss.
     :param checkpoint: A file to which the guide's and model's parameters,
@@ -189,7 +190,8 @@ def fit(
         the order of its draws). Refused under
         ``module_local_params=True``, whose parameters the store lacks.
     :type checkpoint: str or os.PathLike
-    :param int checkpoint_every: Steps between checkpoints (default: only at the end).
+    :param int checkpoint_every: Steps between checkpoints (default: only at the end);
+        refused without ``checkpoint``.
     :param capture: Take the steps through :class:`CapturedSVI` (the
         step traced once and replayed: the same losses under the same seed,
         uncompiled);
@@ -243,7 +245,7 @@ def fit(
         raise ValueError(f"fit: init must be 'iblm' or None, got {init!r}")
     # an option that another one makes idle is refused, not ignored
     idle: Tuple[Tuple[str, bool, str], ...] = (
-        ("init_options", init_options is not None and init is None,
+        ("init_options", bool(init_options) and init is None,
          "init='iblm' (I-BLM's options)"),
         ("eval_every", eval_every is not None and validation is None,
          "validation=(x_val, y_val)"),

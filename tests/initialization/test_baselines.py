@@ -549,6 +549,31 @@ def test_a_failure_leaves_the_guide_store_and_batch_norm_statistics_as_they_were
     assert not torch.equal(dict(model.named_buffers())[mean], buffers[mean])  # moved
 
 
+def test_a_failed_write_leaves_a_set_up_guide_as_it_was():
+    # the second site's write fails: the first one's was kept (GuideRollback without
+    # its checkpoint restores the values of a guide that was not set up only)
+    x, y = torch.randn(40, 4, dtype=torch.float64), torch.arange(40) % 3
+    guide = AutoNormal(_linear(4, 3))
+    guide(x, y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    writes = []
+
+    def second_fails(guide, name, loc, scale):
+        if writes:
+            raise RuntimeError("refused write")
+        writes.append(name)
+        site_params.set_loc_and_scale(guide, name, loc, scale)
+
+    failing = types.SimpleNamespace(**{**vars(site_params), "set_loc_and_scale": second_fails})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(baselines, "site_params", failing)
+        with pytest.raises(RuntimeError, match="refused write"):
+            init_guide(guide, (x, y), method="xavier")
+    assert writes  # one site was written before the failure
+    for k, v in pyro.get_param_store().items():
+        assert torch.equal(v.detach(), before[k]), k
+
+
 @pytest.mark.parametrize("method", ["lsuv", "map"])
 @pytest.mark.parametrize("targets, error, match", [
     (lambda y: y[:, None], ValueError, r"y of shape \(40, 1\) does not fit the likelihood"),
@@ -568,3 +593,21 @@ def test_targets_that_do_not_fit_the_likelihood_are_refused(method, targets, err
     with pytest.raises(error, match=match):
         init_guide(guide, (x, targets(y)), method=method, batch_size=20, map_steps=2)
     assert guide.prototype_trace is None and list(pyro.get_param_store().keys()) == []
+
+
+def test_a_set_up_guide_takes_data_without_targets_to_find_its_layers():
+    # the data-free methods read the data only to find x @ w layers: no likelihood needed
+    x, y = torch.randn(40, 4), torch.randn(40)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([4, 1]).to_event(2))
+        with pyro.plate("data", 40, subsample_size=len(x)):
+            pyro.sample("obs", dist.Normal((x @ w).squeeze(-1), 0.1), obs=y)
+
+    guide = AutoNormal(model)
+    guide(x, y)
+    init_guide(guide, (x,), method="xavier")
+    loc, scale = site_params.get_loc_and_scale(guide, "w")
+    assert torch.allclose(scale, torch.full_like(scale, math.sqrt(2 / 5)))
+    with pytest.raises(ValueError, match="no observed sample site"):  # map fits it
+        init_guide(guide, (x,), method="map", map_steps=1)
