@@ -601,18 +601,23 @@ def test_a_set_of_settings_compared_by_identity_is_one_key():
     assert _setting_key(objects) != _setting_key({Opaque() for _ in range(20)})
 
 
-def test_signatures_that_never_repeat_fall_back_with_a_warning():
-    # a tensor scale made afresh at each step is compared by identity: no signature
-    # repeats, so no step is ever captured; after 4 x max_signatures, say so and stop
-    # recording them (each record holds the step's parameters)
+def _regression_svi(max_signatures):
+    """A linear regression's CapturedSVI and data."""
     def model(x, y=None):
         w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
         with pyro.plate("data", x.shape[0]):
             pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
 
-    x, y = torch.randn(50, 3), torch.randn(50)
     svi = CapturedSVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}),
-                      TraceMeanField_ELBO(), max_signatures=2)
+                      TraceMeanField_ELBO(), max_signatures=max_signatures)
+    return svi, torch.randn(50, 3), torch.randn(50)
+
+
+def test_signatures_that_never_repeat_fall_back_with_a_warning():
+    # a tensor scale made afresh at each step is compared by identity: no signature
+    # repeats, so no step is ever captured; after 4 x max_signatures, say so and stop
+    # recording them (each record holds the step's parameters)
+    svi, x, y = _regression_svi(max_signatures=2)
     scales = [torch.tensor(2.0) for _ in range(9)]  # held: no id is reused
     with pytest.warns(RuntimeWarning, match="more than 8 input signatures"):
         for scale in scales:
@@ -628,14 +633,7 @@ def test_a_kl_weight_schedule_that_never_settles_is_named_in_the_fall_back():
     from pyro_vinit.poutine import KLAnnealingMessenger
     from pyro_vinit.schedules import LinearWarmup
 
-    def model(x, y=None):
-        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
-
-    x, y = torch.randn(50, 3), torch.randn(50)
-    svi = CapturedSVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}),
-                      TraceMeanField_ELBO(), max_signatures=2)
+    svi, x, y = _regression_svi(max_signatures=2)
     annealing = KLAnnealingMessenger(LinearWarmup(100))
     with pytest.warns(RuntimeWarning, match=r"more than 8 input signatures .* \(a "
                       r"KLAnnealingMessenger schedule: its KL weight, a constant of the graph, "

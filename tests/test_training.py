@@ -1665,12 +1665,12 @@ def test_a_loaders_batch_of_one_row_is_refused_for_a_batch_norm_model():
 
 @pytest.mark.parametrize("second, message", [
     ((torch.randn(112, 3), torch.arange(112) % 3),
-     r"^fit: batch 1 of data has x of shape \(112, 3\) torch.float32, batch 0 \(128, 5\) "
-     r"torch.float32: every batch must have the shapes and dtypes of the first, but for the "
-     r"number of rows$"),
+     r"^fit: batch 1 of the data has x of shape \(112, 3\) torch.float32, batch 0 of shape "
+     r"\(128, 5\) torch.float32: every batch must have the shapes and dtypes of the first, "
+     r"but for the number of rows$"),
     ((torch.randn(112, 5), (torch.arange(112) % 3).int()),
-     r"^fit: batch 1 of data has y of shape \(112,\) torch.int32, batch 0 \(128,\) "
-     r"torch.int64: every batch"),
+     r"^fit: batch 1 of the data has y of shape \(112,\) torch.int32, batch 0 of shape "
+     r"\(128,\) torch.int64: every batch"),
 ])
 def test_a_loader_batch_unlike_the_first_is_refused_by_name(second, message):
     # I-BLM's concatenation of the batches failed in torch ("Sizes of tensors must match")

@@ -97,7 +97,7 @@ class DataPool:
             rows, aligned = _aligned(batch)
             if first is None:
                 first = (tuple(batch), aligned)
-            _check_like_first(len(parts), batch, first[0])
+            check_like_first(len(parts), batch, first[0])
             _check_finite(batch)
             parts.append(tuple(batch))
             n += rows
@@ -196,16 +196,29 @@ def _device(args: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_like_first(index: int, batch: Sequence[Any], first: Tuple[Any, ...]) -> None:
+def describe(args: Sequence[Any], names: Optional[Sequence[str]] = None) -> str:
+    """The arguments' shapes and dtypes, for messages: ``(200, 4) torch.float64, ...``,
+    each after its name where ``names`` are given (``x (200, 4) torch.float64``)."""
+    shown = [f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else type(a).__name__
+             for a in args]
+    if names is not None:
+        shown = [f"{name} {text}" for name, text in zip(names, shown)]
+    return ", ".join(shown)
+
+
+def check_like_first(index: int, batch: Sequence[Any], first: Sequence[Any],
+                     names: Optional[Sequence[str]] = None, prefix: str = "") -> None:
     """Refuses batch ``index`` of a data iterable unless its arguments are shaped as
-    the first batch's, but for their rows (they are concatenated along the rows)."""
+    the first batch's, but for their rows (they are concatenated along the rows);
+    ``names`` the arguments' (else their positions), ``prefix`` begins the message."""
     if len(batch) != len(first):
-        raise ValueError(f"batch {index} of the data has {len(batch)} arguments, batch 0 has "
-                         f"{len(first)}")
+        raise ValueError(f"{prefix}batch {index} of the data has {len(batch)} arguments, "
+                         f"batch 0 has {len(first)}")
     for i, (a, b) in enumerate(zip(batch, first)):
         if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and (a.shape[1:] != b.shape[1:] or a.dtype != b.dtype)):
+            what = names[i] if names is not None else f"argument {i}"
             raise ValueError(
-                f"batch {index} of the data has argument {i} of shape {tuple(a.shape)} "
-                f"{a.dtype}, batch 0 of shape {tuple(b.shape)} {b.dtype}: every batch must "
-                "have the shapes and dtypes of the first, but for the number of rows")
+                f"{prefix}batch {index} of the data has {what} of shape {describe([a])}, "
+                f"batch 0 of shape {describe([b])}: every batch must have the shapes and "
+                "dtypes of the first, but for the number of rows")

@@ -15,6 +15,7 @@ from pyro_vinit.initialization._collective import Collective
 from pyro_vinit.initialization._fits import Fit, NoiseFit, stage
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._passes import layer_inputs, observed_sites
+from pyro_vinit.initialization._rollback import write_param
 from pyro_vinit.initialization._runs import observed_site, run_model
 from pyro_vinit.initialization._solve import solve_layer
 from pyro_vinit.initialization._targets import Targets
@@ -128,9 +129,8 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
                 "module_local_params=False, or pass init=None to fit"
             )
         # set in place: a PyroModule's own nn.Parameter ignores what pyro.param returns
-        param = dict(store.named_parameters())[noise_name]  # unconstrained
-        saved = param.detach().clone()
-        shape = param.shape
+        saved = dict(store.named_parameters())[noise_name].detach().clone()  # unconstrained
+        shape = saved.shape
         what = f"the noise param {noise_name!r}"
     target = sigma if sigma.numel() == shape.numel() else sigma.pow(2).mean().sqrt()
 
@@ -147,8 +147,7 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
         elif likelihood.noise == "site":
             run_values = {**values, noise_name: biject_to(support)(u)}
         else:
-            with torch.no_grad():
-                param.copy_(u.to(param).reshape(param.shape))
+            write_param(noise_name, u)
         recorder = run_model(model, run_values, args, latent, plate_rows=rows, **kwargs)
         site = observed_site(recorder)
         fn = cast(Union[Normal, StudentT], unwrap_likelihood(site))  # regression
@@ -167,8 +166,7 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
         level, reached = monotone_inverse(scale_at, goal, lo, hi)
     finally:
         if likelihood.noise == "param" and head is None:
-            with torch.no_grad():
-                param.copy_(saved)  # (the level is written with the fits)
+            write_param(noise_name, saved)  # (the level is written with the fits)
     if not bool(((reached - goal).abs() <= 1e-3 * goal).all()):
         raise ValueError(
             f"I-BLM estimated the observation noise std as {goal.tolist()}, but {what} "

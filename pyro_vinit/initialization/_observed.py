@@ -14,6 +14,7 @@ from pyro_vinit._pyro_compat import (
     likelihood_sites,
     unwrap_init_messenger,
 )
+from pyro_vinit.initialization._data import describe
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 
 __all__ = [
@@ -36,10 +37,8 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None
         with torch.no_grad(), poutine.block():
             trace = poutine.trace(model).get_trace(*args)
     except Exception as e:  # the user's model: any error, said with the arguments
-        shown = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor)
-                          else type(a).__name__ for a in args)
         raise ValueError(f"the model fails on the first rows of the data (arguments "
-                         f"{shown}): {error_text(e)}") from e
+                         f"{describe(args)}): {error_text(e)}") from e
     observed = [
         site
         for site in trace.nodes.values()

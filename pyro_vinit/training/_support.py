@@ -29,7 +29,7 @@ from pyro.optim import PyroOptim
 from torch import nn
 
 from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
-from pyro_vinit.initialization._data import all_finite
+from pyro_vinit.initialization._data import all_finite, check_like_first, describe
 from pyro_vinit.training.averaging import ParamAverage
 from pyro_vinit.training.config import FitHistory
 
@@ -78,8 +78,7 @@ def _check_batch(batch: Any, what: str) -> Batch:
 
 def describe_batch(batch: Batch) -> str:
     """``x (rows, ...) dtype, y (rows, ...) dtype``, for messages."""
-    x, y = batch
-    return f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}"
+    return describe(batch, ("x", "y"))
 
 
 class _Batches:
@@ -124,13 +123,7 @@ class _Batches:
             for i, batch in enumerate(self.loader):
                 xb, yb = _check_batch(batch, f"batch {i} of data")
                 first = (xb, yb) if first is None else first
-                for name, got, want in (("x", xb, first[0]), ("y", yb, first[1])):
-                    if got.shape[1:] != want.shape[1:] or got.dtype != want.dtype:
-                        raise ValueError(
-                            f"fit: batch {i} of data has {name} of shape {tuple(got.shape)} "
-                            f"{got.dtype}, batch 0 {tuple(want.shape)} {want.dtype}: every "
-                            "batch must have the shapes and dtypes of the first, but for the "
-                            "number of rows")
+                check_like_first(i, (xb, yb), first, ("x", "y"), "fit: ")
                 if xb.shape[0] == 1 and self.one_row is None:
                     self.one_row = i
                 same += (xb.shape, yb.shape) == (first[0].shape, first[1].shape)
