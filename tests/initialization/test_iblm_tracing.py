@@ -126,3 +126,18 @@ def test_one_dim_sites_are_the_vectors_of_more_than_one_element():
     shapes = {"a": torch.Size([1]), "b": torch.Size([2]), "c": torch.Size([3]),
               "d": torch.Size([2, 2]), "e": torch.Size([])}
     assert one_dim_sites(shapes) == ["b", "c"]
+
+
+def test_error_text_puts_the_dtype_advice_after_the_first_line():
+    from pyro_vinit.initialization._observed import error_text
+
+    advice = (". Give the data the network's dtype (x.float() for a float32 network) or the "
+              "network the data's (model.double())")
+    assert error_text(ValueError("boom")) == "ValueError: boom"
+    assert error_text(ValueError("boom\ntrace")) == "ValueError: boom\ntrace"
+    assert (error_text(RuntimeError("mat1 and mat2 must have the same dtype\n  Trace Shapes:"))
+            == "RuntimeError: mat1 and mat2 must have the same dtype" + advice
+            + "\n  Trace Shapes:")
+    conv = ("Input type (torch.DoubleTensor) and weight type (torch.FloatTensor) should be "
+            "the same")
+    assert error_text(RuntimeError(conv)) == "RuntimeError: " + conv + advice
