@@ -708,6 +708,17 @@ def test_a_binary_classifiers_one_logit_a_row_is_scored_as_its_bernoulli(form):
     assert streamed.compute()["mnll"] == pytest.approx(got["mnll"], rel=1e-5)
 
 
+def test_a_binary_classifiers_labels_may_be_a_column_beside_its_one_logit_a_row():
+    # (N, 1) labels beside (S, N, 1) logits, as a network and BCE's targets come: the
+    # message named the converted (S, N, 2) and advised the shape already passed
+    torch.manual_seed(0)
+    y = torch.randint(0, 2, (50,))
+    logits = torch.randn(8, 50, 1)
+    column = metrics.classification_metrics(y[:, None], logits=logits)
+    assert column == metrics.classification_metrics(y, logits=logits)
+    assert metrics.mnll(y[:, None], logits=logits) == metrics.mnll(y, logits=logits)
+
+
 def test_one_logit_a_row_without_labels_must_say_so():
     with pytest.raises(ValueError, match=r"for a binary classifier's one logit a row use "
                                          r"\.unsqueeze\(-1\) \(S, N, 1\)$"):

@@ -80,20 +80,23 @@ def _labels(y: torch.Tensor, samples: torch.Tensor, name: str) -> torch.Tensor:
 
 def _two_classes(
     logits: Optional[torch.Tensor], probs: Optional[torch.Tensor], y: Optional[torch.Tensor]
-) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     # A binary classifier's logits or probabilities of class 1 (Bernoulli), one a row:
-    # (S, N, 1), or (S, N) with labels y of shape (N,), as the two classes' (S, N, 2).
+    # (S, N, 1), or (S, N) with labels y of shape (N,), as the two classes' (S, N, 2);
+    # labels of shape (N, 1) beside (S, N, 1) as (N,).
     samples = logits if logits is not None else probs
     if not isinstance(samples, torch.Tensor) or not samples.is_floating_point():
-        return logits, probs
+        return logits, probs, y
     if not ((samples.dim() == 3 and samples.shape[-1] == 1)
             or (samples.dim() == 2 and isinstance(y, torch.Tensor) and y.dim() == 1
                 and samples.shape[1:] == y.shape)):
-        return logits, probs
+        return logits, probs, y
+    if isinstance(y, torch.Tensor) and samples.dim() == 3 and y.shape == samples.shape[1:]:
+        y = y.squeeze(-1)
     one = samples.reshape(samples.shape[:2])
     if logits is not None:
-        return torch.stack([torch.zeros_like(one), one], -1), None
-    return None, torch.stack([1 - one, one], -1)
+        return torch.stack([torch.zeros_like(one), one], -1), None, y
+    return None, torch.stack([1 - one, one], -1), y
 
 
 @overload
@@ -126,7 +129,7 @@ def _class_log_probs(
             "BayesianClassifier), or pass probs=F.one_hot(labels, C).float() for the cruder "
             "estimate from labels"
         )
-    logits, probs = _two_classes(logits, probs, y)
+    logits, probs, y = _two_classes(logits, probs, y)
     samples = logits if logits is not None else cast(torch.Tensor, probs)
     if y is not None and isinstance(samples, torch.Tensor):
         y = _labels(y, samples, name)

@@ -1,7 +1,7 @@
 """Metrics of a whole test set held in memory as posterior samples."""
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union, cast
 
 import torch
 
@@ -498,7 +498,8 @@ def classification_metrics(
     :param int num_bins: Number of confidence bins of the ECE.
     :rtype: dict
     """
-    logits, probs = _two_classes(logits, probs, y)  # (the entropy takes no labels)
+    logits, probs, labels = _two_classes(logits, probs, y)  # (the entropy takes no labels)
+    y = cast(torch.Tensor, labels)
     kw = dict(logits=logits, probs=probs)
     return {
         "error_rate": error_rate(y, **kw).item(),
