@@ -19,6 +19,7 @@ from typing import (
 
 import torch
 from torch.distributions import Distribution
+from torch.fx.experimental import proxy_tensor
 
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._tensor_ops import (
@@ -103,9 +104,9 @@ class Uses:
         them if None); returns whether any of them had been used before."""
         # bookkeeping of shapes, not of values: outside a trace of the step (CapturedSVI),
         # which could not branch on its mask
-        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-        with disable_proxy_modes_tracing():
+        if proxy_tensor.get_proxy_mode() is None:  # (the eager step: nothing to leave)
+            return self._add(view_ops)
+        with proxy_tensor.disable_proxy_modes_tracing():
             return self._add(view_ops)
 
     def _add(self, view_ops: Optional[Tuple[ViewOp, ...]]) -> bool:
