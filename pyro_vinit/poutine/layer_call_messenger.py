@@ -85,7 +85,7 @@ _CUSTOM_LAYER_OPS = MATMUL_OPS | {
 }
 
 
-def base_distribution(fn: object) -> object:
+def base_distribution(fn: Any) -> Any:
     """``fn`` without its ``Independent`` and mask wrappers (which change
     neither the values nor their element-wise distribution)."""
     while isinstance(fn, (Independent, dist.MaskedDistribution)):

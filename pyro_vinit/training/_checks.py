@@ -25,9 +25,9 @@ from pyro_vinit.initialization._observed import (
     error_text,
 )
 from pyro_vinit.initialization._rollback import GuideRollback
+from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.training._support import (
     Batch,
-    _base,
     _likelihoods,
     _rng_state,
     _set_rng_state,
@@ -161,7 +161,8 @@ def _check_guide(guide: Callable[..., Any], batch: Batch, likelihoods: List[str]
     _check_param_sites(trace, "guide")
     if isinstance(guide, PyroModule):
         return
-    drawn = {name: type(_base(site["fn"])).__name__ for name, site in trace.nodes.items()
+    drawn = {name: type(base_distribution(site["fn"])).__name__
+             for name, site in trace.nodes.items()
              if site["type"] == "sample" and not site["is_observed"]
              and not getattr(site["fn"], "has_rsample", False)}
     if drawn:
@@ -283,7 +284,7 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
     location that depends on a param or a latent site: the model run again with its
     latent values as tensors that require gradients. ``observed``: the likelihoods
     of ``trace``."""
-    if all(_base(site["fn"]).support.is_discrete for site in observed):
+    if all(base_distribution(site["fn"]).support.is_discrete for site in observed):
         return False  # a classifier: no second run
     with torch.enable_grad():
         # not leaves: a model may change its sample in place (w.clamp_), as it may the
@@ -299,11 +300,11 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
     for site in _likelihoods(again, model):
         if site["name"] in values:
             continue
-        fn = _base(site["fn"])
+        fn = base_distribution(site["fn"])
         if fn.support.is_discrete:
             continue
         while isinstance(fn, dist.TransformedDistribution) and not fn.arg_constraints:
-            fn = _base(fn.base_dist)  # e.g. a Normal under an affine transform
+            fn = base_distribution(fn.base_dist)  # e.g. a Normal under an affine transform
         for name in fn.arg_constraints:
             value = getattr(fn, name, None) if name != "loc" else None
             if isinstance(value, torch.Tensor) and value.requires_grad:

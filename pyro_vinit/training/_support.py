@@ -30,6 +30,7 @@ from torch import nn
 
 from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
 from pyro_vinit.initialization._data import all_finite, check_like_first, describe
+from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.training.averaging import ParamAverage
 from pyro_vinit.training.config import FitHistory
 
@@ -182,12 +183,6 @@ class _Batches:
 # ---- distributions, the generator's state ------------------------------------------------
 
 
-def _base(fn: Any) -> Any:
-    while isinstance(fn, (dist.Independent, dist.MaskedDistribution)):
-        fn = fn.base_dist
-    return fn
-
-
 def _rng_state() -> Dict[str, Any]:
     """The CPU generator's state, and every CUDA device's where CUDA is in use."""
     state: Dict[str, Any] = {"cpu": torch.get_rng_state()}
@@ -256,7 +251,7 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
                     lp = lp + site_lp
                 sample_lp.append(lp)
                 if len(observed) == 1:
-                    base = _base(observed[0]["fn"])
+                    base = base_distribution(observed[0]["fn"])
                     if isinstance(base, (dist.Categorical, dist.OneHotCategorical)):
                         kind = "error_rate" if isinstance(base, dist.Categorical) else "onehot"
                         sample_means.append(base.probs)
