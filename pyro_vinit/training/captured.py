@@ -36,6 +36,7 @@ from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.training._cuda_graph import CudaGraphReplay, off_device
 from pyro_vinit.training._inductor import held_write, inductor_compile
 from pyro_vinit.training._signature import messenger_state
+from pyro_vinit.training._trace import trace_graph
 
 __all__ = ["CapturedSVI"]
 
@@ -441,8 +442,6 @@ class CapturedSVI(SVI):
 
     def _trace(self, key: Hashable, args: Sequence[Any],
                kwargs: Dict[str, Any]) -> Optional[_Capture]:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         names = sorted(kwargs)
         positional = len(args)
         recorder = _SiteRecorder()
@@ -473,7 +472,7 @@ class CapturedSVI(SVI):
             t.is_cuda for t in [*params, *tensors]) else None
         try:
             with _no_validation(), traceable_elbos():
-                graph = make_fx(loss_and_grads)(params, tensors)
+                graph = trace_graph(loss_and_grads, params, tensors)
         except Exception as error:  # data-dependent Python, an ELBO that reads scalars, ...
             self._restore(buffers, saved, cpu_rng, cuda_rng)
             self._fall_back(f"the step could not be traced ({_describe(error)})")
