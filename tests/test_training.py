@@ -293,6 +293,75 @@ def test_guide_list_only_set_up_by_a_call_is_started_with_iblm(count_iblm):
     assert is_initialized(trained)  # an AutoDelta's set-up values look like trained ones
 
 
+def _trained_classifier(keep_weights=True):
+    x, y = blobs()
+    net = mlp((5, 16, 3))
+    optim = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(100):
+        optim.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        optim.step()
+    trained = {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
+    model = BayesianClassifier(bayesianize(net, keep_weights=keep_weights), num_data=len(x))
+    return model, trained, (x, y)
+
+
+def test_fit_init_pretrained_starts_from_the_kept_weights(count_iblm):
+    model, trained, (x, y) = _trained_classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        history = fit(model, guide, (x, y), steps=1, lr=1e-6, init="pretrained",
+                      init_options={"scale": "moped"}, progress=False)
+    assert history.initialized and count_iblm == []
+    median = guide.median(x, y)
+    assert len(trained) == 4
+    for name, value in trained.items():  # one step of 1e-6 from the trained ones
+        assert torch.allclose(median[name], value, atol=1e-4), name
+
+
+def test_fit_warns_that_iblm_does_not_start_from_kept_weights(count_iblm):
+    # the trained weights were dropped without a word
+    model, _, (x, y) = _trained_classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    with pytest.warns(UserWarning, match=r"^fit: the model keeps a trained network's weights "
+                      r"\(bayesianize\(\.\.\., keep_weights=True\)\), which I-BLM does not start "
+                      r"from: pass init='pretrained' to start the guide from them$"):
+        fit(model, guide, (x, y), steps=1, progress=False)
+    assert len(count_iblm) == 1
+    pyro.clear_param_store()
+    model, _, (x, y) = _trained_classifier(keep_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit(model, AutoKTiedNormal(model, rank=2), (x, y), steps=1, progress=False)
+
+
+def test_fit_init_pretrained_refuses_a_model_that_keeps_no_weights():
+    model, trained, (x, y) = _trained_classifier(keep_weights=False)
+    guide = AutoKTiedNormal(model, rank=2)
+    with pytest.raises(ValueError, match=r"^fit: init='pretrained' starts the guide from a "
+                       r"trained network's weights, and the model keeps none: .*keep_weights="
+                       r"True\), or pass init_options=\{'weights': net.state_dict\(\)\}$"):
+        fit(model, guide, (x, y), steps=1, init="pretrained", progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    # the weights given instead: the guide starts from them
+    fit(model, guide, (x, y), steps=1, lr=1e-6, init="pretrained",
+        init_options={"weights": trained}, progress=False)
+    assert torch.allclose(guide.median(x, y)["net.0.weight"], trained["net.0.weight"],
+                          atol=1e-4)
+
+
+def test_init_options_for_a_guide_initialized_already_are_warned_about(count_iblm):
+    x, y = blobs()
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    fit(model, guide, (x, y), steps=1, progress=False)
+    with pytest.warns(UserWarning, match=r"^fit: init_options are not used: the "
+                      r"AutoKTiedNormal is initialized already"):
+        fit(model, guide, (x, y), steps=1, init_options={"batch_size": 64}, progress=False)
+    assert len(count_iblm) == 1
+
+
 def test_init_none_skips_iblm(count_iblm):
     x, y = blobs()
     model = classifier()
@@ -341,6 +410,11 @@ BAD = {
     "both": (lambda x, y: (x, y), {"steps": 2, "epochs": 1}, ValueError, "not both"),
     "lr": (lambda x, y: (x, y), {"lr": -1.0}, ValueError, "lr"),
     "init": (lambda x, y: (x, y), {"init": "xavier"}, ValueError, "init"),
+    # a typo was accepted, and for an initialized guide never even read
+    "init option name": (lambda x, y: (x, y), {"init_options": {"batchsize": 64}}, TypeError,
+                         r"^fit: init_options \['batchsize'\] are not options of "
+                         r"init_guide_iblm \(init='iblm'\); its options: process_group, "
+                         r"batch_size, "),
     "validation": (lambda x, y: (x, y), {"validation": (x_ := torch.zeros(3, 5), x_[:2, 0])},
                    ValueError, "validation"),
 }
@@ -1684,7 +1758,8 @@ def test_a_loader_batch_unlike_the_first_is_refused_by_name(second, message):
 
 @pytest.mark.parametrize("options, message", [
     ({"init": None, "init_options": {"batch_size": 64}},
-     "init_options is used only with init='iblm' (I-BLM's options)"),
+     "init_options is used only with init='iblm' or 'pretrained' (the initializer's "
+     "options)"),
     ({"eval_every": 5}, "eval_every is used only with validation=(x_val, y_val)"),
     ({"checkpoint_every": 5}, "checkpoint_every is used only with checkpoint=path"),
 ])

@@ -3,6 +3,7 @@
 (see the "Training" method page).
 """
 
+import inspect
 import math
 import os
 import warnings
@@ -26,8 +27,9 @@ from pyro.optim import PyroOptim
 from torch import nn
 
 from pyro_vinit.guides.site_params import _supported_names, is_supported
-from pyro_vinit.initialization import init_guide_iblm
+from pyro_vinit.initialization import init_guide_iblm, init_guide_pretrained
 from pyro_vinit.initialization._rollback import GuideRollback
+from pyro_vinit.initialization.pretrained import _model_values
 from pyro_vinit.training._checks import (
     _check_guide,
     _check_model,
@@ -81,6 +83,29 @@ def _use_capture(capture: Optional[bool], steps: int, device: torch.device) -> b
         return False
     threshold = _CAPTURE_MIN_STEPS.get(device.type)
     return threshold is not None and steps >= threshold
+
+
+#: fit's initializers, by ``init``; their data and guide are fit's, the rest
+#: ``init_options``.
+_INITIALIZERS: Dict[str, Callable[..., Any]] = {
+    "iblm": init_guide_iblm, "pretrained": init_guide_pretrained}
+
+
+def _check_init_options(init: Optional[str], options: Optional[Dict[str, Any]]) -> None:
+    # the names checked as the initializer would check them, before anything changes
+    # (and also where the guide is initialized already, and the options go unused)
+    if options is None or init is None:
+        return
+    if not isinstance(options, dict):
+        raise TypeError(f"fit: init_options must be a dict of keyword options, got "
+                        f"{type(options).__name__}")
+    initializer = _INITIALIZERS[init]
+    known = [n for n in inspect.signature(initializer).parameters if n not in ("guide", "data")]
+    unknown = sorted(set(options) - set(known), key=str)
+    if unknown:
+        raise TypeError(f"fit: init_options {unknown} are not options of "
+                        f"{initializer.__name__} (init={init!r}); its options: "
+                        f"{', '.join(known)}")
 
 
 #: How much higher than at step 0 the last validation MNLL may be before fit warns: by
@@ -170,10 +195,16 @@ def fit(
     :param float kl_weight: KL weight instead of 0.01, or 0.3 where the model
         learns its likelihood's noise scale (see :func:`fit_config`).
     :param int num_particles: Particles of the ELBO.
-    :param init: ``"iblm"`` (I-BLM for a guide not yet initialized) or None.
-    :param dict init_options: Keyword options of
-        :func:`~pyro_vinit.init_guide_iblm`, over fit's
-        (:meth:`FitConfig.iblm_options`); refused with ``init=None``.
+    :param init: How a guide not yet initialized is started: ``"iblm"``
+        (:func:`~pyro_vinit.init_guide_iblm`; a model that keeps a trained
+        network's weights is warned about), ``"pretrained"``
+        (:func:`~pyro_vinit.init_guide_pretrained`, from the weights that
+        ``bayesianize(net, keep_weights=True)`` keeps) or None (the guide's own
+        initial values).
+    :param dict init_options: Keyword options of the initializer (for
+        I-BLM over fit's, :meth:`FitConfig.iblm_options`), their names checked
+        first; refused with ``init=None``, unused (with a warning) for a guide
+        initialized already.
     :param tuple validation: An ``(x, y)`` pair evaluated before the first
         step, every ``eval_every`` steps and after the last one; a last MNLL
         above the first by over a tenth of its size (and 0.05 nats) is warned
@@ -241,12 +272,12 @@ def fit(
     if capture is not None and not isinstance(capture, bool) and capture != "compile":
         raise TypeError(f"fit: capture must be True, False or None (automatic), or 'compile', "
                         f"got {capture!r}")
-    if init not in ("iblm", None):
-        raise ValueError(f"fit: init must be 'iblm' or None, got {init!r}")
+    if init not in ("iblm", "pretrained", None):
+        raise ValueError(f"fit: init must be 'iblm', 'pretrained' or None, got {init!r}")
     # an option that another one makes idle is refused, not ignored
     idle: Tuple[Tuple[str, bool, str], ...] = (
         ("init_options", bool(init_options) and init is None,
-         "init='iblm' (I-BLM's options)"),
+         "init='iblm' or 'pretrained' (the initializer's options)"),
         ("eval_every", eval_every is not None and validation is None,
          "validation=(x_val, y_val)"),
         ("checkpoint_every", checkpoint_every is not None and checkpoint is None,
@@ -255,6 +286,7 @@ def fit(
         if unused:
             raise ValueError(f"fit: {name} is used only with {needs}, which this call does "
                              "not pass")
+    _check_init_options(init, init_options)
     if optim is not None and not isinstance(optim, PyroOptim):
         raise TypeError(
             f"fit: optim must be a Pyro optimizer (e.g. pyro.optim.Adam({{'lr': 1e-3}})), "
@@ -289,18 +321,31 @@ def fit(
     if validation is not None:
         _check_validation(model, validation, chunk)
     initialized = is_initialized(guide)
-    if init == "iblm" and not initialized and not isinstance(guide, AutoGuide):
+    who = {"iblm": "I-BLM", "pretrained": "init_guide_pretrained"}.get(init or "", "")
+    if init is not None and not initialized and not isinstance(guide, AutoGuide):
         raise TypeError(
-            f"fit: I-BLM initializes autoguides, not a {type(guide).__name__}; pass init=None "
+            f"fit: {who} initializes autoguides, not a {type(guide).__name__}; pass init=None "
             "to train this guide from its own initial values"
         )
-    if (init == "iblm" and not initialized and not isinstance(guide, AutoGuideList)
+    if (init is not None and not initialized and not isinstance(guide, AutoGuideList)
             and not is_supported(guide)):
         raise TypeError(
-            f"fit: I-BLM cannot initialize a guide of class {type(guide).__name__} (it reads and "
-            f"writes the per-site posteriors of {', '.join(_supported_names())}); pass "
+            f"fit: {who} cannot initialize a guide of class {type(guide).__name__} (it reads "
+            f"and writes the per-site posteriors of {', '.join(_supported_names())}); pass "
             "init=None to train this guide from its own initial values"
         )
+    kept = _model_values(model)  # a trained network's weights, bayesianize(keep_weights=True)
+    if (init == "pretrained" and not initialized and not kept
+            and "weights" not in (init_options or {})):
+        raise ValueError(
+            "fit: init='pretrained' starts the guide from a trained network's weights, and "
+            "the model keeps none: convert the trained network with bayesianize(net, "
+            "keep_weights=True), or pass init_options={'weights': net.state_dict()}")
+    if initialized and init is not None and init_options:
+        warnings.warn(
+            f"fit: init_options are not used: the {type(guide).__name__} is initialized "
+            "already (see is_initialized), and fit continues training it", UserWarning,
+            stacklevel=2)
     path = os.fspath(checkpoint) if checkpoint is not None else None
     if path is not None:
         _check_checkpoint_path(path)
@@ -340,16 +385,26 @@ def fit(
             model.load_state_dict(resumed["model"])
         history.loss = list(resumed["loss"])
         history.validation = list(resumed["validation"])
-    elif init == "iblm" and not initialized:
+    elif init is not None and not initialized:
         set_up = cast(AutoGuide, guide).prototype_trace is not None
-        options = {**defaults.iblm_options(num_data), **(init_options or {})}
         init_data = batches.pair if batches.pair is not None else batches.loader
-        init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
+        if init == "iblm":
+            options = {**defaults.iblm_options(num_data), **(init_options or {})}
+            init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
+            if kept:
+                warnings.warn(
+                    "fit: the model keeps a trained network's weights (bayesianize(..., "
+                    "keep_weights=True)), which I-BLM does not start from: pass "
+                    "init='pretrained' to start the guide from them", UserWarning,
+                    stacklevel=2)
+        else:
+            init_guide_pretrained(cast(AutoGuide, guide), cast(Any, init_data),
+                                  **(init_options or {}))
         if set_up:
             warnings.warn(
                 f"fit: the {type(guide).__name__} was set up (e.g. by a call guide(x, y)) but "
                 "not initialized or trained: every scale was still its init_scale, so fit "
-                "started it with I-BLM, replacing its set-up values; pass init=None to train "
+                f"started it with {who}, replacing its set-up values; pass init=None to train "
                 "from them", UserWarning, stacklevel=2)
         history.initialized = True
     elif not initialized:  # init=None: Pyro's own initial values, set up here
