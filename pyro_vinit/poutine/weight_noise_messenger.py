@@ -97,7 +97,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
     dims or more) that never reached a layer call it sees; sites the config
     leaves alone are not named. Without ``strict`` each site is named once
     per handler instance. A name of a dict ``config`` that no sample site of
-    the run has (e.g. misspelt) is reported the same way. Requirements and
+    the run has (e.g. misspelt), or only a layer's bias (a layer takes its
+    weight's strategy), is reported the same way. Requirements and
     fallbacks are those of
     :class:`~pyro_vinit.poutine.LocalReparamMessenger`.
 
@@ -155,6 +156,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
         self._untreated: Dict[str, str] = {}
         self._reached: Set[str] = set()
         self._sampled: Set[str] = set()
+        self._weights: Set[str] = set()  # the sites of the layer calls' weights and biases
+        self._bias_of: Dict[str, str] = {}  # (the bias's site: its weight's)
 
     @eager
     def _pyro_post_sample(self, msg: SampleSite) -> None:
@@ -162,23 +165,32 @@ class WeightNoiseMessenger(LayerCallMessenger):
         super()._pyro_post_sample(msg)
 
     def _unknown_names(self) -> Optional[str]:
-        # The names of a dict config that no sample site of the run has (e.g. misspelt):
-        # their sites would silently keep their ordinary sample.
+        # The names of a dict config that no sample site of the run has (e.g. misspelt), or
+        # only a layer's bias, whose layer takes its weight's strategy: their entries would
+        # silently do nothing.
         if not isinstance(self.config, dict) or not self._sampled:
             return None
-        unknown = [name for name, strategy in self.config.items()
-                   if strategy is not None and name not in self._sampled]
+        named = [name for name, strategy in self.config.items() if strategy is not None]
+        unknown = [name for name in named if name not in self._sampled]
+        biases = [name for name in named if name in self._bias_of
+                  and name not in self._weights and self._bias_of[name] not in self.config]
         if not self.strict:
-            unknown = [name for name in unknown if name not in self._warned_unknown]
-            self._warned_unknown.update(unknown)
-        if not unknown:
-            return None
-        latent = sorted(self._latent)
-        return (
-            f"{type(self).__name__}: config names {unknown}, but no sample site of this "
-            f"run has that name (its latent sites: {latent}); the sites meant keep their "
-            "ordinary sample. Use the model's site names."
-        )
+            unknown, biases = ([name for name in names if name not in self._warned_unknown]
+                               for names in (unknown, biases))
+            self._warned_unknown.update(unknown + biases)
+        reports = []
+        if unknown:
+            reports.append(
+                f"{type(self).__name__}: config names {unknown}, but no sample site of this "
+                f"run has that name (its latent sites: {sorted(self._latent)}); the sites "
+                "meant keep their ordinary sample. Use the model's site names.")
+        if biases:
+            weights = [self._bias_of[name] for name in biases]
+            reports.append(
+                f"{type(self).__name__}: config names {biases}, the biases of layer calls, "
+                f"whose strategy is their weights' ({weights}): the bias follows it (with "
+                "its bias_noise). Name the weights' sites instead.")
+        return "\n".join(reports) if reports else None
 
     @eager
     def __exit__(
@@ -258,6 +270,11 @@ class WeightNoiseMessenger(LayerCallMessenger):
         for value in (weight, bias):
             if isinstance(value, SiteValue):
                 self._reached.update(msg["name"] for msg in value.msgs)
+        if isinstance(weight, SiteValue):
+            self._weights.update(msg["name"] for msg in weight.msgs)
+            if isinstance(bias, SiteValue) and weight.msgs:
+                for msg in bias.msgs:
+                    self._bias_of.setdefault(msg["name"], weight.msgs[0]["name"])
         if not isinstance(weight, SiteValue) or not weight.msgs:
             return None
         fn = weight.site_dist

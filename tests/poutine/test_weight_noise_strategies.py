@@ -1,6 +1,7 @@
 """Weight-noise strategies chosen per site (WeightNoiseMessenger's config) and the
 distribution registries they read."""
 
+import re
 import warnings
 
 import pyro
@@ -518,3 +519,32 @@ def test_config_names_that_no_site_has_are_reported():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _run(WeightNoiseMessenger(config={"w1": Flipout(), "w2": None, "w_3": None}))
+
+
+def _biased(x):
+    w = pyro.sample("w", dist.Normal(LOC1, SCALE1).to_event(2))
+    b = pyro.sample("b", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    return F.linear(x, w, b)
+
+
+def test_config_names_of_layer_biases_are_reported():
+    # a layer takes its weight's strategy: an entry for its bias alone did nothing, without
+    # a word (also with strict=True)
+    message = ("WeightNoiseMessenger: config names ['b'], the biases of layer calls, whose "
+               "strategy is their weights' (['w']): the bias follows it (with its "
+               "bias_noise). Name the weights' sites instead.")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with WeightNoiseMessenger(config={"b": Flipout()}):
+            out = _biased(X)
+    assert [str(w.message) for w in caught] == [message]
+    assert not _per_example(out)  # the ordinary sample: the entry did nothing
+    with pytest.raises(ValueError, match=re.escape(message)):
+        with WeightNoiseMessenger(config={"b": Flipout()}, strict=True):
+            _biased(X)
+    # beside its weight's entry, the bias's is redundant, not ignored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with WeightNoiseMessenger(config={"w": Flipout(), "b": Flipout()}, strict=True):
+            out = _biased(X)
+    assert _per_example(out)
