@@ -362,6 +362,26 @@ def test_init_options_for_a_guide_initialized_already_are_warned_about(count_ibl
     assert len(count_iblm) == 1
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_a_diverging_run_is_named_with_a_remedy(given):
+    # Pyro's validation of a distribution's NaN argument, deep inside the model, was the
+    # only word
+    x = torch.randn(240, 5)
+    y = x.sum(-1).sin()
+    model = BayesianRegressor(bayesianize(mlp((5, 16, 1), nn.Tanh)), num_data=240,
+                              learn_noise=True)
+    guide = AutoKTiedNormal(model, rank=2)
+    options = {"optim": pyro.optim.Adam({"lr": 50.0})} if given else {"lr": 50.0}
+    remedy = ("lower the optimizer's learning rate" if given else
+              "lower the learning rate (lr=50 in this call), e.g. lr=5")
+    with pytest.raises(ValueError, match=r"^fit: training diverged: step \d+ failed on "
+                       r"parameters that hold NaN or inf \(AutoKTiedNormal\.\S+.*\), which "
+                       f"earlier steps made; {re.escape(remedy)}, or check the data's scale"
+                       ) as info:
+        fit(model, guide, (x, y), steps=60, progress=False, **options)
+    assert "constraint" in str(info.value.__cause__)  # Pyro's own error, chained
+
+
 def test_init_none_skips_iblm(count_iblm):
     x, y = blobs()
     model = classifier()

@@ -108,6 +108,26 @@ def _check_init_options(init: Optional[str], options: Optional[Dict[str, Any]]) 
                         f"{', '.join(known)}")
 
 
+def _raise_if_diverged(step: int, modules: List[nn.Module], lr: Optional[float],
+                       error: Exception) -> None:
+    # A step that failed on parameters that are no longer finite (Pyro's validation of
+    # a distribution's arguments, deep inside the model): training diverged before it.
+    stored = dict(pyro.get_param_store().named_parameters())
+    seen = {id(p) for p in stored.values()}
+    params = [*stored.items(), *((name, p) for m in modules  # (module_local_params)
+                                 for name, p in m.named_parameters() if id(p) not in seen)]
+    names = [name for name, p in params if not bool(torch.isfinite(p).all())]
+    if not names:
+        return
+    remedy = (f"lower the learning rate (lr={lr:g} in this call), e.g. lr={lr / 10:g}"
+              if lr is not None else "lower the optimizer's learning rate")
+    raise ValueError(
+        f"fit: training diverged: step {step} failed on parameters that hold NaN or inf "
+        f"({', '.join(sorted(names)[:5])}{', ...' if len(names) > 5 else ''}), "
+        f"which earlier steps made; {remedy}, or check the data's scale. The parameters are "
+        "left as they are") from error
+
+
 #: How much higher than at step 0 the last validation MNLL may be before fit warns: by
 #: this share of its size (an MNLL can be negative), and at least by _WORSE_NATS.
 _WORSE_BY = 0.1
@@ -250,6 +270,8 @@ def fit(
         for none. The guide and the model are run on the first batch under
         it before anything changes (the guide left as it was).
     :return: A :class:`FitHistory`.
+    :raises ValueError: Also where training diverges: a step that fails on
+        parameters that earlier steps made NaN or inf is named, with a remedy.
     """
     # ---- every check first: nothing is modified until they pass --------------------
     if steps is not None and epochs is not None:
@@ -421,6 +443,7 @@ def fit(
                         learned_noise=learned_noise, average=average,
                         weight_noise=weight_noise)
     history.config = config
+    optim_given = optim
     optim = optim if optim is not None else config.optimizer()
     # under module_local_params the modules hold their parameters, not the param store
     averager = config.averager(nn.ModuleList(modules) if local else None)
@@ -462,8 +485,13 @@ def fit(
             xb, yb = next(batches)
             # a batch of another shape (an epoch's last) would cost a trace of its own
             stepper = captured if captured is not None and (xb.shape, yb.shape) == shape else svi
-            with config.handlers():
-                loss = stepper.step(xb, yb)
+            try:
+                with config.handlers():
+                    loss = stepper.step(xb, yb)
+            except Exception as error:
+                _raise_if_diverged(step, modules, config.lr if optim_given is None else None,
+                                   error)
+                raise
             if not math.isfinite(loss):
                 warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
                               stacklevel=2)
