@@ -18,7 +18,11 @@ number of steps at which the captured call's extra fixed cost is paid back:
                {s_\\mathrm{eager} - s_\\mathrm{captured}}.
 
 ``fit``'s ``capture=None`` takes the captured step from a threshold of
-steps chosen from this table.
+steps chosen from this table. A third mode, ``captured, per-op fake modes``,
+traces as ``make_fx`` does on its own (a fake tensor mode made per operator,
+each recording the Python stack; ``pyro_vinit.training._trace`` holds one for
+the whole graph): its extra fixed cost beside the captured one's is what that
+saves.
 
 Usage::
 
@@ -27,9 +31,11 @@ Usage::
     python -m benchmarks.bench_fit_capture --device cuda --out /tmp/gpu
 """
 
+import contextlib
 import math
 import statistics
 import time
+from unittest import mock
 
 import pyro
 import torch
@@ -47,6 +53,9 @@ from benchmarks.harness import (
 )
 from pyro_vinit import AutoKTiedNormal, GroupedAdam, fit
 from pyro_vinit.nn import BayesianClassifier, bayesianize
+from pyro_vinit.training import _trace
+
+MODES = ("eager", "captured", "per-op fake modes")
 
 
 def problem(name, device):
@@ -65,27 +74,32 @@ def problem(name, device):
 def time_calls(name, lengths, rounds, device):
     """Seconds of each ``fit`` call, by ``(mode, steps)``, over ``rounds``."""
     model, guide, optim, data = problem(name, device)
-    configs = [(mode, steps) for steps in lengths for mode in ("eager", "captured")]
+    configs = [(mode, steps) for steps in lengths for mode in MODES]
     seconds = {config: [] for config in configs}
     for order in schedule([f"{m}:{s}" for m, s in configs], rounds):
         for key in order:
             mode, steps = key.split(":")
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            plain = mode == "per-op fake modes"  # make_fx's own tracing
+            patch = (mock.patch.object(_trace, "_one_fake_mode", contextlib.nullcontext)
+                     if plain else contextlib.nullcontext())
             start = time.perf_counter()
-            history = fit(model, guide, data, steps=int(steps), batch_size=BATCH_SIZE,
-                          optim=optim, init=None, progress=False, capture=mode == "captured")
+            with patch:
+                history = fit(model, guide, data, steps=int(steps), batch_size=BATCH_SIZE,
+                              optim=optim, init=None, progress=False,
+                              capture=mode != "eager")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds[(mode, int(steps))].append(time.perf_counter() - start)
-            assert history.captured == (mode == "captured")
+            assert history.captured == (mode != "eager")
     return seconds
 
 
 def summarize(seconds, short, long):
     median = {config: statistics.median(v) for config, v in seconds.items()}
     out = {}
-    for mode in ("eager", "captured"):
+    for mode in MODES:
         slope = (median[(mode, long)] - median[(mode, short)]) / (long - short)
         out[mode] = {"ms_per_step": 1e3 * slope, "fixed_s": median[(mode, short)] - short * slope,
                      "call_s": {str(s): median[(mode, s)] for s in (short, long)}}
@@ -95,6 +109,8 @@ def summarize(seconds, short, long):
     out["long_call_ratio"] = median[("captured", long)] / median[("eager", long)]
     out["extra_fixed_s"] = extra
     out["break_even_steps"] = 1e3 * extra / saved if saved > 0 else math.inf
+    out["extra_fixed_s_per_op_fake_modes"] = (out["per-op fake modes"]["fixed_s"]
+                                              - out["eager"]["fixed_s"])
     return out
 
 
@@ -106,11 +122,13 @@ def report(results, host, end, args):
                      f"{r['captured']['ms_per_step']:.2f}",
                      f"{r['step_ratio']:.2f}", f"{r['extra_fixed_s']:.2f}",
                      "never" if math.isinf(even) else f"{even:.0f}",
-                     f"{r['long_call_ratio']:.2f}"])
+                     f"{r['long_call_ratio']:.2f}",
+                     f"{r['extra_fixed_s_per_op_fake_modes']:.2f}"])
     lines = [f"## fit, captured against eager ({args.device}, batch {BATCH_SIZE})", "",
              markdown_table(["problem", "eager ms/step", "captured ms/step", "step ratio",
                              "captured extra fixed s", "break-even steps",
-                             f"captured ÷ eager, {args.long} steps"], rows), "",
+                             f"captured ÷ eager, {args.long} steps",
+                             "extra fixed s, per-op fake modes"], rows), "",
              f"Calls of {args.short} and {args.long} steps, {args.rounds} interleaved rounds, "
              f"{args.threads} thread(s), AutoKTiedNormal(2), GroupedAdam, Pyro's validation "
              f"{'on' if args.validation else 'off'}; torch {host['torch']}, Pyro {host['pyro']}; "

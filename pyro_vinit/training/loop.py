@@ -68,10 +68,10 @@ __all__ = ["fit"]
 
 #: The fewest steps of one call for which ``capture=None`` takes the captured step,
 #: by device type (None: never): above the break-even of the tracing step against the
-#: time the replayed step saves, measured on the race's problems at 156-255 steps on
-#: CPUs and 57 on an H100 with the CUDA-graph replay (benchmarks/bench_fit_capture.py,
-#: docs/methods/training.rst).
-_CAPTURE_MIN_STEPS: Dict[str, Optional[int]] = {"cpu": 300, "cuda": 100}
+#: time the replayed step saves, measured on the race's problems at 77-144 steps on a
+#: CPU (one fake tensor mode for the trace: 156-255 before) and 57 on an H100 with the
+#: CUDA-graph replay (benchmarks/bench_fit_capture.py, docs/methods/training.rst).
+_CAPTURE_MIN_STEPS: Dict[str, Optional[int]] = {"cpu": 200, "cuda": 100}
 
 
 def _use_capture(capture: Optional[bool], steps: int, device: torch.device) -> bool:
@@ -246,7 +246,7 @@ def fit(
     :param capture: Take the steps through :class:`CapturedSVI` (the
         step traced once and replayed: the same losses under the same seed,
         uncompiled);
-        None (default) does where it pays for its tracing: for a call of 300
+        None (default) does where it pays for its tracing: for a call of 200
         steps or more on a CPU, 100 on CUDA; it also compiles the traced step
         with inductor where the captured steps left are projected to save
         twice the compile's cost (tens of seconds, repaid over tens of

@@ -131,10 +131,10 @@ def test_capture_none_counts_the_steps_left_after_a_checkpoint(monkeypatch, tmp_
 
 
 def test_capture_none_rule_is_the_documented_one(monkeypatch):
-    # the measured rule of docs/methods/training.rst: from 300 steps on a CPU, 100 on CUDA
+    # the measured rule of docs/methods/training.rst: from 200 steps on a CPU, 100 on CUDA
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert training_loop._use_capture(None, 300, cpu)
-    assert not training_loop._use_capture(None, 299, cpu)
+    assert training_loop._use_capture(None, 200, cpu)
+    assert not training_loop._use_capture(None, 199, cpu)
     assert training_loop._use_capture(True, 1, cpu)
     assert not training_loop._use_capture(False, 10**6, cpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
