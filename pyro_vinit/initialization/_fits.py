@@ -1,11 +1,13 @@
 """I-BLM's fitted layers and noise, and step 4: writing them into the guide."""
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from pyro.infer.autoguide import AutoDelta, AutoGuide
 
-from pyro_vinit.guides.site_params import set_loc_and_scale
+from pyro_vinit._pyro_compat import unconstrained_param
+from pyro_vinit.guides.site_params import is_supported, latent_sites, set_loc_and_scale
 from pyro_vinit.initialization._regressions import unit_priors
 from pyro_vinit.initialization._rollback import write_param
 from pyro_vinit.initialization._tracing import Layer, Prepared
@@ -46,6 +48,8 @@ class NoiseFit:
 
     name: str
     level: torch.Tensor
+    #: the std to give the unconstrained value, for a guide that has one
+    spread: Optional[torch.Tensor] = None
 
 
 def stage(site_shape: Callable[[str], torch.Size], values: Dict[str, torch.Tensor],
@@ -77,8 +81,36 @@ def write_fits(prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit],
     if noise is not None:
         level = noise.level
         if prep.likelihood.noise == "site":
-            # the posterior std of log sigma from n residuals is about 1 / sqrt(2 n)
-            spread = min(0.1, (2.0 * prep.pool.num_rows) ** -0.5)
-            set_loc_and_scale(guide, noise.name, level, torch.full_like(level, spread))
-        else:
+            set_loc_and_scale(guide, noise.name, level, noise_spread(prep, level))
+        elif prep.likelihood.noise == "held":  # (written by the guide list: see below)
+            noise.spread = noise_spread(prep, level)
+        elif prep.likelihood.noise == "param":
             write_param(noise.name, level)
+
+
+def noise_spread(prep: Prepared, level: torch.Tensor) -> torch.Tensor:
+    """The std of a noise site's unconstrained value at ``level``: the posterior
+    std of log sigma from n residuals, about 1 / sqrt(2 n), at most 0.1."""
+    return torch.full_like(level, min(0.1, (2.0 * prep.pool.num_rows) ** -0.5))
+
+
+def write_held_noise(members: List[AutoGuide], noise: NoiseFit) -> Optional[int]:
+    """Writes a noise level that one member of a guide list fitted into the member
+    that owns the noise site: through ``set_loc_and_scale`` (an I-BLM guide), or
+    an ``AutoDelta``'s value. Returns that member's index, or None where no
+    member can take it."""
+    for i, member in enumerate(members):
+        if member.prototype_trace is None or noise.name not in member.prototype_trace.nodes:
+            continue
+        if is_supported(member) and noise.name in latent_sites(member):
+            spread = noise.spread if noise.spread is not None else torch.full_like(
+                noise.level, 0.1)
+            set_loc_and_scale(member, noise.name, noise.level, spread)
+            return i
+        if isinstance(member, AutoDelta):  # its value, unconstrained as the site's support
+            param = unconstrained_param(member, noise.name)
+            with torch.no_grad():
+                param.copy_(noise.level.to(param).reshape(param.shape))
+            return i
+        return None
+    return None

@@ -65,7 +65,7 @@ def noise_fit(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tens
     """For a noise site or param, the value that gives the noise std ``sigma`` to
     the likelihood (:func:`link_inverse`); else None."""
     likelihood = prep.likelihood
-    if likelihood is not None and likelihood.noise in ("site", "param"):
+    if likelihood is not None and likelihood.noise in ("site", "param", "held"):
         level = link_inverse(prep, values, sigma, collective)
         return NoiseFit(cast(str, likelihood.noise_name), level)
     return None
@@ -119,6 +119,10 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
         site = prep.guide.prototype_trace.nodes[noise_name]
         shape, support = site["value"].shape, site["fn"].support
         what = f"the noise site {noise_name!r}"
+    elif likelihood.noise == "held":  # set through the value the model holds it at
+        held_value, source = prep.structure.held[noise_name]
+        shape, support = held_value.shape, likelihood.noise_support
+        what = f"the noise site {noise_name!r}"
     else:
         store = pyro.get_param_store()
         if noise_name not in store:
@@ -146,6 +150,8 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
             kwargs["on_layer"] = on_layer
         elif likelihood.noise == "site":
             run_values = {**values, noise_name: biject_to(support)(u)}
+        elif likelihood.noise == "held":
+            prep.structure.held[noise_name] = (biject_to(support)(u).to(held_value), source)
         else:
             write_param(noise_name, u)
         recorder = run_model(model, run_values, args, latent, plate_rows=rows, **kwargs)
@@ -167,6 +173,8 @@ def _search_link(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.T
     finally:
         if likelihood.noise == "param" and head is None:
             write_param(noise_name, saved)  # (the level is written with the fits)
+        elif likelihood.noise == "held":  # (written by the guide list into its owner)
+            prep.structure.held[noise_name] = (held_value, source)
     if not bool(((reached - goal).abs() <= 1e-3 * goal).all()):
         raise ValueError(
             f"I-BLM estimated the observation noise std as {goal.tolist()}, but {what} "

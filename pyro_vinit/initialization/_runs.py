@@ -41,12 +41,14 @@ def run_model(
     norm_statistics: Optional[Dict[int, List[Any]]] = None,
     norm_sync: Optional[NormSyncFn] = None,
     norm_rows: Optional[Tuple[int, int]] = None,
+    sources: Optional[Dict[str, torch.Tensor]] = None,
 ) -> LayerRecorderMessenger:
     """Runs ``model(*args)`` with the latent sites set to ``values`` (hidden from
     any handler outside, e.g. ``local_reparam``) under a layer recorder, which
     it returns; ``on_layer`` may stop the run (:class:`StopModel`). The
     subsampled plates take ``plate_rows`` or, if ``args`` have ``num_rows``
-    rows, rows among those (see :func:`in_rows`)."""
+    rows, rows among those (see :func:`in_rows`). With ``track_flow``, ``sources``
+    are the values of sites hidden from the recorder (held by the model)."""
     recorder = LayerRecorderMessenger(
         latent,
         track_flow=track_flow,
@@ -54,6 +56,7 @@ def run_model(
         on_layer=on_layer,
         norm_sync=norm_sync,
         norm_rows=norm_rows,
+        sources=sources,
     )
     if all(name in values for name in latent):
         # every latent site is conditioned: the autoguide's InitMessenger around the

@@ -118,9 +118,13 @@ class Likelihood:
     name: str
     family: str  # "normal", "categorical", "onehot" or "bernoulli"
     #: where the likelihood's scale comes from: None (classification), "fixed",
-    #: "site" (a latent site), "param" (a pyro.param) or "layer" (a scale head)
+    #: "site" (a latent site), "param" (a pyro.param), "layer" (a scale head) or
+    #: "held" (a latent site the guide does not own, held by the model: estimated,
+    #: and written by the guide list into the member that owns it)
     noise: Optional[str] = None
     noise_name: Optional[str] = None
+    #: the support of a "held" noise site
+    noise_support: Optional[Any] = None
 
 
 @dataclass
@@ -438,14 +442,16 @@ def _roles(
 def trace_structure(
     guide: AutoGuide, pool: DataPool, latent: List[str], normal_priors: bool,
     model: Optional[Callable[..., Any]] = None,
+    held: Optional[Dict[str, torch.Tensor]] = None,
 ) -> Tuple[ModelStructure, Tuple[Any, ...]]:
     """The first pass: the model (the guide's, unless given) on up to 256 rows
-    with the guide's medians."""
+    with the guide's medians (and the sites it does not own at ``held``)."""
     model = guide.model if model is None else model
     first = next(pool.chunks(_STRUCTURE_ROWS))
     values = guide_medians(guide, first)
     num_rows = pool.rows_of(first)
-    recorder = run_model(model, values, first, latent, num_rows=num_rows, track_flow=True)
+    recorder = run_model(model, values, first, latent, num_rows=num_rows, track_flow=True,
+                         sources=held)
     plates = PlateRowsMessenger(num_rows=num_rows)
     with torch.no_grad(), poutine.block():
         trace = poutine.trace(poutine.condition(in_rows(model, plates), data=values)
@@ -512,22 +518,28 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
     warn_at_caller(message + ". Pass strict=True to make this an error.", UserWarning)
 
 
-def report_held(structure: ModelStructure, who: str) -> None:
+def report_held(structure: ModelStructure, who: str, noise_written: bool = False) -> None:
     """Names, in one warning, the latent sites hidden from the guide that the
-    initializer held fixed, and at what."""
-    if not structure.held:
+    initializer held fixed, and at what (less a noise site whose estimate the
+    guide list writes, with ``noise_written``)."""
+    likelihood = structure.likelihood
+    skip = (likelihood.noise_name if noise_written and likelihood is not None
+            and likelihood.noise == "held" else None)
+    items = {name: entry for name, entry in structure.held.items() if name != skip}
+    if not items:
         return
     held = ", ".join(
         f"{name!r} at {source} ({value.item():.4g})" if value.numel() == 1
-        else f"{name!r} at {source}" for name, (value, source) in structure.held.items()
+        else f"{name!r} at {source}" for name, (value, source) in items.items()
     )
     warn_at_caller(
-        f"{who}: the guide does not own the latent sites {list(structure.held)} (a "
+        f"{who}: the guide does not own the latent sites {list(items)} (a "
         f"poutine.block around its model hides them), so it held them fixed for the whole "
         f"call: {held}, and leaves them at the values of the guide that owns them (e.g. "
         "another member of an AutoGuideList, one I-BLM does not start, such as AutoDelta; "
-        "a noise site gets I-BLM's estimate only in a guide that owns it): set them "
-        "yourself, e.g. that member's params in pyro.get_param_store()", UserWarning)
+        "a noise site gets I-BLM's estimate in a guide that owns it, or through the guide "
+        "list that holds both): set them yourself, e.g. that member's params in "
+        "pyro.get_param_store()", UserWarning)
 
 
 def prepare(
@@ -555,8 +567,18 @@ def prepare(
         with torch.no_grad(), poutine.block(), model_swapped(guide, in_chunk):
             guide(*first)
     sites = site_params.latent_sites(guide)
-    structure, first = trace_structure(guide, pool, list(sites), normal_priors, model)
+    structure, first = trace_structure(guide, pool, list(sites), normal_priors, model,
+                                       {name: value for name, (value, _) in held.items()})
     structure.held = held
+    found = structure.likelihood
+    if found is not None and found.noise == "site" and found.noise_name in held:
+        # a noise site another member of the guide list owns (or a block hides)
+        owned = None if owner is None else owner.prototype_trace
+        site = None if owned is None else owned.nodes.get(found.noise_name)
+        if site is not None:
+            found.noise, found.noise_support = "held", site["fn"].support
+        else:  # (no guide owns it: drawn from its prior at each step)
+            found.noise = "fixed"
     for layer in structure.layers:
         for name in layer.site_names:
             site_shape = sites[name]["value"].shape

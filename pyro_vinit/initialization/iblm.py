@@ -27,7 +27,7 @@ from pyro_vinit.guides.site_params import check_supported, is_supported
 from pyro_vinit.initialization._batch_norm import write_with_norm_noise
 from pyro_vinit.initialization._collective import Collective
 from pyro_vinit.initialization._data import Data, DataPool, is_args_tuple
-from pyro_vinit.initialization._fits import Fit, stage, write_fits
+from pyro_vinit.initialization._fits import Fit, NoiseFit, stage, write_fits, write_held_noise
 from pyro_vinit.initialization._marks import mark_initialized
 from pyro_vinit.initialization._noise import fit_noise
 from pyro_vinit.initialization._observed import check_has_likelihood
@@ -205,11 +205,12 @@ def _initialize(guide: _G, data: Data, options: IBLMOptions,
 
 def _initialize_member(guide: AutoGuide, data: Data, options: IBLMOptions,
                        process_group: Optional[Any], checkpoint: Callable[[], None],
-                       owner: Optional[AutoGuideList] = None) -> None:
+                       owner: Optional[AutoGuideList] = None) -> Optional[NoiseFit]:
     """I-BLM's four steps: trace the model's structure, collect each layer's
     inputs, solve its per-unit regressions (then the noise), and, after
     ``checkpoint`` (the rollback's copy), write the fits through the guide's
-    ``set_loc_and_scale``."""
+    ``set_loc_and_scale``. Returns the noise level of a noise site that another
+    member of ``owner`` owns, for the list to write."""
     collective = collective_for(process_group)
     with ExitStack() as stack:
         prep = _trace_model(guide, data, options, collective, stack, owner)  # 1. the structure
@@ -230,6 +231,8 @@ def _initialize_member(guide: AutoGuide, data: Data, options: IBLMOptions,
             prep, values, fits, lambda f: write_fits(prep, f, noise, options.max_scale_ratio),
             options.chunk_rows, collective)
         refresh_norm_statistics(prep, values, options.chunk_rows, collective)
+        held = prep.likelihood is not None and prep.likelihood.noise == "held"
+        return noise if held else None
 
 
 def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
@@ -276,15 +279,17 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
         rollbacks[0].checkpoint()  # (a later member's failure undoes the earlier writes)
         _check_output_layer_owned(guides, members, supported, data)
         initialized = []
+        noises: List[NoiseFit] = []
         for member in supported:
             try:
-                _initialize_member(member, data, options, process_group, _no_checkpoint,
-                                   guides)
+                noise = _initialize_member(member, data, options, process_group,
+                                           _no_checkpoint, guides)
             except NoLayersError:  # e.g. a member over the noise scale: nothing written
                 others.append(f"{members.index(member)}: {type(member).__name__} (no layer "
                               "weight among its sites)")
                 continue
             initialized.append(member)
+            noises += [noise] if noise is not None else []
         if not initialized:
             raise NoLayersError(
                 f"no member of this AutoGuideList has the weight of an F.linear / F.conv "
@@ -292,11 +297,23 @@ def _initialize_list(guides: AutoGuideList, data: Data, options: IBLMOptions,
                 "nothing to initialize; make the layers Bayesian with "
                 "pyro_vinit.nn.bayesianize or pyro.nn.PyroSample"
             )
+        written = []
+        for noise in noises:  # into the member that owns the noise site
+            if write_held_noise(members, noise) is None:
+                warn_at_caller(
+                    f"init_guide_iblm estimated the observation noise, but the member of "
+                    f"the AutoGuideList that owns the noise site {noise.name!r} is not "
+                    "one it can write (an AutoDelta or a guide it initializes): the site "
+                    "keeps its own initial value", UserWarning)
+            else:
+                written.append(noise.name)
     if others:
+        but = (f", but for the noise sites {written}, which it set to its estimate of the "
+               "observation noise" if written else "")
         warn_at_caller(
             f"init_guide_iblm initialized the members "
             f"{[type(g).__name__ for g in initialized]} of the AutoGuideList; it leaves the "
-            f"others at their own values: {others}", UserWarning)
+            f"others at their own values: {others}{but}", UserWarning)
 
 
 def _check_output_layer_owned(guides: AutoGuideList, members: List[AutoGuide],
@@ -363,7 +380,7 @@ def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective:
     collective.check_structure(prep.structure, guide)
     # (the warnings point at the user's call: of init_guide_iblm, of fit, ...)
     report_uncovered(prep.structure, options.strict, "init_guide_iblm")
-    report_held(prep.structure, "init_guide_iblm")
+    report_held(prep.structure, "init_guide_iblm", noise_written=owner is not None)
     report_transformed_output(prep, "init_guide_iblm")
     pool.effective_batch_size(options.batch_size, "init_guide_iblm")
     return prep

@@ -14,6 +14,7 @@ from typing import (
     FrozenSet,
     Iterable,
     List,
+    Mapping,
     Optional,
     Set,
     Tuple,
@@ -264,6 +265,9 @@ class LayerRecorderMessenger(Messenger):
         ``rows`` rows along its first dim, only the first ``new`` count in
         ``norm_statistics`` (the others repeat rows counted before, as the
         wrapped-around last block of a subsampled plate does).
+    :param dict sources: With ``track_flow``, tensors followed as the values
+        of the latent sites of these names, for sites whose values this
+        handler does not see (hidden by a ``poutine.block`` inside it).
     """
 
     def __init__(
@@ -275,6 +279,7 @@ class LayerRecorderMessenger(Messenger):
         on_layer: Optional[Callable[[RecordedLayer], Optional[torch.Tensor]]] = None,
         norm_sync: Optional[Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]] = None,
         norm_rows: Optional[Tuple[int, int]] = None,
+        sources: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> None:
         super().__init__()
         self.norm_rows = norm_rows
@@ -292,6 +297,9 @@ class LayerRecorderMessenger(Messenger):
         self._norm_stats = norm_statistics
         self.norm_sync = norm_sync
         self._mode: Optional[_Mode] = None
+        if track_flow:
+            for name, value in (sources or {}).items():
+                self._set_flow(value, frozenset({("site", name)}))
 
     # ------------------------------------------------------------ context
 
