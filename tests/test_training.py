@@ -308,12 +308,15 @@ def _trained_classifier(keep_weights=True):
 
 def test_fit_init_pretrained_starts_from_the_kept_weights(count_iblm):
     model, trained, (x, y) = _trained_classifier()
-    guide = AutoKTiedNormal(model, rank=2)
+    guide = AutoNormal(model)  # (a mean-field scale takes MOPED's exactly)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to warn about
         history = fit(model, guide, (x, y), steps=1, lr=1e-6, init="pretrained",
                       init_options={"scale": "moped"}, progress=False)
     assert history.initialized and count_iblm == []
+    # MOPED's scales, delta |w| (init_options reach init_guide_pretrained)
+    _, scale = site_params.get_loc_and_scale(guide, "net.0.weight")
+    assert torch.allclose(scale, 0.1 * trained["net.0.weight"].abs(), rtol=1e-2, atol=1e-4)
     median = guide.median(x, y)
     assert len(trained) == 4
     for name, value in trained.items():  # one step of 1e-6 from the trained ones
@@ -341,7 +344,8 @@ def test_fit_init_pretrained_refuses_a_model_that_keeps_no_weights():
     guide = AutoKTiedNormal(model, rank=2)
     with pytest.raises(ValueError, match=r"^fit: init='pretrained' starts the guide from a "
                        r"trained network's weights, and the model keeps none: .*keep_weights="
-                       r"True\), or pass init_options=\{'weights': net.state_dict\(\)\}$"):
+                       r"True\), or pass init_options=\{'weights': \{\.\.\.\}\}, the trained "
+                       r"values by the model's sample site names \(e.g. 'net.0.weight'\)$"):
         fit(model, guide, (x, y), steps=1, init="pretrained", progress=False)
     assert snapshot() == {} and not is_initialized(guide)
     # the weights given instead: the guide starts from them
@@ -349,6 +353,16 @@ def test_fit_init_pretrained_refuses_a_model_that_keeps_no_weights():
         init_options={"weights": trained}, progress=False)
     assert torch.allclose(guide.median(x, y)["net.0.weight"], trained["net.0.weight"],
                           atol=1e-4)
+
+
+def test_fit_init_pretrained_refuses_a_guide_list_before_anything_changes():
+    model, trained, (x, y) = _trained_classifier()
+    guide = AutoGuideList(model)
+    guide.append(AutoKTiedNormal(model, rank=2))
+    with pytest.raises(TypeError, match=r"^fit: init='pretrained' starts one guide, not an "
+                       r"AutoGuideList: call init_guide_pretrained\(member, data\) on each "):
+        fit(model, guide, (x, y), steps=1, init="pretrained", progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
 
 
 def test_init_options_for_a_guide_initialized_already_are_warned_about(count_iblm):
@@ -373,13 +387,36 @@ def test_a_diverging_run_is_named_with_a_remedy(given):
     guide = AutoKTiedNormal(model, rank=2)
     options = {"optim": pyro.optim.Adam({"lr": 50.0})} if given else {"lr": 50.0}
     remedy = ("lower the optimizer's learning rate" if given else
-              "lower the learning rate (lr=50 in this call), e.g. lr=5")
+              "lower the learning rate (lr=50), e.g. lr=5")
     with pytest.raises(ValueError, match=r"^fit: training diverged: step \d+ failed on "
                        r"parameters that hold NaN or inf \(AutoKTiedNormal\.\S+.*\), which "
-                       f"earlier steps made; {re.escape(remedy)}, or check the data's scale"
-                       ) as info:
+                       f"this call's earlier steps made; {re.escape(remedy)}, or check the "
+                       "data's scale") as info:
         fit(model, guide, (x, y), steps=60, progress=False, **options)
     assert "constraint" in str(info.value.__cause__)  # Pyro's own error, chained
+
+
+def _failing_at(step):
+    calls = []
+
+    def model(x, y=None):
+        calls.append(None)
+        if len(calls) > step:
+            raise ValueError("a genuine error of the model")
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, x.shape[-1]]).to_event(2))
+        with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)), obs=y)
+
+    return model
+
+
+def test_an_error_of_a_run_that_did_not_diverge_is_raised_as_it_is():
+    # a parameter left NaN by another run in the param store is no divergence of this call
+    x, y = blobs()
+    pyro.param("left_by_another_run", torch.tensor(float("nan")))
+    model = _failing_at(8)
+    with pytest.raises(ValueError, match="^a genuine error of the model"):
+        fit(model, AutoNormal(model), (x, y), steps=20, init=None, progress=False)
 
 
 def test_init_none_skips_iblm(count_iblm):

@@ -156,8 +156,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
         self._untreated: Dict[str, str] = {}
         self._reached: Set[str] = set()
         self._sampled: Set[str] = set()
-        self._weights: Set[str] = set()  # the sites of the layer calls' weights and biases
-        self._bias_of: Dict[str, str] = {}  # (the bias's site: its weight's)
+        self._weights: Set[str] = set()  # the sites of the layer calls' weights
+        self._bias_of: Dict[str, Set[str]] = {}  # (a bias's site: its layer calls' weights')
 
     @eager
     def _pyro_post_sample(self, msg: SampleSite) -> None:
@@ -172,8 +172,10 @@ class WeightNoiseMessenger(LayerCallMessenger):
             return None
         named = [name for name, strategy in self.config.items() if strategy is not None]
         unknown = [name for name in named if name not in self._sampled]
-        biases = [name for name in named if name in self._bias_of
-                  and name not in self._weights and self._bias_of[name] not in self.config]
+        config = self.config
+        # (a bias whose every layer call has a weight with a strategy is only redundant)
+        biases = [name for name in named if name in self._bias_of and name not in self._weights
+                  and any(config.get(w) is None for w in self._bias_of[name])]
         if not self.strict:
             unknown, biases = ([name for name in names if name not in self._warned_unknown]
                                for names in (unknown, biases))
@@ -185,7 +187,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
                 f"run has that name (its latent sites: {sorted(self._latent)}); the sites "
                 "meant keep their ordinary sample. Use the model's site names.")
         if biases:
-            weights = [self._bias_of[name] for name in biases]
+            weights = sorted(w for name in biases for w in self._bias_of[name]
+                             if config.get(w) is None)
             reports.append(
                 f"{type(self).__name__}: config names {biases}, the biases of layer calls, "
                 f"whose strategy is their weights' ({weights}): the bias follows it (with "
@@ -274,7 +277,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
             self._weights.update(msg["name"] for msg in weight.msgs)
             if isinstance(bias, SiteValue) and weight.msgs:
                 for msg in bias.msgs:
-                    self._bias_of.setdefault(msg["name"], weight.msgs[0]["name"])
+                    self._bias_of.setdefault(msg["name"], set()).add(weight.msgs[0]["name"])
         if not isinstance(weight, SiteValue) or not weight.msgs:
             return None
         fn = weight.site_dist

@@ -19,19 +19,16 @@ def _one_fake_mode() -> Iterator[None]:
     # tensor it makes a new FakeTensorMode per operator, and each one records the Python
     # stack at its making: under Pyro's deep stacks, about half of a step's trace. A
     # fake mode held by a tracing context is found first, and serves every operator.
+    context: Any = None
     try:
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
-    except ImportError:  # another torch: make_fx's own way
-        mode = None
-    else:
-        # (inside dynamo or another tracer, its context is left alone)
-        mode = None if TracingContext.try_get() is not None else FakeTensorMode(
-            allow_fallback_kernels=True)
-    if mode is None:
-        yield
-        return
-    with tracing(TracingContext(mode)):
+
+        if TracingContext.try_get() is None:  # (inside another tracer: its own, left alone)
+            context = tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
+    except Exception:  # another torch's internals: make_fx's own way
+        context = None
+    with context if context is not None else contextlib.nullcontext():
         yield
 
 

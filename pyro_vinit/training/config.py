@@ -294,7 +294,7 @@ class FitHistory:
         ``"mnll"`` and ``"error_rate"`` (a Categorical likelihood; for a
         Bernoulli one, the share of labels whose predictive probability is
         on the wrong side of 0.5) or ``"rmse"`` (a Normal one).
-    :ivar bool initialized: Whether this call initialized the guide with I-BLM.
+    :ivar bool initialized: Whether this call initialized the guide (``init``).
     :ivar bool captured: Whether this call took its steps through
         :class:`CapturedSVI` without falling back to the eager step (which
         it warns of).

@@ -13,7 +13,9 @@ from typing import (
     ContextManager,
     Dict,
     List,
+    Mapping,
     Optional,
+    Set,
     Tuple,
     Union,
     cast,
@@ -91,16 +93,18 @@ _INITIALIZERS: Dict[str, Callable[..., Any]] = {
     "iblm": init_guide_iblm, "pretrained": init_guide_pretrained}
 
 
-def _check_init_options(init: Optional[str], options: Optional[Dict[str, Any]]) -> None:
+def _check_init_options(init: Optional[str], options: Optional[Mapping[str, Any]]) -> None:
     # the names checked as the initializer would check them, before anything changes
     # (and also where the guide is initialized already, and the options go unused)
     if options is None or init is None:
         return
-    if not isinstance(options, dict):
+    if not isinstance(options, Mapping):
         raise TypeError(f"fit: init_options must be a dict of keyword options, got "
                         f"{type(options).__name__}")
     initializer = _INITIALIZERS[init]
-    known = [n for n in inspect.signature(initializer).parameters if n not in ("guide", "data")]
+    # (fit trains in one process: I-BLM's process group is not among its options)
+    known = [n for n in inspect.signature(initializer).parameters
+             if n not in ("guide", "data", "process_group")]
     unknown = sorted(set(options) - set(known), key=str)
     if unknown:
         raise TypeError(f"fit: init_options {unknown} are not options of "
@@ -108,24 +112,35 @@ def _check_init_options(init: Optional[str], options: Optional[Dict[str, Any]]) 
                         f"{', '.join(known)}")
 
 
-def _raise_if_diverged(step: int, modules: List[nn.Module], lr: Optional[float],
-                       error: Exception) -> None:
-    # A step that failed on parameters that are no longer finite (Pyro's validation of
-    # a distribution's arguments, deep inside the model): training diverged before it.
+def _not_finite(modules: List[nn.Module]) -> Set[str]:
+    """The names of the param store's parameters (and under ``module_local_params``
+    the modules') that hold NaN or inf."""
     stored = dict(pyro.get_param_store().named_parameters())
     seen = {id(p) for p in stored.values()}
-    params = [*stored.items(), *((name, p) for m in modules  # (module_local_params)
+    params = [*stored.items(), *((name, p) for m in modules
                                  for name, p in m.named_parameters() if id(p) not in seen)]
-    names = [name for name, p in params if not bool(torch.isfinite(p).all())]
+    return {name for name, p in params if not bool(torch.isfinite(p).all())}
+
+
+def _raise_if_diverged(step: int, modules: List[nn.Module], before: Set[str],
+                       lr: Optional[float], given_lr: bool, error: ValueError) -> None:
+    # A step that failed (Pyro's validation of a distribution's NaN argument, deep inside
+    # the model) on parameters that this call's earlier steps made NaN or inf (not those
+    # that were so before it, ``before``): training diverged.
+    try:
+        names = sorted(_not_finite(modules) - before)
+    except Exception:  # (e.g. a device that fails every op now: the error as it is)
+        return
     if not names:
         return
-    remedy = (f"lower the learning rate (lr={lr:g} in this call), e.g. lr={lr / 10:g}"
-              if lr is not None else "lower the optimizer's learning rate")
+    whose = "" if given_lr else "fit's default "
+    remedy = ("lower the optimizer's learning rate" if lr is None else
+              f"lower the learning rate ({whose}lr={lr:g}), e.g. lr={lr / 10:g}")
     raise ValueError(
         f"fit: training diverged: step {step} failed on parameters that hold NaN or inf "
-        f"({', '.join(sorted(names)[:5])}{', ...' if len(names) > 5 else ''}), "
-        f"which earlier steps made; {remedy}, or check the data's scale. The parameters are "
-        "left as they are") from error
+        f"({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}), which this call's "
+        f"earlier steps made; {remedy}, or check the data's scale. The parameters are left "
+        "as they are") from error
 
 
 #: How much higher than at step 0 the last validation MNLL may be before fit warns: by
@@ -136,7 +151,7 @@ _WORSE_NATS = 0.05
 
 def _warn_if_worse(validation: List[Dict[str, float]], kl_weight: float) -> None:
     """Warns where the run ended with a validation MNLL well above its start's
-    (I-BLM's, or the first call's): training made the model worse."""
+    (the initializer's, or the first call's): training made the model worse."""
     if len(validation) < 2 or validation[0]["step"] != 0:
         return
     start, last = validation[0]["mnll"], validation[-1]["mnll"]
@@ -198,7 +213,9 @@ def fit(
 
     :param model: The Pyro model, called as ``model(x, y)``.
     :param guide: Its guide (AutoKTiedNormal, AutoMeanFieldNormal,
-        AutoRadialNormal or AutoNormal for I-BLM; with ``init=None`` any).
+        AutoRadialNormal, Pyro's AutoNormal, AutoDiagonalNormal or
+        AutoLowRankMultivariateNormal for I-BLM and ``init="pretrained"``, or for
+        I-BLM an AutoGuideList of them and others; with ``init=None`` any).
     :param data: An ``(x, y)`` pair of tensors, shuffled into minibatches of
         ``batch_size`` each epoch, or a re-iterable of ``(x, y)`` batches
         (e.g. a :class:`~torch.utils.data.DataLoader`), read pass after pass.
@@ -357,12 +374,18 @@ def fit(
             "init=None to train this guide from its own initial values"
         )
     kept = _model_values(model)  # a trained network's weights, bayesianize(keep_weights=True)
+    if init == "pretrained" and not initialized and isinstance(guide, AutoGuideList):
+        raise TypeError(
+            "fit: init='pretrained' starts one guide, not an AutoGuideList: call "
+            "init_guide_pretrained(member, data) on each member over the layers, then "
+            "fit(..., init=None)")
     if (init == "pretrained" and not initialized and not kept
             and "weights" not in (init_options or {})):
         raise ValueError(
             "fit: init='pretrained' starts the guide from a trained network's weights, and "
             "the model keeps none: convert the trained network with bayesianize(net, "
-            "keep_weights=True), or pass init_options={'weights': net.state_dict()}")
+            "keep_weights=True), or pass init_options={'weights': {...}}, the trained "
+            "values by the model's sample site names (e.g. 'net.0.weight')")
     if initialized and init is not None and init_options:
         warnings.warn(
             f"fit: init_options are not used: the {type(guide).__name__} is initialized "
@@ -414,11 +437,13 @@ def fit(
             options = {**defaults.iblm_options(num_data), **(init_options or {})}
             init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
             if kept:
+                how = ("call init_guide_pretrained(member, data) on each member over the "
+                       "layers before fit" if isinstance(guide, AutoGuideList) else
+                       "pass init='pretrained'")
                 warnings.warn(
                     "fit: the model keeps a trained network's weights (bayesianize(..., "
-                    "keep_weights=True)), which I-BLM does not start from: pass "
-                    "init='pretrained' to start the guide from them", UserWarning,
-                    stacklevel=2)
+                    f"keep_weights=True)), which I-BLM does not start from: {how} to start "
+                    "the guide from them", UserWarning, stacklevel=2)
         else:
             init_guide_pretrained(cast(AutoGuide, guide), cast(Any, init_data),
                                   **(init_options or {}))
@@ -435,7 +460,8 @@ def fit(
         if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
             warnings.warn(
                 f"fit: the param store already holds parameters of a {type(guide).__name__} "
-                "(loaded, or left by an earlier guide of this class), so I-BLM is skipped and "
+                "(loaded, or left by an earlier guide of this class), so its initialization is "
+                "skipped and "
                 "training continues from them; call pyro.clear_param_store() first to start "
                 "afresh", UserWarning, stacklevel=2)
         _set_up(guide, batches.first)
@@ -480,6 +506,7 @@ def fit(
         _set_rng_state(rng)
     norm_data = batches.pair if batches.pair is not None else batches.loader
     bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
+    stale = _not_finite(modules)  # (a step failing on these is no divergence of this call)
     try:
         for step in range(done + 1, steps + 1):
             xb, yb = next(batches)
@@ -488,8 +515,9 @@ def fit(
             try:
                 with config.handlers():
                     loss = stepper.step(xb, yb)
-            except Exception as error:
-                _raise_if_diverged(step, modules, config.lr if optim_given is None else None,
+            except ValueError as error:
+                _raise_if_diverged(step, modules, stale,
+                                   config.lr if optim_given is None else None, lr is not None,
                                    error)
                 raise
             if not math.isfinite(loss):

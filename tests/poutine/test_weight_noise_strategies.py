@@ -542,9 +542,30 @@ def test_config_names_of_layer_biases_are_reported():
     with pytest.raises(ValueError, match=re.escape(message)):
         with WeightNoiseMessenger(config={"b": Flipout()}, strict=True):
             _biased(X)
-    # beside its weight's entry, the bias's is redundant, not ignored
+    # beside a weight's entry of None (no noise on the weight, meant on the bias) as alone
+    with pytest.raises(ValueError, match=re.escape(message)):
+        with WeightNoiseMessenger(config={"w": None, "b": Flipout()}, strict=True):
+            _biased(X)
+    # beside its weight's strategy, the bias follows that one: nothing to report
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with WeightNoiseMessenger(config={"w": Flipout(), "b": Flipout()}, strict=True):
             out = _biased(X)
     assert _per_example(out)
+
+
+def test_config_names_of_a_bias_shared_by_layers_are_reported_for_each_weight_left_out():
+    # a bias shared by two layer calls: reported whichever call comes first
+    def model(x):
+        w1 = pyro.sample("w1", dist.Normal(LOC1, SCALE1).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(LOC1, SCALE1).to_event(2))
+        b = pyro.sample("b", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        return F.linear(x, w1, b), F.linear(x, w2, b)
+
+    for named in ("w1", "w2"):
+        left = "w2" if named == "w1" else "w1"
+        with pytest.raises(ValueError, match=re.escape(
+                f"config names ['b'], the biases of layer calls, whose strategy is their "
+                f"weights' (['{left}'])")):
+            with WeightNoiseMessenger(config={named: Flipout(), "b": Flipout()}, strict=True):
+                model(X)

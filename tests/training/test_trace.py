@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -45,3 +46,26 @@ def test_trace_graph_leaves_an_outer_tracing_context_alone():
     modes, _ = _fake_modes(graph)
     assert modes == {id(outer)}
     assert TracingContext.try_get() is None
+
+
+def test_trace_graph_leaves_no_tracing_context_after_an_error():
+    def failing(w, x):
+        (x @ w).sum()
+        raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        trace_graph(failing, torch.randn(4, 3), torch.randn(5, 4))
+    assert TracingContext.try_get() is None
+
+
+def test_trace_graph_traces_make_fx_s_way_where_torch_s_internals_changed(monkeypatch):
+    import torch._guards
+
+    def changed(*args, **kwargs):
+        raise TypeError("tracing() takes other arguments in this torch")
+
+    monkeypatch.setattr(torch._guards, "tracing", changed)
+    graph = trace_graph(_loss_and_grad, torch.randn(4, 3, requires_grad=True),
+                        torch.randn(5, 4))
+    modes, _ = _fake_modes(graph)
+    assert len(modes) > 1  # a fake mode per operator, as make_fx makes them
