@@ -11,6 +11,7 @@ import pyro
 import torch
 from torch.distributions import Normal, StudentT, biject_to
 
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.initialization._collective import Collective
 from pyro_vinit.initialization._fits import Fit, NoiseFit, stage
 from pyro_vinit.initialization._options import IBLMOptions
@@ -65,8 +66,16 @@ def noise_fit(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tens
     """For a noise site or param, the value that gives the noise std ``sigma`` to
     the likelihood (:func:`link_inverse`); else None."""
     likelihood = prep.likelihood
-    if likelihood is not None and likelihood.noise in ("site", "param", "held"):
+    if likelihood is not None and likelihood.noise in ("site", "param"):
         level = link_inverse(prep, values, sigma, collective)
+        return NoiseFit(cast(str, likelihood.noise_name), level)
+    if likelihood is not None and likelihood.noise == "held":
+        try:
+            level = link_inverse(prep, values, sigma, collective)
+        except ValueError as error:  # e.g. a narrow support: the member's own value stays
+            warn_at_caller(f"{error}; the noise site, which another member of the guide "
+                           "list owns, keeps that member's value", UserWarning)
+            return None
         return NoiseFit(cast(str, likelihood.noise_name), level)
     return None
 

@@ -5,7 +5,7 @@ likelihood and where each layer's output goes (the first pass of
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import pyro.poutine as poutine
 import torch
@@ -384,7 +384,8 @@ class Prepared:
 
 
 def _roles(
-    recorder: LayerRecorderMessenger, layers: List[Layer], site: SampleSite
+    recorder: LayerRecorderMessenger, layers: List[Layer], site: SampleSite,
+    held: Collection[str] = (),
 ) -> Likelihood:
     family = likelihood_family(site)
     flow = recorder.likelihood_flow
@@ -414,6 +415,13 @@ def _roles(
     scale_layers = sorted(cast(int, i) for kind, i in tokens if kind == "layer")
     sources = sorted((kind, cast(str, name)) for kind, name in tokens
                      if kind in ("site", "param"))
+    # a site the guide does not own (``held``) is the noise only where it alone sets the
+    # scale (and a guide list member owns it: see prepare); beside anything else it is a
+    # constant, as it is to the guide
+    hidden = [s for s in sources if s[0] == "site" and s[1] in held]
+    sources = [s for s in sources if s not in hidden]
+    if len(hidden) == 1 and not sources and not scale_layers:
+        sources = hidden
     if scale_layers and (len(scale_layers) > 1 or sources or scale_layers == outputs):
         names = [layers[i].weight_name for i in scale_layers]
         raise ValueError(
@@ -483,7 +491,7 @@ def trace_structure(
             )
         site = observed_site(recorder)
         check_not_conditioned(model, site["name"])
-        likelihood = _roles(recorder, layers, site)
+        likelihood = _roles(recorder, layers, site, held or ())
     covered = seen | ({likelihood.noise_name} if likelihood and likelihood.noise == "site"
                       else set())
     uncovered = [name for name in latent if name not in covered]
@@ -572,13 +580,14 @@ def prepare(
     structure.held = held
     found = structure.likelihood
     if found is not None and found.noise == "site" and found.noise_name in held:
-        # a noise site another member of the guide list owns (or a block hides)
-        owned = None if owner is None else owner.prototype_trace
-        site = None if owned is None else owned.nodes.get(found.noise_name)
-        if site is not None:
-            found.noise, found.noise_support = "held", site["fn"].support
-        else:  # (no guide owns it: drawn from its prior at each step)
-            found.noise = "fixed"
+        # a noise site another member of the guide list owns, or none (hidden by a block:
+        # drawn from its prior at each step, a fixed scale to the fit)
+        found.noise = "fixed"
+        for member in cast(Any, owner) or ():  # (the guide list's members)
+            owned = cast(AutoGuide, member).prototype_trace
+            site = None if owned is None else owned.nodes.get(found.noise_name)
+            if site is not None and site["type"] == "sample" and not site["is_observed"]:
+                found.noise, found.noise_support = "held", site["fn"].support
     for layer in structure.layers:
         for name in layer.site_names:
             site_shape = sites[name]["value"].shape

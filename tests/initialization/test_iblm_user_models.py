@@ -27,6 +27,7 @@ from pyro_vinit.initialization import _regressions
 from pyro_vinit.nn import bayesianize
 from pyro_vinit.poutine import local_reparam
 from pyro_vinit.testing.user_models import USER_MODELS, Classifier, blobs, functional_tanh, iris
+from pyro_vinit.training import is_initialized
 from tests.common import assert_close
 
 GUIDES = [AutoNormal, AutoDiagonalNormal, AutoKTiedNormal, AutoRadialNormal]
@@ -828,6 +829,92 @@ def test_guide_list_noise_site_of_another_member_gets_the_estimate(member, prior
     if member == "AutoNormal":  # its loc and a std of the estimate's size
         scale = pyro.get_param_store()["AutoGuideList.1.scales.sigma"]
         assert_close(scale, torch.tensor(min(0.1, (2.0 * len(x)) ** -0.5)), rtol=1e-6)
+
+
+def test_guide_list_noise_site_no_member_owns_is_a_fixed_scale_as_before():
+    # the list's own trace has sigma, but no member owns it: drawn from its prior at each
+    # step, so I-BLM fits with it fixed at its prior's median, and says so
+    x, y, _, _ = _diabetes()
+    model = _noise_regression(dist.LogNormal(-1.0, 1.0))
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=["sigma"])))
+    guide(x, y)
+    with pytest.warns(UserWarning) as record:
+        init_guide_iblm(guide, (x, y))
+    messages = [str(w.message) for w in record]
+    assert any("does not own the latent sites ['sigma']" in m
+               and "'sigma' at its prior's median" in m for m in messages)
+    assert not any("one it can write" in m for m in messages)
+
+
+def test_held_site_beside_another_scale_source_stays_a_constant():
+    # Normal(mean, sigma * tau), tau hidden: sigma is the noise site, tau a constant of the
+    # scale, as before held sites were followed (the scale's two sources were refused)
+    def model(x, y=None):
+        sigma = pyro.sample("sigma", dist.LogNormal(-1.0, 1.0))
+        tau = pyro.sample("tau", dist.LogNormal(0.0, 0.1))
+        w1 = pyro.sample("w1", dist.Normal(0.0, 0.3).expand([20, 10]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.2).expand([1, 20]).to_event(2))
+        mean = F.linear(torch.tanh(F.linear(x, w1)), w2).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma * tau), obs=y)
+        return mean
+
+    x, y, _, _ = _diabetes()
+    guide = AutoNormal(pyro.poutine.block(model, hide=["tau"]))
+    with pytest.warns(UserWarning, match=r"does not own the latent sites \['tau'\]"):
+        init_guide_iblm(guide, (x, y))
+    medians = guide.median(x, y)
+    with torch.no_grad():
+        fitted = pyro.poutine.condition(model, data={**medians, "tau": torch.tensor(1.0)})(x)
+    # tau held at its prior's median, 1: sigma is the residual std
+    assert_close(medians["sigma"], (y - fitted).pow(2).mean().sqrt(), rtol=1e-4)
+
+
+def test_guide_list_noise_site_out_of_its_support_keeps_the_members_value():
+    # sigma ~ Uniform(0, 0.1) cannot reach the residual std: a warning, and the member's own
+    # value (the weights are fitted)
+    from pyro.infer.autoguide import AutoDelta
+
+    x, y, _, _ = _diabetes()
+    model = _noise_regression(dist.Uniform(0.0, 0.1))
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=["sigma"])))
+    guide.append(AutoDelta(pyro.poutine.block(model, expose=["sigma"])))
+    guide(x, y)
+    start = guide.median(x, y)["sigma"]
+    with pytest.warns(UserWarning, match=r"cannot make the likelihood's scale that .*; the "
+                      r"noise site, which another member of the guide list owns, keeps that "
+                      r"member's value"):
+        init_guide_iblm(guide, (x, y))
+    assert torch.equal(guide.median(x, y)["sigma"], start)
+    assert is_initialized(guide[0])
+
+
+def test_guide_list_noise_per_target_column_is_each_columns_residual_std():
+    from pyro.infer.autoguide import AutoDelta
+
+    def model(x, y=None):
+        sigma = pyro.sample("sigma", dist.LogNormal(-1.0, 1.0).expand([2]).to_event(1))
+        w1 = pyro.sample("w1", dist.Normal(0.0, 0.3).expand([20, 10]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.2).expand([2, 20]).to_event(2))
+        mean = F.linear(torch.tanh(F.linear(x, w1)), w2)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma).to_event(1), obs=y)
+        return mean
+
+    x, y1, _, _ = _diabetes()
+    y = torch.stack([y1, 3.0 * y1.flip(0)], -1)  # columns of different noise levels
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, hide=["sigma"])))
+    guide.append(AutoDelta(pyro.poutine.block(model, expose=["sigma"])))
+    guide(x, y)
+    with pytest.warns(UserWarning, match="set it to its estimate|others at their own values"):
+        init_guide_iblm(guide, (x, y))
+    medians = guide.median(x, y)
+    with torch.no_grad():
+        fitted = pyro.poutine.condition(model, data=medians)(x)
+    assert_close(medians["sigma"], (y - fitted).pow(2).mean(0).sqrt(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("output_member", ["AutoDelta", "AutoNormal"])
