@@ -300,10 +300,14 @@ def _warn_minibatches(
         )
 
 
-def _data_plate(x: torch.Tensor, num_data: Optional[int]) -> pyro.plate:
-    # An explicit subsample makes the plate scale the likelihood by num_data / batch.
+def _data_plate(x: torch.Tensor, num_data: Optional[int], observed: bool) -> pyro.plate:
+    # An explicit subsample makes the plate scale the likelihood by num_data / batch. A
+    # prediction (nothing observed) may run on more rows than the training set has: a
+    # plate over them, which no training step sees.
     n = x.shape[0]
     if num_data is not None and n > num_data:
+        if not observed:
+            return pyro.plate("data", n, subsample=torch.arange(n, device=x.device))
         raise ValueError(
             f"the batch has {n} points but num_data={num_data}: num_data is the size of the "
             "full training set, at least the batch size"
@@ -343,7 +347,7 @@ class BayesianClassifier(PyroModule):
                 f"({x.shape[0]},), got {tuple(y.shape)}"
                 + (": pass y.squeeze(-1)" if y.shape == (x.shape[0], 1) else "")
             )
-        with _data_plate(x, self.num_data):
+        with _data_plate(x, self.num_data, y is not None):
             pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
         return logits
 
@@ -425,7 +429,7 @@ class BayesianRegressor(PyroModule):
                 f"{tuple(y.shape)}" + (": pass y.squeeze(-1)" if y.shape == (x.shape[0], 1)
                                        else "")
             )
-        with _data_plate(x, self.num_data):
+        with _data_plate(x, self.num_data, y is not None):
             pyro.sample("obs", dist.Normal(mean, self.noise_scale), obs=y)
         return mean
 

@@ -231,7 +231,24 @@ def test_model_shape_errors():
         model(torch.randn(3, 2))
     model = BayesianClassifier(bayesianize(mlp((2, 3))), num_data=4)
     with pytest.raises(ValueError, match="num_data=4"):
-        model(torch.randn(5, 2))
+        model(torch.randn(5, 2), torch.randint(0, 3, (5,)))  # a training batch
+
+
+@pytest.mark.parametrize("make_model", [
+    lambda: BayesianClassifier(bayesianize(mlp((2, 8, 3))), num_data=4),
+    lambda: BayesianRegressor(bayesianize(mlp((2, 8, 1))), num_data=4, learn_noise=True),
+], ids=["classifier", "regressor"])
+def test_prediction_on_more_rows_than_the_training_set(make_model):
+    # a test set larger than the training set: refused as if num_data were wrong
+    model = make_model()
+    x, x_test = torch.randn(4, 2), torch.randn(9, 2)
+    y = torch.randint(0, 3, (4,)) if isinstance(model, BayesianClassifier) else torch.randn(4)
+    guide = AutoNormal(model)
+    guide(x, y)
+    samples = Predictive(model, guide=guide, num_samples=3)(x_test)
+    assert samples["obs"].shape == (3, 9)
+    tr = poutine.trace(model).get_trace(x_test)  # prediction: nothing observed, no scaling
+    assert tr.nodes["obs"]["scale"] == 1.0
 
 
 @pytest.mark.parametrize("num_data", [None, 40])
