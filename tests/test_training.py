@@ -457,6 +457,10 @@ BAD = {
     "empty loader": (lambda x, y: [], {}, ValueError, "no batches"),
     "iterator": (lambda x, y: _Once([(x, y)]), {}, TypeError, "read only once"),
     "not a pair": (lambda x, y: (x, y, y), {}, TypeError, "pair"),
+    # its keys were read as batches: "batch 0 of data must be a pair (x, y), got str"
+    "a dict": (lambda x, y: {"x": x, "y": y}, {}, TypeError,
+               r"got dict with keys \['x', 'y'\]: pass the pair, e.g. \(data\['x'\], "
+               r"data\['y'\]\)$"),
     "bad batch": (lambda x, y: [(x, y), (x,)], {}, TypeError, "batch 1"),
     "wrong width": (lambda x, y: (x[:, :4], y), {}, ValueError, "fails on the first batch"),
     "float64": (lambda x, y: (x.double(), y), {}, ValueError,
@@ -470,8 +474,8 @@ BAD = {
     # a typo was accepted, and for an initialized guide never even read
     "init option name": (lambda x, y: (x, y), {"init_options": {"batchsize": 64}}, TypeError,
                          r"^fit: init_options \['batchsize'\] are not options of "
-                         r"init_guide_iblm \(init='iblm'\); its options: process_group, "
-                         r"batch_size, "),
+                         r"init_guide_iblm \(init='iblm'\); its options: batch_size, "
+                         r"output_rows, "),
     "validation": (lambda x, y: (x, y), {"validation": (x_ := torch.zeros(3, 5), x_[:2, 0])},
                    ValueError, "validation"),
 }

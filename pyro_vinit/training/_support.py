@@ -14,6 +14,7 @@ from typing import (
     Iterable,
     Iterator,
     List,
+    Mapping,
     Optional,
     Tuple,
     Union,
@@ -107,10 +108,12 @@ class _Batches:
             #: partial last batch, take fit's eager step).
             self.full_batches = max(1, self.num_data // batch_size - self.fold)
         else:
-            if isinstance(data, torch.Tensor) or not isinstance(data, Iterable):
+            if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
+                keys = (f" with keys {list(data)[:4]}: pass the pair, e.g. "
+                        "(data['x'], data['y'])" if isinstance(data, Mapping) else "")
                 raise TypeError(
                     "fit: data must be an (x, y) pair of tensors or an iterable of (x, y) "
-                    f"batches (e.g. a DataLoader), got {type(data).__name__}"
+                    f"batches (e.g. a DataLoader), got {type(data).__name__}{keys}"
                 )
             if iter(data) is data:
                 raise TypeError(
