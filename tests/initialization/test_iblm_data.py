@@ -83,3 +83,23 @@ def test_a_batch_unlike_the_first_is_refused_by_name():
     assert guide.prototype_trace is None
     with pytest.raises(ValueError, match="batch 1 of the data has 1 arguments, batch 0 has 2"):
         init_guide_iblm(guide, [(x[:32], y[:32]), (x[32:],)], batch_size=32)
+
+
+def test_describe_names_shapes_dtypes_and_other_types():
+    from pyro_vinit.initialization._data import describe
+
+    x, y = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    assert describe([x, y]) == "(4, 3) torch.float32, (4,) torch.int64"
+    assert describe([x, 2.0, None]) == "(4, 3) torch.float32, float, NoneType"
+    assert describe([x, y], ("x", "y")) == "x (4, 3) torch.float32, y (4,) torch.int64"
+
+
+def test_check_like_first_names_the_argument_that_differs():
+    from pyro_vinit.initialization._data import check_like_first
+
+    first = (torch.zeros(4, 3), torch.zeros(4))
+    check_like_first(1, (torch.zeros(2, 3), torch.zeros(2)), first)  # rows may differ
+    with pytest.raises(ValueError, match=r"^fit: batch 2 of the data has y of shape \(4,\) "
+                       r"torch.float64, batch 0 of shape \(4,\) torch.float32: "):
+        check_like_first(2, (torch.zeros(4, 3), torch.zeros(4, dtype=torch.float64)), first,
+                         ("x", "y"), "fit: ")

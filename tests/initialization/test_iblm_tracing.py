@@ -141,3 +141,6 @@ def test_error_text_puts_the_dtype_advice_after_the_first_line():
     conv = ("Input type (torch.DoubleTensor) and weight type (torch.FloatTensor) should be "
             "the same")
     assert error_text(RuntimeError(conv)) == "RuntimeError: " + conv + advice
+    # "should be the same" alone is no dtype mismatch (e.g. sizes)
+    assert (error_text(RuntimeError("the sizes should be the same"))
+            == "RuntimeError: the sizes should be the same")
