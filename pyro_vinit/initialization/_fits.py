@@ -48,8 +48,9 @@ class NoiseFit:
 
     name: str
     level: torch.Tensor
-    #: the std to give the unconstrained value, for a guide that has one
-    spread: Optional[torch.Tensor] = None
+    #: the std to give the unconstrained value, for a guide that has one: the
+    #: posterior std of log sigma from n residuals, about 1 / sqrt(2 n), at most 0.1
+    spread: torch.Tensor
 
 
 def stage(site_shape: Callable[[str], torch.Size], values: Dict[str, torch.Tensor],
@@ -81,17 +82,10 @@ def write_fits(prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit],
     if noise is not None:
         level = noise.level
         if prep.likelihood.noise == "site":
-            set_loc_and_scale(guide, noise.name, level, noise_spread(prep, level))
-        elif prep.likelihood.noise == "held":  # (written by the guide list: see below)
-            noise.spread = noise_spread(prep, level)
+            set_loc_and_scale(guide, noise.name, level, noise.spread)
         elif prep.likelihood.noise == "param":
             write_param(noise.name, level)
-
-
-def noise_spread(prep: Prepared, level: torch.Tensor) -> torch.Tensor:
-    """The std of a noise site's unconstrained value at ``level``: the posterior
-    std of log sigma from n residuals, about 1 / sqrt(2 n), at most 0.1."""
-    return torch.full_like(level, min(0.1, (2.0 * prep.pool.num_rows) ** -0.5))
+        # (a "held" noise site: written by the guide list, write_held_noise)
 
 
 def write_held_noise(members: List[AutoGuide], noise: NoiseFit) -> Optional[int]:
@@ -103,9 +97,7 @@ def write_held_noise(members: List[AutoGuide], noise: NoiseFit) -> Optional[int]
         if member.prototype_trace is None or noise.name not in member.prototype_trace.nodes:
             continue
         if is_supported(member) and noise.name in latent_sites(member):
-            spread = noise.spread if noise.spread is not None else torch.full_like(
-                noise.level, 0.1)
-            set_loc_and_scale(member, noise.name, noise.level, spread)
+            set_loc_and_scale(member, noise.name, noise.level, noise.spread)
             return i
         if isinstance(member, AutoDelta):  # its value, unconstrained as the site's support
             param = unconstrained_param(member, noise.name)

@@ -66,18 +66,19 @@ def noise_fit(prep: Prepared, values: Dict[str, torch.Tensor], sigma: torch.Tens
     """For a noise site or param, the value that gives the noise std ``sigma`` to
     the likelihood (:func:`link_inverse`); else None."""
     likelihood = prep.likelihood
-    if likelihood is not None and likelihood.noise in ("site", "param"):
+    if likelihood is None or likelihood.noise not in ("site", "param", "held"):
+        return None
+    try:
         level = link_inverse(prep, values, sigma, collective)
-        return NoiseFit(cast(str, likelihood.noise_name), level)
-    if likelihood is not None and likelihood.noise == "held":
-        try:
-            level = link_inverse(prep, values, sigma, collective)
-        except ValueError as error:  # e.g. a narrow support: the member's own value stays
-            warn_at_caller(f"{error}; the noise site, which another member of the guide "
-                           "list owns, keeps that member's value", UserWarning)
-            return None
-        return NoiseFit(cast(str, likelihood.noise_name), level)
-    return None
+    except ValueError as error:
+        if likelihood.noise != "held":
+            raise
+        # e.g. a narrow support of another member's site: that member's value stays
+        warn_at_caller(f"{error}; the noise site, which another member of the guide list "
+                       "owns, keeps that member's value", UserWarning)
+        return None
+    spread = torch.full_like(level, min(0.1, (2.0 * prep.pool.num_rows) ** -0.5))
+    return NoiseFit(cast(str, likelihood.noise_name), level, spread)
 
 
 def residual_std(prep: Prepared, values: Dict[str, torch.Tensor], chunk_rows: int,

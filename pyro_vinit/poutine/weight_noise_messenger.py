@@ -273,7 +273,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
         for value in (weight, bias):
             if isinstance(value, SiteValue):
                 self._reached.update(msg["name"] for msg in value.msgs)
-        if isinstance(weight, SiteValue):
+        if isinstance(weight, SiteValue) and isinstance(self.config, dict):
+            # (for the report of a dict config's names: _unknown_names)
             self._weights.update(msg["name"] for msg in weight.msgs)
             if isinstance(bias, SiteValue) and weight.msgs:
                 for msg in bias.msgs:

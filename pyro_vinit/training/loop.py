@@ -469,7 +469,7 @@ def fit(
                         learned_noise=learned_noise, average=average,
                         weight_noise=weight_noise)
     history.config = config
-    optim_given = optim
+    default_lr = config.lr if optim is None else None  # (for a diverged run's message)
     optim = optim if optim is not None else config.optimizer()
     # under module_local_params the modules hold their parameters, not the param store
     averager = config.averager(nn.ModuleList(modules) if local else None)
@@ -516,9 +516,7 @@ def fit(
                 with config.handlers():
                     loss = stepper.step(xb, yb)
             except ValueError as error:
-                _raise_if_diverged(step, modules, stale,
-                                   config.lr if optim_given is None else None, lr is not None,
-                                   error)
+                _raise_if_diverged(step, modules, stale, default_lr, lr is not None, error)
                 raise
             if not math.isfinite(loss):
                 warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
