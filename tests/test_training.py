@@ -456,7 +456,22 @@ BAD = {
                          ValueError, "outside the support .* e.g. 3"),
     "empty loader": (lambda x, y: [], {}, ValueError, "no batches"),
     "iterator": (lambda x, y: _Once([(x, y)]), {}, TypeError, "read only once"),
-    "not a pair": (lambda x, y: (x, y, y), {}, TypeError, "pair"),
+    "not a pair": (lambda x, y: (x, y, y), {}, TypeError,
+                   r"must be a pair \(x, y\) of tensors, got a tuple of 3 \(Tensor, Tensor, "
+                   r"Tensor\): fit calls model\(x, y\), with two tensors"),
+    # read as an iterable of two batches: "batch 0 of data must be a pair, got ndarray"
+    "arrays": (lambda x, y: (x.numpy(), y.numpy()), {}, TypeError,
+               r"^fit: data must be a pair \(x, y\) of tensors, got a tuple of 2 \(ndarray, "
+               r"ndarray\): convert arrays with torch.as_tensor$"),
+    # "got tuple of length 2", which it is
+    "validation arrays": (lambda x, y: (x, y), {"validation": (torch.zeros(3, 5).numpy(),
+                                                               torch.zeros(3).numpy())},
+                          TypeError, r"validation must be a pair \(x, y\) of tensors, got a "
+                          r"tuple of 2 \(ndarray, ndarray\): convert arrays"),
+    # read as batches of rows: "batch 0 of data must be a pair (x, y), got ndarray"
+    "an array": (lambda x, y: x.numpy(), {}, TypeError,
+                 r"^fit: data must be an \(x, y\) pair of tensors or an iterable of \(x, y\) "
+                 r"batches \(e.g. a DataLoader\), got ndarray$"),
     # its keys were read as batches: "batch 0 of data must be a pair (x, y), got str"
     "a dict": (lambda x, y: {"x": x, "y": y}, {}, TypeError,
                r"got dict with keys \['x', 'y'\]: pass the pair, e.g. \(data\['x'\], "
@@ -725,6 +740,42 @@ def test_fit_refuses_a_latent_site_in_the_plate_over_the_batch():
     assert snapshot() == {} and not is_initialized(guide)
     # on the full data set every call has the same rows: a per-example latent is fine
     fit(model, guide, (x, y), steps=2, batch_size=240, progress=False)
+
+
+def test_fit_refuses_a_latent_site_with_batch_dims_outside_its_plates():
+    # Regression (outside-user trial): a weight prior without .to_event(2) passed fit's
+    # checks, I-BLM wrote the guide, then Pyro's ELBO refused the site's shape at the
+    # first step ("at site "w", invalid log_prob shape Expected [], actual [3, 5]")
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 5]))
+        with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)), obs=y)
+
+    x, y = blobs()
+    guide = AutoKTiedNormal(model, rank=2)
+    with pytest.raises(ValueError, match=(
+            r"^fit: the latent sample site 'w' has a distribution of batch shape \(3, 5\) "
+            r"outside any pyro.plate, which Pyro's ELBO refuses: make those dims the "
+            r"sample's event, e.g. dist.Normal\(0., 1.\).expand\(\[3, 5\]\).to_event\(2\)$")):
+        fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    # in a plate over the weight's columns, a dim of rows left over: Pyro's own words then
+    def in_a_plate(x, y=None):
+        with pyro.plate("inputs", 5, dim=-1):
+            w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 5]))
+        with pyro.plate("data", 240, subsample=torch.arange(len(x)), dim=-2):
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x, w).unsqueeze(-2)),
+                        obs=y[:, None])
+
+    guide = AutoNormal(in_a_plate)
+    with pytest.raises(ValueError, match=r"^fit: the latent sample site 'w' does not fit its "
+                       r"plates: at site \"w\", invalid log_prob shape"):
+        fit(in_a_plate, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert snapshot() == {}
+    # Pyro's ELBO checks the shapes only under validation, and so does fit
+    with pyro.validation_enabled(False):
+        fit(model, AutoNormal(model), (x, y), steps=2, batch_size=64, init=None,
+            progress=False)
 
 
 def test_fit_takes_a_latent_site_in_a_plate_as_large_as_the_batch_but_not_over_it():

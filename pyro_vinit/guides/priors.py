@@ -169,8 +169,9 @@ def set_priors(
 
     Site names are the model's (``"net.0.weight"``), i.e. the guide's. Every
     name must be a :class:`~pyro.nn.PyroSample` attribute of the model whose
-    shape (if the prior records it, as ``bayesianize``'s does) matches; nothing
-    is changed unless all do. Call it before the model first runs under a guide,
+    shape and event shape (if the prior records them, as ``bayesianize``'s
+    does: the whole weight is one event) match; nothing is changed unless all
+    do. Call it before the model first runs under a guide,
     or re-create the guide afterwards.
 
     :param PyroModule model: The model.
@@ -178,7 +179,7 @@ def set_priors(
     :rtype: PyroModule
     :raises TypeError: for a model that is not a module (e.g. a function).
     :raises KeyError: for a name that is not a PyroSample of the model.
-    :raises ValueError: for a distribution of the wrong shape.
+    :raises ValueError: for a distribution of the wrong shape or event shape.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
@@ -206,15 +207,26 @@ def set_priors(
                             f"{type(prior).__name__}")
         current = samples[leaf]
         expected: Optional[torch.Size]
+        event: Optional[torch.Size]  # the site's event shape, where the prior records it
         if isinstance(current, Distribution):
-            expected = current.batch_shape + current.event_shape
-        else:
+            expected, event = current.batch_shape + current.event_shape, current.event_shape
+        else:  # bayesianize's prior: the whole weight is one event
             expected = getattr(current, "shape", None)
+            event = expected
         shape = prior.batch_shape + prior.event_shape
         if expected is not None and tuple(shape) != tuple(expected):
             raise ValueError(
                 f"set_priors: the prior of {name!r} has shape {tuple(shape)}, but the site "
                 f"has shape {tuple(expected)}"
+            )
+        if event is not None and tuple(prior.event_shape) != tuple(event):
+            # batch dims outside the site's plates, which Pyro's ELBO refuses, or a
+            # plate's dims taken into the event
+            missing = len(event) - len(prior.event_shape)
+            raise ValueError(
+                f"set_priors: the prior of {name!r} has event shape "
+                f"{tuple(prior.event_shape)}, but the site's is {tuple(event)}"
+                + (f": pass prior.to_event({missing})" if missing > 0 else "")
             )
         targets.append((parent, leaf, prior))
     for parent, leaf, prior in targets:

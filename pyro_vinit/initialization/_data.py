@@ -93,6 +93,9 @@ class DataPool:
                 raise TypeError(
                     "each batch of the data iterable must be a tuple of model arguments, "
                     f"got {type(batch).__name__}"
+                    + (" (a list of tensors is read as an iterable of batches: pass one "
+                       "batch as a tuple, e.g. (x, y))"
+                       if isinstance(batch, torch.Tensor) and isinstance(batches, list) else "")
                 )
             rows, aligned = _aligned(batch)
             if first is None:

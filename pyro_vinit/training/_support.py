@@ -51,14 +51,25 @@ def _is_pair(data: Any) -> bool:
             and all(isinstance(t, torch.Tensor) for t in data))
 
 
+def _not_a_pair(batch: Any) -> str:
+    """What ``batch``, which is no pair of tensors, is, and the way to one."""
+    if not isinstance(batch, (tuple, list)):
+        return type(batch).__name__ + (
+            ": convert it with torch.as_tensor" if hasattr(batch, "__array__") else "")
+    kinds = ", ".join(type(t).__name__ for t in batch[:4]) + (", ..." if len(batch) > 4 else "")
+    text = f"a {type(batch).__name__} of {len(batch)} ({kinds})"
+    if any(hasattr(t, "__array__") and not isinstance(t, torch.Tensor) for t in batch):
+        return text + ": convert arrays with torch.as_tensor"
+    if batch and all(isinstance(t, torch.Tensor) for t in batch):
+        return text + (": fit calls model(x, y), with two tensors; a model of more inputs "
+                       "takes them as one tensor x, or from its own attributes")
+    return text
+
+
 def _check_batch(batch: Any, what: str) -> Batch:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2
             and all(isinstance(t, torch.Tensor) for t in batch)):
-        raise TypeError(
-            f"fit: {what} must be a pair (x, y) of tensors, got "
-            f"{type(batch).__name__}" + (f" of length {len(batch)}"
-                                         if isinstance(batch, (tuple, list)) else "")
-        )
+        raise TypeError(f"fit: {what} must be a pair (x, y) of tensors, got {_not_a_pair(batch)}")
     x, y = batch
     if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
         raise ValueError(
@@ -91,7 +102,8 @@ class _Batches:
         self.pair: Optional[Batch] = None
         self.loader: Optional[Iterable[Batch]] = None
         self.batch_size = batch_size
-        if _is_pair(data):
+        if isinstance(data, (tuple, list)) and data and all(
+                hasattr(t, "__array__") for t in data):  # tensors or arrays: one pair, or none
             self.pair = _check_batch(data, "data")
             self.num_data = self.pair[0].shape[0]
             #: Whether an epoch's last batch, of one row, joins the batch before it
@@ -108,7 +120,8 @@ class _Batches:
             #: partial last batch, take fit's eager step).
             self.full_batches = max(1, self.num_data // batch_size - self.fold)
         else:
-            if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
+            if (isinstance(data, (torch.Tensor, Mapping)) or hasattr(data, "__array__")
+                    or not isinstance(data, Iterable)):
                 keys = (f" with keys {list(data)[:4]}: pass the pair, e.g. "
                         "(data['x'], data['y'])" if isinstance(data, Mapping) else "")
                 raise TypeError(

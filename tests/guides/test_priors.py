@@ -145,6 +145,10 @@ def test_set_priors_errors_change_nothing():
         set_priors(model, {**good, "net.9.weight": good["net.0.weight"]})
     with pytest.raises(ValueError, match="has shape"):
         set_priors(model, {"net.0.weight": good["net.2.weight"]})
+    # bayesianize's prior makes the whole weight one event
+    with pytest.raises(ValueError, match=r"^set_priors: the prior of 'net.0.weight' has event "
+                       r"shape \(\), but the site's is \(6, 4\): pass prior.to_event\(2\)$"):
+        set_priors(model, {**good, "net.0.weight": dist.Normal(0.0, 1.0).expand([6, 4])})
     with pytest.raises(TypeError, match="must be a Distribution"):
         set_priors(model, {"net.0.weight": torch.zeros(6, 4)})
     # A torch.distributions one passes the isinstance(Distribution) test, but PyroSample
@@ -191,8 +195,18 @@ def test_set_priors_checks_shapes_of_distribution_priors_and_takes_callables():
     model = _Holder()
     with pytest.raises(ValueError, match=r"has shape \(2, 3\), but the site has shape \(3, 2\)"):
         set_priors(model, {"w": dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2)})
-    # the event dims are part of the site's shape: (3,) batch + (2,) event is (3, 2)
-    set_priors(model, {"w": dist.Normal(torch.ones(3, 2), 1.0).to_event(1)})
+    # (3,) batch + (2,) event is the site's shape, but the (3,) are batch dims outside
+    # any plate, which Pyro's ELBO refuses at the first step (outside-user trial)
+    with pytest.raises(ValueError, match=r"^set_priors: the prior of 'w' has event shape "
+                       r"\(2,\), but the site's is \(3, 2\): pass prior.to_event\(1\)$"):
+        set_priors(model, {"w": dist.Normal(torch.ones(3, 2), 1.0).to_event(1)})
+    set_priors(model, {"w": dist.Normal(torch.ones(3, 2), 1.0).to_event(2)})
+    # and an event over a site's batch dims, which would be drawn again in its plates
+    batched = _Holder()
+    batched.w = PyroSample(dist.Normal(0.0, 1.0).expand([3, 2]).to_event(1))
+    with pytest.raises(ValueError, match=r"^set_priors: the prior of 'w' has event shape "
+                       r"\(3, 2\), but the site's is \(2,\)$"):
+        set_priors(batched, {"w": dist.Normal(torch.ones(3, 2), 1.0).to_event(2)})
     # a callable prior records no shape: any distribution is taken
     set_priors(model, {"v": dist.Normal(torch.full((4,), 2.0), 1.0).to_event(1)})
     trace = poutine.trace(model).get_trace()

@@ -54,8 +54,13 @@ def test_batch_that_is_not_a_tuple_is_refused_by_type():
     x, y = torch.randn(10, 2), torch.randn(10)
     # a list [x, y] is an iterable of batches x and y, not one tuple of arguments
     with pytest.raises(TypeError, match=r"^each batch of the data iterable must be a tuple of "
-                       r"model arguments, got Tensor$"):
+                       r"model arguments, got Tensor \(a list of tensors is read as an "
+                       r"iterable of batches: pass one batch as a tuple, e.g. \(x, y\)\)$"):
         DataPool([x, y])
+    # (the advice is for a list; a generator of tensors is no list of two)
+    with pytest.raises(TypeError, match=r"^each batch of the data iterable must be a tuple of "
+                       r"model arguments, got Tensor$"):
+        DataPool(iter([x, y]))
 
 
 @pytest.mark.parametrize("data", [[], iter([])])
