@@ -137,8 +137,13 @@ def check_log_density_shape(site: Any, what_y: str = "y", prefix: str = "") -> N
         what = (f"broadcasts {what_y} to {broadcast}, which would score each row against "
                 "other rows' predictions" if broadcast is not None
                 else f"does not broadcast with {what_y}")
+        if len(full) > len(value):  # the distribution has dims that the targets lack
+            fix = (f"give the distribution's parameters the shape of {what_y} (e.g. "
+                   "logits.squeeze(-1) for a network of one output column)")
+        else:
+            fix = (f"give {what_y} the batch shape followed by the event shape"
+                   + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
         raise ValueError(
             f"{prefix}{what_y} of shape {value} does not fit the likelihood {site['name']!r}: "
             f"its distribution, of batch shape {tuple(fn.batch_shape)} and event shape "
-            f"{tuple(fn.event_shape)}, {what}; give {what_y} the batch shape followed by the "
-            "event shape" + (" (y.squeeze(-1) for a column)" if value[-1:] == (1,) else ""))
+            f"{tuple(fn.event_shape)}, {what}; {fix}")

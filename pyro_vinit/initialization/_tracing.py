@@ -189,9 +189,10 @@ def normal_prior(msg: SampleSite, shape: torch.Size) -> Tuple[torch.Tensor, torc
     if not isinstance(fn, Normal):
         raise ValueError(
             f"I-BLM needs a Normal prior (possibly expanded and .to_event) at the layer "
-            f"site {msg['name']!r}, but its prior is {type(msg['fn']).__name__} over "
-            f"{type(fn).__name__}; use a Normal prior there, or another initializer "
-            "(init_guide(..., method='heuristic'))"
+            f"site {msg['name']!r}, but its prior is {type(msg['fn']).__name__}"
+            + (f" over {type(fn).__name__}" if fn is not msg["fn"] else "")
+            + "; use a Normal prior there, or start the guide another way: init_guide("
+            "guide, (x, y), method='map') (which fit then keeps), or fit(..., init=None)"
         )
     return fn.loc.expand(shape), fn.scale.expand(shape)
 
@@ -395,18 +396,15 @@ def _roles(
     outputs = sorted(cast(int, i) for kind, i in mean_tokens if kind == "layer")
     if not outputs:
         what = "mean" if family == "normal" else "logits or probs"
-        raise ValueError(
-            f"no Bayesian layer's output reaches the {what} of the likelihood "
-            f"{site['name']!r}; I-BLM needs the last layer to feed it"
-        )
+        raise ValueError(f"no Bayesian layer's output reaches the {what} of the likelihood "
+                         f"{site['name']!r}; I-BLM needs the last layer to feed it")
     if len(outputs) > 1:
         names = [layers[i].weight_name for i in outputs]
         raise ValueError(
             f"the outputs of several Bayesian layers ({names}) reach the likelihood's mean "
             f"directly; I-BLM fits one output layer to the targets. Sum them inside one "
             "layer, or initialize with init_guide(guide, (x, y), method='xavier'), which fit "
-            "then keeps"
-        )
+            "then keeps")
     layers[outputs[0]].role = "output"
     likelihood = Likelihood(site["name"], family)
     if family != "normal":
@@ -429,8 +427,7 @@ def _roles(
             + (f" and on {[n for _, n in sources]}" if sources else "")
             + "; I-BLM can set one scale head (a layer whose output only sets the scale) "
             "or one noise site. Initialize this model with init_guide(guide, (x, y), "
-            "method='xavier'), which fit then keeps"
-        )
+            "method='xavier'), which fit then keeps")
     if scale_layers:
         layers[scale_layers[0]].role = "scale"
         likelihood.noise, likelihood.noise_name = "layer", layers[scale_layers[0]].weight_name
@@ -438,8 +435,7 @@ def _roles(
         raise ValueError(
             f"the likelihood's scale depends on several sites or params {[n for _, n in sources]}"
             "; I-BLM can estimate one noise site. Pass noise_scale=... to fix the regression "
-            "noise and initialize the noise sites yourself"
-        )
+            "noise and initialize the noise sites yourself")
     elif sources:
         likelihood.noise, likelihood.noise_name = sources[0]
     else:
@@ -487,7 +483,10 @@ def trace_structure(
             raise NoLayersError(
                 "the model has no F.linear / F.conv layer or matrix product whose weight is "
                 "a latent sample site, so there is nothing to initialize; make the layers "
-                "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample" + hint
+                "Bayesian with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample (a weight "
+                "computed from latent sites, e.g. tau * w_raw, is none: sample it as "
+                "Normal(0, tau), or train from the guide's own initial values, fit(..., "
+                "init=None))" + hint
             )
         site = observed_site(recorder)
         check_not_conditioned(model, site["name"])
@@ -519,8 +518,8 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
            and structure.likelihood.noise == "site" else "")
         + f"; these latent sites keep the guide's own initial values: "
         f"{structure.uncovered}. Such sites are used by calls it cannot see (e.g. "
-        "nn.MultiheadAttention's internal projections) or are not layer weights"
-    )
+        "nn.MultiheadAttention's internal projections) or are not layer weights (e.g. "
+        "a hierarchical prior's scale, whose current value the regressions take)")
     if strict:
         raise ValueError(message + "; the guide was left unchanged.")
     warn_at_caller(message + ". Pass strict=True to make this an error.", UserWarning)

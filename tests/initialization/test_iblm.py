@@ -778,8 +778,40 @@ def test_unsupported_likelihood_and_prior():
     net = bayesianize(mlp((3, 4, 2)))
     net[0].weight = PyroSample(dist.Laplace(0.0, 1.0).expand([4, 3]).to_event(2))
     guide = AutoNormal(BayesianClassifier(net))
-    with pytest.raises(ValueError, match="Normal prior"):
+    advice = ("; use a Normal prior there, or start the guide another way: init_guide(guide, "
+              "(x, y), method='map') (which fit then keeps), or fit(..., init=None)")
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "I-BLM needs a Normal prior (possibly expanded and .to_event) at the layer site "
+            "'net.0.weight', but its prior is Independent over Laplace" + advice) + "$"):
         init_guide_iblm(guide, (x, torch.randint(0, 2, (200,))))
+    # without .to_event, "Laplace over Laplace"
+    net = bayesianize(mlp((3, 4, 2)))
+    net[0].weight = PyroSample(dist.Laplace(0.0, 1.0).expand([4, 3]))
+    guide = AutoNormal(BayesianClassifier(net))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "I-BLM needs a Normal prior (possibly expanded and .to_event) at the layer site "
+            "'net.0.weight', but its prior is Laplace" + advice) + "$"):
+        init_guide_iblm(guide, (x, torch.randint(0, 2, (200,))))
+
+
+def test_a_weight_computed_from_latent_sites_is_no_layer_and_the_error_says_so():
+    # the forum's non-centered weights (outside-user trial): the message had only said to
+    # make the layers Bayesian, which they look to be
+    def model(x, y=None):
+        tau = pyro.sample("tau", dist.HalfCauchy(1.0))
+        w_raw = pyro.sample("w_raw", dist.Normal(0.0, 1.0).expand([1, 3]).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, tau * w_raw).squeeze(-1), 1.0), obs=y)
+
+    x, y = torch.randn(20, 3), torch.randn(20)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "the model has no F.linear / F.conv layer or matrix product whose weight is a "
+            "latent sample site, so there is nothing to initialize; make the layers Bayesian "
+            "with pyro_vinit.nn.bayesianize or pyro.nn.PyroSample (a weight computed from "
+            "latent sites, e.g. tau * w_raw, is none: sample it as Normal(0, tau), or train "
+            "from the guide's own initial values, fit(..., init=None))") + "$"):
+        init_guide_iblm(AutoNormal(model), (x, y))
+    assert list(pyro.get_param_store().keys()) == []
 
 
 def test_guide_list_member_failure_restores_the_earlier_members_writes():

@@ -224,6 +224,25 @@ def test_hidden_layer_of_a_regression_with_a_learned_noise_is_fitted_with_its_fi
                  (4 + n / noise**2).reciprocal().expand(h), atol=0, rtol=1e-12)
 
 
+def test_a_distribution_with_a_dim_the_targets_lack_is_blamed_not_the_targets():
+    # Regression (outside-user trial): one output column's logits, (8, 1) in the plate over
+    # the 8 rows, broadcast to (8, 8), and the advice was to give y that shape
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,)).float()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, 4]).to_event(2))
+        with pyro.plate("data", 8):
+            pyro.sample("obs", dist.Bernoulli(logits=F.linear(x, w)), obs=y)
+
+    message = ("y of shape (8,) does not fit the likelihood 'obs': its distribution, of batch "
+               "shape (8, 8) and event shape (), broadcasts y to (8, 8), which would score "
+               "each row against other rows' predictions; give the distribution's parameters "
+               "the shape of y (e.g. logits.squeeze(-1) for a network of one output column)")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        init_guide_iblm(AutoNormal(model), (x, y), batch_size=8)
+    assert list(pyro.get_param_store().keys()) == []
+
+
 def test_targets_that_do_not_broadcast_with_the_likelihood_are_refused_without_the_row_story():
     x, y = torch.randn(8, 4), torch.randn(8, 2)
 

@@ -740,6 +740,29 @@ def _diabetes():
     return USER_MODELS["matmul_halfnormal_noise"].data()  # standardized, 309 / 133 rows
 
 
+def test_a_hierarchical_prior_scale_is_named_as_a_prior_scale_the_regressions_take():
+    # the warning had said only "used by calls it cannot see ... or not layer weights", and
+    # an outside user read it as tau being ignored: the regressions use its current value
+    x, y, _, _ = _diabetes()
+    model = _hierarchical_regression()
+    guide = AutoNormal(model)
+    guide(x, y)
+    with torch.no_grad():
+        guide.locs.tau.fill_(math.log(0.01))  # tau's median 0.01: a tight prior
+    with pytest.warns(UserWarning) as record:
+        init_guide_iblm(guide, (x, y))
+    messages = [str(w.message) for w in record if "keep the guide's own" in str(w.message)]
+    assert messages == [
+        "init_guide_iblm initializes the weights and biases of the layers it sees (F.linear, "
+        "F.conv1d/2d/3d and matrix products of the data with a latent weight) and the noise "
+        "site; these latent sites keep the guide's own initial values: ['tau']. Such sites "
+        "are used by calls it cannot see (e.g. nn.MultiheadAttention's internal projections) "
+        "or are not layer weights (e.g. a hierarchical prior's scale, whose current value the "
+        "regressions take). Pass strict=True to make this an error."]
+    # and they do: the prior's scale at tau's value bounds each weight's posterior scale
+    assert float(guide.scales.w1.max()) <= 0.01 / math.sqrt(10) * (1 + 1e-5)
+
+
 def test_guide_list_initializes_its_supported_members():
     from pyro.infer.autoguide import AutoDelta, AutoGuideList
 

@@ -465,7 +465,8 @@ def test_unreached_weight_like_sites_are_named(handler, case):
 
 
 _NEVER = ("it never reached a layer call the handler sees (F.linear, F.conv1d/2d/3d or a "
-          "matrix product with one weight, e.g. nn.Linear, x @ w); e.g. "
+          "matrix product with one weight, e.g. nn.Linear, x @ w), or only as the operand of "
+          "another operation first (tau * w: sample w from Normal(0, tau) instead); e.g. "
           "nn.MultiheadAttention uses its projection weights inside "
           "F.multi_head_attention_forward")
 
