@@ -38,10 +38,17 @@ class LocalReparamMessenger(WeightNoiseMessenger):
         \qquad \zeta \sim \mathcal N(0, I),
 
     which has exactly the distribution of :math:`f(x, W) + c` for each
-    example, with the examples independent: the ELBO's expectation and so
-    its gradient are unchanged, and the gradient variance scales as
-    :math:`1/M` in the minibatch size. Stride, padding, dilation and groups
-    are honoured. The weight may be the sample as drawn or a view of it
+    example whose outputs share no weight element (a row of a linear
+    layer's input), with the examples independent: the ELBO's expectation
+    and so its gradient are unchanged, and the gradient variance scales as
+    :math:`1/M` in the minibatch size. Where the outputs of one example do
+    share weights, a convolution's positions or the tokens of a linear
+    layer's ``(batch, tokens, features)`` input, draws per output would
+    lose their correlation and change the ELBO; there the handler takes
+    Flipout's sign flips of one weight sample [2], drawn per example and
+    shared by its positions (:class:`~pyro_vinit.poutine.Flipout`), which
+    keeps each example's distribution exact. Stride, padding, dilation and
+    groups are honoured. The weight may be the sample as drawn or a view of it
     (transposed, reshaped, sliced or cast, e.g. ``x @ w.t()`` or the slices
     of :class:`~pyro.infer.autoguide.AutoDiagonalNormal`'s flat latent):
     :math:`\mu` and :math:`\sigma` are then viewed the same way.
@@ -50,7 +57,7 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     (:class:`~pyro_vinit.guides.AutoKTiedNormal`), :math:`\sigma = UV^\top`
     and so :math:`\sigma\circ\sigma = \sum_{a\le b} c_{ab}(u_a\circ u_b)(v_a\circ v_b)^\top`
     (:math:`c_{aa} = 1`, :math:`c_{ab} = 2`) has rank :math:`r = k(k+1)/2`:
-    :math:`f(x^2, \sigma^2)` is computed as :math:`r` thin layers, without
+    a linear layer's :math:`f(x^2, \sigma^2)` is computed as :math:`r` thin layers, without
     forming :math:`\sigma^2`, when that takes fewer multiplications
     (``low_rank=None``), always (``True``) or never (``False``).
 
@@ -66,7 +73,8 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     site inside the handler.
 
     *Work not done.* The weight sample drawn by the guide is deferred (a
-    :class:`~pyro_vinit.poutine._site_value.SiteValue`) and so are the log
+    :class:`~pyro_vinit.poutine._site_value.SiteValue`; drawn where Flipout's
+    signs need it) and so are the log
     densities of the weight sites: with
     :class:`~pyro.infer.TraceMeanField_ELBO` and a closed-form KL nothing
     needs them and they are never computed; with
@@ -118,6 +126,9 @@ class LocalReparamMessenger(WeightNoiseMessenger):
 
     [1] Kingma, Salimans, Welling (2015) "Variational Dropout and the Local
     Reparameterization Trick"
+
+    [2] Wen, Vicol, Ba, Tran, Grosse (2018) "Flipout: Efficient
+    Pseudo-Independent Weight Perturbations on Mini-Batches"
     """
 
     def __init__(

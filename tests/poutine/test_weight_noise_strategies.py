@@ -56,8 +56,9 @@ def _run(handler, *args):
 
 
 def _per_example(out):
-    # whether rows of the same input got different outputs
-    return not torch.equal(out[0], out[1])
+    # whether rows of the same input got different outputs (not all alike: Flipout's signs,
+    # which convolutions take, can repeat between two rows over few channels)
+    return not all(torch.equal(out[0], row) for row in out[1:])
 
 
 def test_auto_config_lrt_on_normal_and_flipout_on_radial_in_one_step():

@@ -21,6 +21,35 @@ def rademacher(shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.randint(0, 2, shape, dtype=like.dtype, device=like.device).mul_(2).sub_(1)
 
 
+def shared_dims(call: LayerCall) -> int:
+    """The dims of the call's input between its example dim and its feature or
+    channel dim, whose outputs share the example's weight: a convolution's
+    spatial dims, and a linear layer's dims left of its features beyond one
+    example dim (and the weight's batch dims), e.g. the tokens of ``(batch,
+    tokens, features)``."""
+    if call.op != "linear":
+        return spatial_dims(call)
+    batch = max(0, call.weight.dim() - 2)
+    return max(0, int(unwrap(call.input).dim()) - 2 - batch)
+
+
+def flipout_layer(call: LayerCall, sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """The layer's output under Flipout's sign flips of the weight ``sample``
+    about its ``mean`` (both as the call uses the weight), the signs drawn per
+    example and shared by its :func:`shared_dims`; the bias used as sampled."""
+    x, bias = unwrap(call.input), unwrap(call.bias)
+    out = run_layer(call.op, x, mean, bias, call.kwargs)
+    shared = shared_dims(call)
+    if call.op == "linear":  # the signs over the features, shared by the positions
+        s_shape = x.shape[: x.dim() - 1 - shared] + (1,) * shared + x.shape[-1:]
+        r_shape = out.shape[: out.dim() - 1 - shared] + (1,) * shared + out.shape[-1:]
+    else:  # over the channels, shared by the spatial positions
+        s_shape = x.shape[: x.dim() - shared] + (1,) * shared
+        r_shape = out.shape[: out.dim() - shared] + (1,) * shared
+    noise = run_layer(call.op, x * rademacher(s_shape, x), sample - mean, None, call.kwargs)
+    return out + noise * rademacher(r_shape, out)
+
+
 class Flipout(WeightNoise):
     r"""
     Flipout [1] for a layer whose weight has a distribution with
@@ -43,7 +72,9 @@ class Flipout(WeightNoise):
 
     with independent random signs :math:`s_n` over the input features (for a
     convolution: input channels) and :math:`r_n` over the outputs (output
-    channels), which is :math:`f(x_n, \bar W + \Delta W \odot r_n s_n^\top)`.
+    channels), shared by the example's positions (a convolution's spatial
+    positions, the tokens of a linear layer's ``(batch, tokens, features)``
+    input), which is :math:`f(x_n, \bar W + \Delta W \odot r_n s_n^\top)`.
     When :math:`\Delta W \odot r s^\top` has the law of :math:`\Delta W` for
     every sign vectors, each example's output has exactly its ordinary
     distribution, and the examples are uncorrelated. It costs two layer
@@ -73,12 +104,4 @@ class Flipout(WeightNoise):
                 f"its distribution is {type(base_distribution(fn)).__name__}, whose "
                 "perturbations are not known to be symmetric under sign flips"
             )
-        sample = weight.concrete
-        mean = view_of(weight, fn.mean)
-        x, bias = unwrap(call.input), unwrap(call.bias)
-        out = run_layer(call.op, x, mean, bias, call.kwargs)
-        nsp = spatial_dims(call)
-        s = rademacher(x.shape[: x.dim() - nsp] + (1,) * nsp, x)
-        r = rademacher(out.shape[: out.dim() - nsp] + (1,) * nsp, out)
-        noise = run_layer(call.op, x * s, sample - mean, None, call.kwargs)
-        return out + noise * r
+        return flipout_layer(call, weight.concrete, view_of(weight, fn.mean))

@@ -13,7 +13,8 @@ from pyro_vinit.poutine._layer_ops import LayerCall, is_batched, run_layer
 from pyro_vinit.poutine._site_value import SiteValue, unwrap
 from pyro_vinit.poutine._tensor_ops import is_transpose
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
-from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv, spatial_dims, view_of
+from pyro_vinit.poutine.noise.flipout import flipout_layer, shared_dims
+from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv, view_of
 
 __all__ = ["LocalReparam"]
 
@@ -43,21 +44,28 @@ class LocalReparam(WeightNoise):
     .. math::
 
         b = f(x, \mu) + \nu + \sqrt{f(x^2, \sigma^2) + \tau^2}\ \odot \zeta,
-        \qquad \zeta \sim \mathcal N(0, I).
+        \qquad \zeta \sim \mathcal N(0, I),
+
+    exact for each example whose outputs share no weight element (a row of a
+    linear layer's input). Where they do (a convolution's positions, the
+    tokens of a ``(batch, tokens, features)`` input), independent draws would
+    lose their correlation: those layers take Flipout's sign flips of one
+    weight sample, shared by the example's positions (as
+    :class:`~pyro_vinit.poutine.Flipout` draws them), exact too.
 
     When :func:`~pyro_vinit.distributions.low_rank_scale` gives
     :math:`\sigma = UV^\top` (:class:`~pyro_vinit.distributions.KTiedNormal`),
     :math:`\sigma\circ\sigma = \sum_{a\le b} c_{ab}(u_a\circ u_b)(v_a\circ v_b)^\top`
     (:math:`c_{aa} = 1`, :math:`c_{ab} = 2`) has rank :math:`r = k(k+1)/2`, and
-    :math:`f(x^2, \sigma^2)` is computed as :math:`r` thin layers when that
+    a linear layer's :math:`f(x^2, \sigma^2)` is computed as :math:`r` thin layers when that
     takes fewer multiplications (``low_rank=None``), always (``True``) or
     never (``False``). The draw of a factorized Normal weight is deferred:
-    the trick never needs it.
+    the trick on a linear layer never needs it.
 
     With ``conv=False`` the strategy leaves convolutions (transposed ones
     too) alone: their weights keep the ordinary sample, shared by the
-    minibatch, and are not reported. A convolution has far more outputs than weights, so there
-    its per-example noise costs more than the rest of the layer.
+    minibatch, and are not reported (their per-example noise costs a second
+    convolution).
 
     :param low_rank: Whether to use a low-rank scale (None: when cheaper).
     :type low_rank: bool or None
@@ -95,6 +103,10 @@ class LocalReparam(WeightNoise):
                 "RadialNormal)"
             )
         weight_loc = view_of(weight, normal.loc)
+        if shared_dims(call):
+            # outputs of one example that share weight elements are correlated, which
+            # draws per output would lose: Flipout's signs, shared by them, keep it
+            return flipout_layer(call, weight.concrete, weight_loc)
         bias, bias_var = call.bias, None
         if isinstance(bias, SiteValue) and bias.msgs and bias.is_view:
             bias_normal = _normal(bias.site_dist, bias.uses.shape)
@@ -108,7 +120,7 @@ class LocalReparam(WeightNoise):
         var = self._variance(call, weight, x * x, normal)
         if bias_var is not None:
             # A positive bias variance keeps sqrt away from 0, where its gradient is infinite.
-            std = (var + bias_var.reshape(bias_var.shape + (1,) * spatial_dims(call))).sqrt()
+            std = (var + bias_var).sqrt()
         else:
             # An all-zero input patch gives var = 0.
             std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
@@ -117,28 +129,21 @@ class LocalReparam(WeightNoise):
     def _variance(
         self, call: LayerCall, weight: SiteValue, x2: torch.Tensor, normal: Normal
     ) -> torch.Tensor:
-        # f(x^2, sigma^2), through the low-rank factors where chosen.
+        # f(x^2, sigma^2) of a linear layer, through the low-rank factors where chosen.
         factors = self._low_rank_factors(call, weight, normal)
         if factors is None:
             scale2 = view_of(weight, normal.scale).pow(2)
             return run_layer(call.op, x2, scale2, None, call.kwargs)
-        op = getattr(F, call.op)
         # Row-major (r, m) and (r, n) factors: the thin products and their gradients then
         # run as (B, n) x (n, r)^T and (r, B) x (B, m) products, which BLAS does several
         # times faster than the column-major layouts autograd would otherwise pick.
         u2t, v2t = factors
-        if call.op == "linear":
-            return F.linear(x2, v2t) @ u2t
-        r = u2t.shape[0]
-        thin = op(x2, v2t.reshape((r,) + call.weight.shape[1:]), None, **call.kwargs)
-        channel = thin.dim() - spatial_dims(call) - 1
-        return torch.movedim(torch.movedim(thin, channel, -1) @ u2t, -1, channel)
+        return F.linear(x2, v2t) @ u2t
 
     def _low_rank_factors(
         self, call: LayerCall, weight: SiteValue, normal: Normal
     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        if (self.low_rank is False or call.kwargs.get("groups", 1) != 1
-                or is_batched(call.op, call.weight, None)):
+        if self.low_rank is False or is_batched(call.op, call.weight, None):
             return None  # (batched: the dense path, one batched layer)
         transposed = is_transpose(weight.view_ops, weight.uses.shape)
         if weight.view_ops and not transposed:
