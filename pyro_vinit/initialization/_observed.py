@@ -115,6 +115,8 @@ def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = No
         bad = values[~inside]  # (the rows, for a support over an event dim)
         hint = (f": class labels must be 0 to {fn.logits.shape[-1] - 1} (1-based labels: "
                 "y - 1)" if isinstance(fn, dist.Categorical) else "")
+        if isinstance(fn, dist.OneHotCategorical) and y.dim() == 1:  # labels, not rows
+            hint = f": it takes one-hot rows, F.one_hot({what_y}, {fn.logits.shape[-1]}).float()"
         raise ValueError(
             f"{prefix}{what_y} holds values outside the support of the likelihood {name!r} "
             f"({type(fn).__name__}, {support}), e.g. {bad.flatten()[0].item()!r}{hint}"

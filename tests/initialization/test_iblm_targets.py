@@ -60,6 +60,10 @@ _LABELS = torch.tensor([0, 1, 2, 1, 0, 2, 1, 0])
     ("onehot", 3, 2 * F.one_hot(_LABELS, 3).float(), ValueError,
      "y holds values outside the support of the likelihood 'obs' (OneHotCategorical, "
      "OneHot()), e.g. 2.0"),
+    # class labels for one-hot rows (outside-user trial: no hint had said how)
+    ("onehot", 3, _LABELS, ValueError,
+     "y holds values outside the support of the likelihood 'obs' (OneHotCategorical, "
+     "OneHot()), e.g. 0: it takes one-hot rows, F.one_hot(y, 3).float()"),
     ("bernoulli", 1, _LABELS.float(), ValueError,
      "y holds values outside the support of the likelihood 'obs' (Bernoulli, Boolean()), "
      "e.g. 2.0"),
@@ -77,7 +81,8 @@ _LABELS = torch.tensor([0, 1, 2, 1, 0, 2, 1, 0])
     ("normal", 2, torch.randn(8), ValueError,
      "the output layer ('w') has 2 outputs but the likelihood has 1 target columns; I-BLM "
      "needs them to match"),
-], ids=["non_integer", "above", "below", "two_ones", "a_two", "bernoulli", "bernoulli_long",
+], ids=["non_integer", "above", "below", "two_ones", "a_two", "labels", "bernoulli",
+          "bernoulli_long",
         "normal_long", "column", "columns"])
 def test_observations_the_targets_cannot_be_made_from_are_refused(kind, k, y, error, message):
     # the same checks as fit's (I-BLM had its own, and missed integer regression targets
