@@ -43,7 +43,8 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     and so its gradient are unchanged, and the gradient variance scales as
     :math:`1/M` in the minibatch size. Where the outputs of one example do
     share weights, a convolution's positions or the tokens of a linear
-    layer's ``(batch, tokens, features)`` input, draws per output would
+    layer's ``(batch, tokens, features)`` input (the example's dim first),
+    draws per output would
     lose their correlation and change the ELBO; there the handler takes
     Flipout's sign flips of one weight sample [2], drawn per example and
     shared by its positions (:class:`~pyro_vinit.poutine.Flipout`), which

@@ -285,7 +285,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
         fn = weight.site_dist
         strategy = self._site_strategy(weight)
         noisy = [weight]
-        if (strategy is not None and strategy.bias_noise and isinstance(bias, SiteValue)
+        if (strategy is not None and strategy.noises_bias(call) and isinstance(bias, SiteValue)
                 and bias.msgs):
             noisy.append(bias)
         # Every value counts its use, also when another one is reported. A value that is not

@@ -119,6 +119,21 @@ def test_conv1d_groups_moments():
     _check_sums(outs, reference, -1)
 
 
+def test_a_convolution_bias_used_twice_is_used_as_sampled():
+    # Flipout's path, which convolutions take, uses a sampled bias as drawn: a second use
+    # is no second use of per-example noise (it was refused as one)
+    loc, scale = torch.randn(2, 2, 3, 3), torch.rand(2, 2, 3, 3) + 0.1
+
+    def model(x):
+        b = pyro.sample("b", _normal(torch.zeros(2), torch.ones(2)))
+        h = F.conv2d(x, pyro.sample("w1", _normal(loc, scale)), b, padding=1)
+        return F.conv2d(h, pyro.sample("w2", _normal(loc, scale)), b, padding=1), b
+
+    with local_reparam(strict=True):
+        out, b = model(torch.randn(3, 2, 5, 5))
+    assert out.shape == (3, 2, 5, 5) and out.isfinite().all()
+
+
 @pytest.mark.parametrize("handler", [local_reparam, flipout])
 def test_tokens_of_one_example_share_its_weight(handler):
     # A linear layer on (batch, tokens, features): the tokens of one example share the
@@ -135,6 +150,15 @@ def test_tokens_of_one_example_share_its_weight(handler):
         outs = _calls(model, n)
     _mc_check(outs, F.linear(x, loc), F.linear(x**2, scale**2))
     _check_sums(outs, _calls(lambda: F.linear(x, dist.Normal(loc, scale).sample()), n), -2)
+    # under a particle dim (the weight (n, 1, 1, 3, 4): each particle its own weight, and
+    # the plates' size-1 dims line up with the input's), the tokens still share it; a
+    # fresh-eyes review found them drawn per token there
+    with handler(strict=True), pyro.plate("particles", n, dim=-3):
+        batched = F.linear(x, pyro.sample("w", _normal(loc, scale)))
+    assert batched.shape == (n, 2, 5, 3)
+    _mc_check(batched, F.linear(x, loc), F.linear(x**2, scale**2))
+    _check_sums(batched, torch.einsum("btn,pon->pbto", x, dist.Normal(loc, scale).sample((n,))),
+                -2)
     # and the examples still differ in one call: the signs are per example
     with handler(strict=True):
         out = F.linear(torch.ones(8, 5, 4), pyro.sample("w", _normal(loc, scale)))

@@ -22,15 +22,20 @@ def rademacher(shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
 
 
 def shared_dims(call: LayerCall) -> int:
-    """The dims of the call's input between its example dim and its feature or
-    channel dim, whose outputs share the example's weight: a convolution's
-    spatial dims, and a linear layer's dims left of its features beyond one
-    example dim (and the weight's batch dims), e.g. the tokens of ``(batch,
-    tokens, features)``."""
+    """The number of dims of the call's input between its example dim and its
+    feature or channel dim, whose outputs share the example's weight: a
+    convolution's spatial dims, and of a linear layer's dims left of its
+    features, those beyond the first (the example's) that no weight batch dim
+    of size > 1 lines up with, e.g. the tokens of ``(batch, tokens,
+    features)``."""
     if call.op != "linear":
         return spatial_dims(call)
-    batch = max(0, call.weight.dim() - 2)
-    return max(0, int(unwrap(call.input).dim()) - 2 - batch)
+    x_batch, w_batch = unwrap(call.input).shape[:-1], call.weight.shape[:-2]
+    # the input's dims left of its features, less those that a weight batch dim of size > 1
+    # (a sample or particle dim, with its own weight) lines up with, less one example dim
+    own = sum(1 for i in range(1, len(x_batch) + 1)
+              if not (i <= len(w_batch) and w_batch[-i] > 1))
+    return max(0, own - 1)
 
 
 def flipout_layer(call: LayerCall, sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

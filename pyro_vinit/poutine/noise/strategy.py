@@ -58,6 +58,12 @@ class WeightNoise(ABC):
         for a strategy that chooses per distribution, the one it chooses."""
         return self
 
+    def noises_bias(self, call: LayerCall) -> bool:
+        """Whether :meth:`apply` gives ``call``'s sampled bias per-example noise
+        (then a second use of that bias is refused, as a weight's is): by
+        default :attr:`bias_noise`."""
+        return self.bias_noise
+
     def skips(self, call: LayerCall) -> bool:
         """Whether the strategy leaves ``call`` alone by design: its layer then
         runs on the ordinary sample, unreported, as for a site the config leaves
