@@ -337,17 +337,32 @@ def check_batched_input(
         batch dims.
     :param dict kwargs: The op's remaining arguments (``groups``).
     :param str name: The sample site of the weight, for the message.
-    :raises ValueError: If the input's feature or channel dim does not fit.
+    :raises ValueError: If the input's feature or channel dim does not fit, or
+        its batch dims do not broadcast with the weight's.
     """
     nsp = _spatial(op)
     expected = in_features(op, weight, kwargs)
     if input.dim() < nsp + 1:
         return  # F.<op>'s own error
     got = input.shape[input.dim() - nsp - 1]
+    site = f" (sample site {name!r})" if name else ""
     if got == expected:
+        w_batch = weight.shape[: max(0, weight.dim() - nsp - 2)]
+        x_batch = input.shape[: input.dim() - nsp - 1]
+        try:
+            torch.broadcast_shapes(w_batch, x_batch)  # type: ignore[no-untyped-call]
+        except RuntimeError:
+            raise ValueError(
+                f"F.{op}{site} runs batched with a weight of batch dims {tuple(w_batch)} "
+                "(a dim of vectorized samples or particles, left of the model's "
+                f"max_plate_nesting plate dims), which do not line up with its input's "
+                f"{tuple(x_batch)}: the input has more dims left of its "
+                f"{'features' if op == 'linear' else 'channels'} than the plates, e.g. "
+                "(batch, tokens, features) under one plate. Give the ELBO "
+                "max_plate_nesting= that many dims (TraceMeanField_ELBO(..., "
+                "max_plate_nesting=2))") from None
         return
     dim = "feature" if op == "linear" else "channel"
-    site = f" (sample site {name!r})" if name else ""
     raise ValueError(
         f"F.{op}{site} runs batched (its weight or bias has the batch dims of "
         f"vectorized samples or particles) with a weight that takes {expected} input "

@@ -1,6 +1,8 @@
 """Layers with a sample dim (issue 23 item 2): Predictive(parallel=True) and
 vectorized particles on models built from nn.Linear / nn.Conv*d."""
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -453,3 +455,36 @@ def test_flatten_from_the_left_is_refused_before_the_layer_runs(spelling, handle
                              return_sites=["_RETURN"])(x)
     assert samples["_RETURN"].shape == (4, 10, 3)
     pyro.clear_param_store()
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam, flipout])
+def test_an_input_of_more_dims_than_the_plates_is_refused_by_name(handler):
+    # Regression (a fresh-eyes review): a (batch, tokens, features) input under one plate
+    # puts the particle dim of the weight, (3, 1, out, in), against the batch dim, and the
+    # einsum of the batched layer failed inside torch ("operands could not be broadcast")
+    x, y = torch.randn(6, 5, 4), torch.randn(6)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+        with pyro.plate("data", 6):
+            pyro.sample("obs", dist.Normal(F.linear(x, w).mean((-2, -1)), 1.0), obs=y)
+
+    guide = AutoNormal(model)
+    guide(x, y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    for nesting in (1, 2):
+        elbo = Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=nesting)
+        svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), elbo)
+        if nesting == 2:  # as the message says: the tokens' dim counted
+            with handler():
+                assert math.isfinite(svi.step(x, y))
+            continue
+        with pytest.raises(ValueError, match=(
+                r"^F.linear \(sample site 'w'\) runs batched with a weight of batch dims "
+                r"\(3, 1\) .* its input's \(6, 5\): the input has more dims left of its "
+                r"features than the plates, e.g. \(batch, tokens, features\) under one "
+                r"plate. Give the ELBO max_plate_nesting= that many dims")):
+            with handler():
+                svi.step(x, y)
+        after = dict(pyro.get_param_store().items())
+        assert all(torch.equal(after[k], v) for k, v in before.items())
