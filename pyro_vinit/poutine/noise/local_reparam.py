@@ -77,15 +77,15 @@ class LocalReparam(WeightNoise):
 
     bias_noise = True
 
-    def noises_bias(self, call: LayerCall) -> bool:
-        # (where the example's positions share the weight, Flipout's path uses it as sampled)
-        return not shared_dims(call)
-
     def __init__(self, low_rank: Optional[bool] = None, conv: bool = True) -> None:
         if not (low_rank is None or isinstance(low_rank, bool)):
             raise TypeError(f"LocalReparam: low_rank must be None or a bool, got {low_rank!r}")
         self.conv = _check_conv("LocalReparam", conv)
         self.low_rank = low_rank
+
+    def noises_bias(self, call: LayerCall) -> bool:
+        # (where the example's positions share the weight, Flipout's path uses it as sampled)
+        return not shared_dims(call)
 
     def draw(self, msg: SampleSite) -> Optional[SiteValue]:
         fn = msg["fn"]
