@@ -102,7 +102,7 @@ def write_held_noise(members: List[AutoGuide], noise: NoiseFit) -> Optional[int]
         if isinstance(member, AutoDelta):  # its value, unconstrained as the site's support
             param = unconstrained_param(member, noise.name)
             with torch.no_grad():
-                param.copy_(noise.level.to(param).reshape(param.shape))
+                param.copy_(noise.level.reshape(param.shape))  # copy_ casts
             return i
         return None
     return None

@@ -38,13 +38,15 @@ def shared_dims(call: LayerCall) -> int:
     return max(0, own - 1)
 
 
-def flipout_layer(call: LayerCall, sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+def flipout_layer(
+    call: LayerCall, sample: torch.Tensor, mean: torch.Tensor, shared: int
+) -> torch.Tensor:
     """The layer's output under Flipout's sign flips of the weight ``sample``
     about its ``mean`` (both as the call uses the weight), the signs drawn per
-    example and shared by its :func:`shared_dims`; the bias used as sampled."""
+    example and shared by its ``shared`` (:func:`shared_dims`) dims; the bias
+    used as sampled."""
     x, bias = unwrap(call.input), unwrap(call.bias)
     out = run_layer(call.op, x, mean, bias, call.kwargs)
-    shared = shared_dims(call)
     if call.op == "linear":  # the signs over the features, shared by the positions
         s_shape = x.shape[: x.dim() - 1 - shared] + (1,) * shared + x.shape[-1:]
         r_shape = out.shape[: out.dim() - 1 - shared] + (1,) * shared + out.shape[-1:]
@@ -109,4 +111,4 @@ class Flipout(WeightNoise):
                 f"its distribution is {type(base_distribution(fn)).__name__}, whose "
                 "perturbations are not known to be symmetric under sign flips"
             )
-        return flipout_layer(call, weight.concrete, view_of(weight, fn.mean))
+        return flipout_layer(call, weight.concrete, view_of(weight, fn.mean), shared_dims(call))

@@ -107,10 +107,11 @@ class LocalReparam(WeightNoise):
                 "RadialNormal)"
             )
         weight_loc = view_of(weight, normal.loc)
-        if shared_dims(call):
+        shared = shared_dims(call)
+        if shared:
             # outputs of one example that share weight elements are correlated, which
             # draws per output would lose: Flipout's signs, shared by them, keep it
-            return flipout_layer(call, weight.concrete, weight_loc)
+            return flipout_layer(call, weight.concrete, weight_loc, shared)
         bias, bias_var = call.bias, None
         if isinstance(bias, SiteValue) and bias.msgs and bias.is_view:
             bias_normal = _normal(bias.site_dist, bias.uses.shape)
