@@ -9,10 +9,12 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
+from pyro.infer import SVI, TraceMeanField_ELBO
 from pyro.infer.autoguide import (
     AutoDelta,
     AutoDiagonalNormal,
     AutoGuideList,
+    AutoMultivariateNormal,
     AutoNormal,
     init_to_sample,
 )
@@ -291,6 +293,47 @@ def test_guide_list_only_set_up_by_a_call_is_started_with_iblm(count_iblm):
         "bias"))))
     trained(x, y)
     assert is_initialized(trained)  # an AutoDelta's set-up values look like trained ones
+
+
+def _scaled_regression(x, y=None):
+    # a hierarchical prior scale and a learned noise, sampled before and after the weights
+    tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
+    w1 = pyro.sample("w1", dist.Normal(0.0, tau).expand([8, x.shape[-1]]).to_event(2))
+    w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([1, 8]).to_event(2))
+    sigma = pyro.sample("sigma", dist.LogNormal(-1.0, 1.0))
+    mean = F.linear(torch.tanh(F.linear(x, w1)), w2).squeeze(-1)
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+
+
+@pytest.mark.parametrize("member,warned", [(AutoDelta, False), (AutoNormal, False),
+                                           (AutoMultivariateNormal, True)])
+def test_guide_list_site_order_warning_only_where_a_member_is_not_mean_field(member, warned):
+    # Pyro checks TraceMeanField_ELBO's restriction by the order of the sites, which a guide
+    # list over (tau, sigma) and the weights does not keep; its members each drawing their
+    # sites independently, fit does not pass the warning on
+    x = torch.randn(64, 3)
+    y = x[:, 0] - x[:, 1] + 0.1 * torch.randn(64)
+
+    def guide_list():
+        guide = AutoGuideList(_scaled_regression)
+        guide.append(member(pyro.poutine.block(_scaled_regression, expose=["tau", "sigma"])))
+        guide.append(AutoKTiedNormal(pyro.poutine.block(_scaled_regression,
+                                                        hide=["tau", "sigma"]), rank=2))
+        return guide
+
+    control = guide_list()
+    svi = SVI(_scaled_regression, control, pyro.optim.Adam({"lr": 1e-3}), TraceMeanField_ELBO())
+    with pytest.warns(UserWarning, match="Failed to verify mean field restriction"):
+        svi.step(x, y)  # Pyro's own loop warns
+    pyro.clear_param_store()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(_scaled_regression, guide_list(), (x, y), steps=3, batch_size=64, progress=False)
+    order = [w for w in record if "Failed to verify mean field" in str(w.message)]
+    assert bool(order) == warned
+    with pytest.warns(UserWarning, match="Failed to verify mean field restriction"):
+        svi.step(x, y)  # and the filter ends with fit
 
 
 def _trained_classifier(keep_weights=True):

@@ -25,11 +25,12 @@ import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
-from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide import AutoDelta, AutoGuide, AutoGuideList
 from pyro.optim import PyroOptim
 from torch import nn
 
 from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
+from pyro_vinit.guides.site_params import is_supported
 from pyro_vinit.initialization._data import all_finite, check_like_first, describe
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.training.averaging import ParamAverage
@@ -41,6 +42,14 @@ Batch = Tuple[torch.Tensor, torch.Tensor]
 Data = Union[Batch, Iterable[Batch]]
 
 _CHECKPOINT_FORMAT = "pyro_vinit.fit/1"
+
+
+def _mean_field_list(guide: Callable[..., Any]) -> bool:
+    """Whether ``guide`` is an ``AutoGuideList`` whose members each draw their
+    sites independently (an ``AutoDelta`` or a guide I-BLM supports), so that
+    the whole guide is mean-field in whatever order its sites come."""
+    return isinstance(guide, AutoGuideList) and all(
+        isinstance(member, AutoDelta) or is_supported(member) for member in guide)
 
 
 # ---- the data -------------------------------------------------------------------------

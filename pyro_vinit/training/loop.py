@@ -49,6 +49,7 @@ from pyro_vinit.training._support import (
     _check_checkpoint_path,
     _evaluate,
     _load,
+    _mean_field_list,
     _rng_state,
     _save,
     _set_rng_state,
@@ -505,55 +506,63 @@ def fit(
                                                             num_samples, chunk)})
         _set_rng_state(rng)
     norm_data = batches.pair if batches.pair is not None else batches.loader
-    bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
-    stale = _not_finite(modules)  # (a step failing on these is no divergence of this call)
-    try:
-        for step in range(done + 1, steps + 1):
-            xb, yb = next(batches)
-            # a batch of another shape (an epoch's last) would cost a trace of its own
-            stepper = captured if captured is not None and (xb.shape, yb.shape) == shape else svi
-            try:
-                with config.handlers():
-                    loss = stepper.step(xb, yb)
-            except ValueError as error:
-                _raise_if_diverged(step, modules, stale, default_lr, lr is not None, error)
-                raise
-            if not math.isfinite(loss):
-                warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
-                              stacklevel=2)
-            history.loss.append(float(loss))
-            averager.update()
-            if may_compile and captured is not None and captured.num_traces:
-                may_compile = False  # decided once, on the first graph
-                graphs = captured._graphs()
-                left = (steps - step) * batches.full_batches // batches.batches_per_epoch
-                if graphs and compile_pays(graphs[0], left):
-                    captured._compile_from_next_step()
-                    bar.set_postfix_str("compiling the step")
-            bar.update(1)
-            if step % 10 == 0 or step == steps:
-                bar.set_postfix(loss=f"{loss / num_data:.4g}")
-            scheduled = validation is not None and step % every == 0
-            if step == steps or scheduled:
-                # the average evaluated (and the running statistics computed for it) before
-                # the checkpoint: a resumed call that trains no further returns the same
-                rng = _rng_state()
-                with averager.swapped():
-                    # eval mode predicts with running statistics: recompute them for the
-                    # average (they lag behind while SVI trains); a model without
-                    # BatchNorm layers is left alone
-                    update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
-                    if validation is not None:
-                        history.validation.append({"step": float(step), **_evaluate(
-                            model, guide, *validation, num_samples, chunk)})
-                _set_rng_state(rng)
-            if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
-                                     or step == steps):
-                # the parameters as trained and the average's state: a resumed call
-                # continues as this one would have
-                _save(path, step, optim, model, batches, history, averager)
-    finally:
-        bar.close()
+    with warnings.catch_warnings():
+        if _mean_field_list(guide):
+            # Pyro checks the mean-field restriction by the sites' order (sufficient,
+            # not necessary), which a guide list's members, each drawing its sites
+            # independently, need not keep
+            warnings.filterwarnings("ignore", "Failed to verify mean field restriction",
+                                    UserWarning)
+        bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
+        stale = _not_finite(modules)  # (a step failing on these is no divergence of this call)
+        try:
+            for step in range(done + 1, steps + 1):
+                xb, yb = next(batches)
+                # a batch of another shape (an epoch's last) would cost a trace of its own
+                same = (xb.shape, yb.shape) == shape
+                stepper = captured if captured is not None and same else svi
+                try:
+                    with config.handlers():
+                        loss = stepper.step(xb, yb)
+                except ValueError as error:
+                    _raise_if_diverged(step, modules, stale, default_lr, lr is not None, error)
+                    raise
+                if not math.isfinite(loss):
+                    warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
+                                  stacklevel=2)
+                history.loss.append(float(loss))
+                averager.update()
+                if may_compile and captured is not None and captured.num_traces:
+                    may_compile = False  # decided once, on the first graph
+                    graphs = captured._graphs()
+                    left = (steps - step) * batches.full_batches // batches.batches_per_epoch
+                    if graphs and compile_pays(graphs[0], left):
+                        captured._compile_from_next_step()
+                        bar.set_postfix_str("compiling the step")
+                bar.update(1)
+                if step % 10 == 0 or step == steps:
+                    bar.set_postfix(loss=f"{loss / num_data:.4g}")
+                scheduled = validation is not None and step % every == 0
+                if step == steps or scheduled:
+                    # the average evaluated (and the running statistics computed for it) before
+                    # the checkpoint: a resumed call that trains no further returns the same
+                    rng = _rng_state()
+                    with averager.swapped():
+                        # eval mode predicts with running statistics: recompute them for the
+                        # average (they lag behind while SVI trains); a model without
+                        # BatchNorm layers is left alone
+                        update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
+                        if validation is not None:
+                            history.validation.append({"step": float(step), **_evaluate(
+                                model, guide, *validation, num_samples, chunk)})
+                    _set_rng_state(rng)
+                if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
+                                         or step == steps):
+                    # the parameters as trained and the average's state: a resumed call
+                    # continues as this one would have
+                    _save(path, step, optim, model, batches, history, averager)
+        finally:
+            bar.close()
     averager.write()  # what fit returns (a resumed call that trains no further: the saved one)
     # a step that fell back (CapturedSVI warned why) ran eagerly from then on
     history.captured = captured is not None and captured.fallback_reason is None
