@@ -660,6 +660,30 @@ def test_fit_refuses_a_guide_set_up_without_y_before_anything_changes(guide_clas
     assert fit(model, guide, (x, y), steps=2, batch_size=64, progress=False).steps == 2
 
 
+@pytest.mark.parametrize("set_up", [False, True], ids=["fresh", "set_up"])
+def test_fit_refuses_a_guide_built_on_another_model_before_anything_changes(set_up):
+    # a notebook's model cell re-run with another width, the guide's cell not: I-BLM wrote
+    # the guide for the old model, then Pyro refused the shapes at the first step
+    x, y = blobs()
+    old, model = classifier(hidden=16), classifier(hidden=12)
+    guide = AutoKTiedNormal(old, rank=2)
+    if set_up:
+        guide(x, y)
+    before = snapshot()
+    message = (r"^fit: the AutoKTiedNormal was built on another model than the one passed to "
+               r"fit: the latent site 'net\.0\.weight' has shape \(16, 5\) in the guide's "
+               r"model and \(12, 5\) in fit's\. Build the guide on this model, e\.g\. "
+               r"AutoKTiedNormal\(model\), after pyro\.clear_param_store\(\)$")
+    with pytest.raises(ValueError, match=message):
+        fit(model, guide, (x, y), steps=2, progress=False)
+    assert_identical(before, snapshot())
+    assert set_up or guide.prototype_trace is None
+    # a guide over a wrapper of the model (another callable, the same shapes) trains
+    pyro.clear_param_store()
+    guide = AutoKTiedNormal(pyro.poutine.block(model, hide=[]), rank=2)
+    assert fit(model, guide, (x, y), steps=2, progress=False).steps == 2
+
+
 def _replicates(x, y=None):
     # three replicate targets a row, the free rightmost dim of a plate at dim -2 (Pyro's
     # shape rules allow it): the distribution broadcast up to y, not y broadcast

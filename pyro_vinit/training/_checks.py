@@ -177,6 +177,33 @@ def _check_guide(guide: Callable[..., Any], batch: Batch, likelihoods: List[str]
         )
 
 
+def _check_guide_model(model: Callable[..., Any], guide: Callable[..., Any],
+                       batch: Batch) -> None:
+    """An autoguide built on another model than fit's (e.g. another instance of
+    other widths, its notebook cell not re-run) is refused where a latent site
+    of its model has another shape than the model's, before I-BLM writes it
+    (SVI would refuse it only at the first step)."""
+    if not isinstance(guide, AutoGuide) or guide.model is model:
+        return
+    theirs = guide.prototype_trace
+    if theirs is None:
+        theirs = _trial_trace(guide.model, *batch, "the first batch", role="guide's model")
+    ours = _trial_trace(model, *batch, "the first batch")
+    for name, site in theirs.nodes.items():
+        mine = ours.nodes.get(name)
+        if (site["type"] != "sample" or site["is_observed"] or mine is None
+                or mine["type"] != "sample" or mine["is_observed"]
+                or any(f.size != f.full_size for f in site["cond_indep_stack"])):
+            continue  # (a subsampled plate's latents take the batch's size)
+        if mine["value"].shape != site["value"].shape:
+            kind = type(guide).__name__
+            raise ValueError(
+                f"fit: the {kind} was built on another model than the one passed to fit: "
+                f"the latent site {name!r} has shape {tuple(site['value'].shape)} in the "
+                f"guide's model and {tuple(mine['value'].shape)} in fit's. Build the guide "
+                f"on this model, e.g. {kind}(model), after pyro.clear_param_store()")
+
+
 def _check_one_row_batches(model: Callable[..., Any], one_row: Optional[int]) -> None:
     """Refuses a batch of one row (its index ``one_row``) for a model with a
     BatchNorm layer in train mode, which cannot train on one row."""

@@ -34,6 +34,7 @@ from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.initialization.pretrained import _model_values
 from pyro_vinit.training._checks import (
     _check_guide,
+    _check_guide_model,
     _check_model,
     _check_one_row_batches,
     _check_validation,
@@ -356,6 +357,7 @@ def fit(
     learned_noise, likelihoods = _check_model(
         model, batches.first, num_data, batches.pair[1] if batches.pair is not None else None)
     _check_guide(guide, batches.first, likelihoods)
+    _check_guide_model(model, guide, batches.first)
     _check_weight_noise(model, guide, batches.first, _chosen_weight_noise(guide, weight_noise))
     chunk = max(1, min(num_data, 4096))  # validation rows per model call
     if validation is not None:
