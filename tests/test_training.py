@@ -1648,6 +1648,36 @@ def _batchnorm_classifier(n):
     return BayesianClassifier(bayesianize(net), num_data=n)
 
 
+@pytest.mark.parametrize("first_call", [True, False], ids=["first", "continued"])
+def test_fit_trains_in_train_mode_and_returns_the_callers_modes(first_call):
+    # model.eval() for predicting, then a second fit call: it trained with dropout off and
+    # BatchNorm normalizing by running statistics
+    x, y = blobs()
+    model = _batchnorm_classifier(len(x))
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    guide = AutoKTiedNormal(model, rank=2)
+    if not first_call:
+        fit(model, guide, (x, y), steps=3, progress=False)
+    model.eval()
+    seen.clear()
+    fit(model, guide, (x, y), steps=3, progress=False)
+    svi_steps = 3 if not first_call else 3 + 1  # (a first call's I-BLM runs the model too)
+    assert len(seen) >= svi_steps and all(seen), seen
+    assert not any(m.training for m in model.modules())  # eval mode, as it was
+    # a model in train mode keeps its submodules' own modes: a frozen BatchNorm stays frozen
+    model.train()
+    norm = model.net[1]
+    norm.eval()
+    frozen = norm.running_mean.clone()
+    norm_seen = []
+    norm.register_forward_pre_hook(lambda module, args: norm_seen.append(module.training))
+    fit(model, guide, (x, y), steps=3, progress=False)
+    assert norm_seen and not any(norm_seen)
+    assert model.training and not norm.training
+    assert torch.equal(norm.running_mean, frozen)
+
+
 def test_update_batch_norm_is_the_data_statistics_at_the_median():
     x, y = blobs()
     model = _batchnorm_classifier(len(x))
@@ -1905,9 +1935,10 @@ def test_a_loaders_batch_of_one_row_is_refused_for_a_batch_norm_model():
                        r"leaves none$"):
         fit(model, guide, loader, steps=2, progress=False)
     assert snapshot() == {} and not is_initialized(guide)
-    model.eval()  # in eval mode BatchNorm takes one row (update_batch_norm leaves it out)
-    with pytest.warns(UserWarning, match=r"update_batch_norm: the batches \[2\] of data"):
+    model.eval()  # fit trains a model in eval mode in train mode: the same refusal
+    with pytest.raises(ValueError, match=r"^fit: batch 2 of data has a single row"):
         fit(model, guide, loader, steps=2, progress=False)
+    assert not any(m.training for m in model.modules())  # its mode, as it was
     model.train()
     with pytest.raises(ValueError, match=r"^fit: batch 0 of data has a single row"):
         fit(model, AutoKTiedNormal(model), (x, y), batch_size=1, steps=2, progress=False)

@@ -4,6 +4,7 @@ generator's state, validation metrics and checkpoints (the checks that run
 the model are in ``_checks``).
 """
 
+import contextlib
 import math
 import os
 import warnings
@@ -42,6 +43,24 @@ Batch = Tuple[torch.Tensor, torch.Tensor]
 Data = Union[Batch, Iterable[Batch]]
 
 _CHECKPOINT_FORMAT = "pyro_vinit.fit/1"
+
+
+@contextlib.contextmanager
+def _train_mode(model: Any) -> Iterator[None]:
+    """Runs the block with a model that is in eval mode (e.g. set for predicting
+    before a second fit call) in train mode, every submodule's mode restored
+    afterwards; a model in train mode is left as it is (a submodule's own mode,
+    e.g. a frozen BatchNorm's, kept)."""
+    if not isinstance(model, nn.Module) or model.training:
+        yield
+        return
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
 
 
 def _mean_field_list(guide: Callable[..., Any]) -> bool:

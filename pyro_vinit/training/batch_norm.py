@@ -45,7 +45,8 @@ def update_batch_norm(
 ) -> int:
     r"""
     Recomputes the running statistics of every ``nn.BatchNorm*d`` of ``model``
-    over ``data``, with the latent sites at the guide's median.
+    over ``data``, with the latent sites at the guide's median (in a model in
+    train mode, a BatchNorm layer in eval mode is frozen and left alone).
 
     In train mode a BatchNorm layer normalizes with the statistics of its
     batch; in eval mode, with running statistics accumulated while training.
@@ -75,9 +76,11 @@ def update_batch_norm(
     """
     if not isinstance(model, nn.Module):
         return 0
+    # (in a model in train mode, a layer in eval mode is frozen: its statistics kept)
     norms: List[nn.modules.batchnorm._BatchNorm] = [
         m for m in model.modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+        and (m.training or not model.training)
     ]
     if not norms:
         return 0
@@ -110,12 +113,15 @@ def update_batch_norm(
               m.running_var.clone() if m.running_var is not None else None,
               m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
              for m in norms]
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]
     try:
         for m in norms:
             m.reset_running_stats()
             m.momentum = None  # a cumulative average over the batches
         model.train()
+        for module, training in modes:
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module not in norms:
+                module.training = training  # (a frozen layer normalizes as it did)
         conditioned = poutine.block(poutine.condition(model, data=values))
         left_out = []
         for i, batch in enumerate(itertools.chain([first], batches)):
@@ -146,5 +152,6 @@ def update_batch_norm(
     finally:
         for m, momentum in zip(norms, momenta):
             m.momentum = momentum
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
     return len(norms)

@@ -55,6 +55,7 @@ from pyro_vinit.training._support import (
     _save,
     _set_rng_state,
     _set_up,
+    _train_mode,
 )
 from pyro_vinit.training.averaging import _check_decay
 from pyro_vinit.training.batch_norm import update_batch_norm
@@ -213,7 +214,8 @@ def fit(
     ``pyro.plate``). Everything about ``data``, the model's first batch and
     the options is checked before any parameter changes.
 
-    :param model: The Pyro model, called as ``model(x, y)``.
+    :param model: The Pyro model, called as ``model(x, y)``; an ``nn.Module``
+        in eval mode trains in train mode and is returned in eval mode.
     :param guide: Its guide (AutoKTiedNormal, AutoMeanFieldNormal,
         AutoRadialNormal, Pyro's AutoNormal, AutoDiagonalNormal or
         AutoLowRankMultivariateNormal for I-BLM and ``init="pretrained"``, or for
@@ -292,283 +294,286 @@ def fit(
     :raises ValueError: Also where training diverges: a step that fails on
         parameters that earlier steps made NaN or inf is named, with a remedy.
     """
-    # ---- every check first: nothing is modified until they pass --------------------
-    if steps is not None and epochs is not None:
-        raise ValueError("fit: pass steps or epochs, not both")
-    _check_positive("batch_size", batch_size, int)
-    _check_positive("num_samples", num_samples, int)
-    for name, value, kind in (("steps", steps, int), ("epochs", epochs, (int, float)),
-                              ("eval_every", eval_every, int),
-                              ("checkpoint_every", checkpoint_every, int)):
-        if value is not None:
-            _check_positive(name, value, kind)
-    if lr is not None:
-        _check_positive("lr", lr)
-    if kl_weight is not None:
-        _check_positive("kl_weight", kl_weight)
-    if num_particles is not None:
-        _check_positive("num_particles", num_particles, int)
-    if average is not None:
-        _check_decay(average, "fit: average")
-    if capture is not None and not isinstance(capture, bool) and capture != "compile":
-        raise TypeError(f"fit: capture must be True, False or None (automatic), or 'compile', "
-                        f"got {capture!r}")
-    if init not in ("iblm", "pretrained", None):
-        raise ValueError(f"fit: init must be 'iblm', 'pretrained' or None, got {init!r}")
-    # an option that another one makes idle is refused, not ignored
-    idle: Tuple[Tuple[str, bool, str], ...] = (
-        ("init_options", bool(init_options) and init is None,
-         "init='iblm' or 'pretrained' (the initializer's options)"),
-        ("eval_every", eval_every is not None and validation is None,
-         "validation=(x_val, y_val)"),
-        ("checkpoint_every", checkpoint_every is not None and checkpoint is None,
-         "checkpoint=path"))
-    for name, unused, needs in idle:
-        if unused:
-            raise ValueError(f"fit: {name} is used only with {needs}, which this call does "
-                             "not pass")
-    _check_init_options(init, init_options)
-    if optim is not None and not isinstance(optim, PyroOptim):
-        raise TypeError(
-            f"fit: optim must be a Pyro optimizer (e.g. pyro.optim.Adam({{'lr': 1e-3}})), "
-            f"got {type(optim).__name__}"
-        )
-    if optim is not None and lr is not None:
-        raise ValueError("fit: pass lr or optim, not both (lr sets the default optimizer's)")
-    if not callable(model) or not callable(guide):
-        raise TypeError("fit: model and guide must be callables (a Pyro model and its guide)")
-    modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
-    local = bool(pyro.settings.get("module_local_params")) and bool(modules)
-    if checkpoint is not None and local:
-        raise ValueError(
-            "fit: a checkpoint holds the param store's parameters, and under pyro.settings."
-            "set(module_local_params=True) the model's and guide's are their modules' own: "
-            "it would resume from fresh ones. Save and load the guide's state_dict around "
-            "fit instead (the Saving page), or train with module_local_params=False")
-    batches = _Batches(data, batch_size)
-    num_data = batches.num_data
-    _check_one_row_batches(model, batches.one_row)
-    if validation is not None:
-        validation = _check_batch(validation, "validation")
-    if capture == "compile" and batches.first[0].device.type not in ("cpu", "cuda"):
-        raise ValueError(f"fit: capture='compile' is measured on the CPU and CUDA only; the "
-                         f"data is on {batches.first[0].device}: pass capture=True or None "
-                         "there")
-    learned_noise, likelihoods = _check_model(
-        model, batches.first, num_data, batches.pair[1] if batches.pair is not None else None)
-    _check_guide(guide, batches.first, likelihoods)
-    _check_guide_model(model, guide, batches.first)
-    _check_weight_noise(model, guide, batches.first, _chosen_weight_noise(guide, weight_noise))
-    chunk = max(1, min(num_data, 4096))  # validation rows per model call
-    if validation is not None:
-        _check_validation(model, validation, chunk)
-    initialized = is_initialized(guide)
-    who = {"iblm": "I-BLM", "pretrained": "init_guide_pretrained"}.get(init or "", "")
-    if init is not None and not initialized and not isinstance(guide, AutoGuide):
-        raise TypeError(
-            f"fit: {who} initializes autoguides, not a {type(guide).__name__}; pass init=None "
-            "to train this guide from its own initial values"
-        )
-    if (init is not None and not initialized and not isinstance(guide, AutoGuideList)
-            and not is_supported(guide)):
-        raise TypeError(
-            f"fit: {who} cannot initialize a guide of class {type(guide).__name__} (it reads "
-            f"and writes the per-site posteriors of {', '.join(_supported_names())}); pass "
-            "init=None to train this guide from its own initial values"
-        )
-    kept = _model_values(model)  # a trained network's weights, bayesianize(keep_weights=True)
-    if init == "pretrained" and not initialized and isinstance(guide, AutoGuideList):
-        raise TypeError(
-            "fit: init='pretrained' starts one guide, not an AutoGuideList: call "
-            "init_guide_pretrained(member, data) on each member over the layers, then "
-            "fit(..., init=None)")
-    if (init == "pretrained" and not initialized and not kept
-            and "weights" not in (init_options or {})):
-        raise ValueError(
-            "fit: init='pretrained' starts the guide from a trained network's weights, and "
-            "the model keeps none: convert the trained network with bayesianize(net, "
-            "keep_weights=True), or pass init_options={'weights': {...}}, the trained "
-            "values by the model's sample site names (e.g. 'net.0.weight')")
-    if initialized and init is not None and init_options:
-        warnings.warn(
-            f"fit: init_options are not used: the {type(guide).__name__} is initialized "
-            "already (see is_initialized), and fit continues training it", UserWarning,
-            stacklevel=2)
-    path = os.fspath(checkpoint) if checkpoint is not None else None
-    if path is not None:
-        _check_checkpoint_path(path)
-    resumed = _load(path) if path is not None and os.path.exists(path) else None
-    if steps is None:
-        steps = (max(1, round(epochs * batches.batches_per_epoch)) if epochs is not None
-                 else 1000)
-    done = 0 if resumed is None else int(resumed["step"])
+    # (a model in eval mode, e.g. set for predicting between two calls, trains in train
+    # mode and is returned in eval mode)
+    with _train_mode(model):
+        # ---- every check first: nothing is modified until they pass --------------------
+        if steps is not None and epochs is not None:
+            raise ValueError("fit: pass steps or epochs, not both")
+        _check_positive("batch_size", batch_size, int)
+        _check_positive("num_samples", num_samples, int)
+        for name, value, kind in (("steps", steps, int), ("epochs", epochs, (int, float)),
+                                  ("eval_every", eval_every, int),
+                                  ("checkpoint_every", checkpoint_every, int)):
+            if value is not None:
+                _check_positive(name, value, kind)
+        if lr is not None:
+            _check_positive("lr", lr)
+        if kl_weight is not None:
+            _check_positive("kl_weight", kl_weight)
+        if num_particles is not None:
+            _check_positive("num_particles", num_particles, int)
+        if average is not None:
+            _check_decay(average, "fit: average")
+        if capture is not None and not isinstance(capture, bool) and capture != "compile":
+            raise TypeError(f"fit: capture must be True, False or None (automatic), or 'compile', "
+                            f"got {capture!r}")
+        if init not in ("iblm", "pretrained", None):
+            raise ValueError(f"fit: init must be 'iblm', 'pretrained' or None, got {init!r}")
+        # an option that another one makes idle is refused, not ignored
+        idle: Tuple[Tuple[str, bool, str], ...] = (
+            ("init_options", bool(init_options) and init is None,
+             "init='iblm' or 'pretrained' (the initializer's options)"),
+            ("eval_every", eval_every is not None and validation is None,
+             "validation=(x_val, y_val)"),
+            ("checkpoint_every", checkpoint_every is not None and checkpoint is None,
+             "checkpoint=path"))
+        for name, unused, needs in idle:
+            if unused:
+                raise ValueError(f"fit: {name} is used only with {needs}, which this call does "
+                                 "not pass")
+        _check_init_options(init, init_options)
+        if optim is not None and not isinstance(optim, PyroOptim):
+            raise TypeError(
+                f"fit: optim must be a Pyro optimizer (e.g. pyro.optim.Adam({{'lr': 1e-3}})), "
+                f"got {type(optim).__name__}"
+            )
+        if optim is not None and lr is not None:
+            raise ValueError("fit: pass lr or optim, not both (lr sets the default optimizer's)")
+        if not callable(model) or not callable(guide):
+            raise TypeError("fit: model and guide must be callables (a Pyro model and its guide)")
+        modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
+        local = bool(pyro.settings.get("module_local_params")) and bool(modules)
+        if checkpoint is not None and local:
+            raise ValueError(
+                "fit: a checkpoint holds the param store's parameters, and under pyro.settings."
+                "set(module_local_params=True) the model's and guide's are their modules' own: "
+                "it would resume from fresh ones. Save and load the guide's state_dict around "
+                "fit instead (the Saving page), or train with module_local_params=False")
+        batches = _Batches(data, batch_size)
+        num_data = batches.num_data
+        _check_one_row_batches(model, batches.one_row)
+        if validation is not None:
+            validation = _check_batch(validation, "validation")
+        if capture == "compile" and batches.first[0].device.type not in ("cpu", "cuda"):
+            raise ValueError(f"fit: capture='compile' is measured on the CPU and CUDA only; the "
+                             f"data is on {batches.first[0].device}: pass capture=True or None "
+                             "there")
+        learned_noise, likelihoods = _check_model(
+            model, batches.first, num_data, batches.pair[1] if batches.pair is not None else None)
+        _check_guide(guide, batches.first, likelihoods)
+        _check_guide_model(model, guide, batches.first)
+        _check_weight_noise(model, guide, batches.first, _chosen_weight_noise(guide, weight_noise))
+        chunk = max(1, min(num_data, 4096))  # validation rows per model call
+        if validation is not None:
+            _check_validation(model, validation, chunk)
+        initialized = is_initialized(guide)
+        who = {"iblm": "I-BLM", "pretrained": "init_guide_pretrained"}.get(init or "", "")
+        if init is not None and not initialized and not isinstance(guide, AutoGuide):
+            raise TypeError(
+                f"fit: {who} initializes autoguides, not a {type(guide).__name__}; pass init=None "
+                "to train this guide from its own initial values"
+            )
+        if (init is not None and not initialized and not isinstance(guide, AutoGuideList)
+                and not is_supported(guide)):
+            raise TypeError(
+                f"fit: {who} cannot initialize a guide of class {type(guide).__name__} (it reads "
+                f"and writes the per-site posteriors of {', '.join(_supported_names())}); pass "
+                "init=None to train this guide from its own initial values"
+            )
+        kept = _model_values(model)  # a trained network's weights, bayesianize(keep_weights=True)
+        if init == "pretrained" and not initialized and isinstance(guide, AutoGuideList):
+            raise TypeError(
+                "fit: init='pretrained' starts one guide, not an AutoGuideList: call "
+                "init_guide_pretrained(member, data) on each member over the layers, then "
+                "fit(..., init=None)")
+        if (init == "pretrained" and not initialized and not kept
+                and "weights" not in (init_options or {})):
+            raise ValueError(
+                "fit: init='pretrained' starts the guide from a trained network's weights, and "
+                "the model keeps none: convert the trained network with bayesianize(net, "
+                "keep_weights=True), or pass init_options={'weights': {...}}, the trained "
+                "values by the model's sample site names (e.g. 'net.0.weight')")
+        if initialized and init is not None and init_options:
+            warnings.warn(
+                f"fit: init_options are not used: the {type(guide).__name__} is initialized "
+                "already (see is_initialized), and fit continues training it", UserWarning,
+                stacklevel=2)
+        path = os.fspath(checkpoint) if checkpoint is not None else None
+        if path is not None:
+            _check_checkpoint_path(path)
+        resumed = _load(path) if path is not None and os.path.exists(path) else None
+        if steps is None:
+            steps = (max(1, round(epochs * batches.batches_per_epoch)) if epochs is not None
+                     else 1000)
+        done = 0 if resumed is None else int(resumed["step"])
 
-    # ---- initialize, or restore --------------------------------------------------------
-    batches.start()
-    history = FitHistory()
-    defaults = FitConfig()
-    if resumed is not None:
-        with GuideRollback(cast(nn.Module, guide)):
-            _set_up(guide, batches.first)  # the checkpoint then overwrites its values
-            _check_checkpoint(path, resumed, model)  # before anything is overwritten
-        if done >= steps:
-            warnings.warn(f"fit: the checkpoint {path!r} is at step {done}, at or past "
-                          f"steps={steps}: nothing is trained", UserWarning, stacklevel=2)
-        device = batches.first[0].device  # the checkpoint was loaded onto the CPU
-        store_state = resumed["param_store"]
-        # into the tensors set up (those the model's and guide's modules hold: a module's
-        # state_dict, the moving average and the optimizer see the values), else afresh
-        store = pyro.get_param_store()
-        held = dict(store.named_parameters())
-        fresh = {}
-        with torch.no_grad():
-            for name, value in store_state["params"].items():
-                same = name in held and held[name].shape == value.shape
-                if same and held[name].dtype == value.dtype:
-                    held[name].copy_(value)
-                else:
-                    fresh[name] = value.to(device)
-        store.set_state({"params": fresh, "constraints": store_state["constraints"]})
-        if isinstance(model, nn.Module) and resumed["model"] is not None:
-            model.load_state_dict(resumed["model"])
-        history.loss = list(resumed["loss"])
-        history.validation = list(resumed["validation"])
-    elif init is not None and not initialized:
-        set_up = cast(AutoGuide, guide).prototype_trace is not None
-        init_data = batches.pair if batches.pair is not None else batches.loader
-        if init == "iblm":
-            options = {**defaults.iblm_options(num_data), **(init_options or {})}
-            init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
-            if kept:
-                how = ("call init_guide_pretrained(member, data) on each member over the "
-                       "layers before fit" if isinstance(guide, AutoGuideList) else
-                       "pass init='pretrained'")
+        # ---- initialize, or restore --------------------------------------------------------
+        batches.start()
+        history = FitHistory()
+        defaults = FitConfig()
+        if resumed is not None:
+            with GuideRollback(cast(nn.Module, guide)):
+                _set_up(guide, batches.first)  # the checkpoint then overwrites its values
+                _check_checkpoint(path, resumed, model)  # before anything is overwritten
+            if done >= steps:
+                warnings.warn(f"fit: the checkpoint {path!r} is at step {done}, at or past "
+                              f"steps={steps}: nothing is trained", UserWarning, stacklevel=2)
+            device = batches.first[0].device  # the checkpoint was loaded onto the CPU
+            store_state = resumed["param_store"]
+            # into the tensors set up (those the model's and guide's modules hold: a module's
+            # state_dict, the moving average and the optimizer see the values), else afresh
+            store = pyro.get_param_store()
+            held = dict(store.named_parameters())
+            fresh = {}
+            with torch.no_grad():
+                for name, value in store_state["params"].items():
+                    same = name in held and held[name].shape == value.shape
+                    if same and held[name].dtype == value.dtype:
+                        held[name].copy_(value)
+                    else:
+                        fresh[name] = value.to(device)
+            store.set_state({"params": fresh, "constraints": store_state["constraints"]})
+            if isinstance(model, nn.Module) and resumed["model"] is not None:
+                model.load_state_dict(resumed["model"])
+            history.loss = list(resumed["loss"])
+            history.validation = list(resumed["validation"])
+        elif init is not None and not initialized:
+            set_up = cast(AutoGuide, guide).prototype_trace is not None
+            init_data = batches.pair if batches.pair is not None else batches.loader
+            if init == "iblm":
+                options = {**defaults.iblm_options(num_data), **(init_options or {})}
+                init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
+                if kept:
+                    how = ("call init_guide_pretrained(member, data) on each member over the "
+                           "layers before fit" if isinstance(guide, AutoGuideList) else
+                           "pass init='pretrained'")
+                    warnings.warn(
+                        "fit: the model keeps a trained network's weights (bayesianize(..., "
+                        f"keep_weights=True)), which I-BLM does not start from: {how} to start "
+                        "the guide from them", UserWarning, stacklevel=2)
+            else:
+                init_guide_pretrained(cast(AutoGuide, guide), cast(Any, init_data),
+                                      **(init_options or {}))
+            if set_up:
                 warnings.warn(
-                    "fit: the model keeps a trained network's weights (bayesianize(..., "
-                    f"keep_weights=True)), which I-BLM does not start from: {how} to start "
-                    "the guide from them", UserWarning, stacklevel=2)
-        else:
-            init_guide_pretrained(cast(AutoGuide, guide), cast(Any, init_data),
-                                  **(init_options or {}))
-        if set_up:
-            warnings.warn(
-                f"fit: the {type(guide).__name__} was set up (e.g. by a call guide(x, y)) but "
-                "not initialized or trained: every scale was still its init_scale, so fit "
-                f"started it with {who}, replacing its set-up values; pass init=None to train "
-                "from them", UserWarning, stacklevel=2)
-        history.initialized = True
-    elif not initialized:  # init=None: Pyro's own initial values, set up here
-        guide(*batches.first)
-    else:  # e.g. parameters loaded into the param store: set up, taking their values
-        if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
-            warnings.warn(
-                f"fit: the param store already holds parameters of a {type(guide).__name__} "
-                "(loaded, or left by an earlier guide of this class), so its initialization is "
-                "skipped and "
-                "training continues from them; call pyro.clear_param_store() first to start "
-                "afresh", UserWarning, stacklevel=2)
-        _set_up(guide, batches.first)
-    config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
-                        learned_noise=learned_noise, average=average,
-                        weight_noise=weight_noise)
-    history.config = config
-    default_lr = config.lr if optim is None else None  # (for a diverged run's message)
-    optim = optim if optim is not None else config.optimizer()
-    # under module_local_params the modules hold their parameters, not the param store
-    averager = config.averager(nn.ModuleList(modules) if local else None)
-    if resumed is not None:
-        optim.set_state(resumed["optim"])
-        if resumed.get("average") is not None:
-            averager.set_state(resumed["average"])
-            averager.decay = config.average  # this call's decay, the saved averages and count
-        batches.set_state(resumed["batches"])
-        _set_rng_state(resumed["rng"])
-    elbo = config.elbo()
-    svi = SVI(model, guide, optim, elbo)
-    captured: Optional[CapturedSVI] = None
-    # capture=None compiles a step whose graph, once traced, projects a saving over the
-    # captured steps left (not the partial batches') that repays the compile twice, by
-    # its device's cost model (_inductor.compile_pays)
-    may_compile = capture is None
-    if capture == "compile" or _use_capture(cast(Optional[bool], capture), steps - done,
-                                            batches.first[0].device):
-        captured = CapturedSVI(model, guide, optim, elbo, compile=capture == "compile")
-    shape = (batches.first[0].shape, batches.first[1].shape)
-    every = eval_every or max(1, steps // 10)
+                    f"fit: the {type(guide).__name__} was set up (e.g. by a call guide(x, y)) but "
+                    "not initialized or trained: every scale was still its init_scale, so fit "
+                    f"started it with {who}, replacing its set-up values; pass init=None to train "
+                    "from them", UserWarning, stacklevel=2)
+            history.initialized = True
+        elif not initialized:  # init=None: Pyro's own initial values, set up here
+            guide(*batches.first)
+        else:  # e.g. parameters loaded into the param store: set up, taking their values
+            if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
+                warnings.warn(
+                    f"fit: the param store already holds parameters of a {type(guide).__name__} "
+                    "(loaded, or left by an earlier guide of this class), so its initialization is "
+                    "skipped and "
+                    "training continues from them; call pyro.clear_param_store() first to start "
+                    "afresh", UserWarning, stacklevel=2)
+            _set_up(guide, batches.first)
+        config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
+                            learned_noise=learned_noise, average=average,
+                            weight_noise=weight_noise)
+        history.config = config
+        default_lr = config.lr if optim is None else None  # (for a diverged run's message)
+        optim = optim if optim is not None else config.optimizer()
+        # under module_local_params the modules hold their parameters, not the param store
+        averager = config.averager(nn.ModuleList(modules) if local else None)
+        if resumed is not None:
+            optim.set_state(resumed["optim"])
+            if resumed.get("average") is not None:
+                averager.set_state(resumed["average"])
+                averager.decay = config.average  # this call's decay, the saved averages and count
+            batches.set_state(resumed["batches"])
+            _set_rng_state(resumed["rng"])
+        elbo = config.elbo()
+        svi = SVI(model, guide, optim, elbo)
+        captured: Optional[CapturedSVI] = None
+        # capture=None compiles a step whose graph, once traced, projects a saving over the
+        # captured steps left (not the partial batches') that repays the compile twice, by
+        # its device's cost model (_inductor.compile_pays)
+        may_compile = capture is None
+        if capture == "compile" or _use_capture(cast(Optional[bool], capture), steps - done,
+                                                batches.first[0].device):
+            captured = CapturedSVI(model, guide, optim, elbo, compile=capture == "compile")
+        shape = (batches.first[0].shape, batches.first[1].shape)
+        every = eval_every or max(1, steps // 10)
 
-    # ---- train ---------------------------------------------------------------------------
-    from tqdm.auto import tqdm  # type: ignore[import-untyped]  # a dependency of Pyro
+        # ---- train ---------------------------------------------------------------------------
+        from tqdm.auto import tqdm  # type: ignore[import-untyped]  # a dependency of Pyro
 
-    # every evaluation leaves the generator as it found it: training is the same with or
-    # without validation, whatever eval_every, and a call resumed from its checkpoint to
-    # train further continues as the uninterrupted one
-    if validation is not None and done == 0:
-        rng = _rng_state()
-        history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
-                                                            num_samples, chunk)})
-        _set_rng_state(rng)
-    norm_data = batches.pair if batches.pair is not None else batches.loader
-    with warnings.catch_warnings():
-        if _mean_field_list(guide):
-            # Pyro checks the mean-field restriction by the sites' order (sufficient,
-            # not necessary), which a guide list's members, each drawing its sites
-            # independently, need not keep
-            warnings.filterwarnings("ignore", "Failed to verify mean field restriction",
-                                    UserWarning)
-        bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
-        stale = _not_finite(modules)  # (a step failing on these is no divergence of this call)
-        try:
-            for step in range(done + 1, steps + 1):
-                xb, yb = next(batches)
-                # a batch of another shape (an epoch's last) would cost a trace of its own
-                same = (xb.shape, yb.shape) == shape
-                stepper = captured if captured is not None and same else svi
-                try:
-                    with config.handlers():
-                        loss = stepper.step(xb, yb)
-                except ValueError as error:
-                    _raise_if_diverged(step, modules, stale, default_lr, lr is not None, error)
-                    raise
-                if not math.isfinite(loss):
-                    warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
-                                  stacklevel=2)
-                history.loss.append(float(loss))
-                averager.update()
-                if may_compile and captured is not None and captured.num_traces:
-                    may_compile = False  # decided once, on the first graph
-                    graphs = captured._graphs()
-                    left = (steps - step) * batches.full_batches // batches.batches_per_epoch
-                    if graphs and compile_pays(graphs[0], left):
-                        captured._compile_from_next_step()
-                        bar.set_postfix_str("compiling the step")
-                bar.update(1)
-                if step % 10 == 0 or step == steps:
-                    bar.set_postfix(loss=f"{loss / num_data:.4g}")
-                scheduled = validation is not None and step % every == 0
-                if step == steps or scheduled:
-                    # the average evaluated (and the running statistics computed for it) before
-                    # the checkpoint: a resumed call that trains no further returns the same
-                    rng = _rng_state()
-                    with averager.swapped():
-                        # eval mode predicts with running statistics: recompute them for the
-                        # average (they lag behind while SVI trains); a model without
-                        # BatchNorm layers is left alone
-                        update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
-                        if validation is not None:
-                            history.validation.append({"step": float(step), **_evaluate(
-                                model, guide, *validation, num_samples, chunk)})
-                    _set_rng_state(rng)
-                if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
-                                         or step == steps):
-                    # the parameters as trained and the average's state: a resumed call
-                    # continues as this one would have
-                    _save(path, step, optim, model, batches, history, averager)
-        finally:
-            bar.close()
-    averager.write()  # what fit returns (a resumed call that trains no further: the saved one)
-    # a step that fell back (CapturedSVI warned why) ran eagerly from then on
-    history.captured = captured is not None and captured.fallback_reason is None
-    history.compiled = (captured is not None and captured.compile and captured.num_traces > 0
-                        and captured.compile_failure is None)
-    _warn_if_worse(history.validation, config.kl_weight)
-    return history
+        # every evaluation leaves the generator as it found it: training is the same with or
+        # without validation, whatever eval_every, and a call resumed from its checkpoint to
+        # train further continues as the uninterrupted one
+        if validation is not None and done == 0:
+            rng = _rng_state()
+            history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
+                                                                num_samples, chunk)})
+            _set_rng_state(rng)
+        norm_data = batches.pair if batches.pair is not None else batches.loader
+        with warnings.catch_warnings():
+            if _mean_field_list(guide):
+                # Pyro checks the mean-field restriction by the sites' order (sufficient,
+                # not necessary), which a guide list's members, each drawing its sites
+                # independently, need not keep
+                warnings.filterwarnings("ignore", "Failed to verify mean field restriction",
+                                        UserWarning)
+            bar = tqdm(total=steps, initial=done, disable=not progress, desc="fit")
+            stale = _not_finite(modules)  # (a step failing on these is no divergence of this call)
+            try:
+                for step in range(done + 1, steps + 1):
+                    xb, yb = next(batches)
+                    # a batch of another shape (an epoch's last) would cost a trace of its own
+                    same = (xb.shape, yb.shape) == shape
+                    stepper = captured if captured is not None and same else svi
+                    try:
+                        with config.handlers():
+                            loss = stepper.step(xb, yb)
+                    except ValueError as error:
+                        _raise_if_diverged(step, modules, stale, default_lr, lr is not None, error)
+                        raise
+                    if not math.isfinite(loss):
+                        warnings.warn(f"fit: the loss is {loss} at step {step}", RuntimeWarning,
+                                      stacklevel=2)
+                    history.loss.append(float(loss))
+                    averager.update()
+                    if may_compile and captured is not None and captured.num_traces:
+                        may_compile = False  # decided once, on the first graph
+                        graphs = captured._graphs()
+                        left = (steps - step) * batches.full_batches // batches.batches_per_epoch
+                        if graphs and compile_pays(graphs[0], left):
+                            captured._compile_from_next_step()
+                            bar.set_postfix_str("compiling the step")
+                    bar.update(1)
+                    if step % 10 == 0 or step == steps:
+                        bar.set_postfix(loss=f"{loss / num_data:.4g}")
+                    scheduled = validation is not None and step % every == 0
+                    if step == steps or scheduled:
+                        # the average evaluated (and the running statistics computed for it) before
+                        # the checkpoint: a resumed call that trains no further returns the same
+                        rng = _rng_state()
+                        with averager.swapped():
+                            # eval mode predicts with running statistics: recompute them for the
+                            # average (they lag behind while SVI trains); a model without
+                            # BatchNorm layers is left alone
+                            update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
+                            if validation is not None:
+                                history.validation.append({"step": float(step), **_evaluate(
+                                    model, guide, *validation, num_samples, chunk)})
+                        _set_rng_state(rng)
+                    if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
+                                             or step == steps):
+                        # the parameters as trained and the average's state: a resumed call
+                        # continues as this one would have
+                        _save(path, step, optim, model, batches, history, averager)
+            finally:
+                bar.close()
+        averager.write()  # what fit returns (a resumed call that trains no further: the saved one)
+        # a step that fell back (CapturedSVI warned why) ran eagerly from then on
+        history.captured = captured is not None and captured.fallback_reason is None
+        history.compiled = (captured is not None and captured.compile and captured.num_traces > 0
+                            and captured.compile_failure is None)
+        _warn_if_worse(history.validation, config.kl_weight)
+        return history
