@@ -57,14 +57,12 @@ class NoLayersError(ValueError):
 
 @dataclass
 class Layer:
-    """
-    One Bayesian layer of the model: an ``F.linear`` / ``F.conv*d`` call (or
+    """One Bayesian layer of the model: an ``F.linear`` / ``F.conv*d`` call (or
     a matrix product read as ``F.linear``) whose weight is a latent site.
 
     Shapes and priors are in the op's layout (``(out, in)`` for linear,
     ``(out, in / groups, *kernel)`` for conv); ``weight_index`` maps that
-    layout onto the site's when they differ (see :meth:`to_site`).
-    """
+    layout onto the site's when they differ (see :meth:`to_site`)."""
 
     op: str
     weight_name: str
@@ -539,14 +537,17 @@ def report_held(structure: ModelStructure, who: str, noise_written: bool = False
         f"{name!r} at {source} ({value.item():.4g})" if value.numel() == 1
         else f"{name!r} at {source}" for name, (value, source) in items.items()
     )
+    listed = all(source == "the guide list's median" for _, source in items.values())
+    then = ("which the member of the guide list that owns them keeps" if listed else
+            "and leaves them at the values of the guide that owns them (e.g. another member "
+            "of an AutoGuideList, one I-BLM does not start, such as AutoDelta; a noise site "
+            "gets I-BLM's estimate in a guide that owns it, or through the guide list that "
+            "holds both): set them yourself, e.g. that member's params in "
+            "pyro.get_param_store()")
     warn_at_caller(
-        f"{who}: the guide does not own the latent sites {list(items)} (a "
-        f"poutine.block around its model hides them), so it held them fixed for the whole "
-        f"call: {held}, and leaves them at the values of the guide that owns them (e.g. "
-        "another member of an AutoGuideList, one I-BLM does not start, such as AutoDelta; "
-        "a noise site gets I-BLM's estimate in a guide that owns it, or through the guide "
-        "list that holds both): set them yourself, e.g. that member's params in "
-        "pyro.get_param_store()", UserWarning)
+        f"{who}: the guide does not own the latent sites {list(items)} (a poutine.block "
+        f"around its model hides them), so it held them fixed for the whole call: {held}, "
+        f"{then}", UserWarning)
 
 
 def prepare(

@@ -781,8 +781,11 @@ def test_guide_list_initializes_its_supported_members():
                           "sites ['sigma'], which it set to its estimate of the observation "
                           "noise") for m in messages)
     # ... with its values, at which the AutoNormal member's fit held tau
+    # (which the list's AutoDelta owns and keeps: nothing for the user to set)
     assert any("the guide does not own the latent sites ['tau'] " in m
-               and "'tau' at the guide list's median" in m for m in messages)
+               and "'tau' at the guide list's median" in m
+               and m.endswith(", which the member of the guide list that owns them keeps")
+               for m in messages)
     after = _state(guide[1])
     for name in delta:
         assert torch.equal(after[name], delta[name]) == ("sigma" not in name), name
@@ -870,7 +873,9 @@ def test_guide_list_noise_site_no_member_owns_is_a_fixed_scale_as_before():
         init_guide_iblm(guide, (x, y))
     messages = [str(w.message) for w in record]
     assert any("does not own the latent sites ['sigma']" in m
-               and "'sigma' at its prior's median" in m for m in messages)
+               and "'sigma' at its prior's median" in m
+               and m.endswith("set them yourself, e.g. that member's params in "
+                              "pyro.get_param_store()") for m in messages)
     assert not any("one it can write" in m for m in messages)
 
 
