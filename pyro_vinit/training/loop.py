@@ -7,6 +7,7 @@ import inspect
 import math
 import os
 import warnings
+from dataclasses import replace
 from typing import (
     Any,
     Callable,
@@ -476,7 +477,9 @@ def fit(
         config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
                             learned_noise=learned_noise, average=average,
                             weight_noise=weight_noise)
-        history.config = config
+        # (the optimizer passed as optim, not the default one, trains)
+        history.config = config if optim is None else replace(config, lr=None,
+                                                               warmup_steps=None)
         default_lr = config.lr if optim is None else None  # (for a diverged run's message)
         optim = optim if optim is not None else config.optimizer()
         # under module_local_params the modules hold their parameters, not the param store
