@@ -16,9 +16,11 @@ def _aligned(args: Sequence[Any]) -> Tuple[int, List[bool]]:
     (those whose leading dim equals the first tensor argument's)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
     if not tensors:
+        arrays = any(hasattr(a, "__array__") and not isinstance(a, torch.Tensor) for a in args)
         raise ValueError(
             "the data must contain at least one tensor argument whose leading dim indexes "
             "the data rows, e.g. (x_train, y_train)"
+            + ("; convert arrays with torch.as_tensor" if arrays else "")
         )
     n = tensors[0].shape[0]
     return n, [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n for a in args]

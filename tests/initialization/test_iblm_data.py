@@ -63,6 +63,18 @@ def test_batch_that_is_not_a_tuple_is_refused_by_type():
         DataPool(iter([x, y]))
 
 
+def test_data_without_a_tensor_is_refused_naming_arrays_where_given():
+    x, y = torch.randn(10, 2), torch.randn(10)
+    message = (r"^the data must contain at least one tensor argument whose leading dim "
+               r"indexes the data rows, e\.g\. \(x_train, y_train\)")
+    with pytest.raises(ValueError, match=message + r"; convert arrays with torch\.as_tensor$"):
+        DataPool((x.numpy(), y.numpy()))
+    with pytest.raises(ValueError, match=message + "$"):
+        DataPool((3, None))
+    with pytest.raises(ValueError, match=message + "$"):
+        DataPool((torch.tensor(1.0),))  # a scalar indexes no rows
+
+
 @pytest.mark.parametrize("data", [[], iter([])])
 def test_iterable_without_batches_is_refused(data):
     with pytest.raises(ValueError, match=r"^the data is empty: the iterable yielded no batch$"):
