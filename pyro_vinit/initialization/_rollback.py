@@ -1,8 +1,8 @@
-"""Leaving a guide (the param store, its model's buffers) exactly as it was when an
-initializer fails."""
+"""Leaving a guide (the param store, its model's buffers, the generators) exactly as it
+was when an initializer fails."""
 
 from types import TracebackType
-from typing import Any, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import pyro
 import torch
@@ -32,11 +32,31 @@ def restore_buffers(saved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         buffer.copy_(value)
 
 
+def rng_state() -> Dict[str, Any]:
+    """The CPU generator's state, and every CUDA device's where CUDA is in use."""
+    state: Dict[str, Any] = {"cpu": torch.get_rng_state()}
+    # (is_initialized: not annotated in torch)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Any) -> None:
+    """Sets the generators to a :func:`rng_state` (or a CPU generator's state)."""
+    if isinstance(state, torch.Tensor):  # a checkpoint of the CPU generator alone
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 class GuideRollback:
     """
     Restores a guide (the param store, and the buffers of its model, e.g.
-    BatchNorm's running statistics that the model's runs in train mode moved) if
-    the block raises: for a guide
+    BatchNorm's running statistics that the model's runs in train mode moved)
+    and the generators (a corrected call draws as a first one would) if the
+    block raises: for a guide
     that was not set up before the block, its not-set-up state (the
     parameters that setting it up created are removed from it and from the
     param store), so that a corrected call can set it up anew; and, once
@@ -61,6 +81,7 @@ class GuideRollback:
         }
         self._values: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._buffers = saved_buffers(innermost(getattr(self.guide, "model", None)))
+        self._rng = rng_state()
         return self
 
     @torch.no_grad()
@@ -98,6 +119,7 @@ class GuideRollback:
             self.guide.__dict__.clear()
             self.guide.__dict__.update(self._attrs)
             self.guide.__dict__.update(self._containers)
+        set_rng_state(self._rng)
 
 
 @torch.no_grad()

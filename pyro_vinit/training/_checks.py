@@ -26,13 +26,11 @@ from pyro_vinit.initialization._observed import (
     check_targets,
     error_text,
 )
-from pyro_vinit.initialization._rollback import GuideRollback
+from pyro_vinit.initialization._rollback import GuideRollback, rng_state, set_rng_state
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.training._support import (
     Batch,
     _likelihoods,
-    _rng_state,
-    _set_rng_state,
     describe_batch,
 )
 
@@ -47,7 +45,7 @@ def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
     names = set(store.keys())
     buffers = ({k: b.clone() for k, b in model.named_buffers()}
                if isinstance(model, nn.Module) else {})
-    rng = _rng_state()
+    rng = rng_state()
     # what BayesianClassifier / BayesianRegressor note of the batch sizes they see
     notes = {k: v for k, v in vars(model).items() if k in ("_observed_rows", "_warned_num_data")}
     try:
@@ -61,7 +59,7 @@ def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
             for k, b in model.named_buffers():
                 if k in buffers:
                     b.copy_(buffers[k])
-        _set_rng_state(rng)
+        set_rng_state(rng)
 
 
 def _trial_trace(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,

@@ -33,6 +33,7 @@ from torch import nn
 from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
 from pyro_vinit.guides.site_params import is_supported
 from pyro_vinit.initialization._data import all_finite, check_like_first, describe
+from pyro_vinit.initialization._rollback import rng_state, set_rng_state
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.training.averaging import ParamAverage
 from pyro_vinit.training.config import FitHistory
@@ -227,24 +228,6 @@ class _Batches:
 # ---- distributions, the generator's state ------------------------------------------------
 
 
-def _rng_state() -> Dict[str, Any]:
-    """The CPU generator's state, and every CUDA device's where CUDA is in use."""
-    state: Dict[str, Any] = {"cpu": torch.get_rng_state()}
-    # (is_initialized: not annotated in torch)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Any) -> None:
-    if isinstance(state, torch.Tensor):  # a checkpoint of the CPU generator alone
-        torch.set_rng_state(state)
-        return
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _likelihoods(trace: poutine.Trace, model: Callable[..., Any]) -> List[Any]:
     """The observed sample sites of a trace of ``model``, less ``pyro.deterministic``'s
     records (observed ``Delta`` sites) and, where the model observes sites of its own
@@ -258,10 +241,10 @@ def _set_up(guide: Callable[..., Any], batch: Batch) -> None:
     """Sets an autoguide up (its parameters take the param store's values where it
     has them), leaving the RNG as it was."""
     if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
-        rng = _rng_state()
+        rng = rng_state()
         with torch.no_grad():
             poutine.block(guide)(*batch)
-        _set_rng_state(rng)
+        set_rng_state(rng)
 
 
 # ---- evaluation ----------------------------------------------------------------------
@@ -340,7 +323,7 @@ def _save(path: str, step: int, optim: PyroOptim, model: Callable[..., Any],
         "optim": optim.get_state(),
         "average": averager.get_state(),
         "model": model.state_dict() if isinstance(model, nn.Module) else None,
-        "rng": _rng_state(),
+        "rng": rng_state(),
         "batches": batches.state(),
         "loss": list(history.loss),
         "validation": list(history.validation),

@@ -31,7 +31,7 @@ from torch import nn
 
 from pyro_vinit.guides.site_params import _supported_names, is_supported
 from pyro_vinit.initialization import init_guide_iblm, init_guide_pretrained
-from pyro_vinit.initialization._rollback import GuideRollback
+from pyro_vinit.initialization._rollback import GuideRollback, rng_state, set_rng_state
 from pyro_vinit.initialization.pretrained import _model_values
 from pyro_vinit.training._checks import (
     _check_guide,
@@ -52,9 +52,7 @@ from pyro_vinit.training._support import (
     _evaluate,
     _load,
     _mean_field_list,
-    _rng_state,
     _save,
-    _set_rng_state,
     _set_up,
     _train_mode,
 )
@@ -490,7 +488,7 @@ def fit(
                 averager.set_state(resumed["average"])
                 averager.decay = config.average  # this call's decay, the saved averages and count
             batches.set_state(resumed["batches"])
-            _set_rng_state(resumed["rng"])
+            set_rng_state(resumed["rng"])
         elbo = config.elbo()
         svi = SVI(model, guide, optim, elbo)
         captured: Optional[CapturedSVI] = None
@@ -511,10 +509,10 @@ def fit(
         # without validation, whatever eval_every, and a call resumed from its checkpoint to
         # train further continues as the uninterrupted one
         if validation is not None and done == 0:
-            rng = _rng_state()
+            rng = rng_state()
             history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
                                                                 num_samples, chunk)})
-            _set_rng_state(rng)
+            set_rng_state(rng)
         norm_data = batches.pair if batches.pair is not None else batches.loader
         with warnings.catch_warnings():
             if _mean_field_list(guide):
@@ -556,7 +554,7 @@ def fit(
                     if step == steps or scheduled:
                         # the average evaluated (and the running statistics computed for it) before
                         # the checkpoint: a resumed call that trains no further returns the same
-                        rng = _rng_state()
+                        rng = rng_state()
                         with averager.swapped():
                             # eval mode predicts with running statistics: recompute them for the
                             # average (they lag behind while SVI trains); a model without
@@ -565,7 +563,7 @@ def fit(
                             if validation is not None:
                                 history.validation.append({"step": float(step), **_evaluate(
                                     model, guide, *validation, num_samples, chunk)})
-                        _set_rng_state(rng)
+                        set_rng_state(rng)
                     if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
                                              or step == steps):
                         # the parameters as trained and the average's state: a resumed call

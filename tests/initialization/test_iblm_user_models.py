@@ -511,6 +511,19 @@ def test_failed_first_call_leaves_guide_unset(guide_class):
     assert "obs" not in dict(guide.prototype_trace.iter_stochastic_nodes())
 
 
+@pytest.mark.parametrize("guide_class", GUIDES)
+def test_a_failed_call_leaves_the_generator_as_it_was(guide_class):
+    # a corrected call draws as a first one would: the same seed, the same result
+    x, y, _, _ = blobs()
+    model = Classifier(bayesianize(nn.Sequential(nn.Linear(x.shape[-1], 8), nn.Tanh(),
+                                                 nn.Linear(8, 3))), len(x))
+    guide = guide_class(model)
+    state = torch.get_rng_state()
+    with pytest.raises(TypeError, match="integer class labels"):
+        init_guide_iblm(guide, (x, y.float()))  # float class labels
+    assert torch.equal(torch.get_rng_state(), state)  # (the set-up had drawn)
+
+
 # ---------------------------------------------------------------- likelihoods
 
 
