@@ -305,8 +305,7 @@ def is_batched(op: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> b
 def in_features(op: str, weight: torch.Tensor, kwargs: Dict[str, Any]) -> int:
     """The size of the input's feature dim (``linear``) or channel dim
     (``conv*d``) that ``F.<op>`` takes with ``weight``."""
-    if op == "linear":
-        return int(weight.shape[-1])
+    # (a linear layer's: the last dim, and no groups)
     return int(weight.shape[weight.dim() - _spatial(op) - 1]) * int(kwargs.get("groups", 1))
 
 

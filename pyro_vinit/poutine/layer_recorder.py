@@ -401,8 +401,8 @@ class LayerRecorderMessenger(Messenger):
     def _torch_function(
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
     ) -> Any:
-        if func in _DROPOUTS:
-            return args[0] if args else kwargs["input"]
+        if func in _DROPOUTS:  # (they hand their input over by position, as F.batch_norm)
+            return args[0]
         out: Any  # whatever the torch function returns
         if func is F.batch_norm:
             out = self._batch_norm(args, kwargs)
@@ -535,17 +535,14 @@ class LayerRecorderMessenger(Messenger):
         return False
 
     def _batch_norm(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.Tensor:
-        names = ("input", "running_mean", "running_var", "weight", "bias", "training",
-                 "momentum", "eps")
-        params = dict(zip(names, args))
-        params.update(kwargs)
-        x = params["input"]
-        running_mean = params.get("running_mean")
+        # (F.batch_norm hands its tensors over by position, its options by keyword)
+        x, running_mean, running_var = args
+        weight, bias, eps = kwargs["weight"], kwargs["bias"], kwargs["eps"]
         self.num_batch_norms += 1
         if self._norm_stats is not None and running_mean is not None:
             dims = [0] + list(range(2, x.dim()))
             stats = self._norm_stats.setdefault(
-                id(running_mean), [running_mean, params.get("running_var"), 0, 0.0, 0.0]
+                id(running_mean), [running_mean, running_var, 0, 0.0, 0.0]
             )
             counted = x
             if self.norm_rows is not None and x.shape[0] == self.norm_rows[0]:
@@ -555,12 +552,8 @@ class LayerRecorderMessenger(Messenger):
             stats[4] = stats[4] + (counted * counted).sum(dims)
         if self.norm_sync is not None:
             mean, var = self.norm_sync(x, [0] + list(range(2, x.dim())))
-            return F.batch_norm(x, mean, var, params.get("weight"), params.get("bias"), False,
-                                0.0, params.get("eps", 1e-5))
-        return F.batch_norm(
-            x, None, None, params.get("weight"), params.get("bias"), True, 0.0,
-            params.get("eps", 1e-5),
-        )
+            return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
 
 
 def norm_statistics(accumulated: Dict[int, List[Any]]) -> List[Tuple[torch.Tensor, ...]]:

@@ -345,10 +345,14 @@ def test_custom_uses_are_reported_by_their_name(use):
     # a product the handler reads elsewhere is named as one it does not read in this form
     # (the message had listed matmul and einsum as treated, and bmm and mv, which are not)
     products = ("matmul", "mm", "addmm", "einsum")
-    reason = ("in a form the handler does not read as a layer" if name in products
-              else "which the handler does not treat")
-    assert f"  'w': it is used by {name}{',' if 'which' in reason else ''} {reason}" in str(
-        error.value)
+    reason = (f"it is used by {name} in a form the handler does not read as a layer (it "
+              "reads a product of an input and a 2-d weight over one contracted index: not a "
+              "weight of one dimension, one with a batch dim such as vectorized particles' "
+              "leading one, or a product of three)" if name in products else
+              f"it is used by {name}, which the handler does not treat (it treats F.linear, "
+              "F.conv1d/2d/3d and matrix products of an input and a 2-d weight: matmul, @, "
+              "mm, addmm, einsum with one contracted index)")
+    assert f"\n  'w': {reason}.\n" in str(error.value)
     # the program's own result, with the drawn value
     with pyro.poutine.trace() as tr, pytest.warns(UserWarning, match="used by " + name):
         with LocalReparamMessenger():

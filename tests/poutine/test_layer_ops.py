@@ -101,6 +101,9 @@ REFUSED = {
     "einsum, output index also in the input": (torch.einsum, ("oi,io->oo", X[:4], W), {}),
     "einsum, ellipsis, contracted index not last": (torch.einsum, ("...ib,io->...bo", X3, W),
                                                     {}),
+    # the sample dims of a weight written to vectorize placed inside the output, not first
+    "einsum, a 2-d weight's ellipsis inside the output": (torch.einsum, ("bi,...io->b...o", X,
+                                                                         W), {}),
 }
 
 
@@ -219,6 +222,53 @@ FITTING = {
     "conv2d, groups": ("conv2d", (2, 5, 4, 6, 6), (2, 1, 6, 2, 3, 3), 2),
     "conv3d": ("conv3d", (5, 2, 4, 4, 4), (2, 1, 4, 2, 2, 2, 2), 1),
 }
+
+
+@pytest.mark.parametrize("op, x_shape, w_shape, dim", [
+    ("linear", (2, 5, 3), (2, 1, 3, 4), "feature"),
+    ("conv2d", (2, 5, 3, 6, 6), (2, 1, 6, 2, 3, 3), "channel"),
+])
+@pytest.mark.parametrize("name", ["w", None])
+def test_check_batched_input_messages(op, x_shape, w_shape, dim, name):
+    from pyro_vinit.poutine._layer_ops import check_batched_input
+
+    kwargs = {} if op == "linear" else {"groups": 1}
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    site = " (sample site 'w')" if name else ""
+    expected = 4 if op == "linear" else 2
+    message = (
+        f"F.{op}{site} runs batched (its weight or bias has the batch dims of vectorized "
+        f"samples or particles) with a weight that takes {expected} input {dim}s, but its "
+        f"input of shape {tuple(x.shape)} has 3. Where the layers before it ran batched, "
+        "their outputs carry these batch dims on the left of the model's own dims, so a "
+        "reshape that counts dims from the left (nn.Flatten(), x.flatten(1), "
+        "x.view(x.size(0), -1), x.reshape(len(x), -1)) merges them with the "
+        f"{dim}s. Count dims from the right instead, as models run with vectorized samples "
+        "must: e.g. nn.Flatten(-3), x.flatten(-3) or x.reshape(x.shape[:-3] + (-1,)) for "
+        "(C, H, W) features.")
+    with pytest.raises(ValueError) as error:
+        check_batched_input(op, x, w, kwargs, name)
+    assert str(error.value) == message
+    # batch dims that do not broadcast: (3, 5) left of the features against (2, 1)
+    x = torch.randn((3, 5) + ((4,) if op == "linear" else (2, 6, 6)))
+    features, x_batch = ("features" if op == "linear" else "channels"), (3, 5)
+    with pytest.raises(ValueError) as error:
+        check_batched_input(op, x, w, kwargs, name)
+    assert str(error.value) == (
+        f"F.{op}{site} runs batched with a weight of batch dims (2, 1) (a dim of "
+        "vectorized samples or particles, left of the model's max_plate_nesting plate "
+        f"dims), which do not line up with its input's {x_batch}: the input has more dims "
+        f"left of its {features} than the plates, e.g. (batch, tokens, features) under one "
+        "plate. Give the ELBO max_plate_nesting= that many dims (TraceMeanField_ELBO(..., "
+        "max_plate_nesting=2))")
+
+
+def test_check_batched_input_leaves_an_input_without_a_channel_dim_to_the_op():
+    # F.conv2d's own error says what is wrong with a 2-d input
+    from pyro_vinit.poutine._layer_ops import check_batched_input
+
+    w = torch.randn(2, 1, 6, 2, 3, 3)
+    assert check_batched_input("conv2d", torch.randn(4, 6), w, {"groups": 1}, "w") is None
 
 
 @pytest.mark.parametrize("case", FITTING, ids=list(FITTING))

@@ -656,6 +656,7 @@ DROPOUTS = {
     "alpha_dropout": (lambda x: F.alpha_dropout(x, 0.9, True), (4, 6)),
     "feature_alpha_dropout": (lambda x: F.feature_alpha_dropout(x, 0.9, True), (4, 3, 2)),
     "nn.Dropout in training": (torch.nn.Dropout(0.9).train(), (4, 6)),
+    "dropout by keyword": (lambda x: F.dropout(input=x, p=0.9, training=True), (4, 6)),
 }
 
 
@@ -1006,6 +1007,23 @@ def test_flow_through_batch_norm_and_lists():
         "scale": frozenset(),
     }
     pyro.clear_param_store()
+
+
+def test_sources_are_followed_as_the_values_of_their_sites():
+    # a site hidden from the recorder (its value set outside, e.g. held by a poutine.block
+    # inside it) is followed through the tensor given as its value
+    sigma = torch.tensor(0.3)
+
+    def model(x, y):
+        mean = F.linear(x, _latent("w", 3, 4))
+        pyro.sample("y", dist.Normal(mean, sigma * 2.0).to_event(2), obs=y)
+
+    rec, _ = _record(model, {"w": W_OUT_IN}, X, torch.zeros(5, 3), track_flow=True,
+                     sources={"sigma": sigma})
+    assert rec.likelihood_flow == {"loc": frozenset({("layer", 0)}),
+                                   "scale": frozenset({("site", "sigma")})}
+    rec, _ = _record(model, {"w": W_OUT_IN}, X, torch.zeros(5, 3), track_flow=True)
+    assert rec.likelihood_flow["scale"] == frozenset()  # (a constant without it)
 
 
 def test_tensors_made_from_a_shape_carry_no_flow():
