@@ -456,21 +456,24 @@ def test_latent_vector_added_to_product_is_its_bias(name):
     assert_close(out, X @ W_IN_OUT + B + b2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("constant", ["vector", "row", "one element", "number"])
-def test_a_constant_added_to_a_product_is_its_fixed_bias(constant):
+def test_a_constant_added_to_a_product_is_its_fixed_bias(constant, dtype):
     # x @ w + c with c no site's (a plain tensor of one value per unit, or a number): the
-    # layer's fixed bias, the sum its output
-    c = {"vector": torch.randn(3), "row": torch.randn(1, 3), "one element": torch.randn(1),
-         "number": 0.5}[constant]
+    # layer's fixed bias, the sum its output (a number in the output's dtype)
+    c = {"vector": torch.randn(3, dtype=dtype), "row": torch.randn(1, 3, dtype=dtype),
+         "one element": torch.randn(1, dtype=dtype), "number": 0.5}[constant]
+    x, w = X.to(dtype), W_IN_OUT.to(dtype)
 
     def model(x):
-        return x @ _latent("w", 4, 3) + c
+        return x @ _latent("w", 4, 3, dtype=dtype) + c
 
-    rec, out = _record(model, {"w": W_IN_OUT}, X)
+    rec, out = _record(model, {"w": w}, x)
     layer = _only_layer(rec)
     assert layer.bias_name is None and layer.output is out
-    assert torch.equal(layer.fixed_bias, torch.as_tensor(c, dtype=out.dtype))
-    assert_close(out, X @ W_IN_OUT + c)
+    assert layer.fixed_bias.dtype == dtype
+    assert torch.equal(layer.fixed_bias, torch.as_tensor(c, dtype=dtype))
+    assert_close(out, x @ w + c)
 
 
 NOT_BIASES = {
