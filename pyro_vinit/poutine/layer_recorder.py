@@ -379,15 +379,13 @@ class LayerRecorderMessenger(Messenger):
                 tokens = tokens | self._get_flow(item)
             elif isinstance(item, (tuple, list)):
                 tokens = tokens | self._union_flow(item)
-            elif isinstance(item, dict):
-                tokens = tokens | self._union_flow(item.values())
         return tokens
 
     def _tag_outputs(self, out: object, tokens: FrozenSet[Token]) -> None:
         if not tokens:
             return
-        if isinstance(out, torch.Tensor):
-            self._set_flow(out, tokens | self._get_flow(out))
+        if isinstance(out, torch.Tensor):  # (an in-place op's output is among its arguments)
+            self._set_flow(out, tokens)
         elif isinstance(out, (tuple, list)):
             for item in out:
                 self._tag_outputs(item, tokens)

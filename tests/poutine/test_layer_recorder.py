@@ -487,6 +487,8 @@ NOT_BIASES = {
     "latent row": lambda x, w, s: x @ w + s["row"],
     "reshaped latent vector": lambda x, w, s: x @ w + s["row"].reshape(3),
     "unsqueezed vector that broadcasts the output": lambda x, w, s: (x @ w)[0] + s["b"][None],
+    # one value per row of a product of three rows, not per unit
+    "vector as a column": lambda x, w, s: x[:3] @ w + s["b"].reshape(3, 1),
     "after F.linear": lambda x, w, s: F.linear(x, w.t()) + s["b"],
     "after addmm's bias": lambda x, w, s: torch.addmm(s["plain"], x, w) + s["b"],
     "product of a product": lambda x, w, s: (x @ w) * s["b"],
