@@ -840,6 +840,23 @@ def test_fit_refuses_a_latent_site_with_batch_dims_outside_its_plates():
             r"sample's event, e.g. dist.Normal\(0., 1.\).expand\(\[3, 5\]\).to_event\(2\)$")):
         fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
     assert snapshot() == {} and not is_initialized(guide)
+    # a convolution's kernel made the event, its (out, in) channels left as batch dims,
+    # which fit's check had ignored left of the model's one plate (as the ELBO's first step
+    # does not: it checks with no plate nesting guessed yet)
+    def conv(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 1, 2, 2]).to_event(2))
+        with pyro.plate("data", 240, subsample=torch.arange(len(x))):
+            logits = F.conv2d(x.reshape(-1, 1, 1, 5)[..., :4].reshape(-1, 1, 2, 2), w)
+            pyro.sample("obs", dist.Categorical(logits=logits.flatten(1)), obs=y)
+
+    guide = AutoKTiedNormal(conv, rank=2)
+    with pytest.raises(ValueError, match=(
+            r"^fit: the latent sample site 'w' has a distribution of batch shape \(3, 1\) "
+            r"outside any pyro.plate, which Pyro's ELBO refuses: make those dims the "
+            r"sample's event, e.g. dist.Normal\(0., 1.\).expand\(\[3, 1, 2, 2\]\)"
+            r".to_event\(4\)$")):
+        fit(conv, guide, (x, y), steps=2, batch_size=64, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
     # in a plate over the weight's columns, a dim of rows left over: Pyro's own words then
     def in_a_plate(x, y=None):
         with pyro.plate("inputs", 5, dim=-1):

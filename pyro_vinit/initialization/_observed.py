@@ -6,7 +6,9 @@ from typing import Any, Callable, Optional, Sequence, cast
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
+from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
+from pyro.util import check_site_shape
 
 from pyro_vinit._pyro_compat import (
     conditioned_sites,
@@ -21,6 +23,7 @@ __all__ = [
     "check_has_likelihood",
     "check_log_density_shape",
     "check_not_conditioned",
+    "check_latent_shapes",
     "check_targets",
     "error_text",
 ]
@@ -56,6 +59,7 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None
         check_not_conditioned(model, site["name"])
         check_targets(site, site["value"])  # (I-BLM checks every row as it reads them)
         check_log_density_shape(site)
+    check_latent_shapes(trace)
 
 
 def check_not_conditioned(model: Callable[..., Any], name: str) -> None:
@@ -149,3 +153,36 @@ def check_log_density_shape(site: Any, what_y: str = "y", prefix: str = "") -> N
             f"{prefix}{what_y} of shape {value} does not fit the likelihood {site['name']!r}: "
             f"its distribution, of batch shape {tuple(fn.batch_shape)} and event shape "
             f"{tuple(fn.event_shape)}, {what}; {fix}")
+
+
+def check_latent_shapes(trace: poutine.Trace, prefix: str = "") -> None:
+    """Pyro's ELBO check of each latent site's log-density shape against its plates
+    (``pyro.util.check_site_shape``, under validation), on a first trace: a prior
+    with batch dims outside any plate, e.g. ``Normal(0., 1.).expand([H, D])`` without
+    ``.to_event(2)``, is refused before an initializer writes the guide, not at the
+    first step; each message starts with ``prefix``."""
+    if not is_validation_enabled():
+        return
+    for name, site in trace.nodes.items():
+        if (site["type"] != "sample" or site["is_observed"] or site_is_subsample(site)
+                or not isinstance(site["value"], torch.Tensor)):
+            continue
+        fn = cast(dist.TorchDistribution, site["fn"])
+        with torch.no_grad():
+            log_prob = fn.log_prob(site["value"])
+        try:
+            # (as the ELBO's first step, which guesses max_plate_nesting, checks it: no dim
+            # left of the plates ignored)
+            check_site_shape({**site, "log_prob": log_prob}, cast(int, float("inf")))
+        except ValueError as e:
+            batch = tuple(fn.batch_shape)
+            if not site["cond_indep_stack"] and batch:
+                full = list(batch + tuple(fn.event_shape))
+                raise ValueError(
+                    f"{prefix}the latent sample site {name!r} has a distribution of batch "
+                    f"shape {batch} outside any pyro.plate, which Pyro's ELBO refuses: "
+                    f"make those dims the sample's event, e.g. dist.Normal(0., 1.)"
+                    f".expand({full}).to_event({len(full)})"
+                ) from e
+            raise ValueError(f"{prefix}the latent sample site {name!r} does not fit its "
+                             f"plates: {e}") from e

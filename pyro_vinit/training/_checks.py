@@ -14,14 +14,13 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
-from pyro.infer.util import is_validation_enabled
 from pyro.nn import PyroModule
 from pyro.poutine.util import site_is_subsample
-from pyro.util import check_site_shape
 from torch import nn
 
 from pyro_vinit._pyro_compat import conditioned_sites, is_deterministic_site
 from pyro_vinit.initialization._observed import (
+    check_latent_shapes,
     check_log_density_shape,
     check_targets,
     error_text,
@@ -251,7 +250,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
         )
     trace = _trial_trace(model, x, y, "the first batch")
     _check_param_sites(trace, "model")
-    _check_latent_shapes(trace)
+    check_latent_shapes(trace, prefix="fit: ")
     observed = _likelihoods(trace, model)
     if not observed:
         raise ValueError(
@@ -285,38 +284,6 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
             )
         _check_batch_plate(site, rows, num_data)
     return _learns_noise(model, x, y, trace, observed), [site["name"] for site in observed]
-
-
-def _check_latent_shapes(trace: poutine.Trace) -> None:
-    """Pyro's ELBO check of each latent site's log-density shape against its plates
-    (``pyro.util.check_site_shape``, under validation), on the first batch: a prior
-    with batch dims outside any plate, e.g. ``Normal(0., 1.).expand([H, D])`` without
-    ``.to_event(2)``, is refused before I-BLM writes the guide, not at the first step."""
-    if not is_validation_enabled():
-        return
-    dims = [cast(int, frame.dim) for site in trace.nodes.values() if site["type"] == "sample"
-            for frame in site["cond_indep_stack"] if frame.vectorized]
-    nesting = -min(dims) if dims else 0  # as Pyro's ELBO guesses it
-    for name, site in trace.nodes.items():
-        if (site["type"] != "sample" or site["is_observed"] or site_is_subsample(site)
-                or not isinstance(site["value"], torch.Tensor)):
-            continue
-        fn = cast(dist.TorchDistribution, site["fn"])
-        with torch.no_grad():
-            log_prob = fn.log_prob(site["value"])
-        try:
-            check_site_shape({**site, "log_prob": log_prob}, nesting)
-        except ValueError as e:
-            batch = tuple(fn.batch_shape)
-            if not site["cond_indep_stack"] and batch:
-                raise ValueError(
-                    f"fit: the latent sample site {name!r} has a distribution of batch "
-                    f"shape {batch} outside any pyro.plate, which Pyro's ELBO refuses: "
-                    f"make those dims the sample's event, e.g. dist.Normal(0., 1.)"
-                    f".expand({list(batch)}).to_event({len(batch)})"
-                ) from e
-            raise ValueError(f"fit: the latent sample site {name!r} does not fit its "
-                             f"plates: {e}") from e
 
 
 def _check_batch_plate(site: Any, rows: int, num_data: int) -> None:

@@ -784,11 +784,17 @@ def test_unsupported_likelihood_and_prior():
             "I-BLM needs a Normal prior (possibly expanded and .to_event) at the layer site "
             "'net.0.weight', but its prior is Independent over Laplace" + advice) + "$"):
         init_guide_iblm(guide, (x, torch.randint(0, 2, (200,))))
-    # without .to_event, "Laplace over Laplace"
+    # without .to_event, "Laplace over Laplace"; under validation the missing .to_event is
+    # refused first, as Pyro's ELBO would refuse it
     net = bayesianize(mlp((3, 4, 2)))
     net[0].weight = PyroSample(dist.Laplace(0.0, 1.0).expand([4, 3]))
     guide = AutoNormal(BayesianClassifier(net))
     with pytest.raises(ValueError, match="^" + re.escape(
+            "the latent sample site 'net.0.weight' has a distribution of batch shape (4, 3) "
+            "outside any pyro.plate, which Pyro's ELBO refuses: make those dims the sample's "
+            "event, e.g. dist.Normal(0., 1.).expand([4, 3]).to_event(2)") + "$"):
+        init_guide_iblm(guide, (x, torch.randint(0, 2, (200,))))
+    with pyro.validation_enabled(False), pytest.raises(ValueError, match="^" + re.escape(
             "I-BLM needs a Normal prior (possibly expanded and .to_event) at the layer site "
             "'net.0.weight', but its prior is Laplace" + advice) + "$"):
         init_guide_iblm(guide, (x, torch.randint(0, 2, (200,))))

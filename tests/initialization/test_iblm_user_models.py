@@ -279,7 +279,9 @@ def test_batch_shaped_priors(guide_class):
     x, y = x[:400], y[:400]
     model = Classifier(net, len(x))
     guide = guide_class(model)
-    init_guide_iblm(guide, (x, y))
+    # (batch dims outside any plate: Pyro's ELBO, and I-BLM, refuse them under validation)
+    with pyro.validation_enabled(False):
+        init_guide_iblm(guide, (x, y))
     assert _error(_predict(model, guide, lambda a: model.net(a), xt), yt) < 0.5
 
 
@@ -522,6 +524,28 @@ def test_a_failed_call_leaves_the_generator_as_it_was(guide_class):
     with pytest.raises(TypeError, match="integer class labels"):
         init_guide_iblm(guide, (x, y.float()))  # float class labels
     assert torch.equal(torch.get_rng_state(), state)  # (the set-up had drawn)
+
+
+def test_a_latent_site_with_batch_dims_outside_its_plates_is_refused_before_set_up():
+    # a kernel made the event, its (out, in) channels left as batch dims: I-BLM wrote the
+    # guide, and SVI refused the site at its first step
+    x, y, _, _ = blobs()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, x.shape[-1]]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x, w)), obs=y)
+
+    guide = AutoNormal(model)
+    names = set(pyro.get_param_store().keys())
+    with pytest.raises(ValueError, match=(
+            r"^the latent sample site 'w' has a distribution of batch shape \(3,\) outside any "
+            r"pyro.plate, which Pyro's ELBO refuses: make those dims the sample's event, e.g. "
+            r"dist.Normal\(0., 1.\).expand\(\[3, 10\]\).to_event\(2\)$")):
+        init_guide_iblm(guide, (x, y))
+    assert guide.prototype_trace is None and set(pyro.get_param_store().keys()) == names
+    with pyro.validation_enabled(False):  # as Pyro's ELBO, only under validation
+        init_guide_iblm(guide, (x, y))
 
 
 # ---------------------------------------------------------------- likelihoods
