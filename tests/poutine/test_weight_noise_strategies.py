@@ -500,6 +500,31 @@ def test_auto_weight_noise_keeps_a_point_mass_unreported():
     assert torch.isfinite(loss)
 
 
+@pytest.mark.parametrize("handler", [LocalReparamMessenger, FlipoutMessenger],
+                         ids=["local_reparam", "flipout"])
+def test_a_point_mass_under_a_named_strategy_is_reported_as_one(handler):
+    # an AutoDelta guide under local_reparam() was told that FlipoutMessenger gives
+    # per-example noise for sign-symmetric distributions; under flipout(), that Delta is
+    # not known to be sign-symmetric
+    from pyro.infer.autoguide import AutoDelta
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(F.linear(x, w), 1.0).to_event(1), obs=y)
+
+    guide = AutoDelta(model)
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    guide(x, y)
+    with pytest.raises(ValueError) as error:
+        with handler(strict=True):
+            Trace_ELBO().differentiable_loss(model, guide, x, y)
+    assert ("\n  'w': its distribution is Delta (a point estimate, e.g. an AutoDelta guide's), "
+            "which has no noise to give each example: its ordinary sample is exact "
+            "(weight_noise()'s automatic choice leaves such sites alone, unreported).\n"
+            ) in str(error.value)
+
+
 def test_config_names_that_no_site_has_are_reported():
     # A misspelt name would leave its site on the ordinary sample, with no report (the
     # sites the config leaves alone are not named): the name is reported instead, once

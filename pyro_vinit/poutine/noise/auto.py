@@ -1,9 +1,8 @@
 """The automatic choice of a weight-noise strategy per site."""
 
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import torch
-from pyro.distributions import Delta
 from torch.distributions import Distribution
 
 from pyro_vinit._typing import SampleSite
@@ -13,7 +12,7 @@ from pyro_vinit.poutine._site_value import SiteValue
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.poutine.noise.flipout import Flipout
 from pyro_vinit.poutine.noise.local_reparam import LocalReparam
-from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv
+from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv, point_mass_reason
 
 __all__ = ["AutoWeightNoise"]
 
@@ -29,7 +28,7 @@ class _PointMass(WeightNoise):
     def apply(
         self, call: LayerCall, weight: SiteValue, fn: Distribution
     ) -> Union[torch.Tensor, str]:  # never called: it skips every call
-        return "a point mass has no per-example noise"
+        return cast(str, point_mass_reason(fn))
 
 
 _POINT_MASS = _PointMass()
@@ -68,7 +67,7 @@ class AutoWeightNoise(WeightNoise):
             return self.local_reparam
         if is_sign_symmetric(fn):
             return self.flipout
-        if isinstance(base_distribution(fn), Delta):
+        if point_mass_reason(fn) is not None:
             return _POINT_MASS
         return self  # whose apply says that none applies
 

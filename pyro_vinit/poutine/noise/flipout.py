@@ -9,7 +9,13 @@ from pyro_vinit.distributions import is_sign_symmetric
 from pyro_vinit.poutine._layer_ops import LayerCall, run_layer
 from pyro_vinit.poutine._site_value import SiteValue, unwrap
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
-from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv, spatial_dims, view_of
+from pyro_vinit.poutine.noise.strategy import (
+    WeightNoise,
+    _check_conv,
+    point_mass_reason,
+    spatial_dims,
+    view_of,
+)
 
 __all__ = ["Flipout"]
 
@@ -107,7 +113,7 @@ class Flipout(WeightNoise):
         self, call: LayerCall, weight: SiteValue, fn: Distribution
     ) -> Union[torch.Tensor, str]:
         if not is_sign_symmetric(fn):
-            return (
+            return point_mass_reason(fn) or (
                 f"its distribution is {type(base_distribution(fn)).__name__}, whose "
                 "perturbations are not known to be symmetric under sign flips"
             )

@@ -14,7 +14,12 @@ from pyro_vinit.poutine._site_value import SiteValue, unwrap
 from pyro_vinit.poutine._tensor_ops import is_transpose
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.poutine.noise.flipout import flipout_layer, shared_dims
-from pyro_vinit.poutine.noise.strategy import WeightNoise, _check_conv, view_of
+from pyro_vinit.poutine.noise.strategy import (
+    WeightNoise,
+    _check_conv,
+    point_mass_reason,
+    view_of,
+)
 
 __all__ = ["LocalReparam"]
 
@@ -100,6 +105,9 @@ class LocalReparam(WeightNoise):
     ) -> Union[torch.Tensor, str]:
         normal = _normal(fn, weight.uses.shape)
         if normal is None:
+            point_mass = point_mass_reason(fn)
+            if point_mass is not None:
+                return point_mass
             name = type(base_distribution(fn)).__name__
             return (
                 f"its distribution is {name}, not a factorized Normal "

@@ -4,12 +4,14 @@ from abc import ABC, abstractmethod
 from typing import Optional, Union
 
 import torch
+from pyro.distributions import Delta
 from torch.distributions import Distribution
 
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._layer_ops import LayerCall
 from pyro_vinit.poutine._site_value import SiteValue
 from pyro_vinit.poutine._tensor_ops import replay
+from pyro_vinit.poutine.layer_call_messenger import base_distribution
 
 __all__ = ["WeightNoise"]
 
@@ -19,6 +21,16 @@ def _check_conv(owner: str, conv: object) -> bool:
     if not isinstance(conv, bool):
         raise TypeError(f"{owner}: conv must be a bool, got {conv!r}")
     return conv
+
+
+def point_mass_reason(fn: Distribution) -> Optional[str]:
+    """Why a weight drawn from ``fn`` keeps its ordinary sample where ``fn`` is a
+    point mass (e.g. an ``AutoDelta`` guide's): exact, nothing to spread."""
+    if not isinstance(base_distribution(fn), Delta):
+        return None
+    return ("its distribution is Delta (a point estimate, e.g. an AutoDelta guide's), "
+            "which has no noise to give each example: its ordinary sample is exact "
+            "(weight_noise()'s automatic choice leaves such sites alone, unreported)")
 
 
 def spatial_dims(call: LayerCall) -> int:
