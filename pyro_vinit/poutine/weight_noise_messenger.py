@@ -387,7 +387,12 @@ class WeightNoiseMessenger(LayerCallMessenger):
             hint = " (conv=False leaves convolutions, transposed ones too, unreported)"
         else:
             hint = ""
-        if op_name in _PRODUCTS:  # a product it treats, in a form it does not read
+        if op_name in _PRODUCTS and value.dim() == 1:  # e.g. the tutorials' x @ w
+            reason = (
+                f"it is used by {op_name} as a weight of one dimension, which the handler "
+                "does not read as a layer: a weight of shape (in, 1), with "
+                "(x @ w).squeeze(-1), gives the same values as a layer it treats")
+        elif op_name in _PRODUCTS:  # a product it treats, in a form it does not read
             reason = (
                 f"it is used by {op_name} in a form the handler does not read as a layer (it "
                 "reads a product of an input and a 2-d weight over one contracted index: not "

@@ -362,6 +362,24 @@ def test_custom_uses_are_reported_by_their_name(use):
         assert torch.equal(out, fn(x))
 
 
+@pytest.mark.parametrize("use", ["x @ w", "torch.matmul", "torch.mv"])
+def test_a_weight_of_one_dimension_is_reported_with_the_shape_to_give(use):
+    # the tutorials' regression x @ w with w of shape (in,)
+    x = torch.randn(5, 4)
+    fn = {"x @ w": lambda w: x @ w, "torch.matmul": lambda w: torch.matmul(x, w),
+          "torch.mv": lambda w: torch.mv(x, w)}[use]
+    with pytest.raises(ValueError) as error:
+        with LocalReparamMessenger(strict=True):
+            fn(_w((4,)))
+    name = "mv" if use == "torch.mv" else "matmul"
+    if name == "mv":  # no product the handler reads in any form
+        assert "'w': it is used by mv, which the handler does not treat" in str(error.value)
+        return
+    assert ("\n  'w': it is used by matmul as a weight of one dimension, which the handler "
+            "does not read as a layer: a weight of shape (in, 1), with (x @ w).squeeze(-1), "
+            "gives the same values as a layer it treats.\n") in str(error.value)
+
+
 def test_weight_in_a_list_of_operands_is_reported():
     # An einsum whose operands come as one list (of other than two) is not a layer: each
     # site value in the list is reported.
