@@ -490,6 +490,8 @@ NOT_BIASES = {
     # one value per row of a product of three rows, not per unit
     "vector as a column": lambda x, w, s: x[:3] @ w + s["b"].reshape(3, 1),
     "after F.linear": lambda x, w, s: F.linear(x, w.t()) + s["b"],
+    # one value per unit, but with two dims left of them: it adds a dim to the output
+    "constant of three dims": lambda x, w, s: x @ w + s["plain"].reshape(1, 1, 3),
     "after addmm's bias": lambda x, w, s: torch.addmm(s["plain"], x, w) + s["b"],
     "product of a product": lambda x, w, s: (x @ w) * s["b"],
 }
@@ -1029,6 +1031,17 @@ def test_sources_are_followed_as_the_values_of_their_sites():
                                    "scale": frozenset({("site", "sigma")})}
     rec, _ = _record(model, {"w": W_OUT_IN}, X, torch.zeros(5, 3), track_flow=True)
     assert rec.likelihood_flow["scale"] == frozenset()  # (a constant without it)
+
+
+def test_a_latent_bias_is_in_the_flow_through_its_layer_only():
+    # x @ w + b: the sum is the layer's output, whose flow is the layer's (not b's site)
+    def model(x, y):
+        mean = x @ _latent("w", 4, 3) + _latent("b", 3)
+        pyro.sample("y", dist.Normal(mean, 1.0).to_event(2), obs=y)
+
+    rec, _ = _record(model, {"w": W_IN_OUT, "b": B}, X, torch.zeros(5, 3), track_flow=True)
+    assert _only_layer(rec).bias_name == "b"
+    assert rec.likelihood_flow == {"loc": frozenset({("layer", 0)}), "scale": frozenset()}
 
 
 def test_tensors_made_from_a_shape_carry_no_flow():
