@@ -1705,7 +1705,7 @@ def test_fit_trains_in_train_mode_and_returns_the_callers_modes(first_call):
     frozen = norm.running_mean.clone()
     norm_seen = []
     norm.register_forward_pre_hook(lambda module, args: norm_seen.append(module.training))
-    fit(model, guide, (x, y), steps=3, progress=False)
+    fit(model, guide, (x, y), steps=3, progress=False, validation=(x[:60], y[:60]))
     assert norm_seen and not any(norm_seen)
     assert model.training and not norm.training
     assert torch.equal(norm.running_mean, frozen)

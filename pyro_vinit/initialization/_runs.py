@@ -17,6 +17,7 @@ from pyro_vinit._pyro_compat import (
     wrap_inner,
 )
 from pyro_vinit._typing import SampleSite
+from pyro_vinit.initialization._rollback import innermost
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
     PlateRowsMessenger,
@@ -57,6 +58,8 @@ def run_model(
         norm_sync=norm_sync,
         norm_rows=norm_rows,
         sources=sources,
+        # (a BatchNorm layer in eval mode in a model in train mode is frozen)
+        keep_frozen_norms=getattr(innermost(model), "training", False) is True,
     )
     if all(name in values for name in latent):
         # every latent site is conditioned: the autoguide's InitMessenger around the

@@ -242,7 +242,9 @@ class LayerRecorderMessenger(Messenger):
       deterministic;
     * ``F.batch_norm`` normalizes with the statistics of the batch at hand
       and leaves the running statistics alone (see
-      :func:`norm_statistics` to collect them);
+      :func:`norm_statistics` to collect them), but for a layer called with
+      ``training=False`` under ``keep_frozen_norms`` (frozen), which
+      normalizes with its running statistics, not collected;
     * with ``track_flow=True`` it follows, through every torch operation,
       which layers' outputs (not through another layer), latent sites and
       params each tensor depends on, and :attr:`likelihood_flow` tells, for
@@ -265,6 +267,9 @@ class LayerRecorderMessenger(Messenger):
         ``rows`` rows along its first dim, only the first ``new`` count in
         ``norm_statistics`` (the others repeat rows counted before, as the
         wrapped-around last block of a subsampled plate does).
+    :param bool keep_frozen_norms: Whether an ``F.batch_norm`` called with
+        ``training=False`` (a BatchNorm layer in eval mode in a model in
+        train mode) keeps its running statistics.
     :param dict sources: With ``track_flow``, tensors followed as the values
         of the latent sites of these names, for sites whose values this
         handler does not see (hidden by a ``poutine.block`` inside it).
@@ -280,9 +285,11 @@ class LayerRecorderMessenger(Messenger):
         norm_sync: Optional[Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]] = None,
         norm_rows: Optional[Tuple[int, int]] = None,
         sources: Optional[Mapping[str, torch.Tensor]] = None,
+        keep_frozen_norms: bool = False,
     ) -> None:
         super().__init__()
         self.norm_rows = norm_rows
+        self.keep_frozen_norms = keep_frozen_norms
         self.latent = set(latent)
         self.track_flow = track_flow
         self.num_batch_norms = 0
@@ -537,6 +544,8 @@ class LayerRecorderMessenger(Messenger):
         x, running_mean, running_var = args
         weight, bias, eps = kwargs["weight"], kwargs["bias"], kwargs["eps"]
         self.num_batch_norms += 1
+        if self.keep_frozen_norms and not kwargs["training"] and running_mean is not None:
+            return F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, eps)
         if self._norm_stats is not None and running_mean is not None:
             dims = [0] + list(range(2, x.dim()))
             stats = self._norm_stats.setdefault(

@@ -257,7 +257,8 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
     draws, the model in eval mode, on chunks of at most ``chunk`` rows (a model built
     with ``num_data`` takes no larger batch)."""
     modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
-    modes = [m.training for m in modules]
+    # (each submodule's own mode restored: a frozen BatchNorm in a model in train mode)
+    modes = [(sub, sub.training) for m in modules for sub in m.modules()]
     for m in modules:
         m.eval()
     try:
@@ -307,8 +308,8 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
             result[kind] = float((mean - y.reshape(mean.shape)).pow(2).mean().sqrt())
         return result
     finally:
-        for m, mode in zip(modules, modes):
-            m.train(mode)
+        for sub, mode in modes:
+            sub.training = mode
 
 
 # ---- checkpoints ---------------------------------------------------------------------

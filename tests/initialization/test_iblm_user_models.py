@@ -548,6 +548,27 @@ def test_a_latent_site_with_batch_dims_outside_its_plates_is_refused_before_set_
         init_guide_iblm(guide, (x, y))
 
 
+def test_a_frozen_batch_norm_keeps_its_statistics_through_iblm():
+    # a BatchNorm the user put in eval mode in a model in train mode: I-BLM fitted through
+    # it with batch statistics and rewrote its running statistics
+    x, y, _, _ = blobs()
+    net = bayesianize(nn.Sequential(nn.Linear(x.shape[-1], 8), nn.BatchNorm1d(8), nn.ReLU(),
+                                    nn.Linear(8, 3)))
+    model = Classifier(net, len(x))
+    norm = net[1].eval()
+    norm.running_mean.fill_(0.5)
+    norm.running_var.fill_(2.0)
+    guide = AutoKTiedNormal(model, rank=2)
+    init_guide_iblm(guide, (x, y))
+    assert torch.equal(norm.running_mean, torch.full((8,), 0.5))
+    assert torch.equal(norm.running_var, torch.full((8,), 2.0)) and not norm.training
+    # and the network it fitted is the one that runs: the frozen statistics in the fit
+    medians = guide.median(x, y)
+    with torch.no_grad():
+        logits = pyro.poutine.condition(model, data=medians)(x)
+    assert (logits.argmax(-1) != y).float().mean() < 0.2
+
+
 # ---------------------------------------------------------------- likelihoods
 
 

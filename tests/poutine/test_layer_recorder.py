@@ -702,6 +702,31 @@ def test_batch_norm_uses_batch_statistics(shape, training):
     assert rec.num_batch_norms == 1
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_frozen_batch_norm_keeps_its_running_statistics_where_asked(keep):
+    # a BatchNorm in eval mode in a model in train mode (a frozen layer): under
+    # keep_frozen_norms it normalizes as it does outside the recorder, and its statistics
+    # are not collected
+    bn = torch.nn.BatchNorm1d(3, eps=0.5).eval()
+    bn.running_mean.fill_(2.0)
+    bn.running_var.fill_(7.0)
+    x = torch.randn(6, 3) * 3 + 1
+    stats = {}
+    rec, out = _record(bn, {}, x, norm_statistics=stats, keep_frozen_norms=keep)
+    if keep:
+        assert torch.equal(out, bn(x)) and stats == {}
+    else:
+        assert_close(out, _bn_closed_form(x, x.mean(0), x.var(0, unbiased=False), bn.weight,
+                                          bn.bias, 0.5), atol=1e-5, rtol=1e-5)
+        assert len(stats) == 1
+    assert rec.num_batch_norms == 1
+    # a layer in train mode is no frozen one
+    rec, out = _record(bn.train(), {}, x, norm_statistics=stats, keep_frozen_norms=True)
+    assert torch.equal(bn.running_mean, torch.full((3,), 2.0))
+    assert_close(out, _bn_closed_form(x, x.mean(0), x.var(0, unbiased=False), bn.weight,
+                                      bn.bias, 0.5), atol=1e-5, rtol=1e-5)
+
+
 def test_norm_sync_used():
     calls = []
 
