@@ -17,6 +17,7 @@ from pyro_vinit.poutine._layer_ops import MATMUL_OPS, op_name
 from pyro_vinit.poutine._site_value import SiteValue, eager
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
 from pyro_vinit.poutine.noise import AutoWeightNoise, WeightNoise
+from pyro_vinit.poutine.noise.strategy import point_mass_reason
 
 __all__ = ["WeightNoiseMessenger"]
 
@@ -387,11 +388,15 @@ class WeightNoiseMessenger(LayerCallMessenger):
             hint = " (conv=False leaves convolutions, transposed ones too, unreported)"
         else:
             hint = ""
-        if op_name in _PRODUCTS and value.dim() == 1:  # e.g. the tutorials' x @ w
+        point_mass = (point_mass_reason(value.site_dist) if value.site_dist is not None
+                      else None)
+        if point_mass is not None:  # (no noise to give, whatever the use)
+            reason = point_mass
+        elif op_name == "matmul" and value.dim() == 1:  # e.g. the tutorials' x @ w
             reason = (
-                f"it is used by {op_name} as a weight of one dimension, which the handler "
-                "does not read as a layer: a weight of shape (in, 1), with "
-                "(x @ w).squeeze(-1), gives the same values as a layer it treats")
+                "it is used by matmul as a vector, which the handler does not read as a "
+                "layer: a matrix weight, e.g. of shape (in, 1) in x @ w, its output "
+                "squeezed (.squeeze(-1)), gives the same values as a layer it treats")
         elif op_name in _PRODUCTS:  # a product it treats, in a form it does not read
             reason = (
                 f"it is used by {op_name} in a form the handler does not read as a layer (it "

@@ -375,9 +375,14 @@ def test_a_weight_of_one_dimension_is_reported_with_the_shape_to_give(use):
     if name == "mv":  # no product the handler reads in any form
         assert "'w': it is used by mv, which the handler does not treat" in str(error.value)
         return
-    assert ("\n  'w': it is used by matmul as a weight of one dimension, which the handler "
-            "does not read as a layer: a weight of shape (in, 1), with (x @ w).squeeze(-1), "
-            "gives the same values as a layer it treats.\n") in str(error.value)
+    assert ("\n  'w': it is used by matmul as a vector, which the handler does not read as "
+            "a layer: a matrix weight, e.g. of shape (in, 1) in x @ w, its output squeezed "
+            "(.squeeze(-1)), gives the same values as a layer it treats.\n") in str(error.value)
+    # a latent bias of addmm is no 1-d weight: the general reason
+    with pytest.raises(ValueError) as error:
+        with LocalReparamMessenger(strict=True):
+            torch.addmm(_w((3,)), x, torch.randn(4, 3))
+    assert "'w': it is used by addmm in a form the handler does not read" in str(error.value)
 
 
 def test_weight_in_a_list_of_operands_is_reported():
