@@ -58,12 +58,10 @@ class FitConfig:
             svi.step(x, y)
         average.update()
 
-    :param float lr: Adam's learning rate (None in the configuration of a
-        :func:`fit` call that trained with its own ``optim``).
+    :param float lr: Adam's learning rate.
     :param int warmup_steps: Steps over which the learning rate rises
         linearly to ``lr`` (:class:`~pyro_vinit.training.GroupedAdam`), so
-        that Adam's first steps keep the initialization's head start (None
-        as ``lr``).
+        that Adam's first steps keep the initialization's head start.
     :param float kl_weight: The weight :math:`\\lambda` of the KL term
         (:class:`~pyro_vinit.poutine.KLAnnealingMessenger`): 0.01, or 0.3
         for a model that learns its likelihood's noise scale (:func:`fit_config`).
@@ -79,8 +77,8 @@ class FitConfig:
         evaluates and returns; 0 for the last step's values.
     """
 
-    lr: Optional[float] = 3e-3
-    warmup_steps: Optional[int] = 50
+    lr: float = 3e-3
+    warmup_steps: int = 50
     kl_weight: float = 0.01
     num_particles: int = 1
     weight_noise: Optional[Callable[[], ContextManager[Any]]] = None
@@ -100,10 +98,6 @@ class FitConfig:
         """A fresh :class:`~pyro_vinit.training.GroupedAdam` at :attr:`lr`, warmed
         up over :attr:`warmup_steps`: the values of ``pyro.optim.Adam`` (after the
         warm-up) with one fused step over all parameters."""
-        if self.lr is None or self.warmup_steps is None:
-            raise ValueError(
-                "FitConfig.optimizer: lr and warmup_steps are None, as in the history of a "
-                "fit call given its own optim: use that optimizer, or FitConfig's defaults")
         return GroupedAdam({"lr": self.lr}, warmup_steps=self.warmup_steps)
 
     def averager(self, module: Optional[nn.Module] = None) -> ParamAverage:
@@ -305,8 +299,10 @@ class FitHistory:
         :class:`CapturedSVI` without falling back to the eager step (which
         it warns of).
     :ivar bool compiled: Whether its captured step ran compiled by inductor.
-    :ivar FitConfig config: The configuration it trained with (``lr`` and
-        ``warmup_steps`` None where the call was given its own ``optim``).
+    :ivar FitConfig config: The configuration it trained with (its ``lr`` and
+        ``warmup_steps`` unused where :attr:`own_optim`).
+    :ivar bool own_optim: Whether the call trained with an ``optim`` it was
+        given instead of :meth:`FitConfig.optimizer`.
     """
 
     loss: List[float] = field(default_factory=list)
@@ -315,6 +311,7 @@ class FitHistory:
     captured: bool = False
     compiled: bool = False
     config: FitConfig = field(default_factory=FitConfig)
+    own_optim: bool = False
 
     @property
     def steps(self) -> int:

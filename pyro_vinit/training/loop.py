@@ -7,7 +7,6 @@ import inspect
 import math
 import os
 import warnings
-from dataclasses import replace
 from typing import (
     Any,
     Callable,
@@ -475,9 +474,8 @@ def fit(
         config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
                             learned_noise=learned_noise, average=average,
                             weight_noise=weight_noise)
-        # (the optimizer passed as optim, not the default one, trains)
-        history.config = config if optim is None else replace(config, lr=None,
-                                                               warmup_steps=None)
+        history.config = config
+        history.own_optim = optim is not None
         default_lr = config.lr if optim is None else None  # (for a diverged run's message)
         optim = optim if optim is not None else config.optimizer()
         # under module_local_params the modules hold their parameters, not the param store
