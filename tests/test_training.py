@@ -690,6 +690,17 @@ def test_fit_refuses_a_guide_built_on_another_model_before_anything_changes(set_
         fit(model, guide, (x, y), steps=2, progress=False)
     assert_identical(before, snapshot())
     assert set_up or guide.prototype_trace is None
+    # the usual notebook case: the input width changed, so the old model fails on the data
+    pyro.clear_param_store()
+    guide = AutoKTiedNormal(classifier(d=4), rank=2)
+    with pytest.raises(ValueError, match=(
+            r"^fit: the AutoKTiedNormal was built on another model than the one passed to fit "
+            r"\(build the guide on this model, e\.g\. AutoKTiedNormal\(model\), after "
+            r"pyro\.clear_param_store\(\)\): the guide's model fails on the first batch \(x "
+            r"\(128, 5\) torch\.float32, y \(128,\) torch\.int64\): RuntimeError: mat1 and "
+            r"mat2 shapes cannot be multiplied")):
+        fit(model, guide, (x, y), steps=2, progress=False)
+    assert snapshot() == {}
     # a guide over a wrapper of the model (another callable, the same shapes) trains
     pyro.clear_param_store()
     guide = AutoKTiedNormal(pyro.poutine.block(model, hide=[]), rank=2)
@@ -835,7 +846,8 @@ def test_fit_refuses_a_latent_site_with_batch_dims_outside_its_plates():
     with pytest.raises(ValueError, match=(
             r"^fit: the latent sample site 'w' has a distribution of batch shape \(3, 5\) "
             r"outside any pyro.plate, which Pyro's ELBO refuses: make those dims the "
-            r"sample's event, e.g. dist.Normal\(0., 1.\).expand\(\[3, 5\]\).to_event\(2\)$")):
+            r"sample's event, .to_event\(2\) on its distribution \(e.g. dist.Normal\(0., 1.\)"
+            r".expand\(\[3, 5\]\).to_event\(2\)\)$")):
         fit(model, guide, (x, y), steps=2, batch_size=64, progress=False)
     assert snapshot() == {} and not is_initialized(guide)
     # a convolution's kernel made the event, its (out, in) channels left as batch dims,
@@ -851,8 +863,8 @@ def test_fit_refuses_a_latent_site_with_batch_dims_outside_its_plates():
     with pytest.raises(ValueError, match=(
             r"^fit: the latent sample site 'w' has a distribution of batch shape \(3, 1\) "
             r"outside any pyro.plate, which Pyro's ELBO refuses: make those dims the "
-            r"sample's event, e.g. dist.Normal\(0., 1.\).expand\(\[3, 1, 2, 2\]\)"
-            r".to_event\(4\)$")):
+            r"sample's event, .to_event\(2\) on its distribution \(e.g. dist.Normal\(0., 1.\)"
+            r".expand\(\[3, 1, 2, 2\]\).to_event\(4\)\)$")):
         fit(conv, guide, (x, y), steps=2, batch_size=64, progress=False)
     assert snapshot() == {} and not is_initialized(guide)
     # in a plate over the weight's columns, a dim of rows left over: Pyro's own words then

@@ -181,8 +181,9 @@ def check_latent_shapes(trace: poutine.Trace, prefix: str = "") -> None:
                 raise ValueError(
                     f"{prefix}the latent sample site {name!r} has a distribution of batch "
                     f"shape {batch} outside any pyro.plate, which Pyro's ELBO refuses: "
-                    f"make those dims the sample's event, e.g. dist.Normal(0., 1.)"
-                    f".expand({full}).to_event({len(full)})"
+                    f"make those dims the sample's event, .to_event({len(batch)}) on its "
+                    f"distribution (e.g. dist.Normal(0., 1.).expand({full})"
+                    f".to_event({len(full)}))"
                 ) from e
             raise ValueError(f"{prefix}the latent sample site {name!r} does not fit its "
                              f"plates: {e}") from e

@@ -182,9 +182,16 @@ def _check_guide_model(model: Callable[..., Any], guide: Callable[..., Any],
     (SVI would refuse it only at the first step)."""
     if not isinstance(guide, AutoGuide) or guide.model is model:
         return
+    kind = type(guide).__name__
     theirs = guide.prototype_trace
     if theirs is None:
-        theirs = _trial_trace(guide.model, *batch, "the first batch", role="guide's model")
+        try:
+            theirs = _trial_trace(guide.model, *batch, "the first batch", role="guide's model")
+        except ValueError as e:  # (fit's model ran on it: the guide's is another)
+            raise ValueError(
+                f"fit: the {kind} was built on another model than the one passed to fit "
+                f"(build the guide on this model, e.g. {kind}(model), after "
+                f"pyro.clear_param_store()): {str(e).removeprefix('fit: ')}") from e
     ours = _trial_trace(model, *batch, "the first batch")
     for name, site in theirs.nodes.items():
         mine = ours.nodes.get(name)
@@ -193,7 +200,6 @@ def _check_guide_model(model: Callable[..., Any], guide: Callable[..., Any],
                 or any(f.size != f.full_size for f in site["cond_indep_stack"])):
             continue  # (a subsampled plate's latents take the batch's size)
         if mine["value"].shape != site["value"].shape:
-            kind = type(guide).__name__
             raise ValueError(
                 f"fit: the {kind} was built on another model than the one passed to fit: "
                 f"the latent site {name!r} has shape {tuple(site['value'].shape)} in the "

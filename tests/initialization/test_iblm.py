@@ -792,7 +792,8 @@ def test_unsupported_likelihood_and_prior():
     with pytest.raises(ValueError, match="^" + re.escape(
             "the latent sample site 'net.0.weight' has a distribution of batch shape (4, 3) "
             "outside any pyro.plate, which Pyro's ELBO refuses: make those dims the sample's "
-            "event, e.g. dist.Normal(0., 1.).expand([4, 3]).to_event(2)") + "$"):
+            "event, .to_event(2) on its distribution (e.g. dist.Normal(0., 1.).expand([4, 3])"
+            ".to_event(2))") + "$"):
         init_guide_iblm(guide, (x, torch.randint(0, 2, (200,))))
     with pyro.validation_enabled(False), pytest.raises(ValueError, match="^" + re.escape(
             "I-BLM needs a Normal prior (possibly expanded and .to_event) at the layer site "

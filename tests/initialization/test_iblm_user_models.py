@@ -540,8 +540,9 @@ def test_a_latent_site_with_batch_dims_outside_its_plates_is_refused_before_set_
     names = set(pyro.get_param_store().keys())
     with pytest.raises(ValueError, match=(
             r"^the latent sample site 'w' has a distribution of batch shape \(3,\) outside any "
-            r"pyro.plate, which Pyro's ELBO refuses: make those dims the sample's event, e.g. "
-            r"dist.Normal\(0., 1.\).expand\(\[3, 10\]\).to_event\(2\)$")):
+            r"pyro.plate, which Pyro's ELBO refuses: make those dims the sample's event, "
+            r".to_event\(1\) on its distribution \(e.g. dist.Normal\(0., 1.\)"
+            r".expand\(\[3, 10\]\).to_event\(2\)\)$")):
         init_guide_iblm(guide, (x, y))
     assert guide.prototype_trace is None and set(pyro.get_param_store().keys()) == names
     with pyro.validation_enabled(False):  # as Pyro's ELBO, only under validation
