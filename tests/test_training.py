@@ -82,6 +82,7 @@ def test_fit_on_a_tensor_pair():
     assert history.steps == len(history.loss) == 30
     assert all(math.isfinite(v) for v in history.loss)
     assert [v["step"] for v in history.validation] == [0, 10, 20, 30]
+    assert all(type(v["step"]) is int for v in history.validation)  # (not 10.0)
     # well-separated blobs: I-BLM classifies them at once
     assert history.validation[0]["error_rate"] < 0.05
     assert history.validation[-1]["error_rate"] < 0.05

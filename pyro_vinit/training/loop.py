@@ -508,7 +508,7 @@ def fit(
         # train further continues as the uninterrupted one
         if validation is not None and done == 0:
             rng = rng_state()
-            history.validation.append({"step": 0.0, **_evaluate(model, guide, *validation,
+            history.validation.append({"step": 0, **_evaluate(model, guide, *validation,
                                                                 num_samples, chunk)})
             set_rng_state(rng)
         norm_data = batches.pair if batches.pair is not None else batches.loader
@@ -559,7 +559,7 @@ def fit(
                             # BatchNorm layers is left alone
                             update_batch_norm(model, guide, cast(Any, norm_data), batch_size=chunk)
                             if validation is not None:
-                                history.validation.append({"step": float(step), **_evaluate(
+                                history.validation.append({"step": step, **_evaluate(
                                     model, guide, *validation, num_samples, chunk)})
                         set_rng_state(rng)
                     if path is not None and ((checkpoint_every and step % checkpoint_every == 0)
