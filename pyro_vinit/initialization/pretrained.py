@@ -155,8 +155,9 @@ def init_guide_pretrained(
         for layer in prep.layers:
             mean = _op_layout(layer, trained)
             if scale == "moped":
-                # MOPED's scales; a weight of exactly zero gets a tiny positive one
-                var = (delta * mean.abs()).clamp_min(torch.finfo(mean.dtype).tiny).square()
+                # MOPED's scales; a weight of exactly zero gets a tiny positive one (the
+                # variance floored: a floored scale's square underflows to 0)
+                var = (delta * mean).square().clamp_min(torch.finfo(mean.dtype).tiny)
             else:
                 inputs = layer_inputs(prep, values, layer, options.chunk_rows, collective)
                 var = _blr_variances(layer, inputs, mean, noise_ratio, options.chunk_rows)

@@ -271,6 +271,26 @@ def test_moped_scales_and_cap(digits, trained_mlp):
     assert_close(get_loc_and_scale(guide, "net.2.weight")[1], (0.5 * w.abs()).clamp_max(cap))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_moped_gives_an_exact_zero_weight_a_tiny_positive_scale(digits, trained_mlp, dtype):
+    # a pruned weight or a bias that stayed at zero: its scale δ·0 was floored before it was
+    # squared, so the variance underflowed to 0 and the write refused the scale
+    x, y, _, _ = digits
+    net = copy.deepcopy(trained_mlp).to(dtype)
+    with torch.no_grad():
+        net[0].bias[0] = 0.0
+        net[2].weight[:, :3] = 0.0
+    model = BayesianClassifier(bayesianize(net, keep_weights=True), num_data=len(x))
+    guide = AutoNormal(model)
+    init_guide_pretrained(guide, (x.to(dtype), y), scale="moped")
+    for name in ("net.0.bias", "net.2.weight"):
+        scale = get_loc_and_scale(guide, name)[1]
+        assert bool((scale > 0).all()) and scale.dtype == dtype
+    tiny = torch.finfo(dtype).tiny
+    assert get_loc_and_scale(guide, "net.0.bias")[1][0] <= 2 * tiny ** 0.5
+    assert get_loc_and_scale(guide, "net.2.weight")[1][:, :3].max() <= 2 * tiny ** 0.5
+
+
 def test_weights_given_by_name(digits, trained_mlp):
     x, y, x_test, y_test = digits
     net = copy.deepcopy(trained_mlp)
