@@ -71,6 +71,7 @@ __all__ = [
     "conditioned_sites",
     "deep_setattr",
     "discrete_site_error",
+    "guide_list_of",
     "handler_chain",
     "helpful_support_errors",
     "is_deterministic_site",
@@ -299,6 +300,13 @@ def prefill_log_prob(
         score_function=0,  # type: ignore[arg-type]  # Pyro's own 0 for a reparameterized site
         entropy_term=scaled,
     )
+
+
+def guide_list_of(guide: AutoGuide) -> Optional[AutoGuide]:
+    """The ``AutoGuideList`` that holds ``guide`` (Pyro's private ``master``
+    reference, through which a member sets itself up), or None."""
+    master = getattr(guide, "master", None)
+    return cast(Optional[AutoGuide], master()) if master is not None else None
 
 
 def setup_prototype(guide: AutoGuide, *args: Any, **kwargs: Any) -> None:

@@ -12,6 +12,7 @@ from pyro.util import check_site_shape
 
 from pyro_vinit._pyro_compat import (
     conditioned_sites,
+    guide_list_of,
     is_deterministic_site,
     likelihood_sites,
     unwrap_init_messenger,
@@ -29,12 +30,21 @@ __all__ = [
 ]
 
 
-def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any]) -> None:
+def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
+                         member: Optional[Any] = None) -> None:
     """Before the first run with the guide: refuses arguments on which the model
     fails (naming them), without the targets (a model run without them would
     make the observed site a latent one of the guide), whose likelihood
     ``pyro.condition`` sets, or whose targets do not fit the likelihood
-    (:func:`check_targets`, :func:`check_log_density_shape`)."""
+    (:func:`check_targets`, :func:`check_log_density_shape`), and a guide
+    ``member`` to set up whose ``AutoGuideList`` is not (Pyro sets members up
+    through it)."""
+    holder = guide_list_of(member) if member is not None else None
+    if holder is not None and holder.prototype_trace is None:
+        raise ValueError(
+            f"the {type(member).__name__} is a member of an AutoGuideList that is not set "
+            "up, through which Pyro sets its members up: call the list once on the data "
+            "first, e.g. guide(x, y)")
     model = unwrap_init_messenger(model)
     try:
         with torch.no_grad(), poutine.block():

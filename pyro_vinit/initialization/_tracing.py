@@ -570,7 +570,7 @@ def prepare(
     # a data plate declared over all the rows draws its subsample among those at hand
     in_chunk = in_rows(model, PlateRowsMessenger(num_rows=pool.rows_of(first)))
     if likelihood or guide.prototype_trace is None:  # (else: the data only finds layers)
-        check_has_likelihood(in_chunk, first)
+        check_has_likelihood(in_chunk, first, member=guide)
     if guide.prototype_trace is None:
         with torch.no_grad(), poutine.block(), model_swapped(guide, in_chunk):
             guide(*first)

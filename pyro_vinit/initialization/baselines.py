@@ -231,6 +231,8 @@ def init_guide(
         raise TypeError(
             f"init_guide(method={method!r}) initializes an AutoGuideList member by member: "
             f"call it on each member, guide[0] to guide[{len(guide) - 1}]"
+            + (", after setting the list up, guide(x, y)" if guide.prototype_trace is None
+               else "")
         )
     # a failure leaves the guide (not set up, if it was not), the param store and the
     # model's buffers (BatchNorm statistics that lsuv's and map's runs move) as they were

@@ -138,6 +138,8 @@ def init_guide_pretrained(
         raise TypeError(
             "init_guide_pretrained starts an AutoGuideList member by member: call it on "
             f"each member, guide[0] to guide[{len(guide) - 1}], with the same data"
+            + (", after setting the list up, guide(x, y)" if guide.prototype_trace is None
+               else "")
         )
     check_supported(guide)
     collective = LocalCollective()

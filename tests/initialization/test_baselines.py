@@ -349,10 +349,15 @@ def test_guide_list_is_initialized_member_by_member():
     guide = AutoGuideList(_matmul_model)
     guide.append(AutoNormal(poutine.block(_matmul_model, expose=["w1"])))
     guide.append(AutoNormal(poutine.block(_matmul_model, hide=["w1"])))
+    message = ("init_guide(method='heuristic') initializes an AutoGuideList member by member: "
+               "call it on each member, guide[0] to guide[1]")
+    with pytest.raises(TypeError, match=re.escape(message + ", after setting the list up, "
+                                                  "guide(x, y)") + "$"):
+        init_guide(guide, (x, y), method="heuristic")
+    with pytest.raises(ValueError, match="is a member of an AutoGuideList that is not set up"):
+        init_guide(guide[0], (x, y), method="heuristic")  # (it failed inside Pyro)
     guide(x, y)
-    with pytest.raises(TypeError, match=re.escape(
-            "init_guide(method='heuristic') initializes an AutoGuideList member by member: "
-            "call it on each member, guide[0] to guide[1]")):
+    with pytest.raises(TypeError, match=re.escape(message) + "$"):
         init_guide(guide, (x, y), method="heuristic")
     for member in guide:
         init_guide(member, (x, y), method="heuristic")

@@ -594,10 +594,24 @@ def test_guide_list_members_read_the_trained_values_through_their_block(digits, 
     guide = AutoGuideList(model)
     guide.append(AutoRadialNormal(pyro.poutine.block(model, expose=first)))
     guide.append(AutoNormal(pyro.poutine.block(model, hide=first)))
+    # not set up: the list, and a member (Pyro sets members up through the list: it had
+    # failed inside Pyro, on the list's prototype trace of None)
+    names = set(pyro.get_param_store().keys())
+    with pytest.raises(TypeError, match=re.escape(
+            "init_guide_pretrained starts an AutoGuideList member by member: call it on "
+            "each member, guide[0] to guide[1], with the same data, after setting the list "
+            "up, guide(x, y)") + "$"):
+        init_guide_pretrained(guide, (x, y))
+    with pytest.raises(ValueError, match=re.escape(
+            "the AutoRadialNormal is a member of an AutoGuideList that is not set up, through "
+            "which Pyro sets its members up: call the list once on the data first, e.g. "
+            "guide(x, y)") + "$"):
+        init_guide_pretrained(guide[0], (x, y))
+    assert set(pyro.get_param_store().keys()) == names and guide[0].prototype_trace is None
     guide(x[:2], y[:2])
     with pytest.raises(TypeError, match=re.escape(
             "init_guide_pretrained starts an AutoGuideList member by member: call it on "
-            "each member, guide[0] to guide[1], with the same data")):
+            "each member, guide[0] to guide[1], with the same data") + "$"):
         init_guide_pretrained(guide, (x, y))
     for member in guide:
         init_guide_pretrained(member, (x, y))
