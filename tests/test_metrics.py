@@ -1,4 +1,6 @@
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -717,6 +719,36 @@ def test_a_binary_classifiers_labels_may_be_a_column_beside_its_one_logit_a_row(
     column = metrics.classification_metrics(y[:, None], logits=logits)
     assert column == metrics.classification_metrics(y, logits=logits)
     assert metrics.mnll(y[:, None], logits=logits) == metrics.mnll(y, logits=logits)
+
+
+def test_binary_probabilities_passed_as_logits_are_warned_about():
+    # sigmoid outputs as logits= were scored silently as logits
+    torch.manual_seed(0)
+    y = torch.randint(0, 2, (50,))
+    logits = torch.randn(8, 50) * 2
+    with pytest.warns(UserWarning, match=r"^every binary logit lies in \[0, 1\], as "
+                      r"probabilities of class 1 do: if they are \(e\.g\. torch\.sigmoid's\), "
+                      r"pass them as probs=$"):
+        metrics.classification_metrics(y, logits=torch.sigmoid(logits))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metrics.classification_metrics(y, logits=logits)  # genuine logits: no warning
+        metrics.classification_metrics(y, probs=torch.sigmoid(logits))
+
+
+@pytest.mark.parametrize("name", ["logits", "probs"])
+def test_one_networks_square_outputs_without_a_sample_dim_are_named(name):
+    # (N, C) with N == C read as binary (S, N): the message was about the labels' range
+    torch.manual_seed(0)
+    samples = torch.randn(10, 10)
+    samples = samples if name == "logits" else samples.softmax(-1)
+    y = torch.arange(10)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{name} of shape (10, 10) beside 10 labels are read as the binary {name} of class "
+            "1, one a sample and row, whose labels lie in [0, 2), but y holds 0 to 9: for one "
+            f"network's (N, C) {name}, pass {name}.unsqueeze(0)") + "$"):
+        metrics.classification_metrics(y, **{name: samples})
+    metrics.classification_metrics(y, **{name: samples.unsqueeze(0)})  # as it says
 
 
 def test_one_logit_a_row_without_labels_must_say_so():

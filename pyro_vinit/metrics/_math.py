@@ -5,6 +5,8 @@ from typing import Optional, Tuple, Union, cast, overload
 
 import torch
 
+from pyro_vinit._warn import warn_at_caller
+
 # rounded to a few decimals).
 _PROBS_ATOL = 1e-3
 
@@ -93,8 +95,20 @@ def _two_classes(
         return logits, probs, y
     if isinstance(y, torch.Tensor) and samples.dim() == 3 and y.shape == samples.shape[1:]:
         y = y.squeeze(-1)
+    name = "logits" if logits is not None else "probs"
+    if (samples.dim() == 2 and isinstance(y, torch.Tensor) and not y.is_floating_point()
+            and y.numel() and bool((y.min() < 0) | (y.max() > 1))):
+        raise ValueError(
+            f"{name} of shape {tuple(samples.shape)} beside {y.shape[0]} labels are read "
+            f"as the binary {name} of class 1, one a sample and row, whose labels lie in [0, 2), "
+            f"but y holds {int(y.min())} to {int(y.max())}: for one network's (N, C) "
+            f"{name}, pass {name}.unsqueeze(0)")
     one = samples.reshape(samples.shape[:2])
     if logits is not None:
+        if one.numel() > 1 and bool(((one >= 0) & (one <= 1)).all()):
+            warn_at_caller(
+                "every binary logit lies in [0, 1], as probabilities of class 1 do: if they "
+                "are (e.g. torch.sigmoid's), pass them as probs=", UserWarning)
         return torch.stack([torch.zeros_like(one), one], -1), None, y
     return None, torch.stack([1 - one, one], -1), y
 
