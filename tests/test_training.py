@@ -1756,6 +1756,28 @@ def test_update_batch_norm_takes_a_last_row_alone_into_the_batch_before_it():
     assert torch.equal(model.net[1].running_mean, whole)
 
 
+def test_update_batch_norm_warns_where_the_median_gives_a_channel_no_variance():
+    # a fresh AutoNormal's median weights are all 0: the running variances came out 0, and
+    # eval mode divides by sqrt(eps) (test MNLL 2.31 -> 4.41 in an outside trial)
+    x, y = blobs()
+    model = _batchnorm_classifier(len(x))
+    guide = AutoNormal(model)
+    guide(x, y)
+    with pytest.warns(UserWarning, match=re.escape(
+            "update_batch_norm: the inputs of the BatchNorm layers ['net.1'] have channels of "
+            "variance 0 at the guide's median (e.g. a guide neither initialized nor trained, "
+            "whose median weights are all 0), which eval mode divides by sqrt(eps); "
+            "initialize the guide (init_guide_iblm) or train it first") + "$") as record:
+        update_batch_norm(model, guide, (x, y))
+    assert record[0].filename == __file__
+    pyro.clear_param_store()
+    guide = AutoNormal(model, init_loc_fn=init_to_sample)
+    guide(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        update_batch_norm(model, guide, (x, y))
+
+
 def test_update_batch_norm_leaves_a_loaders_batches_of_one_row_out_and_says_so():
     x, y = blobs()
     model = _batchnorm_classifier(len(x))
@@ -1765,9 +1787,10 @@ def test_update_batch_norm_leaves_a_loaders_batches_of_one_row_out_and_says_so()
     expected = {k: b.clone() for k, b in model.named_buffers()}
     with pytest.warns(UserWarning, match=r"^update_batch_norm: the batches \[0, 3\] of data have "
                       r"a single row, from which BatchNorm computes no statistics; the "
-                      r"statistics are those of the other batches$"):
+                      r"statistics are those of the other batches$") as record:
         update_batch_norm(model, guide, [(x[239:], y[239:]), (x[:120], y[:120]),
                                          (x[120:239], y[120:239]), (x[:1], y[:1])])
+    assert record[0].filename == __file__  # (it named torch's no_grad wrapper)
     for k, b in model.named_buffers():
         assert torch.equal(b, expected[k]), k
     with pytest.raises(ValueError, match=r"^update_batch_norm: every batch of data has a single "

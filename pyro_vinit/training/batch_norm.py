@@ -4,13 +4,13 @@ BatchNorm layers, recomputed for the guide's current posterior.
 """
 
 import itertools
-import warnings
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Union, cast
 
 import pyro.poutine as poutine
 import torch
 from torch import nn
 
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.initialization._observed import error_text
 from pyro_vinit.training._support import Batch, _is_pair, describe_batch
 
@@ -138,10 +138,10 @@ def update_batch_norm(
                 "update_batch_norm: every batch of data has a single row, from which "
                 "BatchNorm computes no statistics; pass batches of two rows or more")
         if left_out:
-            warnings.warn(
+            warn_at_caller(
                 f"update_batch_norm: the batches {left_out} of data have a single row, from "
                 "which BatchNorm computes no statistics; the statistics are those of the "
-                "other batches", UserWarning, stacklevel=2)
+                "other batches", UserWarning)
     except BaseException:
         for m, (mean, var, count) in zip(norms, saved):
             for buffer, value in ((m.running_mean, mean), (m.running_var, var),
@@ -154,4 +154,14 @@ def update_batch_norm(
             m.momentum = momentum
         for module, training in modes:
             module.training = training
+    names = {id(m): name for name, m in model.named_modules()}
+    flat = [names[id(m)] for m in norms
+            if m.running_var is not None and bool((m.running_var == 0).any())]
+    if flat:
+        warn_at_caller(
+            f"update_batch_norm: the inputs of the BatchNorm layers {flat} have channels of "
+            "variance 0 at the guide's median (e.g. a guide neither initialized nor "
+            "trained, whose median weights are all 0), which eval mode divides by "
+            "sqrt(eps); initialize the guide (init_guide_iblm) or train it first",
+            UserWarning)
     return len(norms)
