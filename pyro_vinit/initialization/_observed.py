@@ -62,8 +62,8 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
     ]
     if not observed:
         raise ValueError(
-            "the model has no observed sample site on these arguments: I-BLM fits the "
-            "likelihood, so call it with the targets, e.g. init_guide_iblm(guide, (x, y))"
+            "the model has no observed sample site on these arguments: the initializer "
+            "fits the likelihood, so pass the targets too, e.g. (x, y)"
         )
     for site in likelihood_sites(observed, model):
         check_not_conditioned(model, site["name"])
