@@ -1744,6 +1744,32 @@ def test_update_batch_norm_is_the_data_statistics_at_the_median():
         assert torch.equal(v.detach(), params[k]), k
 
 
+def test_update_batch_norm_leaves_a_frozen_batch_norm_as_it_is():
+    # a BatchNorm in eval mode in a model in train mode is frozen: its statistics are kept
+    # and it normalizes by them while the statistics of the layers after it are computed
+    x, y = blobs()
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 6),
+                        nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+    model = BayesianClassifier(bayesianize(net), num_data=len(x))
+    guide = AutoNormal(model, init_loc_fn=init_to_sample, init_scale=0.3)
+    guide(x, y)
+    frozen, later = model.net[1], model.net[4]
+    frozen.running_mean.normal_()
+    frozen.running_var.uniform_(0.5, 2.0)
+    kept = frozen.running_mean.clone(), frozen.running_var.clone()
+    frozen.eval()
+    assert update_batch_norm(model, guide, (x, y), batch_size=len(x)) == 1
+    assert torch.equal(frozen.running_mean, kept[0])
+    assert torch.equal(frozen.running_var, kept[1])
+    assert model.training and not frozen.training and later.training  # the modes restored
+    median = guide.median(x, y)
+    h = F.linear(x, median["net.0.weight"], median["net.0.bias"])
+    h = F.linear(F.relu((h - kept[0]) / (kept[1] + frozen.eps).sqrt()),
+                 median["net.3.weight"], median["net.3.bias"])
+    torch.testing.assert_close(later.running_mean, h.mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(later.running_var, h.var(0), rtol=1e-5, atol=1e-6)
+
+
 def test_update_batch_norm_takes_a_last_row_alone_into_the_batch_before_it():
     # 240 rows in batches of 239: the last row alone failed in train-mode BatchNorm
     x, y = blobs()

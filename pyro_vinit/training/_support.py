@@ -11,6 +11,7 @@ import warnings
 from typing import (
     Any,
     Callable,
+    ContextManager,
     Dict,
     Iterable,
     Iterator,
@@ -47,21 +48,33 @@ _CHECKPOINT_FORMAT = "pyro_vinit.fit/1"
 
 
 @contextlib.contextmanager
-def _train_mode(model: Any) -> Iterator[None]:
-    """Runs the block with a model that is in eval mode (e.g. set for predicting
-    before a second fit call) in train mode, every submodule's mode restored
-    afterwards; a model in train mode is left as it is (a submodule's own mode,
-    e.g. a frozen BatchNorm's, kept)."""
-    if not isinstance(model, nn.Module) or model.training:
-        yield
-        return
-    modes = [(module, module.training) for module in model.modules()]
-    model.train()
+def module_modes(modules: Iterable[Any], train: bool,
+                 keep: Callable[[nn.Module], bool] = lambda module: False) -> Iterator[None]:
+    """Runs the block with each ``nn.Module`` of ``modules`` in train (or eval)
+    mode but the submodules ``keep`` holds for, which keep their own mode (e.g.
+    a frozen BatchNorm), and every submodule's mode restored afterwards."""
+    roots = [m for m in modules if isinstance(m, nn.Module)]
+    modes = [(sub, sub.training) for m in roots for sub in m.modules()]
     try:
+        for m in roots:
+            m.train(train)
+        for sub, mode in modes:
+            if keep(sub):
+                sub.training = mode
         yield
     finally:
-        for module, mode in modes:
-            module.training = mode
+        for sub, mode in modes:
+            sub.training = mode
+
+
+def _train_mode(model: Any) -> ContextManager[None]:
+    """Runs the block with a model that is in eval mode (e.g. set for predicting
+    before a second fit call) in train mode (:func:`module_modes`); a model in
+    train mode is left as it is (a submodule's own mode, e.g. a frozen
+    BatchNorm's, kept)."""
+    if not isinstance(model, nn.Module) or model.training:
+        return contextlib.nullcontext()
+    return module_modes([model], train=True)
 
 
 def _mean_field_list(guide: Callable[..., Any]) -> bool:
@@ -256,12 +269,8 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
     """Monte Carlo predictive MNLL (and error rate or RMSE) of ``num_samples`` guide
     draws, the model in eval mode, on chunks of at most ``chunk`` rows (a model built
     with ``num_data`` takes no larger batch)."""
-    modules = [m for m in (model, guide) if isinstance(m, nn.Module)]
     # (each submodule's own mode restored: a frozen BatchNorm in a model in train mode)
-    modes = [(sub, sub.training) for m in modules for sub in m.modules()]
-    for m in modules:
-        m.eval()
-    try:
+    with module_modes((model, guide), train=False):
         log_probs, means, kind = [], [], ""
         for _ in range(num_samples):
             guide_trace = poutine.trace(guide).get_trace(x[:chunk], y[:chunk])
@@ -307,9 +316,6 @@ def _evaluate(model: Callable[..., Any], guide: Callable[..., Any], x: torch.Ten
             mean = torch.stack(means).mean(0)
             result[kind] = float((mean - y.reshape(mean.shape)).pow(2).mean().sqrt())
         return result
-    finally:
-        for sub, mode in modes:
-            sub.training = mode
 
 
 # ---- checkpoints ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch import nn
 
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.initialization._observed import error_text
-from pyro_vinit.training._support import Batch, _is_pair, describe_batch
+from pyro_vinit.training._support import Batch, _is_pair, describe_batch, module_modes
 
 __all__ = ["update_batch_norm"]
 
@@ -113,35 +113,33 @@ def update_batch_norm(
               m.running_var.clone() if m.running_var is not None else None,
               m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
              for m in norms]
-    modes = [(module, module.training) for module in model.modules()]
     try:
         for m in norms:
             m.reset_running_stats()
             m.momentum = None  # a cumulative average over the batches
-        model.train()
-        for module, training in modes:
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module not in norms:
-                module.training = training  # (a frozen layer normalizes as it did)
-        conditioned = poutine.block(poutine.condition(model, data=values))
-        left_out = []
-        for i, batch in enumerate(itertools.chain([first], batches)):
-            if len(batch[0]) == 1:  # (one at a time: a loader is not held in memory)
-                left_out.append(i)  # train-mode BatchNorm takes no single row
-                continue
-            try:
-                conditioned(*batch)
-            except Exception as e:  # the user's model: any error, said with the batch
-                raise ValueError(f"update_batch_norm: the model fails on batch {i} of data "
-                                 f"({describe_batch(batch)}): {error_text(e)}") from e
-        if left_out and len(left_out) == i + 1:
-            raise ValueError(
-                "update_batch_norm: every batch of data has a single row, from which "
-                "BatchNorm computes no statistics; pass batches of two rows or more")
-        if left_out:
-            warn_at_caller(
-                f"update_batch_norm: the batches {left_out} of data have a single row, from "
-                "which BatchNorm computes no statistics; the statistics are those of the "
-                "other batches", UserWarning)
+        # (a frozen layer normalizes as it did)
+        with module_modes([model], train=True, keep=lambda m: isinstance(
+                m, nn.modules.batchnorm._BatchNorm) and m not in norms):
+            conditioned = poutine.block(poutine.condition(model, data=values))
+            left_out = []
+            for i, batch in enumerate(itertools.chain([first], batches)):
+                if len(batch[0]) == 1:  # (one at a time: a loader is not held in memory)
+                    left_out.append(i)  # train-mode BatchNorm takes no single row
+                    continue
+                try:
+                    conditioned(*batch)
+                except Exception as e:  # the user's model: any error, said with the batch
+                    raise ValueError(f"update_batch_norm: the model fails on batch {i} of data "
+                                     f"({describe_batch(batch)}): {error_text(e)}") from e
+            if left_out and len(left_out) == i + 1:
+                raise ValueError(
+                    "update_batch_norm: every batch of data has a single row, from which "
+                    "BatchNorm computes no statistics; pass batches of two rows or more")
+            if left_out:
+                warn_at_caller(
+                    f"update_batch_norm: the batches {left_out} of data have a single row, from "
+                    "which BatchNorm computes no statistics; the statistics are those of the "
+                    "other batches", UserWarning)
     except BaseException:
         for m, (mean, var, count) in zip(norms, saved):
             for buffer, value in ((m.running_mean, mean), (m.running_var, var),
@@ -152,8 +150,6 @@ def update_batch_norm(
     finally:
         for m, momentum in zip(norms, momenta):
             m.momentum = momentum
-        for module, training in modes:
-            module.training = training
     names = {id(m): name for name, m in model.named_modules()}
     flat = [names[id(m)] for m in norms
             if m.running_var is not None and bool((m.running_var == 0).any())]
