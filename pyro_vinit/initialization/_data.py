@@ -67,6 +67,10 @@ class DataPool:
     def __init__(self, data: Optional[Data], max_rows: Optional[int] = None):
         if data is None:
             raise ValueError("this initializer needs data: pass (x, y) or a DataLoader")
+        if isinstance(data, torch.Tensor):  # (iterated, its rows would be the batches)
+            raise TypeError(
+                f"the data is one tensor of shape {tuple(data.shape)}: pass the model's "
+                "arguments as one tuple, e.g. (x, y), or a DataLoader of such tuples")
         if is_args_tuple(data):
             if not data:
                 raise ValueError("the data is empty: pass a tuple of model arguments, e.g. (x, y)")

@@ -63,6 +63,14 @@ def test_batch_that_is_not_a_tuple_is_refused_by_type():
         DataPool(iter([x, y]))
 
 
+def test_a_bare_tensor_is_refused_naming_the_tuple_to_pass():
+    # iterated, its rows were read as batches: "each batch ... got Tensor"
+    with pytest.raises(TypeError, match=r"^the data is one tensor of shape \(10, 2\): pass "
+                       r"the model's arguments as one tuple, e\.g\. \(x, y\), or a "
+                       r"DataLoader of such tuples$"):
+        DataPool(torch.randn(10, 2))
+
+
 def test_data_without_a_tensor_is_refused_naming_arrays_where_given():
     x, y = torch.randn(10, 2), torch.randn(10)
     message = (r"^the data must contain at least one tensor argument whose leading dim "
