@@ -27,6 +27,10 @@ the installed Pyro.
   subsample site's distribution (Pyro's private ``_Subsample``).
 * :func:`is_vectorized_particles`: recognizes the plate in which an ELBO with
   ``vectorize_particles=True`` runs the model and guide (by its name).
+* :func:`whole_trace_weights_elbo`: recognizes, on the call stack, the
+  objectives that weigh whole-model samples against each other
+  (``RenyiELBO``, ``TraceTailAdaptive_ELBO``, ``ReweightedWakeSleep``), by
+  the ``self`` of the method, theirs or inherited, that runs the model.
 * :func:`active_messengers`: the effect handlers active now
   (``pyro.poutine.runtime._PYRO_STACK``).
 * :func:`traceable_elbos`: Pyro's ``Trace_ELBO`` and ``TraceMeanField_ELBO``
@@ -36,6 +40,8 @@ the installed Pyro.
 """
 
 import re
+import sys
+import types
 from contextlib import contextmanager
 from operator import attrgetter
 from typing import (
@@ -56,6 +62,7 @@ from typing import (
 import torch
 from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.util import scale_and_mask
+from pyro.infer import RenyiELBO, ReweightedWakeSleep, TraceTailAdaptive_ELBO
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
 from pyro.poutine.indep_messenger import CondIndepStackFrame
@@ -89,6 +96,7 @@ __all__ = [
     "traceable_elbos",
     "unconstrained_param",
     "unwrap_init_messenger",
+    "whole_trace_weights_elbo",
     "wrap_inner",
 ]
 
@@ -273,6 +281,26 @@ def is_predictive_samples(frame: CondIndepStackFrame) -> bool:
     """Whether the ``CondIndepStackFrame`` ``frame`` is the plate of the
     samples of :class:`~pyro.infer.Predictive` with ``parallel=True``."""
     return frame.name == _PREDICTIVE_PLATE
+
+
+# The objectives that weigh whole-model samples against each other.
+_WHOLE_TRACE_ELBOS = (RenyiELBO, TraceTailAdaptive_ELBO, ReweightedWakeSleep)
+
+
+def whole_trace_weights_elbo() -> Optional[str]:
+    """The name of the Pyro objective that runs the model now (a method of
+    it, or one it inherits, such as ``TraceTailAdaptive_ELBO``'s
+    ``Trace_ELBO.differentiable_loss``, on the call stack) if it weighs
+    whole-model samples against each other, as ``RenyiELBO``'s importance
+    weights do; else None."""
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_varnames[:1] == ("self",):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, _WHOLE_TRACE_ELBOS):
+                return type(owner).__name__
+        frame = frame.f_back
+    return None
 
 
 def prefill_log_prob(

@@ -5,7 +5,14 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import Trace_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO
+from pyro.infer import (
+    RenyiELBO,
+    ReweightedWakeSleep,
+    Trace_ELBO,
+    TraceGraph_ELBO,
+    TraceMeanField_ELBO,
+    TraceTailAdaptive_ELBO,
+)
 from pyro.infer.autoguide import (
     AutoDiagonalNormal,
     AutoGuide,
@@ -23,6 +30,7 @@ from pyro_vinit._pyro_compat import (
     prefill_log_prob,
     scale_and_mask,
     unconstrained_param,
+    whole_trace_weights_elbo,
 )
 from pyro_vinit.guides import site_params
 
@@ -139,6 +147,34 @@ def test_vectorized_particle_plate_is_recognized():
     frames.clear()
     Trace_ELBO(num_particles=3).differentiable_loss(model, guide)
     assert frames == [] or not any(is_vectorized_particles(frame) for frame in frames)
+
+
+@pytest.mark.parametrize("objective, expected", [
+    (lambda m, g: RenyiELBO(alpha=0.5, num_particles=2).loss(m, g), "RenyiELBO"),
+    (lambda m, g: RenyiELBO(num_particles=2).loss_and_grads(m, g), "RenyiELBO"),
+    (lambda m, g: TraceTailAdaptive_ELBO(num_particles=2, vectorize_particles=True)
+     .loss_and_grads(m, g), "TraceTailAdaptive_ELBO"),
+    (lambda m, g: ReweightedWakeSleep(num_particles=2).loss(m, g), "ReweightedWakeSleep"),
+    (lambda m, g: Trace_ELBO(num_particles=2).loss(m, g), None),
+    (lambda m, g: TraceMeanField_ELBO(num_particles=2, vectorize_particles=True)
+     .loss(m, g), None),
+], ids=["renyi loss", "renyi loss_and_grads", "tail adaptive", "rws", "trace", "mean field"])
+def test_whole_trace_weights_elbo_is_recognized_while_it_runs_the_model(objective, expected):
+    seen = []
+
+    def model():
+        seen.append(whole_trace_weights_elbo())
+        pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    def guide():
+        loc = pyro.param("loc", torch.tensor(0.0))
+        pyro.sample("z", dist.Normal(loc, 1.0))
+
+    objective(model, guide)
+    assert seen and all(name == expected for name in seen), (
+        f"{seen}: the objective no longer runs the model from a method of its own "
+        "instance: update pyro_vinit._pyro_compat.whole_trace_weights_elbo")
+    assert whole_trace_weights_elbo() is None
 
 
 def test_scale_and_mask():

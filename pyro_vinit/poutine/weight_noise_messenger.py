@@ -3,20 +3,22 @@ Finding the layer calls whose weights are sample sites, and applying a
 weight-noise strategy (:mod:`pyro_vinit.poutine.noise`) chosen per site.
 """
 
+import math
 import sys
 from types import TracebackType
-from typing import Callable, Dict, Optional, Set, Type, Union
+from typing import Callable, Dict, List, Optional, Set, Tuple, Type, Union
 
 import torch
 from pyro.distributions import constraints
 
-from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask
+from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask, whole_trace_weights_elbo
 from pyro_vinit._typing import SampleSite
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.poutine._layer_ops import MATMUL_OPS, op_name
 from pyro_vinit.poutine._site_value import SiteValue, eager
 from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
 from pyro_vinit.poutine.noise import AutoWeightNoise, WeightNoise
+from pyro_vinit.poutine.noise.flipout import noise_rows
 from pyro_vinit.poutine.noise.strategy import point_mass_reason
 
 __all__ = ["WeightNoiseMessenger"]
@@ -98,7 +100,10 @@ class WeightNoiseMessenger(LayerCallMessenger):
     not treat, with the reason, and the weight-like ones (real-valued, two
     dims or more) that never reached a layer call it sees; sites the config
     leaves alone are not named. Without ``strict`` each site is named once
-    per handler instance. A name of a dict ``config`` that no sample site of
+    per handler instance. So is a weight that got per-example noise for rows
+    of its layer's input that are not the examples the observed sites' data
+    plates count (e.g. tokens flattened into rows): then inexact. A name of a
+    dict ``config`` that no sample site of
     the run has (e.g. misspelt), or only a layer's bias (a layer takes its
     weight's strategy), is reported the same way. Requirements and
     fallbacks are those of
@@ -137,6 +142,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
         self.strict = strict
         self._warned: Set[str] = set()
         self._warned_unknown: Set[str] = set()
+        self._warned_rows: Set[str] = set()
 
     def _strategy(self, msg: SampleSite) -> Optional[WeightNoise]:
         """The strategy ``config`` gives the site of ``msg``, or None."""
@@ -160,11 +166,18 @@ class WeightNoiseMessenger(LayerCallMessenger):
         self._sampled: Set[str] = set()
         self._weights: Set[str] = set()  # the sites of the layer calls' weights
         self._bias_of: Dict[str, Set[str]] = {}  # (a bias's site: its layer calls' weights')
+        # (a noised weight's site: its layer calls' rows noised and the sizes of the dims
+        # that share a row's noise, noise_rows)
+        self._rows: Dict[str, List[Tuple[int, Tuple[int, ...]]]] = {}
+        self._observed: List[SampleSite] = []
+        self._objective: Optional[Tuple[Optional[str]]] = None  # (whole_trace_weights_elbo)
 
     @eager
     def _pyro_post_sample(self, msg: SampleSite) -> None:
         self._sampled.add(msg["name"])
         super()._pyro_post_sample(msg)
+        if msg["is_observed"]:
+            self._observed.append(msg)
 
     def _unknown_names(self) -> Optional[str]:
         # The names of a dict config that no sample site of the run has (e.g. misspelt), or
@@ -204,7 +217,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
         exc_value: Optional[BaseException],
         traceback: Optional[TracebackType],
     ) -> None:
-        reports = [self._report(), self._unknown_names()] if exc_type is None else []
+        reports = ([self._report(), self._rows_report(), self._unknown_names()]
+                   if exc_type is None else [])
         super().__exit__(exc_type, exc_value, traceback)
         report = "\n".join(r for r in reports if r is not None)
         if report:
@@ -236,6 +250,45 @@ class WeightNoiseMessenger(LayerCallMessenger):
         return (
             f"{type(self).__name__}: {len(untreated)} latent site(s) kept their ordinary "
             f"sample, shared by the whole minibatch:\n{sites}.\n{end}"
+        )
+
+    def _rows_report(self) -> Optional[str]:
+        # Per-example noise is exact where each observation depends on the noised rows of
+        # one example. The observed sites' data plates (less those the weight is drawn in:
+        # a sample or particle plate) count the examples: more rows than that, or rows of
+        # another count whose later dims have that count (e.g. (tokens, batch, features)),
+        # mean an observation depends on rows that drew independent noise.
+        inexact = {}
+        for site, calls in self._rows.items():
+            latent = self._latent.get(site)
+            own = {frame.name for frame in latent["cond_indep_stack"]} if latent else set()
+            examples = {math.prod(f.size for f in plates) for plates in (
+                [f for f in msg["cond_indep_stack"] if f.vectorized and f.name not in own]
+                for msg in self._observed) if plates}
+            for rows, later in calls:
+                if examples and (rows > max(examples) or (
+                        rows not in examples and any(size in examples for size in later))):
+                    inexact[site] = (rows, later, sorted(examples))
+                    break
+        if not self.strict:
+            inexact = {k: v for k, v in inexact.items() if k not in self._warned_rows}
+            self._warned_rows.update(inexact)
+        if not inexact:
+            return None
+        sites = ";\n".join(
+            f"  {name!r}: noise for {rows} rows" + (f" (their input's dims {(rows,) + later} "
+                                                    "left of its features)" if later else "")
+            + f", the data plates observe {' or '.join(map(str, examples))} examples"
+            for name, (rows, later, examples) in inexact.items())
+        return (
+            f"{type(self).__name__}: {len(inexact)} latent site(s) got per-example noise "
+            "for rows of their layer's input that are not the examples the model "
+            f"observes:\n{sites}.\nAn observation that depends on several rows (e.g. "
+            "tokens flattened into rows, x.reshape(-1, features), or a (tokens, batch, "
+            "features) input) sees their independent noise, so the objective is not "
+            "exact. Keep each example's rows on one leading dim, e.g. (batch, tokens, "
+            "features), whose later dims share the example's noise; or leave these sites "
+            "out of the handler's config: their ordinary sample is exact."
         )
 
     def _draw(self, msg: SampleSite) -> Optional[SiteValue]:
@@ -338,12 +391,27 @@ class WeightNoiseMessenger(LayerCallMessenger):
                 "apply the handler to the whole step (e.g. to svi.step), not to the model",
             )
             return None
+        if self._objective is None:  # (once a run: a walk up the stack)
+            self._objective = (whole_trace_weights_elbo(),)
+        objective = self._objective[0]
+        if objective is not None:
+            self._fallback(
+                weight,
+                f"the step's {objective} weighs whole-model samples of the weights against "
+                "each other, which per-example noise does not draw (its bound would not be "
+                "the one asked for); the ordinary sample keeps it exact. Train with "
+                "Trace_ELBO or TraceMeanField_ELBO under the handler",
+            )
+            return None
         out = strategy.apply(call, weight, fn)
         if isinstance(out, str):
             self._fallback(weight, out)
             return None
         for value in noisy:
             value.uses.noised = True
+        site = weight.site
+        assert site is not None  # (a value with messages)
+        self._rows.setdefault(site, []).append(noise_rows(call))
         return out
 
     def _refuse_reuse(self, value: SiteValue, op_name: str) -> None:

@@ -1,5 +1,6 @@
 """Flipout as a weight-noise strategy."""
 
+import math
 from typing import Tuple, Union
 
 import torch
@@ -27,6 +28,18 @@ def rademacher(shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.randint(0, 2, shape, dtype=like.dtype, device=like.device).mul_(2).sub_(1)
 
 
+def _own_dims(call: LayerCall) -> Tuple[int, ...]:
+    # The sizes of the input's dims left of its features (channels), less those that a
+    # weight batch dim of size > 1 (a sample or particle dim, with its own weight) lines
+    # up with.
+    nsp = spatial_dims(call)
+    x, weight = unwrap(call.input), call.weight
+    x_batch = x.shape[: x.dim() - 1 - nsp]
+    w_batch = weight.shape[: max(0, weight.dim() - 2 - nsp)]
+    return tuple(x_batch[-i] for i in range(len(x_batch), 0, -1)
+                 if not (i <= len(w_batch) and w_batch[-i] > 1))
+
+
 def shared_dims(call: LayerCall) -> int:
     """The number of dims of the call's input between its example dim and its
     feature or channel dim, whose outputs share the example's weight: a
@@ -36,12 +49,20 @@ def shared_dims(call: LayerCall) -> int:
     features)``."""
     if call.op != "linear":
         return spatial_dims(call)
-    x_batch, w_batch = unwrap(call.input).shape[:-1], call.weight.shape[:-2]
-    # the input's dims left of its features, less those that a weight batch dim of size > 1
-    # (a sample or particle dim, with its own weight) lines up with, less one example dim
-    own = sum(1 for i in range(1, len(x_batch) + 1)
-              if not (i <= len(w_batch) and w_batch[-i] > 1))
-    return max(0, own - 1)
+    return max(0, len(_own_dims(call)) - 1)
+
+
+def noise_rows(call: LayerCall) -> Tuple[int, Tuple[int, ...]]:
+    """The number of the call's examples that per-example noise is drawn for
+    independently, and the sizes of the dims that share an example's noise
+    (:func:`shared_dims`) but a convolution's spatial ones: a linear layer's
+    example dim (the first of its input's dims left of its features that no
+    weight batch dim of size > 1 lines up with) and the dims after it; all
+    those dims of a convolution (left of its channels) as its examples."""
+    own = _own_dims(call)
+    if call.op != "linear":
+        return math.prod(own), ()
+    return (own[0], own[1:]) if own else (1, ())
 
 
 def flipout_layer(
