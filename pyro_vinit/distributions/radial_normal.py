@@ -8,7 +8,10 @@ from pyro.distributions import TorchDistribution, constraints
 from torch.distributions import Independent, Normal, register_kl
 from torch.distributions.utils import broadcast_all
 
-from pyro_vinit.distributions.weight_noise import register_sign_symmetric
+from pyro_vinit.distributions.weight_noise import (
+    register_factorized_normal,
+    register_sign_symmetric,
+)
 
 __all__ = ["RadialNormal", "radial_standard_icdf"]
 
@@ -270,6 +273,13 @@ def _kl_radial_independent(q: RadialNormal, p: "Independent[Any]") -> torch.Tens
     if not isinstance(base, Normal) or p.event_shape != q.event_shape:
         raise NotImplementedError
     return _normal_cross_entropy(q, base.loc, base.scale) - q.entropy()
+
+
+@register_factorized_normal(RadialNormal)
+def _(d: RadialNormal) -> Optional[Normal]:
+    # an event of one element (D = 1): a sign uniform on {-1, 1} times a standard Normal
+    # radius is a standard Normal, and the marginal scale scale / sqrt(D) is the scale
+    return Normal(d.loc, d.scale) if d.event_numel == 1 else None
 
 
 @register_sign_symmetric(RadialNormal)

@@ -47,8 +47,10 @@ class AutoRadialNormal(AutoSiteGuide):
     softplus, where an Adam step moves :math:`s` by only about
     ``lr`` :math:`/\sqrt{D}`; see the methods page on the guides.) The event
     spans the site's event dims; plate dims sample independently. Sites with
-    no event dims (:math:`D = 1`) are Normal, as are zero-size sites (e.g. a
-    layer of width 0), which have nothing to sample.
+    no event dims (:math:`D = 1`) have a Normal law (a random sign times a
+    Normal radius), which :func:`~pyro_vinit.distributions.factorized_normal`
+    reports; zero-size sites (e.g. a layer of width 0), which have nothing to
+    sample, are Normal.
 
     Like every guide of :mod:`pyro_vinit.guides`, :meth:`get_loc_and_scale`
     and :meth:`set_loc_and_scale` speak the location :math:`\mu` and the

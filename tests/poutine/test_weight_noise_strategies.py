@@ -444,6 +444,34 @@ def test_factorized_normal_looks_through_wrappers():
     assert factorized_normal(dist.Laplace(LOC1, SCALE1)) is None
 
 
+def test_a_radial_normal_of_one_element_is_a_factorized_normal():
+    # D = 1: a random sign times a standard Normal radius is a standard Normal, so
+    # AutoRadialNormal's sites without event dims (a weight drawn in two plates) are
+    # Normal, and the trick applies (it was refused, "not a factorized Normal")
+    for event_dim, loc, scale in ((0, LOC1, SCALE1), (2, LOC1[:1, :1], SCALE1[:1, :1])):
+        radial = RadialNormal(loc, scale, event_dim=event_dim)
+        normal = factorized_normal(radial)
+        assert normal is not None and normal.loc is radial.loc and normal.scale is radial.scale
+    pyro.set_rng_seed(0)
+    draws = RadialNormal(LOC1, SCALE1).sample((20000,))
+    assert_close(draws.mean(0), LOC1, atol=6 * SCALE1.max() / 20000 ** 0.5, rtol=0)
+    assert_close(draws.std(0), SCALE1, rtol=0.05, atol=0)  # (5 %: about 7 standard errors)
+
+    def model(x):
+        with pyro.plate("out", 3, dim=-2), pyro.plate("in", 5, dim=-1):
+            w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        return F.linear(x, w)
+
+    from pyro_vinit import AutoRadialNormal
+
+    x = torch.randn(1, 5).expand(4, 5)
+    guide = AutoRadialNormal(model)
+    guide(x)
+    with local_reparam(strict=True):
+        out = poutine.replay(model, poutine.trace(guide).get_trace(x))(x)
+    assert not torch.isclose(out[0], out[1]).any()  # the same row: noise of its own
+
+
 def test_is_sign_symmetric():
     assert is_sign_symmetric(dist.Normal(LOC1, SCALE1).to_event(2))
     assert is_sign_symmetric(RadialNormal(LOC1, SCALE1, event_dim=2))
