@@ -7,7 +7,13 @@ import torch
 from pyro.infer.autoguide import AutoDelta, AutoGuide
 
 from pyro_vinit._pyro_compat import unconstrained_param
-from pyro_vinit.guides.site_params import is_supported, latent_sites, set_loc_and_scale
+from pyro_vinit.distributions import factorized_normal
+from pyro_vinit.guides.site_params import (
+    get_loc_and_scale,
+    is_supported,
+    latent_sites,
+    set_loc_and_scale,
+)
 from pyro_vinit.initialization._regressions import unit_priors
 from pyro_vinit.initialization._rollback import write_param
 from pyro_vinit.initialization._tracing import Layer, Prepared
@@ -68,17 +74,21 @@ def write_fits(prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit],
     prior's) and the noise level into the guide, through
     :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`, emptying ``fits``."""
     guide = prep.guide
+    ratios = []  # (each fitted site's median std over its prior's)
     # One site at a time through the guide's own projection, so that only one site's
     # values are held twice in memory: a failure half-way is undone by GuideRollback.
     for key in list(fits):
         fit = fits.pop(key)
+        units = torch.arange(fit.layer.num_units, device=fit.var.device)
+        _, prior_scale = unit_priors(fit.layer, units)
         if max_scale_ratio is not None:
-            units = torch.arange(fit.layer.num_units, device=fit.var.device)
-            _, prior_scale = unit_priors(fit.layer, units)
             cap = (max_scale_ratio * prior_scale).to(fit.var).square_()
             fit.var = torch.minimum(fit.var, cap)
+        ratios.append((fit.var.sqrt() / prior_scale.to(fit.var)).median())
         for name, (mean, var) in fit.site_values(prep.site_shape).items():
             set_loc_and_scale(guide, name, mean, var.sqrt_())
+    if ratios:
+        cap_uncovered(prep, torch.stack(ratios).median())
     if noise is not None:
         level = noise.level
         if prep.likelihood.noise == "site":
@@ -86,6 +96,23 @@ def write_fits(prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit],
         elif prep.likelihood.noise == "param":
             write_param(noise.name, level)
         # (a "held" noise site: written by the guide list, write_held_noise)
+
+
+def cap_uncovered(prep: Prepared, ratio: torch.Tensor) -> None:
+    """Caps the std of each latent site the regressions did not fit but took at
+    its median (``structure.uncovered``, e.g. a projection used inside
+    ``nn.MultiheadAttention``) that has a Normal prior, at ``ratio`` (the
+    fitted layers' median std over their prior's) times its prior's, its
+    location kept: the network drawn at the start is then the one whose layers
+    were fitted, as uncertain as they are."""
+    for name in prep.structure.uncovered:
+        prior = factorized_normal(prep.sites[name]["fn"])
+        if prior is None:
+            continue
+        loc, scale = get_loc_and_scale(prep.guide, name)
+        cap = (ratio * prior.scale).to(scale).expand(scale.shape)
+        if bool((scale > cap).any()):
+            set_loc_and_scale(prep.guide, name, loc, torch.minimum(scale, cap))
 
 
 def write_held_noise(members: List[AutoGuide], noise: NoiseFit) -> Optional[int]:

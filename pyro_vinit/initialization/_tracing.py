@@ -505,8 +505,7 @@ def trace_structure(
 
 
 def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
-    """Names, in one warning (or error if ``strict``), the latent sites that the
-    initializer leaves at the guide's own initial values."""
+    """Names, in one warning (or error if ``strict``), the sites left uncovered."""
     if not structure.uncovered:
         return
     message = (
@@ -515,9 +514,10 @@ def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
         + (" and the noise site" if structure.likelihood
            and structure.likelihood.noise == "site" else "")
         + f"; these latent sites keep the guide's own initial values: "
-        f"{structure.uncovered}. Such sites are used by calls it cannot see (e.g. "
-        "nn.MultiheadAttention's internal projections) or are not layer weights (e.g. "
-        "a hierarchical prior's scale, whose current value the regressions take)")
+        f"{structure.uncovered}, the ones with a Normal prior with a std of at most the "
+        "fitted layers' median fraction of their prior's. Such sites are used by calls it "
+        "cannot see (e.g. nn.MultiheadAttention's projections) or are not layer weights "
+        "(e.g. a hierarchical prior's scale), and the regressions take their medians")
     if strict:
         raise ValueError(message + "; the guide was left unchanged.")
     warn_at_caller(message + ". Pass strict=True to make this an error.", UserWarning)

@@ -261,7 +261,8 @@ def _report_uncovered(prep: Prepared, strict: bool) -> None:
         "init_guide_pretrained starts the weights and biases of the layers it sees (F.linear, "
         "F.conv1d/2d/3d and matrix products with a latent weight) from their trained values, "
         "and a regression's noise site from their residuals; these latent sites keep the "
-        f"guide's own initial values: {uncovered}"
+        f"guide's own initial values: {uncovered}, the ones with a Normal prior with a std "
+        "of at most the fitted layers' median fraction of their prior's"
     )
     if strict:
         raise ValueError(message + "; the guide was left unchanged.")

@@ -566,7 +566,9 @@ def test_other_latent_sites_warn_or_raise(digits, trained_mlp):
     message = ("init_guide_pretrained starts the weights and biases of the layers it sees "
                "(F.linear, F.conv1d/2d/3d and matrix products with a latent weight) from their "
                "trained values, and a regression's noise site from their residuals; these "
-               "latent sites keep the guide's own initial values: ['temperature']")
+               "latent sites keep the guide's own initial values: ['temperature'], the ones "
+               "with a Normal prior with a std of at most the fitted layers' median fraction "
+               "of their prior's")
     with pytest.raises(ValueError,
                        match=f"^{re.escape(message + '; the guide was left unchanged.')}$"):
         init_guide_pretrained(guide, (x, y), strict=True, weights=weights)
