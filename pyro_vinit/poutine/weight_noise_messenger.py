@@ -6,17 +6,26 @@ weight-noise strategy (:mod:`pyro_vinit.poutine.noise`) chosen per site.
 import math
 import sys
 from types import TracebackType
-from typing import Callable, Dict, List, Optional, Set, Tuple, Type, Union
+from typing import Callable, Dict, Optional, Set, Tuple, Type, Union
 
 import torch
-from pyro.distributions import constraints
+from pyro.distributions import Unit, constraints
 
-from pyro_vinit._pyro_compat import prefill_log_prob, scale_and_mask, whole_trace_weights_elbo
+from pyro_vinit._pyro_compat import (
+    is_deterministic_site,
+    prefill_log_prob,
+    scale_and_mask,
+    whole_trace_weights_elbo,
+)
 from pyro_vinit._typing import SampleSite
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.poutine._layer_ops import MATMUL_OPS, op_name
 from pyro_vinit.poutine._site_value import SiteValue, eager
-from pyro_vinit.poutine.layer_call_messenger import LayerCall, LayerCallMessenger
+from pyro_vinit.poutine.layer_call_messenger import (
+    LayerCall,
+    LayerCallMessenger,
+    base_distribution,
+)
 from pyro_vinit.poutine.noise import AutoWeightNoise, WeightNoise
 from pyro_vinit.poutine.noise.flipout import noise_rows
 from pyro_vinit.poutine.noise.strategy import point_mass_reason
@@ -168,16 +177,19 @@ class WeightNoiseMessenger(LayerCallMessenger):
         self._bias_of: Dict[str, Set[str]] = {}  # (a bias's site: its layer calls' weights')
         # (a noised weight's site: its layer calls' rows noised and the sizes of the dims
         # that share a row's noise, noise_rows)
-        self._rows: Dict[str, List[Tuple[int, Tuple[int, ...]]]] = {}
-        self._observed: List[SampleSite] = []
+        self._rows: Dict[str, Set[Tuple[int, Tuple[int, ...]]]] = {}
+        # (the observations' vectorized plates, as (name, size) pairs, by site)
+        self._observed: Dict[str, Set[Tuple[Tuple[str, int], ...]]] = {}
         self._objective: Optional[Tuple[Optional[str]]] = None  # (whole_trace_weights_elbo)
 
     @eager
     def _pyro_post_sample(self, msg: SampleSite) -> None:
         self._sampled.add(msg["name"])
         super()._pyro_post_sample(msg)
-        if msg["is_observed"]:
-            self._observed.append(msg)
+        if (msg["is_observed"] and not is_deterministic_site(msg)
+                and not isinstance(base_distribution(msg["fn"]), Unit)):  # (pyro.factor)
+            self._observed.setdefault(msg["name"], set()).add(tuple(
+                (f.name, f.size) for f in msg["cond_indep_stack"] if f.vectorized))
 
     def _unknown_names(self) -> Optional[str]:
         # The names of a dict config that no sample site of the run has (e.g. misspelt), or
@@ -259,12 +271,14 @@ class WeightNoiseMessenger(LayerCallMessenger):
         # another count whose later dims have that count (e.g. (tokens, batch, features)),
         # mean an observation depends on rows that drew independent noise.
         inexact = {}
+        # (a site the guide drew, conditioned on in the model, e.g. by Predictive, is none)
+        observed = [plates for name, seen in self._observed.items()
+                    if name not in self._draws and name not in self._latent for plates in seen]
         for site, calls in self._rows.items():
             latent = self._latent.get(site)
             own = {frame.name for frame in latent["cond_indep_stack"]} if latent else set()
-            examples = {math.prod(f.size for f in plates) for plates in (
-                [f for f in msg["cond_indep_stack"] if f.vectorized and f.name not in own]
-                for msg in self._observed) if plates}
+            examples = {math.prod(size for name, size in plates if name not in own)
+                        for plates in observed if any(name not in own for name, _ in plates)}
             for rows, later in calls:
                 if examples and (rows > max(examples) or (
                         rows not in examples and any(size in examples for size in later))):
@@ -411,7 +425,7 @@ class WeightNoiseMessenger(LayerCallMessenger):
             value.uses.noised = True
         site = weight.site
         assert site is not None  # (a value with messages)
-        self._rows.setdefault(site, []).append(noise_rows(call))
+        self._rows.setdefault(site, set()).add(noise_rows(call))
         return out
 
     def _refuse_reuse(self, value: SiteValue, op_name: str) -> None:

@@ -216,6 +216,33 @@ def test_rows_shared_by_several_observations_are_not_reported(handler):
         with handler(strict=True):
             pyro.infer.Predictive(conv, guide=guide, num_samples=3, parallel=True)(x)
 
+    # sites in plates of fewer elements than the 6 rows that observe no example: a
+    # pyro.deterministic record, a pyro.factor term, a latent conditioned on the guide's
+    # draw (Predictive without y); the data are one event (no plate: nothing to count)
+    def recorded(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, 3), 1.0).to_event(2))
+        with pyro.plate("groups", 3):
+            c = pyro.sample("c", dist.Normal(0.0, 1.0))
+        h = F.linear(x[:, 0], w) + c.sum()
+        with pyro.plate("units", 2):
+            pyro.deterministic("h_mean", h.mean(0))
+            pyro.factor("penalty", -h.pow(2).mean(0))
+        pyro.sample("obs", dist.Normal(h, 1.0).to_event(2), obs=y)
+
+    guide = AutoNormal(recorded)
+    guide(x, torch.randn(6, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with handler(strict=True):
+            Trace_ELBO().loss(recorded, guide, x, torch.randn(6, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ('obs', drawn without y, is weight-like: named)
+        warnings.filterwarnings("error", "(?s).*not the examples the model observes")
+        with handler():  # (as Predictive runs them)
+            draws = {name: site["value"] for name, site in
+                     poutine.trace(guide).get_trace(x).nodes.items() if site["type"] == "sample"}
+            poutine.condition(recorded, data=draws)(x)
+
 
 @pytest.mark.parametrize("handler", HANDLERS)
 def test_importance_weighted_objectives_keep_the_ordinary_samples(handler):
