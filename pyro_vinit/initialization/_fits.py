@@ -7,7 +7,6 @@ import torch
 from pyro.infer.autoguide import AutoDelta, AutoGuide
 
 from pyro_vinit._pyro_compat import unconstrained_param
-from pyro_vinit.distributions import factorized_normal
 from pyro_vinit.guides.site_params import (
     get_loc_and_scale,
     is_supported,
@@ -84,11 +83,11 @@ def write_fits(prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit],
         if max_scale_ratio is not None:
             cap = (max_scale_ratio * prior_scale).to(fit.var).square_()
             fit.var = torch.minimum(fit.var, cap)
-        ratios.append((fit.var.sqrt() / prior_scale.to(fit.var)).median())
+        ratios.append(_median(fit.var.sqrt() / prior_scale.to(fit.var)))
         for name, (mean, var) in fit.site_values(prep.site_shape).items():
             set_loc_and_scale(guide, name, mean, var.sqrt_())
     if ratios:
-        cap_uncovered(prep, torch.stack(ratios).median())
+        cap_uncovered(prep, _median(torch.stack(ratios)))
     if noise is not None:
         level = noise.level
         if prep.likelihood.noise == "site":
@@ -98,19 +97,28 @@ def write_fits(prep: Prepared, fits: Dict[str, Fit], noise: Optional[NoiseFit],
         # (a "held" noise site: written by the guide list, write_held_noise)
 
 
+def _median(values: torch.Tensor) -> torch.Tensor:
+    # The median, the mean of the two middle values of an even count (torch.median takes
+    # the lower one).
+    flat = values.flatten()
+    n = flat.numel()
+    return (flat.kthvalue((n + 1) // 2).values + flat.kthvalue(n // 2 + 1).values) / 2
+
+
 def cap_uncovered(prep: Prepared, ratio: torch.Tensor) -> None:
     """Caps the std of each latent site the regressions did not fit but took at
-    its median (``structure.uncovered``, e.g. a projection used inside
-    ``nn.MultiheadAttention``) that has a Normal prior, at ``ratio`` (the
-    fitted layers' median std over their prior's) times its prior's, its
+    its median (e.g. a projection used inside ``nn.MultiheadAttention``) that
+    has a Normal prior and lies outside the likelihood's plates
+    (``structure.uncovered_priors``), at ``ratio`` (the fitted layers' median
+    std over their prior's) times its prior's at the guide's medians, its
     location kept: the network drawn at the start is then the one whose layers
     were fitted, as uncertain as they are."""
-    for name in prep.structure.uncovered:
-        prior = factorized_normal(prep.sites[name]["fn"])
-        if prior is None:
-            continue
+    for name, prior_scale in prep.structure.uncovered_priors.items():
         loc, scale = get_loc_and_scale(prep.guide, name)
-        cap = (ratio * prior.scale).to(scale).expand(scale.shape)
+        cap = (ratio * prior_scale).to(scale)
+        if cap.dim() > scale.dim() or any(c not in (1, s) for c, s in zip(
+                cap.shape[::-1], scale.shape[::-1])):
+            continue  # (a prior of another shape than the guide's site: not a weight)
         if bool((scale > cap).any()):
             set_loc_and_scale(prep.guide, name, loc, torch.minimum(scale, cap))
 

@@ -32,7 +32,7 @@ from pyro_vinit._pyro_compat import (
     wrap_inner,
 )
 from pyro_vinit._typing import SampleSite, sample_site
-from pyro_vinit._warn import warn_at_caller
+from pyro_vinit.distributions import factorized_normal
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
 from pyro_vinit.initialization._observed import check_has_likelihood, check_not_conditioned
@@ -134,6 +134,9 @@ class ModelStructure:
     latent: List[str]
     #: latent sites no layer (or noise estimate) will initialize
     uncovered: List[str]
+    #: of those, the ones outside the likelihood's plates with a Normal prior: its
+    #: scale at the guide's medians (see _fits.cap_uncovered)
+    uncovered_priors: Dict[str, torch.Tensor]
     #: the subsample size of the model's subsampled data plate, if it has one
     block_size: Optional[int] = None
     #: whether the model calls F.batch_norm
@@ -492,6 +495,10 @@ def trace_structure(
     covered = seen | ({likelihood.noise_name} if likelihood and likelihood.noise == "site"
                       else set())
     uncovered = [name for name in latent if name not in covered]
+    data_plates = {f.name for f in site["cond_indep_stack"]} if likelihood else set()
+    priors = {name: normal.scale for name in uncovered if name in sites
+              for normal in [factorized_normal(sites[name]["fn"])] if normal is not None
+              and not any(f.name in data_plates for f in sites[name]["cond_indep_stack"])}
     sizes = {s for _, s in plates.subsampled_plates.values()}
     if len(sizes) > 1:
         raise ValueError(
@@ -499,55 +506,9 @@ def trace_structure(
             f"{plates.subsampled_plates}; I-BLM walks the data in blocks of one size"
         )
     block_size = sizes.pop() if sizes else None
-    structure = ModelStructure(layers, likelihood, latent, uncovered, block_size,
+    structure = ModelStructure(layers, likelihood, latent, uncovered, priors, block_size,
                                recorder.num_batch_norms > 0)
     return structure, first
-
-
-def report_uncovered(structure: ModelStructure, strict: bool, who: str) -> None:
-    """Names, in one warning (or error if ``strict``), the sites left uncovered."""
-    if not structure.uncovered:
-        return
-    message = (
-        f"{who} initializes the weights and biases of the layers it sees (F.linear, "
-        "F.conv1d/2d/3d and matrix products of the data with a latent weight)"
-        + (" and the noise site" if structure.likelihood
-           and structure.likelihood.noise == "site" else "")
-        + f"; these latent sites keep the guide's own initial values: "
-        f"{structure.uncovered}, the ones with a Normal prior with a std of at most the "
-        "fitted layers' median fraction of their prior's. Such sites are used by calls it "
-        "cannot see (e.g. nn.MultiheadAttention's projections) or are not layer weights "
-        "(e.g. a hierarchical prior's scale), and the regressions take their medians")
-    if strict:
-        raise ValueError(message + "; the guide was left unchanged.")
-    warn_at_caller(message + ". Pass strict=True to make this an error.", UserWarning)
-
-
-def report_held(structure: ModelStructure, who: str, noise_written: bool = False) -> None:
-    """Names, in one warning, the latent sites hidden from the guide that the
-    initializer held fixed, and at what (less a noise site whose estimate the
-    guide list writes, with ``noise_written``)."""
-    likelihood = structure.likelihood
-    skip = (likelihood.noise_name if noise_written and likelihood is not None
-            and likelihood.noise == "held" else None)
-    items = {name: entry for name, entry in structure.held.items() if name != skip}
-    if not items:
-        return
-    held = ", ".join(
-        f"{name!r} at {source} ({value.item():.4g})" if value.numel() == 1
-        else f"{name!r} at {source}" for name, (value, source) in items.items()
-    )
-    listed = all(source == "the guide list's median" for _, source in items.values())
-    then = ("which the member of the guide list that owns them keeps" if listed else
-            "and leaves them at the values of the guide that owns them (e.g. another member "
-            "of an AutoGuideList, one I-BLM does not start, such as AutoDelta; a noise site "
-            "gets I-BLM's estimate in a guide that owns it, or through the guide list that "
-            "holds both): set them yourself, e.g. that member's params in "
-            "pyro.get_param_store()")
-    warn_at_caller(
-        f"{who}: the guide does not own the latent sites {list(items)} (a poutine.block "
-        f"around its model hides them), so it held them fixed for the whole call: {held}, "
-        f"{then}", UserWarning)
 
 
 def prepare(

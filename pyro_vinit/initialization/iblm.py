@@ -36,6 +36,7 @@ from pyro_vinit.initialization._output import output_layer_site, report_transfor
 from pyro_vinit.initialization._passes import layer_inputs, refresh_norm_statistics
 from pyro_vinit.initialization._process_group import check_process_group, collective_for
 from pyro_vinit.initialization._regressions import extract_patches
+from pyro_vinit.initialization._reports import report_held, report_uncovered
 from pyro_vinit.initialization._rollback import GuideRollback
 from pyro_vinit.initialization._runs import in_rows
 from pyro_vinit.initialization._solve import solve_layer
@@ -46,8 +47,6 @@ from pyro_vinit.initialization._tracing import (
     guide_medians,
     hold_hidden_sites,
     prepare,
-    report_held,
-    report_uncovered,
 )
 from pyro_vinit.poutine.layer_recorder import PlateRowsMessenger
 

@@ -8,7 +8,7 @@ a learnable regression noise at the trained network's residual std.
 import math
 import warnings
 from contextlib import ExitStack
-from typing import Any, Dict, Mapping, Optional, Tuple, TypeVar, cast
+from typing import Any, Dict, Mapping, Optional, Tuple, TypeVar
 
 import torch
 from pyro.infer.autoguide import AutoGuide, AutoGuideList
@@ -250,19 +250,17 @@ def _trained_values(prep: Prepared, weights: Optional[Mapping[str, torch.Tensor]
 
 
 def _report_uncovered(prep: Prepared, strict: bool) -> None:
-    covered = {name for layer in prep.layers for name in layer.site_names}
-    likelihood = prep.likelihood
-    if likelihood is not None and likelihood.noise == "site":
-        covered.add(cast(str, likelihood.noise_name))  # at the residuals' std
-    uncovered = [name for name in prep.latent if name not in covered]
+    uncovered, capped = prep.structure.uncovered, list(prep.structure.uncovered_priors)
     if not uncovered:
         return
     message = (
         "init_guide_pretrained starts the weights and biases of the layers it sees (F.linear, "
         "F.conv1d/2d/3d and matrix products with a latent weight) from their trained values, "
         "and a regression's noise site from their residuals; these latent sites keep the "
-        f"guide's own initial values: {uncovered}, the ones with a Normal prior with a std "
-        "of at most the fitted layers' median fraction of their prior's"
+        f"guide's own initial values: {uncovered}"
+        + (f"; those with a Normal prior outside the likelihood's plates ({capped}) get "
+           "their stds capped at the started layers' median fraction of their prior's"
+           if capped else "")
     )
     if strict:
         raise ValueError(message + "; the guide was left unchanged.")

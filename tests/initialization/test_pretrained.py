@@ -545,6 +545,31 @@ def test_bad_options(digits, trained_mlp, kwargs, error, match):
     assert guide.prototype_trace is None
 
 
+def test_other_normal_sites_are_capped_as_by_iblm(digits, trained_mlp):
+    # (the same rule as I-BLM's, test_iblm_user_models: the started layers' median
+    # fraction of their priors' stds)
+    x, y, _, _ = digits
+    net = bayesianize(copy.deepcopy(trained_mlp), keep_weights=True)
+
+    def model(x, y=None):
+        shift = pyro.sample("shift", dist.Normal(0.0, 1.0).expand([10]).to_event(1))
+        logits = net(x) + shift
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    weights = {k.replace("trained_", ""): v for k, v in net.named_buffers()
+               if "trained_" in k}
+    guide = AutoNormal(model, init_scale=1.0)
+    guide(x[:2], y[:2])
+    loc = guide.locs.shift.detach().clone()
+    with pytest.warns(UserWarning, match=r"\(\['shift'\]\) get their stds capped at the "
+                      r"started layers' median fraction of their prior's"):
+        init_guide_pretrained(guide, (x, y), weights=weights)
+    scale = guide.scales.shift.detach()
+    assert torch.equal(guide.locs.shift.detach(), loc)
+    assert float(scale.max()) < 0.5 and torch.all(scale == scale[0])
+
+
 def test_other_latent_sites_warn_or_raise(digits, trained_mlp):
     x, y, _, _ = digits
     net = bayesianize(copy.deepcopy(trained_mlp), keep_weights=True)
@@ -566,9 +591,7 @@ def test_other_latent_sites_warn_or_raise(digits, trained_mlp):
     message = ("init_guide_pretrained starts the weights and biases of the layers it sees "
                "(F.linear, F.conv1d/2d/3d and matrix products with a latent weight) from their "
                "trained values, and a regression's noise site from their residuals; these "
-               "latent sites keep the guide's own initial values: ['temperature'], the ones "
-               "with a Normal prior with a std of at most the fitted layers' median fraction "
-               "of their prior's")
+               "latent sites keep the guide's own initial values: ['temperature']")
     with pytest.raises(ValueError,
                        match=f"^{re.escape(message + '; the guide was left unchanged.')}$"):
         init_guide_pretrained(guide, (x, y), strict=True, weights=weights)
