@@ -66,6 +66,13 @@ def test_handler_functions():
     # the options reach the messenger
     assert local_reparam(low_rank=True).low_rank is True
     assert local_reparam(low_rank=False).low_rank is False
+    for handler in (local_reparam, flipout):
+        assert handler(conv=False).conv is False and handler().conv is True
+        assert handler(strict=True).strict is True and handler().strict is False
+    # weight_noise()'s automatic strategy gives convolutions noise too, by default
+    from pyro_vinit.poutine import AutoWeightNoise, weight_noise
+
+    assert AutoWeightNoise().conv is True and weight_noise().config.conv is True
     with pytest.raises(TypeError) as error:
         LocalReparamMessenger(low_rank="yes")
     assert str(error.value) == "LocalReparamMessenger: low_rank must be None or a bool, got 'yes'"
@@ -383,6 +390,26 @@ def test_a_weight_of_one_dimension_is_reported_with_the_shape_to_give(use):
         with LocalReparamMessenger(strict=True):
             torch.addmm(_w((3,)), x, torch.randn(4, 3))
     assert "'w': it is used by addmm in a form the handler does not read" in str(error.value)
+
+
+@pytest.mark.parametrize("plated", [True, False], ids=["in a plate", "batch dims"])
+def test_a_weight_with_batch_dims_of_the_models_own_is_no_layer(plated):
+    # one matrix per head, in a plate of the model's own or as the prior's batch dims: the
+    # program's batched product (only vectorized samples' leading dims make a layer of it)
+    x = torch.randn(5, 3)
+
+    def model():
+        if plated:
+            with pyro.plate("heads", 2):
+                w = pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+        else:
+            w = pyro.sample("w", dist.Normal(torch.zeros(2, 3, 4), 1.0).to_event(2))
+        return x @ w
+
+    with pytest.raises(ValueError, match=r"'w': it is used by matmul in a form the handler "
+                       r"does not read as a layer"):
+        with LocalReparamMessenger(strict=True):
+            model()
 
 
 def test_weight_in_a_list_of_operands_is_reported():

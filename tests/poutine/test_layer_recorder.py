@@ -494,6 +494,8 @@ NOT_BIASES = {
     "constant of three dims": lambda x, w, s: x @ w + s["plain"].reshape(1, 1, 3),
     "after addmm's bias": lambda x, w, s: torch.addmm(s["plain"], x, w) + s["b"],
     "product of a product": lambda x, w, s: (x @ w) * s["b"],
+    # a vector site's elements out of order: one per unit, but not unit i's at i
+    "permuted latent vector": lambda x, w, s: x @ w + s["b"][torch.tensor([2, 0, 1])],
 }
 
 
@@ -513,6 +515,18 @@ def test_additions_that_are_no_bias(name):
     assert layer.bias_name is None and layer.site_names == ("w",)
     assert layer.output is not out
     assert_close(out, program(X, W_IN_OUT, {**values, "plain": plain}))
+
+
+def test_the_element_of_a_one_element_site_added_to_a_one_unit_product_is_no_bias():
+    # b[0] of b of shape (1,): one value, 0-d, for the one unit of x @ w (w of shape (4, 1))
+    def model(x):
+        return x @ _latent("w", 4, 1) + _latent("b", 1)[0]
+
+    w, b = torch.randn(4, 1), torch.randn(1)
+    rec, out = _record(model, {"w": w, "b": b}, X)
+    layer = _only_layer(rec)
+    assert layer.bias_name is None and layer.site_names == ("w",)
+    assert_close(out, X @ w + b[0])
 
 
 def test_iblm_on_a_product_plus_an_expanded_one_element_site():
