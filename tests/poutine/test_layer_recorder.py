@@ -724,6 +724,9 @@ def test_a_frozen_batch_norm_keeps_its_running_statistics_where_asked(keep):
     bn = torch.nn.BatchNorm1d(3, eps=0.5).eval()
     bn.running_mean.fill_(2.0)
     bn.running_var.fill_(7.0)
+    with torch.no_grad():  # (an affine part of its own: not the identity)
+        bn.weight.copy_(torch.tensor([0.5, 2.0, -1.0]))
+        bn.bias.copy_(torch.tensor([0.3, -0.2, 1.5]))
     x = torch.randn(6, 3) * 3 + 1
     stats = {}
     rec, out = _record(bn, {}, x, norm_statistics=stats, keep_frozen_norms=keep)
