@@ -402,6 +402,31 @@ def test_heteroscedastic_heads(guide_class):
     assert med["scale_head.weight"].abs().max() < 0.05
 
 
+def test_a_scale_head_written_as_a_product_plus_its_bias():
+    # h @ ws + bs: the latent bias is the head's own (not a second source of the scale,
+    # which I-BLM refuses: "the likelihood's scale depends on the Bayesian layers ...")
+    x, y, _, _ = USER_MODELS["heteroscedastic"].data()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 0.3).expand([10, 16]).to_event(2))
+        wm = pyro.sample("wm", dist.Normal(0.0, 0.3).expand([16, 1]).to_event(2))
+        ws = pyro.sample("ws", dist.Normal(0.0, 0.3).expand([16, 1]).to_event(2))
+        bs = pyro.sample("bs", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        h = torch.tanh(x @ w)
+        scale = F.softplus(h @ ws + bs).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal((h @ wm).squeeze(-1), scale), obs=y)
+
+    guide = AutoNormal(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        init_guide_iblm(guide, (x, y))
+    h = torch.tanh(x @ guide.median()["w"])
+    residual_std = ((h @ guide.median()["wm"]).squeeze(-1) - y).pow(2).mean().sqrt()
+    scale = F.softplus(h @ guide.median()["ws"] + guide.median()["bs"])
+    assert_close(scale.mean(), residual_std, rtol=0.05, atol=0)
+
+
 def test_scale_head_predicts_the_residual_std_of_scaled_targets():
     # the same model on targets three times as large: the scale head's output is the
     # residual std, not softplus(0) = 0.69 (about the residual std of the targets as they are)
