@@ -275,8 +275,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
         observed = [plates for name, seen in self._observed.items()
                     if name not in self._draws and name not in self._latent for plates in seen]
         for site, calls in self._rows.items():
-            latent = self._latent.get(site)
-            own = {frame.name for frame in latent["cond_indep_stack"]} if latent else set()
+            # (a noised weight's site has its distribution: it is in _latent)
+            own = {frame.name for frame in self._latent[site]["cond_indep_stack"]}
             examples = {math.prod(size for name, size in plates if name not in own)
                         for plates in observed if any(name not in own for name, _ in plates)}
             for rows, later in calls:

@@ -188,6 +188,58 @@ def test_rows_are_counted_against_the_data_plates_alone(handler):
 
 
 @pytest.mark.parametrize("handler", HANDLERS)
+def test_the_rows_report_names_every_site_and_count(handler):
+    # two weights on tokens as rows (one a convolution's), observed in plates of 6 and 3
+    x = torch.randn(6, 4, 3)
+
+    def model(y=None, z=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, 3), 1.0).to_event(2))
+        k = pyro.sample("k", dist.Normal(torch.zeros(2, 3, 1), 1.0).to_event(3))
+        h = F.linear(x.reshape(-1, 3), w).unflatten(0, (6, 4)).mean(1)
+        g = F.conv1d(x.reshape(24, 3, 1), k).unflatten(0, (6, 4)).mean((1, 3))
+        with pyro.plate("data", 6):
+            pyro.sample("y", dist.Normal(h + g, 1.0).to_event(1), obs=y)
+        with pyro.plate("pairs", 3):
+            pyro.sample("z", dist.Normal((h + g).reshape(3, 4), 1.0).to_event(1), obs=z)
+
+    with pytest.raises(ValueError) as error:
+        with handler(strict=True):
+            model(torch.randn(6, 2), torch.randn(3, 4))
+    assert ("got per-example noise for rows of their layer's input that are not the "
+            "examples the model observes:\n"
+            "  'w': noise for 24 rows, the data plates observe 3 or 6 examples;\n"
+            "  'k': noise for 24 rows, the data plates observe 3 or 6 examples.\n") in str(
+                error.value)
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_particles_and_a_lone_example_are_no_rows_to_report(handler):
+    # a second layer's input carries the particles' dim, which its weight lines up with
+    # (2 particles: a dim of size 2 is a sample dim too); a 1-d input is one example
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(torch.zeros(5, 3), 1.0).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(torch.zeros(2, 5), 1.0).to_event(2))
+        with pyro.plate("data", 6):
+            pyro.sample("obs", dist.Normal(F.linear(torch.tanh(F.linear(x, w1)), w2), 1.0)
+                        .to_event(1), obs=y)
+
+    def lone(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, 3), 1.0).to_event(2))
+        with pyro.plate("data", 1):
+            pyro.sample("obs", dist.Normal(F.linear(x, w)[:1], 1.0), obs=y)
+
+    elbo = Trace_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with handler(strict=True):
+            elbo.differentiable_loss(model, AutoNormal(model), x, y)
+        with handler(strict=True):
+            lone(x[0], y[0, :1])
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
 def test_rows_shared_by_several_observations_are_not_reported(handler):
     # the observations are per token (24 of them in two plates) and the layer's rows the
     # 6 examples: each observation depends on one example's noise, which is exact; a
