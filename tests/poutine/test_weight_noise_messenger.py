@@ -736,6 +736,21 @@ DEPENDENT_USES = {
 }
 
 
+def test_the_programs_arithmetic_on_a_value_that_is_no_view_claims_the_whole_draw():
+    # w[:1].expand(2, 3) repeats row 0 (no view of the draw); its use in the program's own
+    # arithmetic claims every row, as a layer call on it would, so the layer on rows 1+
+    # keeps the ordinary sample too
+    x = torch.randn(50, 3)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, 3), 1.0).to_event(2))
+        return w[:1].expand(2, 3).exp().sum() + F.linear(x, w[1:]).sum()
+
+    with pytest.raises(ValueError, match="'w': this sample was already used as drawn"):
+        with LocalReparamMessenger(strict=True):
+            model()
+
+
 @pytest.mark.parametrize("use", sorted(DEPENDENT_USES))
 def test_a_use_that_is_no_view_claims_the_whole_draw(use):
     # A weight used through an op that is not a view of the draw (repeated elements, or
