@@ -2035,6 +2035,24 @@ def test_a_loaders_batch_of_one_row_is_refused_for_a_batch_norm_model():
     fit(plain, AutoKTiedNormal(plain), loader, steps=4, progress=False)  # no BatchNorm: kept
 
 
+@pytest.mark.parametrize("num_data", [257, 256], ids=["data set", "one pass"])
+def test_a_loader_that_drops_its_last_batch_takes_its_data_sets_rows(num_data):
+    # the advice above: a shuffled DataLoader(..., drop_last=True) reads every one of the
+    # 257 rows over the epochs, 256 a pass; the model may count either (it was refused
+    # with "the data has 256 rows; build it with num_data=256", an outside user's trial)
+    x, y = torch.randn(257, 5), torch.randn(257)
+    loader = DataLoader(TensorDataset(x, y), batch_size=128, shuffle=True, drop_last=True)
+    model = _batch_norm_regressor(num_data)
+    history = fit(model, AutoKTiedNormal(model), loader, steps=2, progress=False)
+    assert history.steps == 2
+    pyro.clear_param_store()
+    wrong = _batch_norm_regressor(300)
+    with pytest.raises(ValueError, match=r"^fit: the model was built with num_data=300 but the "
+                       r"data has 256 rows \(of a data set of 257 rows, whose last partial "
+                       r"batch the loader drops\); build it with num_data=257$"):
+        fit(wrong, AutoKTiedNormal(wrong), loader, steps=2, progress=False)
+
+
 @pytest.mark.parametrize("second, message", [
     ((torch.randn(112, 3), torch.arange(112) % 3),
      r"^fit: batch 1 of the data has x of shape \(112, 3\) torch.float32, batch 0 of shape "

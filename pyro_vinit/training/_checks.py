@@ -242,17 +242,22 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
 
 
 def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
-                 all_y: Optional[torch.Tensor] = None) -> Tuple[bool, List[str]]:
+                 all_y: Optional[torch.Tensor] = None,
+                 dataset_rows: Optional[int] = None) -> Tuple[bool, List[str]]:
     """Checks the model on the first batch (and class labels on ``all_y``, the data's
-    targets where given); returns whether it learns its
-    likelihood's noise scale (:func:`_learns_noise`), and the names of its
-    likelihood sites."""
+    targets where given; its num_data against the data's rows, or against
+    ``dataset_rows``, those of a loader's data set that drops its last batch);
+    returns whether it learns its likelihood's noise scale (:func:`_learns_noise`),
+    and the names of its likelihood sites."""
     x, y = batch
     declared = getattr(model, "num_data", None)
-    if isinstance(declared, int) and declared != num_data:
+    if isinstance(declared, int) and declared not in (num_data, dataset_rows):
+        data_set = (f" (of a data set of {dataset_rows} rows, whose last partial batch the "
+                    f"loader drops)" if dataset_rows is not None else "")
         raise ValueError(
             f"fit: the model was built with num_data={declared} but the data has {num_data} "
-            f"rows; build it with num_data={num_data}"
+            f"rows{data_set}; build it with num_data="
+            f"{num_data if dataset_rows is None else dataset_rows}"
         )
     trace = _trial_trace(model, x, y, "the first batch")
     _check_param_sites(trace, "model")

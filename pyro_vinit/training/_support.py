@@ -18,6 +18,7 @@ from typing import (
     List,
     Mapping,
     Optional,
+    Sized,
     Tuple,
     Union,
     cast,
@@ -144,6 +145,9 @@ class _Batches:
         self.pair: Optional[Batch] = None
         self.loader: Optional[Iterable[Batch]] = None
         self.batch_size = batch_size
+        #: the rows of the data set of a DataLoader with drop_last=True, which the model
+        #: may count as its data (num_data) beside the rows of one pass
+        self.dataset_rows: Optional[int] = None
         if isinstance(data, (tuple, list)) and data and all(
                 hasattr(t, "__array__") for t in data):  # tensors or arrays: one pair, or none
             self.pair = _check_batch(data, "data")
@@ -192,6 +196,11 @@ class _Batches:
                 raise ValueError("fit: data (the loader) yields no batches")
             self.first, self.num_data, self.batches_per_epoch = first, count, batches
             self.full_batches = same
+            # a DataLoader that drops its last partial batch reads every row of its data set
+            # over the epochs when it shuffles: a model may count those rows as its data
+            dataset = getattr(data, "dataset", None)
+            if getattr(data, "drop_last", False) and hasattr(dataset, "__len__"):
+                self.dataset_rows = len(cast(Sized, dataset))
         self.generator = torch.Generator(device="cpu")
         self.order: Optional[torch.Tensor] = None
         self.position = 0

@@ -358,7 +358,8 @@ def fit(
                              f"data is on {batches.first[0].device}: pass capture=True or None "
                              "there")
         learned_noise, likelihoods = _check_model(
-            model, batches.first, num_data, batches.pair[1] if batches.pair is not None else None)
+            model, batches.first, num_data, batches.pair[1] if batches.pair is not None else None,
+            batches.dataset_rows)
         _check_guide(guide, batches.first, likelihoods)
         _check_guide_model(model, guide, batches.first)
         _check_weight_noise(model, guide, batches.first, _chosen_weight_noise(guide, weight_noise))
