@@ -759,6 +759,42 @@ def test_bad_regression_targets():
 # ---- num_data -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("prior_scale", [1.0, 100.0], ids=["unit priors", "wide priors"])
+@pytest.mark.parametrize("targets", ["raw", "standardized"])
+def test_targets_far_beyond_the_priors_scale_are_warned_of(targets, prior_scale):
+    # raw targets of mean 150 and std 80 (diabetes): an outside user's network predicted
+    # about 0, an RMSE of 2.05 times their std after I-BLM and fit, with no word said
+    x = torch.randn(200, 4)
+    y = x @ torch.tensor([12.0, -8.0, 4.0, 2.0]) + 40.0  # (of the order of 10 but > 10)
+    y = (y - y.mean()) / y.std() if targets == "standardized" else y
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, prior_scale).expand([1, 4]).to_event(2))
+        b = pyro.sample("b", dist.Normal(0.0, prior_scale).expand([1]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(F.linear(x, w, b).squeeze(-1), 1.0), obs=y)
+
+    message = (r"^the targets of the likelihood 'obs' have a mean or std of the order of 10, "
+               r"more than ten times the largest scale of the model's Normal priors, under "
+               r"which a network's outputs stay near that scale: its fit is pulled toward 0 "
+               r"and fits them poorly\. Standardize them, \(y - y\.mean\(\)\) / y\.std\(\), "
+               r"and map the predictions back \(times y\.std\(\), plus y\.mean\(\)\), or give "
+               r"the model priors on the targets' scale$")
+    for call in (lambda g: fit(model, g, (x, y), steps=2, batch_size=200, init=None,
+                               progress=False),
+                 lambda g: pyro_vinit.init_guide_iblm(g, (x, y))):
+        pyro.clear_param_store()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(AutoKTiedNormal(model, rank=1))
+        said = [w for w in caught if "the targets of the likelihood" in str(w.message)]
+        if targets == "raw" and prior_scale == 1.0:
+            assert len(said) == 1 and re.match(message, str(said[0].message))
+            assert said[0].filename == __file__  # (the user's line)
+        else:
+            assert said == []
+
+
 def test_fit_refuses_a_model_without_num_data_on_minibatches():
     x, y = blobs()
     model = BayesianClassifier(bayesianize(mlp((5, 16, 3))))

@@ -1,6 +1,7 @@
 """The model on the data, before anything changes: it runs, it has a likelihood,
 and the targets fit the likelihood (its support, dtype and shape)."""
 
+import math
 from typing import Any, Callable, Optional, Sequence, cast
 
 import pyro.distributions as dist
@@ -17,6 +18,8 @@ from pyro_vinit._pyro_compat import (
     likelihood_sites,
     unwrap_init_messenger,
 )
+from pyro_vinit._warn import warn_at_caller
+from pyro_vinit.distributions import factorized_normal
 from pyro_vinit.initialization._data import describe
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 
@@ -27,6 +30,7 @@ __all__ = [
     "check_latent_shapes",
     "check_targets",
     "error_text",
+    "warn_unscaled_targets",
 ]
 
 
@@ -69,7 +73,32 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
         check_not_conditioned(model, site["name"])
         check_targets(site, site["value"])  # (I-BLM checks every row as it reads them)
         check_log_density_shape(site)
+        warn_unscaled_targets(trace, site)
     check_latent_shapes(trace)
+
+
+def warn_unscaled_targets(trace: poutine.Trace, site: Any) -> None:
+    """Warns where the targets of a Normal, StudentT or Laplace likelihood ``site``
+    lie more than ten times beyond the largest scale of the Normal priors of the
+    ``trace``'s latent sites (a bayesianized network's keep its outputs near unit
+    scale), where a Bayesian fit is pulled toward 0."""
+    fn, y = base_distribution(site["fn"]), site["value"]
+    if not isinstance(fn, (dist.Normal, dist.StudentT, dist.Laplace)) or y.numel() < 2:
+        return
+    scales = [float(normal.scale.max()) for s in trace.nodes.values()
+              if s["type"] == "sample" and not s["is_observed"]
+              for normal in [factorized_normal(s["fn"])] if normal is not None]
+    size = max(abs(float(y.mean())), float(y.std()))  # (of the rows at hand)
+    if not scales or size <= 10 * max(scales):
+        return
+    # (its order of magnitude only: fit's first batch and I-BLM's first rows say the same)
+    warn_at_caller(
+        f"the targets of the likelihood {site['name']!r} have a mean or std of the order "
+        f"of {10 ** math.floor(math.log10(size)):g}, more than ten times the largest scale "
+        "of the model's Normal priors, under which a network's outputs stay near that "
+        "scale: its fit is pulled toward 0 and fits them poorly. Standardize them, "
+        "(y - y.mean()) / y.std(), and map the predictions back (times y.std(), plus "
+        "y.mean()), or give the model priors on the targets' scale", UserWarning)
 
 
 def check_not_conditioned(model: Callable[..., Any], name: str) -> None:

@@ -24,6 +24,7 @@ from pyro_vinit.initialization._observed import (
     check_log_density_shape,
     check_targets,
     error_text,
+    warn_unscaled_targets,
 )
 from pyro_vinit.initialization._rollback import GuideRollback, rng_state, set_rng_state
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
@@ -283,6 +284,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
     for site in observed:
         check_targets(site, y, all_y, prefix="fit: ")
         check_log_density_shape(site, prefix="fit: ")
+        warn_unscaled_targets(trace, site)
         scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
             site["scale"].max())
         if rows < num_data and abs(scale - 1.0) < 1e-6:

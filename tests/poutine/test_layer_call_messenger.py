@@ -73,6 +73,9 @@ def test_handler_functions():
     from pyro_vinit.poutine import AutoWeightNoise, weight_noise
 
     assert AutoWeightNoise().conv is True and weight_noise().config.conv is True
+    from pyro_vinit.poutine import Flipout, LocalReparam
+
+    assert Flipout().conv is True and LocalReparam().conv is True
     with pytest.raises(TypeError) as error:
         LocalReparamMessenger(low_rank="yes")
     assert str(error.value) == "LocalReparamMessenger: low_rank must be None or a bool, got 'yes'"

@@ -721,6 +721,14 @@ def test_latent_inputs_and_biases_of_plain_layers(handler):
     z, b = (tr.trace.nodes[name]["value"] * 1.0 for name in ("z", "b"))
     assert torch.equal(out, decoder(z))
     assert torch.equal(out_bias, F.linear(z, decoder.weight, b))
+    # a dict config, which the handler reads the layer calls' sites for (a plain weight
+    # has none): the same
+    from pyro_vinit.poutine import LocalReparam, weight_noise
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a config naming a plain layer's bias is reported)
+        with weight_noise(config={"b": LocalReparam()}):
+            model()
 
 
 def _index_from_the_draw(w):
