@@ -1411,7 +1411,10 @@ def test_fit_config_drives_an_own_loop_like_fit():
     ([1.0, 0.8, 1.2], True),     # ended 20% above its start
     ([1.0, 1.5, 1.05], False),   # within 10% of it
     ([1.0, 0.5, 0.4], False),
-    ([-0.5, -0.6, -0.52], False),  # a negative MNLL that fell
+    ([1.0, 0.5, 0.6], True),     # 20% above its best, at step 2 (an outside user's trial:
+    ([1.0, 0.5, 0.52], False),   # 1.09 to 1.17 from 400 to 2000 steps, unwarned)
+    ([-0.5, -0.6, -0.55], False),  # a negative MNLL that fell, within 0.06 of its best
+    ([-0.5, -0.6, -0.52], True),   # one 0.08 above its best, more than 10% of its size
     ([-0.5, -0.6, -0.4], True),    # one that rose by 20% of its size
     ([0.01, 0.0, 0.05], False),    # near zero: within 0.05 nats
     ([1.0, 0.5, float("nan")], True),  # no MNLL at the end
@@ -1429,6 +1432,10 @@ def test_fit_warns_when_training_made_the_validation_worse(monkeypatch, mnlls, w
     assert [v["mnll"] for v in history.validation] == mnlls
     worse = [w for w in caught if "validation MNLL rose" in str(w.message)]
     assert len(worse) == warns
+    if warns and mnlls[-1] == 0.6:
+        assert str(worse[0].message).startswith(
+            "fit: the validation MNLL rose from its best, 0.5 at step 2, to 0.6 at step 4: "
+            "training past step 2 made the model worse (e.g. overconfident); the tempered")
     if warns and mnlls[-1] == 1.2:
         assert "from 1 at step 0 to 1.2 at step 4" in str(worse[0].message)
         assert "(kl_weight=0.01) can overfit" in str(worse[0].message)

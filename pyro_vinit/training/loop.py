@@ -144,26 +144,37 @@ def _raise_if_diverged(step: int, modules: List[nn.Module], before: Set[str],
         "as they are") from error
 
 
-#: How much higher than at step 0 the last validation MNLL may be before fit warns: by
-#: this share of its size (an MNLL can be negative), and at least by _WORSE_NATS.
+#: How much higher than at step 0 or at its best the last validation MNLL may be before
+#: fit warns: by this share of its size (an MNLL can be negative), and at least by
+#: _WORSE_NATS.
 _WORSE_BY = 0.1
 _WORSE_NATS = 0.05
 
 
 def _warn_if_worse(validation: List[Dict[str, float]], kl_weight: float) -> None:
     """Warns where the run ended with a validation MNLL well above its start's
-    (the initializer's, or the first call's): training made the model worse."""
-    if len(validation) < 2 or validation[0]["step"] != 0:
+    (the initializer's, or the first call's) or its best evaluation's: training
+    made the model worse."""
+    finite = [v for v in validation if math.isfinite(v["mnll"])]
+    if len(validation) < 2 or not finite:
         return
-    start, last = validation[0]["mnll"], validation[-1]["mnll"]
-    if not math.isfinite(last) or last - start > max(_WORSE_BY * abs(start), _WORSE_NATS):
-        remedy = (f"the tempered objective (kl_weight={kl_weight:g}) can overfit a small, "
-                  "noisy data set: try a larger kl_weight (1 is the full ELBO) or fewer steps"
-                  if kl_weight < 1 else "try fewer steps")
-        warnings.warn(
-            f"fit: the validation MNLL rose from {start:.4g} at step 0 to {last:.4g} at step "
-            f"{int(validation[-1]['step'])}: training made the model worse than its start; "
-            + remedy, UserWarning, stacklevel=3)
+    best, last = min(finite, key=lambda v: v["mnll"]), validation[-1]["mnll"]
+    if math.isfinite(last) and last - best["mnll"] <= max(_WORSE_BY * abs(best["mnll"]),
+                                                          _WORSE_NATS):
+        return
+    remedy = (f"the tempered objective (kl_weight={kl_weight:g}) can overfit a small, noisy "
+              "data set: try a larger kl_weight (1 is the full ELBO) or fewer steps"
+              if kl_weight < 1 else "try fewer steps")
+    end, start = int(validation[-1]["step"]), validation[0]["mnll"]
+    if validation[0]["step"] == 0 and not (math.isfinite(last) and last - start <= max(
+            _WORSE_BY * abs(start), _WORSE_NATS)):
+        said = (f"rose from {start:.4g} at step 0 to {last:.4g} at step {end}: "
+                "training made the model worse than its start")
+    else:
+        said = (f"rose from its best, {best['mnll']:.4g} at step {int(best['step'])}, to "
+                f"{last:.4g} at step {end}: training past step {int(best['step'])} made the "
+                "model worse (e.g. overconfident)")
+    warnings.warn(f"fit: the validation MNLL {said}; " + remedy, UserWarning, stacklevel=3)
 
 
 # ---- fit -----------------------------------------------------------------------------
@@ -246,8 +257,8 @@ def fit(
         initialized already.
     :param tuple validation: An ``(x, y)`` pair evaluated before the first
         step, every ``eval_every`` steps and after the last one; a last MNLL
-        above the first by over a tenth of its size (and 0.05 nats) is warned
-        about (training made the model worse).
+        above the first, or the best, by over a tenth of its size (and 0.05
+        nats) is warned about (training made the model worse).
     :param int eval_every: Steps between evaluations (default a tenth of the run);
         refused without ``validation``.
     :param int num_samples: Guide draws of the Monte Carlo predictive.
