@@ -115,10 +115,10 @@ def cap_uncovered(prep: Prepared, ratio: torch.Tensor) -> None:
     were fitted, as uncertain as they are."""
     for name, prior_scale in prep.structure.uncovered_priors.items():
         loc, scale = get_loc_and_scale(prep.guide, name)
-        cap = (ratio * prior_scale).to(scale)
-        if cap.dim() > scale.dim() or any(c not in (1, s) for c, s in zip(
-                cap.shape[::-1], scale.shape[::-1])):
-            continue  # (a prior of another shape than the guide's site: not a weight)
+        try:
+            cap = (ratio * prior_scale).to(scale).expand(scale.shape)
+        except RuntimeError:  # a prior of another shape than the guide's site: no weight
+            continue
         if bool((scale > cap).any()):
             set_loc_and_scale(prep.guide, name, loc, torch.minimum(scale, cap))
 

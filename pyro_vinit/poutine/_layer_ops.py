@@ -291,22 +291,33 @@ def find_layer_call(
     )
 
 
-def _spatial(op: str) -> int:
+def spatial_dims(op: str) -> int:
+    """The number of spatial dims of ``F.<op>`` (0 for linear)."""
     return 0 if op == "linear" else int(op[-2])
+
+
+def batch_shapes(
+    op: str, input: torch.Tensor, weight: torch.Tensor
+) -> Tuple[torch.Size, torch.Size]:
+    """The batch dims of an ``F.<op>`` call's ``input`` (left of its features
+    or channels and spatial dims) and of its ``weight`` (left of its
+    ``(out, in, *kernel)``), which broadcast together in a batched layer."""
+    nsp = spatial_dims(op)
+    return input.shape[: input.dim() - nsp - 1], weight.shape[: max(0, weight.dim() - nsp - 2)]
 
 
 def is_batched(op: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     """Whether ``weight`` or ``bias`` of an ``F.<op>`` call has leading batch
     dims (e.g. a sample dim of :class:`~pyro.infer.Predictive` with
     ``parallel=True``), which ``F.<op>`` does not take."""
-    return weight.dim() > _spatial(op) + 2 or (bias is not None and bias.dim() > 1)
+    return weight.dim() > spatial_dims(op) + 2 or (bias is not None and bias.dim() > 1)
 
 
 def in_features(op: str, weight: torch.Tensor, kwargs: Dict[str, Any]) -> int:
     """The size of the input's feature dim (``linear``) or channel dim
     (``conv*d``) that ``F.<op>`` takes with ``weight``."""
     # (a linear layer's: the last dim, and no groups)
-    return int(weight.shape[weight.dim() - _spatial(op) - 1]) * int(kwargs.get("groups", 1))
+    return int(weight.shape[weight.dim() - spatial_dims(op) - 1]) * int(kwargs.get("groups", 1))
 
 
 def check_batched_input(
@@ -339,15 +350,14 @@ def check_batched_input(
     :raises ValueError: If the input's feature or channel dim does not fit, or
         its batch dims do not broadcast with the weight's.
     """
-    nsp = _spatial(op)
+    nsp = spatial_dims(op)
     expected = in_features(op, weight, kwargs)
     if input.dim() < nsp + 1:
         return  # F.<op>'s own error
     got = input.shape[input.dim() - nsp - 1]
     site = f" (sample site {name!r})" if name else ""
     if got == expected:
-        w_batch = weight.shape[: max(0, weight.dim() - nsp - 2)]
-        x_batch = input.shape[: input.dim() - nsp - 1]
+        x_batch, w_batch = batch_shapes(op, input, weight)
         try:
             torch.broadcast_shapes(w_batch, x_batch)  # type: ignore[no-untyped-call]
         except RuntimeError:
@@ -390,16 +400,14 @@ def batched_layer(
     own weight. A linear layer is one ``einsum``; a convolution is one grouped
     convolution over the weight's batch.
     """
-    nsp = _spatial(op)
+    nsp = spatial_dims(op)
     w_event = nsp + 2
     if weight.dim() < w_event:
         # e.g. F.linear's 1-d weight: only the bias is batched
         out: torch.Tensor = getattr(F, op)(input, weight, None, **kwargs)
         return out if bias is None else out + bias.reshape(bias.shape + (1,) * nsp)
-    w_batch = weight.shape[: weight.dim() - w_event]
-    batch = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
-        w_batch, input.shape[: input.dim() - nsp - 1]
-    )
+    x_batch, w_batch = batch_shapes(op, input, weight)
+    batch = torch.broadcast_shapes(w_batch, x_batch)  # type: ignore[no-untyped-call]
     # An expanded batch dim (stride 0: e.g. a guide's loc under Predictive) holds one
     # weight: the layer runs once there and its output is expanded.
     weight = weight[tuple(

@@ -7,14 +7,13 @@ import torch
 from torch.distributions import Distribution
 
 from pyro_vinit.distributions import is_sign_symmetric
-from pyro_vinit.poutine._layer_ops import LayerCall, run_layer
+from pyro_vinit.poutine._layer_ops import LayerCall, batch_shapes, run_layer, spatial_dims
 from pyro_vinit.poutine._site_value import SiteValue, unwrap
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.poutine.noise.strategy import (
     WeightNoise,
     _check_conv,
     point_mass_reason,
-    spatial_dims,
     view_of,
 )
 
@@ -32,10 +31,7 @@ def _own_dims(call: LayerCall) -> Tuple[int, ...]:
     # The sizes of the input's dims left of its features (channels), less those that a
     # weight batch dim of size > 1 (a sample or particle dim, with its own weight) lines
     # up with.
-    nsp = spatial_dims(call)
-    x, weight = unwrap(call.input), call.weight
-    x_batch = x.shape[: x.dim() - 1 - nsp]
-    w_batch = weight.shape[: max(0, weight.dim() - 2 - nsp)]
+    x_batch, w_batch = batch_shapes(call.op, unwrap(call.input), call.weight)
     return tuple(x_batch[-i] for i in range(len(x_batch), 0, -1)
                  if not (i <= len(w_batch) and w_batch[-i] > 1))
 
@@ -48,7 +44,7 @@ def shared_dims(call: LayerCall) -> int:
     of size > 1 lines up with, e.g. the tokens of ``(batch, tokens,
     features)``."""
     if call.op != "linear":
-        return spatial_dims(call)
+        return spatial_dims(call.op)
     return max(0, len(_own_dims(call)) - 1)
 
 

@@ -33,9 +33,6 @@ def point_mass_reason(fn: Distribution) -> Optional[str]:
             "(weight_noise()'s automatic choice leaves such sites alone, unreported)")
 
 
-def spatial_dims(call: LayerCall) -> int:
-    """The number of spatial dims of the call's op (0 for linear)."""
-    return 0 if call.op == "linear" else int(call.op[-2])
 
 
 def view_of(value: SiteValue, param: torch.Tensor) -> torch.Tensor:
