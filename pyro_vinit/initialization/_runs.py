@@ -5,10 +5,12 @@ some latent sites set, under a
 model run of I-BLM goes through :func:`run_model`.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyro.poutine as poutine
 import torch
+from pyro.poutine.condition_messenger import ConditionMessenger
+from torch.distributions import Distribution, Independent
 
 from pyro_vinit._pyro_compat import (
     handler_chain,
@@ -16,7 +18,8 @@ from pyro_vinit._pyro_compat import (
     unwrap_init_messenger,
     wrap_inner,
 )
-from pyro_vinit._typing import SampleSite
+from pyro_vinit._typing import SampleSite, sample_site
+from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.initialization._rollback import innermost
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
@@ -24,6 +27,9 @@ from pyro_vinit.poutine.layer_recorder import (
     RecordedLayer,
     StopModel,
 )
+
+if TYPE_CHECKING:
+    from pyro.poutine.runtime import Message
 
 #: batch-normalization statistics over several processes (see ``LayerRecorderMessenger``)
 NormSyncFn = Callable[[torch.Tensor, List[int]], Tuple[torch.Tensor, ...]]
@@ -65,7 +71,7 @@ def run_model(
         # every latent site is conditioned: the autoguide's InitMessenger around the
         # model would only draw initial values (a prior sample per site) to be overwritten
         model = unwrap_init_messenger(model)
-    fn = poutine.condition(in_rows(model, PlateRowsMessenger(plate_rows, num_rows)), data=values)
+    fn = conditioned_in_rows(model, values, PlateRowsMessenger(plate_rows, num_rows))
     with torch.no_grad(), poutine.block(), recorder:
         fn(*args)
     recorder.observed[:] = likelihood_sites(recorder.observed, model)
@@ -80,6 +86,63 @@ def in_rows(model: Callable[..., Any], plates: PlateRowsMessenger) -> Callable[.
     if not chain:
         return plates(model)
     return wrap_inner(model, chain[-1][0], plates)
+
+
+def conditioned_in_rows(model: Callable[..., Any], values: Dict[str, torch.Tensor],
+                        plates: PlateRowsMessenger) -> Callable[..., Any]:
+    """``model`` in the rows ``plates`` choose (see :func:`in_rows`), with its
+    sites set to ``values``; a per-example site whose values are not one per
+    row of the run (an autoguide's, set up on all the rows, in a run on a chunk
+    of them) is set to its prior's median, with a warning."""
+    return _RowsConditionMessenger(values)(in_rows(model, plates))
+
+
+class _RowsConditionMessenger(ConditionMessenger):
+    def __init__(self, values: Dict[str, torch.Tensor]) -> None:
+        super().__init__(values)
+        self.values = values
+
+    def _pyro_sample(self, msg: "Message[..., Any]") -> None:
+        super()._pyro_sample(msg)
+        site = sample_site(msg)
+        value, fn = site["value"], site["fn"]
+        if site["name"] not in self.values or not isinstance(value, torch.Tensor):
+            return
+        for frame in site["cond_indep_stack"]:
+            dim = (frame.dim or 0) - fn.event_dim
+            if frame.vectorized and value.dim() >= -dim and value.shape[dim] not in (
+                    1, frame.size):
+                warn_at_caller(
+                    f"the latent site {site['name']!r} lies in plate {frame.name!r}, and its "
+                    f"guide holds {value.shape[dim]} values (one per row of the data it was "
+                    f"set up on), but I-BLM runs the model on {frame.size} rows at a time, "
+                    "which those values cannot follow: its layers are fitted with it at its "
+                    "prior's median, and its guide keeps its own initial values",
+                    UserWarning)
+                site["value"] = prior_median(fn).to(value)
+                return
+
+
+def _unwrap(fn: Distribution) -> Distribution:
+    while isinstance(fn, Independent) or type(fn).__name__ in (
+        "ExpandedDistribution",
+        "MaskedDistribution",
+    ):
+        # Independent and Pyro's ExpandedDistribution / MaskedDistribution all
+        # wrap the distribution they transform as base_dist
+        fn = fn.base_dist  # type: ignore[attr-defined]
+    return fn
+
+
+def prior_median(fn: Distribution) -> torch.Tensor:
+    """The median of a prior (its ``icdf(0.5)``, else of 1001 draws), in its shape."""
+    shape = fn.batch_shape + fn.event_shape
+    base = _unwrap(fn)
+    try:
+        half = torch.full(base.batch_shape + base.event_shape, 0.5)
+        return base.icdf(half.to(base.sample().dtype)).expand(shape).clone()
+    except (NotImplementedError, AttributeError, ValueError, RuntimeError):
+        return fn.sample(torch.Size([1001])).median(0).values
 
 
 def observed_site(recorder: LayerRecorderMessenger) -> SampleSite:

@@ -17,7 +17,6 @@ from torch.distributions import (
     Bernoulli,
     Categorical,
     Distribution,
-    Independent,
     Normal,
     OneHotCategorical,
     StudentT,
@@ -36,7 +35,15 @@ from pyro_vinit.distributions import factorized_normal
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
 from pyro_vinit.initialization._observed import check_has_likelihood, check_not_conditioned
-from pyro_vinit.initialization._runs import in_rows, observed_site, one_dim_sites, run_model
+from pyro_vinit.initialization._runs import (
+    _unwrap,
+    conditioned_in_rows,
+    in_rows,
+    observed_site,
+    one_dim_sites,
+    prior_median,
+    run_model,
+)
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
     PlateRowsMessenger,
@@ -148,17 +155,6 @@ class ModelStructure:
     @property
     def output_layers(self) -> List[Layer]:
         return [layer for layer in self.layers if layer.role == "output"]
-
-
-def _unwrap(fn: Distribution) -> Distribution:
-    while isinstance(fn, Independent) or type(fn).__name__ in (
-        "ExpandedDistribution",
-        "MaskedDistribution",
-    ):
-        # Independent and Pyro's ExpandedDistribution / MaskedDistribution all
-        # wrap the distribution they transform as base_dist
-        fn = fn.base_dist  # type: ignore[attr-defined]
-    return fn
 
 
 def unwrap_likelihood(site: SampleSite) -> Distribution:
@@ -284,17 +280,6 @@ def trace_observed_site(trace: poutine.Trace, latent: Sequence[str],
 
 
 # ---------------------------------------------------------------------- what the guide owns
-
-
-def prior_median(fn: Distribution) -> torch.Tensor:
-    """The median of a prior (its ``icdf(0.5)``, else of 1001 draws), in its shape."""
-    shape = fn.batch_shape + fn.event_shape
-    base = _unwrap(fn)
-    try:
-        half = torch.full(base.batch_shape + base.event_shape, 0.5)
-        return base.icdf(half.to(base.sample().dtype)).expand(shape).clone()
-    except (NotImplementedError, AttributeError, ValueError, RuntimeError):
-        return fn.sample(torch.Size([1001])).median(0).values
 
 
 class _HoldMessenger(Messenger):
@@ -459,8 +444,7 @@ def trace_structure(
                          sources=held)
     plates = PlateRowsMessenger(num_rows=num_rows)
     with torch.no_grad(), poutine.block():
-        trace = poutine.trace(poutine.condition(in_rows(model, plates), data=values)
-                              ).get_trace(*first)
+        trace = poutine.trace(conditioned_in_rows(model, values, plates)).get_trace(*first)
     sites = {name: sample_site(trace.nodes[name]) for name in latent if name in trace.nodes}
     layers = [_layer_from_record(r, sites, normal_priors) for r in recorder.layers]
     seen: Set[str] = set()

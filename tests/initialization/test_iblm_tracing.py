@@ -12,7 +12,7 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 from pyro_vinit import init_guide
-from pyro_vinit.initialization._tracing import prior_median
+from pyro_vinit.initialization._runs import prior_median, run_model
 
 F64 = torch.float64
 
@@ -144,3 +144,17 @@ def test_error_text_puts_the_dtype_advice_after_the_first_line():
     # "should be the same" alone is no dtype mismatch (e.g. sizes)
     assert (error_text(RuntimeError("the sizes should be the same"))
             == "RuntimeError: the sizes should be the same")
+
+
+def test_per_example_latent_is_set_to_its_prior_median_in_a_run_of_fewer_rows():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(3.0, 2.0))
+            pyro.sample("obs", dist.Normal(z, 1.0), obs=x)
+
+    full = {"z": torch.arange(10.0)}
+    with pytest.warns(UserWarning, match="holds 10 values.*on 4 rows at a time"):
+        recorder = run_model(model, full, (torch.zeros(4),), ["z"])
+    assert torch.equal(recorder.observed[0]["fn"].loc, torch.full((4,), 3.0))
+    recorder = run_model(model, full, (torch.zeros(10),), ["z"])  # (one value per row)
+    assert torch.equal(recorder.observed[0]["fn"].loc, full["z"])

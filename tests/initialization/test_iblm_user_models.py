@@ -336,6 +336,36 @@ def test_subsampled_plate_inside_the_network(plate_size, guide_list):
     assert _error(logits, yt) <= 0.1
 
 
+@pytest.mark.parametrize("subsample_size", [None, 32], ids=["whole_plate", "subsampled"])
+def test_per_example_latent_over_more_rows_than_a_run_is_held_at_its_prior_median(
+        subsample_size):
+    # A per-example offset z in the data plate: the guide, set up on all 420 rows, holds
+    # 420 values of it, which runs of the model on chunks of 256 rows or on blocks of 32
+    # cannot follow; they take z at its prior's median (0), with a warning naming it, and
+    # leave its guide alone (this failed inside torch with a size mismatch)
+    x, y, xt, yt = blobs()
+    assert len(x) > 256
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 0.3).expand([20, 10]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.3).expand([3, 20]).to_event(2))
+        with pyro.plate("data", x.shape[0], subsample_size=subsample_size) as ind:
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            logits = F.linear(torch.relu(F.linear(x[ind], w1)), w2) + z.unsqueeze(-1)
+            pyro.sample("obs", dist.Categorical(logits=logits),
+                        obs=y[ind] if y is not None else None)
+
+    guide = AutoNormal(model)
+    guide(x, y)
+    z_before = (guide.locs.z.detach().clone(), guide.scales.z.detach().clone())
+    with pytest.warns(UserWarning, match=r"(?s)'z' lies in plate 'data'.*holds 420 values"):
+        init_guide_iblm(guide, (x, y))
+    assert torch.equal(guide.locs.z, z_before[0]) and torch.equal(guide.scales.z, z_before[1])
+    med = guide.median()
+    logits = F.linear(torch.relu(F.linear(xt, med["w1"])), med["w2"])
+    assert _error(logits, yt) <= 0.1
+
+
 @pytest.mark.parametrize("plate_size", ["rows", "data_set"])
 @pytest.mark.parametrize("sigma_shape", [(), (2,)], ids=["one_sigma", "sigma_per_column"])
 def test_learned_noise_of_a_subsampled_regression_is_the_residual_std(sigma_shape,
