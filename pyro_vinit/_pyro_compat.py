@@ -97,6 +97,7 @@ __all__ = [
     "unconstrained_param",
     "unwrap_init_messenger",
     "whole_trace_weights_elbo",
+    "without_trace_shapes",
     "wrap_inner",
 ]
 
@@ -131,6 +132,18 @@ def discrete_site_error(error: BaseException) -> Optional[str]:
         return None
     match = _DISCRETE_SITE.match(str(error))
     return match.group(1) if match else None
+
+
+def without_trace_shapes(error: BaseException) -> BaseException:
+    """The error a model raised, where ``poutine.trace`` raised it again with the
+    trace's shapes appended (a ``ValueError`` or ``RuntimeError`` of the same
+    type whose message is the model's, a newline and the shapes, raised from
+    the model's); else ``error``."""
+    cause = error.__cause__
+    while (cause is not None and type(cause) is type(error)
+           and str(error).startswith(f"{cause}\n")):
+        error, cause = cause, cause.__cause__
+    return error
 
 
 def unwrap_init_messenger(model: Callable[..., Any]) -> Callable[..., Any]:

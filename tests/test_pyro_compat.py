@@ -31,6 +31,7 @@ from pyro_vinit._pyro_compat import (
     scale_and_mask,
     unconstrained_param,
     whole_trace_weights_elbo,
+    without_trace_shapes,
 )
 from pyro_vinit.guides import site_params
 
@@ -207,6 +208,23 @@ def test_discrete_site_error_from_an_autoguides_init():
     with pytest.raises(ValueError) as error:
         AutoNormal(classifier)()
     assert discrete_site_error(error.value) == "obs"
+
+
+@pytest.mark.parametrize("error_type", [ValueError, RuntimeError])
+def test_without_trace_shapes_is_the_models_own_error(error_type):
+    # poutine.trace raises a model's ValueError / RuntimeError again with the trace's
+    # shapes appended, from the model's; nested traces append them once each
+    def failing():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+        raise error_type("the model's message")
+
+    for model in (failing, pyro.poutine.trace(failing)):
+        with pytest.raises(error_type) as error:
+            pyro.poutine.trace(model).get_trace()
+        assert "Trace Shapes" in str(error.value)
+        assert str(without_trace_shapes(error.value)) == "the model's message"
+    other = ValueError("not from a trace")
+    assert without_trace_shapes(other) is other
 
 
 def test_setup_prototype_runs_autoguides_own_set_up():

@@ -569,6 +569,18 @@ def test_bad_input_changes_nothing(case, initialized):
     assert is_initialized(guide) == initialized
 
 
+def test_an_error_the_library_raises_in_the_model_comes_without_pyros_trace_shapes():
+    # A regressor's (N, 1) targets: its own message and hint, which Pyro's poutine.trace
+    # had followed with a dump of the trace's shapes; a user's error (in torch, here a
+    # width mismatch) keeps the dump, which helps to find it
+    x, y = blobs()
+    model = BayesianRegressor(bayesianize(mlp((5, 16, 1))), num_data=240)
+    with pytest.raises(ValueError, match=r"got \(128, 1\): pass y\.squeeze\(-1\)$"):
+        fit(model, AutoNormal(model), (x, y.float()[:, None]), steps=2, progress=False)
+    with pytest.raises(ValueError, match="Trace Shapes"):
+        fit(model, AutoNormal(model), (x[:, :4], y.float()), steps=2, progress=False)
+
+
 def _bernoulli(x, y=None):
     w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, x.shape[1]]).to_event(2))
     with pyro.plate("data", 240, subsample=torch.arange(len(x))):

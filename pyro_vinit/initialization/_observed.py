@@ -2,6 +2,7 @@
 and the targets fit the likelihood (its support, dtype and shape)."""
 
 import math
+import os
 from typing import Any, Callable, Optional, Sequence, cast
 
 import pyro.distributions as dist
@@ -17,11 +18,15 @@ from pyro_vinit._pyro_compat import (
     is_deterministic_site,
     likelihood_sites,
     unwrap_init_messenger,
+    without_trace_shapes,
 )
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.distributions import factorized_normal
 from pyro_vinit.initialization._data import describe
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
+
+#: the package's directory: an error whose innermost frame lies in it is the library's
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 __all__ = [
     "check_has_likelihood",
@@ -116,12 +121,24 @@ def check_not_conditioned(model: Callable[..., Any], name: str) -> None:
 
 def error_text(error: BaseException) -> str:
     """``Type: message`` of an error of the user's model, with advice after its first
-    line where it is about mixed dtypes (float64 data on a float32 network)."""
+    line where it is about mixed dtypes (float64 data on a float32 network); an
+    error this library raised in the model (e.g. a module's check of the targets)
+    without the trace's shapes that ``poutine.trace`` appends to it."""
+    original = without_trace_shapes(error)
+    if _raised_here(original):
+        error = original
     first, _, rest = str(error).partition("\n")
     if "dtype" in first or ("type (" in first and "should be the same" in first):
         first += (". Give the data the network's dtype (x.float() for a float32 network) "
                   "or the network the data's (model.double())")
     return f"{type(error).__name__}: {first}" + (f"\n{rest}" if rest else "")
+
+
+def _raised_here(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
 
 
 def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = None,
