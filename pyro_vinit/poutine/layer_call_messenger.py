@@ -60,6 +60,7 @@ from typing_extensions import Self, TypeGuard
 
 from pyro_vinit._pyro_compat import is_predictive_samples, is_vectorized_particles
 from pyro_vinit._typing import SampleSite
+from pyro_vinit.poutine._batched_norms import BatchedNorms
 from pyro_vinit.poutine._layer_ops import (
     LAYER_OPS,
     MATMUL_OPS,
@@ -152,6 +153,7 @@ class LayerCallMessenger(Messenger):
 
     def __init__(self) -> None:
         super().__init__()
+        self._norms = BatchedNorms()
         self._start_run()
 
     def _start_run(self) -> None:
@@ -188,6 +190,7 @@ class LayerCallMessenger(Messenger):
         traceback: Optional[TracebackType],
     ) -> None:
         self._start_run()
+        self._norms.close()
         if ACTIVE and ACTIVE[-1] is self:
             ACTIVE.pop()
         super().__exit__(exc_type, exc_value, traceback)
@@ -235,6 +238,11 @@ class LayerCallMessenger(Messenger):
         if not isinstance(value, torch.Tensor):
             return
         drawn = self._pending.pop(id(msg), None)
+        if (msg["is_observed"] and isinstance(value, SiteValue)
+                and not any(self._draws.get(m["name"]) is m for m in value.msgs)):
+            # a site value of an earlier context (e.g. samples of one Predictive given to
+            # another): here a given value, as a plain tensor would be
+            msg["value"] = value = unwrap(value)
         if isinstance(value, SiteValue):
             if value is drawn:
                 self._draws[msg["name"]] = msg
@@ -258,6 +266,10 @@ class LayerCallMessenger(Messenger):
                         value, d.site_dist, [draw, msg], d.view_ops, d.derived, Uses(d.uses.shape)
                     )
                     self._latent[msg["name"]] = msg
+                elif any(is_predictive_samples(f) for f in msg["cond_indep_stack"]):
+                    # Conditioned on given samples (Predictive's posterior_samples): a
+                    # value of unknown law, which a layer still runs batched over
+                    msg["value"] = SiteValue.wrap(value, None, [msg])
             elif drawn is not None:
                 # A handler outside this one replaced the value it drew (e.g. poutine.replay
                 # of a guide trace drawn outside it): where it came from is unknown.
@@ -327,14 +339,16 @@ class LayerCallMessenger(Messenger):
                     call.weight_name or call.bias_name,
                 )
             out = self._process_layer_call(call)
-            if out is not None:
-                return out
-            if batched:
+            if out is None and batched:
                 # a weight with a sample dim (Predictive(parallel=True)): F.<op> takes none
-                return batched_layer(
+                out = batched_layer(
                     call.op, unwrap(call.input), unwrap(call.weight), unwrap(call.bias),
                     call.kwargs,
                 )
+            if out is not None:
+                if batched:  # (a BatchNorm after it folds the sample dims into its rows)
+                    self._norms.watch(out.dim() - call.input.dim())
+                return out
             # unchanged: the program's own op, bit for bit
             original: torch.Tensor = func(*unwrap(args), **unwrap(kwargs))
             return original

@@ -40,7 +40,12 @@ class VectorizedLayersMessenger(LayerCallMessenger):
     (``nn.Flatten(-3)``, ``x.flatten(-3)``, not ``nn.Flatten()`` or
     ``x.flatten(1)``); a batched layer whose input's feature or channel dim
     does not fit its weight raises a :class:`ValueError` saying so, before
-    the layer runs.
+    the layer runs. An ``nn.BatchNorm*d`` after a batched layer runs on its
+    input with the sample dims folded into its rows: in eval mode each sample
+    is normalized with the running statistics, as a run per sample would;
+    in train mode, whose batch statistics the samples would share, it is
+    refused. Samples given to :class:`~pyro.infer.Predictive`
+    (``posterior_samples``) run batched as drawn ones do.
     The weight-noise handlers
     (:class:`~pyro_vinit.poutine.WeightNoiseMessenger` and its short forms)
     do the same for every layer call, so they need no extra handler.

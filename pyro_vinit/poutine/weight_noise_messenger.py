@@ -397,6 +397,8 @@ class WeightNoiseMessenger(LayerCallMessenger):
                 "to the layer as drawn, or transposed, reshaped or sliced",
             )
             return None
+        if fn is None and weight.msgs[-1]["is_observed"]:
+            return None  # given samples (Predictive's posterior_samples): no law to draw from
         if fn is None:
             self._fallback(
                 weight,

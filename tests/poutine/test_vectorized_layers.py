@@ -2,6 +2,7 @@
 vectorized particles on models built from nn.Linear / nn.Conv*d."""
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -248,6 +249,93 @@ def test_vectorized_predictive_with_only_the_bias_latent_and_observed_data(handl
     expected = F.linear(x, layer.weight.detach()) + b  # (4, 10, 3)
     assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-6, rtol=1e-6)
     assert_close(obs["fn"].log_prob(y), dist.Normal(expected, 1.0).to_event(1).log_prob(y))
+
+
+def _bn_cnn(norm):
+    torch.manual_seed(0)
+    layers = {"1d": [nn.Flatten(-3), nn.Linear(64, 6), nn.BatchNorm1d(6), nn.ReLU(),
+                     nn.Linear(6, 3)],
+              "1d, length": [nn.Flatten(-2), nn.Conv1d(1, 4, 3, padding=1),
+                             nn.BatchNorm1d(4), nn.ReLU(), nn.Flatten(-2),
+                             nn.Linear(256, 3)],
+              "2d": [nn.Conv2d(1, 4, 3, stride=2, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                     nn.Flatten(-3), nn.Linear(64, 3)]}[norm]
+    net = bayesianize(nn.Sequential(*layers))
+    model = BayesianClassifier(net)
+    x = torch.randn(10, 1, 8, 8)
+    model(x)  # (train mode: the running statistics move away from 0 and 1)
+    return model.eval(), x
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
+@pytest.mark.parametrize("norm", ["1d", "1d, length", "2d"])
+def test_batch_norm_in_eval_mode_after_batched_layers_equals_a_loop_over_samples(norm,
+                                                                                 handler):
+    # A BatchNorm after a batched layer got its input with the samples' dim on the left,
+    # which it refused ("expected 4D input (got 5D input)"); in eval mode it now
+    # normalizes each sample with the running statistics, as a run per sample does
+    model, x = _bn_cnn(norm)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True,
+                            return_sites=["_RETURN"])
+    with torch.no_grad(), vectorized_layers():
+        trace = predictive.get_vectorized_trace(x)
+    with torch.no_grad():
+        expected = _sequential_outputs(model, trace, x, 4)
+    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
+    # and with given samples (the weights above), under either handler
+    samples = {name: site["value"] for name, site in trace.nodes.items()
+               if site["type"] == "sample" and name.startswith("net.")}
+    given = Predictive(model, posterior_samples=samples, parallel=True,
+                       return_sites=["_RETURN"])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # (given samples have no law: nothing to report)
+        with handler():
+            logits = given(x)["_RETURN"]
+    assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # (removed on exit)
+
+
+def test_batch_norm_of_an_input_without_sample_dims_is_left_alone():
+    # After a batched layer, a BatchNorm1d of plain data (N, C, L): its channel dim
+    # is where the module takes it, so it runs as it is (folding would break it)
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4).eval()
+    norm.running_mean.normal_()
+
+    def model(x, series):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 6]).to_event(2))
+        out = F.linear(x, w) + norm(series).mean(-1)[..., :3]
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(out, 1.0).to_event(1))
+        return out
+
+    x, series = torch.randn(10, 6), torch.randn(10, 4, 5)
+    guide = AutoNormal(model)
+    guide(x, series)
+    predictive = Predictive(model, guide=guide, num_samples=3, parallel=True,
+                            return_sites=["_RETURN"])
+    with torch.no_grad(), vectorized_layers():
+        trace = predictive.get_vectorized_trace(x, series)
+    w = trace.nodes["w"]["value"]
+    with torch.no_grad():
+        expected = torch.stack([F.linear(x, w[s].reshape(3, 6)) + norm(series).mean(-1)[..., :3]
+                                for s in range(3)])
+    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-6, rtol=1e-6)
+
+
+def test_batch_norm_in_train_mode_after_batched_layers_is_refused():
+    model, x = _bn_cnn("2d")
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    model.train()
+    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True)
+    with pytest.raises(ValueError, match=r"BatchNorm2d in train mode normalizes with the "
+                       r"statistics of its batch, which the \(4,\) samples .*\(model\.eval\(\)\)"):
+        with torch.no_grad(), vectorized_layers():
+            predictive(x)
+    assert not torch.nn.modules.module._global_forward_pre_hooks
 
 
 @pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
