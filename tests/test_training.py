@@ -569,6 +569,25 @@ def test_bad_input_changes_nothing(case, initialized):
     assert is_initialized(guide) == initialized
 
 
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_a_failed_fit_on_a_shuffling_loader_leaves_its_generator_where_it_was(own_generator):
+    # reading a shuffling DataLoader (its batches, and its iterator's seed) draws from its
+    # generator, its own or the global one: a failed call moved them
+    x, y = blobs()
+    generator = torch.Generator().manual_seed(1) if own_generator else None
+    loader = DataLoader(TensorDataset(x[:, :4], y), batch_size=32, shuffle=True,
+                        generator=generator)
+    model = classifier()
+    guide = AutoKTiedNormal(model, rank=2)
+    rng = torch.get_rng_state()
+    own = generator.get_state() if generator is not None else None
+    with pytest.raises(ValueError, match="fails on the first batch"):
+        fit(model, guide, loader, steps=2, progress=False)
+    assert torch.equal(rng, torch.get_rng_state())
+    if generator is not None:
+        assert torch.equal(own, generator.get_state())
+
+
 def test_an_error_the_library_raises_in_the_model_comes_without_pyros_trace_shapes():
     # A regressor's (N, 1) targets: its own message and hint, which Pyro's poutine.trace
     # had followed with a dump of the trace's shapes; a user's error (in torch, here a

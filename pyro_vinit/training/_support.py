@@ -137,6 +137,22 @@ def describe_batch(batch: Batch) -> str:
     return describe(batch, ("x", "y"))
 
 
+@contextlib.contextmanager
+def _generators_kept(loader: Any) -> Iterator[None]:
+    """The block run with the global generators' state, and a DataLoader's own
+    generator's, restored afterwards."""
+    rng = rng_state()
+    own = getattr(loader, "generator", None)
+    own = own if isinstance(own, torch.Generator) else None
+    state = own.get_state() if own is not None else None
+    try:
+        yield
+    finally:
+        set_rng_state(rng)
+        if own is not None and state is not None:
+            own.set_state(state)
+
+
 class _Batches:
     """An endless stream of minibatches: shuffled epochs of an (x, y) pair, or the
     batches of a re-iterable loader, pass after pass."""
@@ -174,7 +190,9 @@ class _Batches:
                     "fit: data must be an (x, y) pair of tensors or an iterable of (x, y) "
                     f"batches (e.g. a DataLoader), got {type(data).__name__}{keys}"
                 )
-            if iter(data) is data:
+            with _generators_kept(data):  # (a DataLoader's iterator draws its seed)
+                is_iterator = iter(data) is data
+            if is_iterator:
                 raise TypeError(
                     "fit: data is an iterator, which can be read only once; pass a "
                     "re-iterable such as a DataLoader or a list of batches"
@@ -183,15 +201,18 @@ class _Batches:
             self.fold = False
             self.one_row = None
             count, first, batches, same = 0, None, 0, 0
-            for i, batch in enumerate(self.loader):
-                xb, yb = _check_batch(batch, f"batch {i} of data")
-                first = (xb, yb) if first is None else first
-                check_like_first(i, (xb, yb), first, ("x", "y"), "fit: ")
-                if xb.shape[0] == 1 and self.one_row is None:
-                    self.one_row = i
-                same += (xb.shape, yb.shape) == (first[0].shape, first[1].shape)
-                count += xb.shape[0]
-                batches += 1
+            # (a pass that draws nothing: a shuffling loader's generator, its own or the
+            # global one, is where it was, whether fit goes on or fails)
+            with _generators_kept(data):
+                for i, batch in enumerate(self.loader):
+                    xb, yb = _check_batch(batch, f"batch {i} of data")
+                    first = (xb, yb) if first is None else first
+                    check_like_first(i, (xb, yb), first, ("x", "y"), "fit: ")
+                    if xb.shape[0] == 1 and self.one_row is None:
+                        self.one_row = i
+                    same += (xb.shape, yb.shape) == (first[0].shape, first[1].shape)
+                    count += xb.shape[0]
+                    batches += 1
             if first is None:
                 raise ValueError("fit: data (the loader) yields no batches")
             self.first, self.num_data, self.batches_per_epoch = first, count, batches
