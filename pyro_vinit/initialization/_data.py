@@ -71,11 +71,15 @@ class DataPool:
             raise TypeError(
                 f"the data is one tensor of shape {tuple(data.shape)}: pass the model's "
                 "arguments as one tuple, e.g. (x, y), or a DataLoader of such tuples")
+        #: Whether the pool is the data as given, every row in order (one tuple of
+        #: arguments, not subsampled): what a per-example latent's guide is set up on
+        self.whole = False
         if is_args_tuple(data):
             if not data:
                 raise ValueError("the data is empty: pass a tuple of model arguments, e.g. (x, y)")
             args = data
             n, aligned = _aligned(args)
+            self.whole = max_rows is None or n <= max_rows
             if max_rows is not None and n > max_rows:
                 keep = torch.randperm(n, device=_device(args))[:max_rows]
                 args = tuple(a[keep] if al else a for a, al in zip(args, aligned))

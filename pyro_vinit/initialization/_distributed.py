@@ -219,6 +219,7 @@ class ShardedPool(DataPool):
 
     def __init__(self, shards: Shards, local: DataPool, counts: Sequence[int]):
         self.shards = shards
+        self.whole = False  # (a shard: a per-example latent's guide is set up elsewhere)
         self._aligned = local._aligned
         self.local_args = local.args
         self.counts = [int(c) for c in counts]

@@ -3,7 +3,7 @@ and the targets fit the likelihood (its support, dtype and shape)."""
 
 import math
 import os
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
 
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -34,20 +34,21 @@ __all__ = [
     "check_not_conditioned",
     "check_latent_shapes",
     "check_targets",
+    "per_example_sites",
     "error_text",
     "warn_unscaled_targets",
 ]
 
 
 def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
-                         member: Optional[Any] = None) -> None:
+                         member: Optional[Any] = None) -> poutine.Trace:
     """Before the first run with the guide: refuses arguments on which the model
     fails (naming them), without the targets (a model run without them would
     make the observed site a latent one of the guide), whose likelihood
     ``pyro.condition`` sets, or whose targets do not fit the likelihood
     (:func:`check_targets`, :func:`check_log_density_shape`), and a guide
     ``member`` to set up whose ``AutoGuideList`` is not (Pyro sets members up
-    through it)."""
+    through it). Returns the model's trace on ``args``."""
     holder = guide_list_of(member) if member is not None else None
     if holder is not None and holder.prototype_trace is None:
         raise ValueError(
@@ -80,6 +81,30 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
         check_log_density_shape(site)
         warn_unscaled_targets(trace, site)
     check_latent_shapes(trace)
+    return trace
+
+
+def per_example_sites(trace: poutine.Trace, rows: int,
+                      model: Callable[..., Any]) -> List[Tuple[str, str]]:
+    """The latent sites of ``trace`` (a run of ``model`` on ``rows`` rows of the
+    data) that lie in a plate of its likelihood over those rows (subsampled or
+    not): per-example latents, whose guide takes the shape of the rows it is set
+    up on; with their plates' names."""
+    observed = likelihood_sites([s for s in trace.nodes.values() if s["type"] == "sample"
+                                 and s["is_observed"] and not site_is_subsample(s)
+                                 and not is_deterministic_site(s)], model)
+    data_plates = {frame.name for site in observed for frame in site["cond_indep_stack"]}
+    found = []
+    for name, site in trace.nodes.items():
+        if (site["type"] != "sample" or site["is_observed"] or is_deterministic_site(site)
+                or site_is_subsample(site)):
+            continue
+        for frame in site["cond_indep_stack"]:
+            if (frame.vectorized and (frame.full_size or frame.size) == rows
+                    and frame.name in data_plates):
+                found.append((name, frame.name))
+                break
+    return found
 
 
 def warn_unscaled_targets(trace: poutine.Trace, site: Any) -> None:

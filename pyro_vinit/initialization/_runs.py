@@ -115,9 +115,9 @@ class _RowsConditionMessenger(ConditionMessenger):
                 warn_at_caller(
                     f"the latent site {site['name']!r} lies in plate {frame.name!r}, and its "
                     f"guide holds {value.shape[dim]} values (one per row of the data it was "
-                    f"set up on), but I-BLM runs the model on {frame.size} rows at a time, "
-                    "which those values cannot follow: its layers are fitted with it at its "
-                    "prior's median, and its guide keeps its own initial values",
+                    "set up on), which I-BLM's runs of the model on chunks or blocks of the "
+                    "rows cannot follow: its layers are fitted with it at its prior's "
+                    "median, and its guide keeps its own initial values",
                     UserWarning)
                 site["value"] = prior_median(fn).to(value)
                 return

@@ -34,7 +34,11 @@ from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit.distributions import factorized_normal
 from pyro_vinit.guides import site_params
 from pyro_vinit.initialization._data import Data, DataPool
-from pyro_vinit.initialization._observed import check_has_likelihood, check_not_conditioned
+from pyro_vinit.initialization._observed import (
+    check_has_likelihood,
+    check_not_conditioned,
+    per_example_sites,
+)
 from pyro_vinit.initialization._runs import (
     _unwrap,
     conditioned_in_rows,
@@ -515,10 +519,23 @@ def prepare(
     # a data plate declared over all the rows draws its subsample among those at hand
     in_chunk = in_rows(model, PlateRowsMessenger(num_rows=pool.rows_of(first)))
     if likelihood or guide.prototype_trace is None:  # (else: the data only finds layers)
-        check_has_likelihood(in_chunk, first, member=guide)
+        trace = check_has_likelihood(in_chunk, first, member=guide)
     if guide.prototype_trace is None:
-        with torch.no_grad(), poutine.block(), model_swapped(guide, in_chunk):
-            guide(*first)
+        setup, args = in_chunk, first
+        rows = pool.rows_of(first)
+        local = per_example_sites(trace, rows, model) if pool.num_rows > rows else []
+        if local:  # (its guide takes one value per row it is set up on: all of them)
+            if not pool.whole:
+                raise ValueError(
+                    f"the latent site {local[0][0]!r} lies in plate {local[0][1]!r} over the "
+                    "data rows (a per-example latent), so its guide must be set up on all "
+                    "of them, which this data does not give at once (a loader, more rows "
+                    "than max_pool_size, or a shard): set the guide up first, e.g. "
+                    "guide(x, y), then initialize it")
+            setup = in_rows(model, PlateRowsMessenger(num_rows=pool.num_rows))
+            args = pool.args
+        with torch.no_grad(), poutine.block(), model_swapped(guide, setup):
+            guide(*args)
     sites = site_params.latent_sites(guide)
     structure, first = trace_structure(guide, pool, list(sites), normal_priors, model,
                                        {name: value for name, (value, _) in held.items()})

@@ -15,7 +15,6 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.nn import PyroModule
-from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_vinit._pyro_compat import conditioned_sites, is_deterministic_site
@@ -24,6 +23,7 @@ from pyro_vinit.initialization._observed import (
     check_log_density_shape,
     check_targets,
     error_text,
+    per_example_sites,
     warn_unscaled_targets,
 )
 from pyro_vinit.initialization._rollback import GuideRollback, rng_state, set_rng_state
@@ -280,7 +280,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
         )
     rows = x.shape[0]
     if rows < num_data:
-        _check_no_batch_latents(trace, rows, observed)
+        _check_no_batch_latents(trace, rows, model)
     for site in observed:
         check_targets(site, y, all_y, prefix="fit: ")
         check_log_density_shape(site, prefix="fit: ")
@@ -353,24 +353,15 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
 
 
 def _check_no_batch_latents(trace: poutine.Trace, rows: int,
-                            observed: List[Any]) -> None:
+                            model: Callable[..., Any]) -> None:
     """No latent site lies in a plate over the batch's own rows (a per-example
     latent: its guide would take the shape of one batch and fail on the next): a
     plate of the likelihood's, not one over as many weights."""
-    data_plates = {frame.name for site in observed for frame in site["cond_indep_stack"]}
-    for site in trace.nodes.values():
-        if (site["type"] != "sample" or site["is_observed"] or is_deterministic_site(site)
-                or site_is_subsample(site)):
-            continue
-        for frame in site["cond_indep_stack"]:
-            if (frame.vectorized and frame.size == rows and frame.full_size in (None, rows)
-                    and frame.name in data_plates):
-                raise ValueError(
-                    f"fit: the latent sample site {site['name']!r} lies in plate "
-                    f"{frame.name!r} over the batch's {rows} rows: a per-example latent, "
-                    "whose guide would take the shape of one minibatch. Observe it (fit "
-                    "calls model(x, y): pass every target through y), move it out of the "
-                    "plate, or declare the plate with the data set's size and a subsample "
-                    "(pyro.plate(name, num_data, subsample=...))"
-                )
-
+    for name, plate in per_example_sites(trace, rows, model)[:1]:
+        raise ValueError(
+            f"fit: the latent sample site {name!r} lies in plate {plate!r} over the batch's "
+            f"{rows} rows: a per-example latent, whose guide would take the shape of one "
+            "minibatch. Observe it (fit calls model(x, y): pass every target through y), "
+            "move it out of the plate, or declare the plate with the data set's size and a "
+            "subsample (pyro.plate(name, num_data, subsample=...))"
+        )

@@ -336,13 +336,15 @@ def test_subsampled_plate_inside_the_network(plate_size, guide_list):
     assert _error(logits, yt) <= 0.1
 
 
+@pytest.mark.parametrize("set_up", [True, False], ids=["set_up", "fresh"])
 @pytest.mark.parametrize("subsample_size", [None, 32], ids=["whole_plate", "subsampled"])
 def test_per_example_latent_over_more_rows_than_a_run_is_held_at_its_prior_median(
-        subsample_size):
-    # A per-example offset z in the data plate: the guide, set up on all 420 rows, holds
-    # 420 values of it, which runs of the model on chunks of 256 rows or on blocks of 32
-    # cannot follow; they take z at its prior's median (0), with a warning naming it, and
-    # leave its guide alone (this failed inside torch with a size mismatch)
+        subsample_size, set_up):
+    # A per-example offset z in the data plate: the guide, set up on all 420 rows (by the
+    # user, or by I-BLM, which had set a fresh guide up on its first 256 rows, so that the
+    # next SVI step failed), holds 420 values of it, which runs of the model on chunks of
+    # 256 rows or on blocks of 32 cannot follow; they take z at its prior's median (0),
+    # with a warning naming it, and leave its guide alone (this failed inside torch)
     x, y, xt, yt = blobs()
     assert len(x) > 256
 
@@ -356,14 +358,39 @@ def test_per_example_latent_over_more_rows_than_a_run_is_held_at_its_prior_media
                         obs=y[ind] if y is not None else None)
 
     guide = AutoNormal(model)
-    guide(x, y)
-    z_before = (guide.locs.z.detach().clone(), guide.scales.z.detach().clone())
+    if set_up:
+        guide(x, y)
+        z_before = (guide.locs.z.detach().clone(), guide.scales.z.detach().clone())
     with pytest.warns(UserWarning, match=r"(?s)'z' lies in plate 'data'.*holds 420 values"):
         init_guide_iblm(guide, (x, y))
-    assert torch.equal(guide.locs.z, z_before[0]) and torch.equal(guide.scales.z, z_before[1])
+    assert guide.locs.z.shape == (420,)
+    if set_up:
+        assert torch.equal(guide.locs.z, z_before[0])
+        assert torch.equal(guide.scales.z, z_before[1])
+    SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO()).step(x, y)
     med = guide.median()
     logits = F.linear(torch.relu(F.linear(xt, med["w1"])), med["w2"])
     assert _error(logits, yt) <= 0.1
+
+
+def test_a_fresh_guide_of_a_per_example_latent_read_from_a_loader_is_refused():
+    # its guide takes one value per row it is set up on, and a loader does not give the
+    # rows at once: refused, before anything changes, naming the set-up that works
+    x, y, _, _ = blobs()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 0.3).expand([3, 10]).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("obs", dist.Categorical(logits=F.linear(x, w) + z.unsqueeze(-1)),
+                        obs=y)
+
+    guide = AutoNormal(model)
+    loader = [(x[i:i + 100], y[i:i + 100]) for i in range(0, len(x), 100)]
+    with pytest.raises(ValueError, match=r"'z' lies in plate 'data'.*set the guide up first, "
+                       r"e\.g\. guide\(x, y\)"):
+        init_guide_iblm(guide, loader)
+    assert guide.prototype_trace is None and not list(pyro.get_param_store().keys())
 
 
 @pytest.mark.parametrize("plate_size", ["rows", "data_set"])
