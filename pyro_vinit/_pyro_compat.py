@@ -75,6 +75,7 @@ __all__ = [
     "ScoreParts",
     "SubsampledPlate",
     "active_messengers",
+    "active_sample_plate",
     "conditioned_sites",
     "deep_setattr",
     "discrete_site_error",
@@ -408,6 +409,19 @@ def active_messengers() -> List[Any]:
             "its handlers differently: update pyro_vinit/_pyro_compat.py"
         )
     return list(stack)
+
+
+def active_sample_plate() -> Optional[str]:
+    """``"particles"`` or ``"samples"`` while the plate of an ELBO's vectorized
+    particles or of :class:`~pyro.infer.Predictive`'s samples (``parallel=True``)
+    is active (the innermost of them), else None."""
+    for messenger in reversed(active_messengers()):
+        name = getattr(messenger, "name", None)
+        if name == _PARTICLE_PLATE:
+            return "particles"
+        if name == _PREDICTIVE_PLATE:
+            return "samples"
+    return None
 
 
 def _detached(x: Any) -> Any:

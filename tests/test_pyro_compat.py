@@ -23,6 +23,7 @@ from pyro.nn import PyroModule, PyroParam
 from pyro.poutine.messenger import Messenger
 
 from pyro_vinit._pyro_compat import (
+    active_sample_plate,
     deep_setattr,
     discrete_site_error,
     helpful_support_errors,
@@ -225,6 +226,24 @@ def test_without_trace_shapes_is_the_models_own_error(error_type):
         assert str(without_trace_shapes(error.value)) == "the model's message"
     other = ValueError("not from a trace")
     assert without_trace_shapes(other) is other
+
+
+def test_active_sample_plate_is_read_while_pyro_runs_the_model():
+    seen = []
+
+    def model():
+        seen.append(active_sample_plate())
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+
+    guide = AutoNormal(model)
+    guide()
+    from pyro.infer import Predictive
+
+    Predictive(model, guide=guide, num_samples=3, parallel=True)()
+    Trace_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=0).loss(
+        model, guide)
+    model()
+    assert seen[-3:] == ["samples", "particles", None]
 
 
 def test_setup_prototype_runs_autoguides_own_set_up():

@@ -107,6 +107,20 @@ def _align_predictive_sample(msg: SampleSite) -> None:
         msg["value"] = value.reshape(shape)
 
 
+def _drop_leading_ones(msg: SampleSite) -> None:
+    # Predictive(parallel=False) conditions the model on each sample of a weight drawn
+    # by a guide with plates as (1,) * plates + the weight's shape, which F.linear and
+    # F.conv*d refuse: the site's distribution's shape (the same elements).
+    fn, value = msg["fn"], msg["value"]
+    if not (isinstance(fn, Distribution) and isinstance(value, torch.Tensor)):
+        return
+    shape = fn.batch_shape + fn.event_shape
+    extra = value.dim() - len(shape)
+    if (len(fn.event_shape) > 0 and extra > 0 and value.shape[extra:] == shape
+            and all(size == 1 for size in value.shape[:extra])):
+        msg["value"] = value.reshape(shape)
+
+
 def _is_latent(value: object) -> TypeGuard[SiteValue]:
     return isinstance(value, SiteValue) and bool(value.msgs)
 
@@ -203,6 +217,8 @@ class LayerCallMessenger(Messenger):
             is_predictive_samples(frame) for frame in msg["cond_indep_stack"]
         ):
             _align_predictive_sample(msg)
+        elif msg["is_observed"]:
+            _drop_leading_ones(msg)
         if (
             msg["value"] is not None
             or msg["is_observed"]
@@ -347,7 +363,7 @@ class LayerCallMessenger(Messenger):
                 )
             if out is not None:
                 if batched:  # (a BatchNorm after it folds the sample dims into its rows)
-                    self._norms.watch(out.dim() - call.input.dim())
+                    self._norms.watch(out, out.dim() - call.input.dim())
                 return out
             # unchanged: the program's own op, bit for bit
             original: torch.Tensor = func(*unwrap(args), **unwrap(kwargs))

@@ -3,6 +3,7 @@ vectorized particles on models built from nn.Linear / nn.Conv*d."""
 
 import math
 import warnings
+from functools import partial
 
 import pyro
 import pyro.distributions as dist
@@ -251,15 +252,56 @@ def test_vectorized_predictive_with_only_the_bias_latent_and_observed_data(handl
     assert_close(obs["fn"].log_prob(y), dist.Normal(expected, 1.0).to_event(1).log_prob(y))
 
 
-def _bn_cnn(norm):
+class _FrozenBatchNorm2d(nn.BatchNorm2d):  # a user's subclass
+    pass
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
+def test_sequential_predictive_of_a_guide_with_plates(handler):
+    # A per-example latent puts the guide's draws in a plate: Predictive(parallel=False)
+    # then conditions the model on each weight as (1, out, in), which nn.Linear refuses
+    # (plain Pyro fails too); under the handler each sample's weight takes its shape
     torch.manual_seed(0)
+    net = bayesianize(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+
+    def model(x, y=None):
+        logits = net(x)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("obs", dist.Categorical(logits=logits + z[:, None]), obs=y)
+        return logits
+
+    x = torch.randn(10, 6)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    predictive = Predictive(model, guide=guide, num_samples=3,
+                            return_sites=["_RETURN", "0.weight", "0.bias", "2.weight", "2.bias"])
+    with pytest.raises(RuntimeError), torch.no_grad():
+        predictive(x)  # (the control)
+    with torch.no_grad(), handler():
+        out = predictive(x)
+    assert out["_RETURN"].shape == (3, 10, 3)
+    if handler is local_reparam:
+        return  # (its outputs are drawn per example, given the guide's law, not its draw)
+    with torch.no_grad():
+        for s in range(3):
+            sample = {name: out[name][s].squeeze(0) for name in out if name != "_RETURN"}
+            assert_close(out["_RETURN"][s], poutine.condition(model, sample)(x),
+                         atol=1e-6, rtol=1e-6)
+
+
+def _bn_cnn(norm, **options):
+    torch.manual_seed(0)
+    conv = [nn.Conv2d(1, 4, 3, stride=2, padding=1)]
+    head = [nn.ReLU(), nn.Flatten(-3), nn.Linear(64, 3)]
     layers = {"1d": [nn.Flatten(-3), nn.Linear(64, 6), nn.BatchNorm1d(6), nn.ReLU(),
                      nn.Linear(6, 3)],
               "1d, length": [nn.Flatten(-2), nn.Conv1d(1, 4, 3, padding=1),
                              nn.BatchNorm1d(4), nn.ReLU(), nn.Flatten(-2),
                              nn.Linear(256, 3)],
-              "2d": [nn.Conv2d(1, 4, 3, stride=2, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                     nn.Flatten(-3), nn.Linear(64, 3)]}[norm]
+              "2d": conv + [nn.BatchNorm2d(4, **options)] + head,
+              "2d, a subclass": conv + [_FrozenBatchNorm2d(4)] + head,
+              "sync": conv + [nn.SyncBatchNorm(4)] + head}[norm]
     net = bayesianize(nn.Sequential(*layers))
     model = BayesianClassifier(net)
     x = torch.randn(10, 1, 8, 8)
@@ -268,7 +310,7 @@ def _bn_cnn(norm):
 
 
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
-@pytest.mark.parametrize("norm", ["1d", "1d, length", "2d"])
+@pytest.mark.parametrize("norm", ["1d", "1d, length", "2d", "2d, a subclass", "sync"])
 def test_batch_norm_in_eval_mode_after_batched_layers_equals_a_loop_over_samples(norm,
                                                                                  handler):
     # A BatchNorm after a batched layer got its input with the samples' dim on the left,
@@ -294,12 +336,20 @@ def test_batch_norm_in_eval_mode_after_batched_layers_equals_a_loop_over_samples
         with handler():
             logits = given(x)["_RETURN"]
     assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-    assert not torch.nn.modules.module._global_forward_pre_hooks  # (removed on exit)
+    _assert_no_global_hooks()
 
 
-def test_batch_norm_of_an_input_without_sample_dims_is_left_alone():
-    # After a batched layer, a BatchNorm1d of plain data (N, C, L): its channel dim
-    # is where the module takes it, so it runs as it is (folding would break it)
+def _assert_no_global_hooks():
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert not torch.nn.modules.module._global_forward_hooks
+
+
+@pytest.mark.parametrize("length, num_samples", [(5, 3), (4, 3), (5, 10)])
+def test_batch_norm_of_an_input_without_sample_dims_is_left_alone(length, num_samples):
+    # After a batched layer, a BatchNorm1d of plain data (N, C, L), which does not lead
+    # with the samples' dims (also where L equals C), or whose channels are not where
+    # they would be after them (N samples), runs as it is (folded, it would be
+    # normalized over L)
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(4).eval()
     norm.running_mean.normal_()
@@ -311,31 +361,69 @@ def test_batch_norm_of_an_input_without_sample_dims_is_left_alone():
             pyro.sample("obs", dist.Normal(out, 1.0).to_event(1))
         return out
 
-    x, series = torch.randn(10, 6), torch.randn(10, 4, 5)
+    x, series = torch.randn(10, 6), torch.randn(10, 4, length)
     guide = AutoNormal(model)
     guide(x, series)
-    predictive = Predictive(model, guide=guide, num_samples=3, parallel=True,
+    predictive = Predictive(model, guide=guide, num_samples=num_samples, parallel=True,
                             return_sites=["_RETURN"])
     with torch.no_grad(), vectorized_layers():
         trace = predictive.get_vectorized_trace(x, series)
     w = trace.nodes["w"]["value"]
     with torch.no_grad():
         expected = torch.stack([F.linear(x, w[s].reshape(3, 6)) + norm(series).mean(-1)[..., :3]
-                                for s in range(3)])
+                                for s in range(num_samples)])
     assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-6, rtol=1e-6)
 
 
-def test_batch_norm_in_train_mode_after_batched_layers_is_refused():
+def test_a_held_handler_leaves_batch_norms_alone_between_runs():
+    # A handler held around several Predictive calls: after a run, another network's
+    # BatchNorm on an input that leads with as many rows as there were samples is its own
     model, x = _bn_cnn("2d")
     guide = AutoNormal(model)
     guide(x, torch.randint(0, 3, (10,)))
-    model.train()
-    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True)
-    with pytest.raises(ValueError, match=r"BatchNorm2d in train mode normalizes with the "
-                       r"statistics of its batch, which the \(4,\) samples .*\(model\.eval\(\)\)"):
-        with torch.no_grad(), vectorized_layers():
+    predictive = Predictive(model, guide=guide, num_samples=8, parallel=True)
+    other = nn.BatchNorm1d(4).eval()
+    other.running_mean.normal_()
+    inputs = torch.randn(8, 4, 4)
+    handler = vectorized_layers()
+    with torch.no_grad():
+        expected = other(inputs)
+        with handler:
             predictive(x)
-    assert not torch.nn.modules.module._global_forward_pre_hooks
+            assert torch.equal(other(inputs), expected)
+            other.train()
+            other(inputs)  # (train mode: not refused)
+        _assert_no_global_hooks()
+        with handler:  # (entered again)
+            assert predictive(x)["obs"].shape == (8, 10)
+    _assert_no_global_hooks()
+
+
+@pytest.mark.parametrize("case", ["train", "no running statistics", "particles"])
+def test_batch_norm_with_batch_statistics_after_batched_layers_is_refused(case):
+    model, x = _bn_cnn("2d", track_running_stats=case != "no running statistics")
+    y = torch.randint(0, 3, (10,))
+    guide = AutoNormal(model)
+    guide(x, y)
+    if case == "train":
+        model.train()
+        match = (r"BatchNorm2d in train mode normalizes with the statistics of its batch, "
+                 r"which the \(4,\) samples .*parallel=False\)\), or predict in eval mode "
+                 r"\(model\.eval\(\)\)")
+        run = Predictive(model, guide=guide, num_samples=4, parallel=True)
+    elif case == "no running statistics":
+        match = (r"BatchNorm2d without running statistics \(track_running_stats=False\) "
+                 r"normalizes with the statistics of its batch, .*parallel=False\)\)\n")
+        run = Predictive(model, guide=guide, num_samples=4, parallel=True)
+    else:
+        model.train()
+        match = r"the \(2,\) particles .*vectorize_particles=False; fit's num_particles=1\)"
+        elbo = Trace_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=1)
+        run = partial(elbo.loss, model, guide)
+    with pytest.raises(ValueError, match=match):
+        with torch.no_grad(), vectorized_layers():
+            run(x, y) if case == "particles" else run(x)
+    _assert_no_global_hooks()
 
 
 @pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
