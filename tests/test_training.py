@@ -35,6 +35,7 @@ from pyro_vinit import (
 )
 from pyro_vinit.data import load_digits
 from pyro_vinit.guides import site_params
+from pyro_vinit.initialization._observed import error_text
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
 from pyro_vinit.poutine import (
     AutoWeightNoise,
@@ -537,7 +538,7 @@ BAD = {
     "float64": (lambda x, y: (x.double(), y), {}, ValueError,
                 r"fails on the first batch .* must have the same dtype, but got Double and "
                 r"Float\. Give the data the network's dtype \(x\.float\(\) for a float32 "
-                r"network\) or the network the data's \(model\.double\(\)\)\n"),
+                r"network\) or the network the data's \(model\.double\(\)\)$"),
     "steps": (lambda x, y: (x, y), {"steps": 0}, ValueError, "steps"),
     "both": (lambda x, y: (x, y), {"steps": 2, "epochs": 1}, ValueError, "not both"),
     "lr": (lambda x, y: (x, y), {"lr": -1.0}, ValueError, "lr"),
@@ -569,14 +570,18 @@ def test_bad_input_changes_nothing(case, initialized):
     assert is_initialized(guide) == initialized
 
 
-@pytest.mark.parametrize("own_generator", [False, True])
+@pytest.mark.parametrize("own_generator", [None, "loader", "sampler"])
 def test_a_failed_fit_on_a_shuffling_loader_leaves_its_generator_where_it_was(own_generator):
     # reading a shuffling DataLoader (its batches, and its iterator's seed) draws from its
-    # generator, its own or the global one: a failed call moved them
+    # generator, its own, its sampler's or the global one: a failed call moved them
     x, y = blobs()
     generator = torch.Generator().manual_seed(1) if own_generator else None
-    loader = DataLoader(TensorDataset(x[:, :4], y), batch_size=32, shuffle=True,
-                        generator=generator)
+    data = TensorDataset(x[:, :4], y)
+    if own_generator == "sampler":
+        loader = DataLoader(data, batch_size=32,
+                            sampler=torch.utils.data.RandomSampler(data, generator=generator))
+    else:
+        loader = DataLoader(data, batch_size=32, shuffle=True, generator=generator)
     model = classifier()
     guide = AutoKTiedNormal(model, rank=2)
     rng = torch.get_rng_state()
@@ -598,6 +603,11 @@ def test_an_error_the_library_raises_in_the_model_comes_without_pyros_trace_shap
         fit(model, AutoNormal(model), (x, y.float()[:, None]), steps=2, progress=False)
     with pytest.raises(ValueError, match="Trace Shapes"):
         fit(model, AutoNormal(model), (x[:, :4], y.float()), steps=2, progress=False)
+    # torch's error, raised where the library's handler runs the layer: the user's
+    with pytest.raises(RuntimeError) as error, local_reparam():
+        pyro.poutine.trace(model).get_trace(x[:, :4], y.float())
+    assert "pyro_vinit" in str(error.traceback[-1].path)
+    assert "Trace Shapes" in error_text(error.value)
 
 
 def _bernoulli(x, y=None):

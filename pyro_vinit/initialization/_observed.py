@@ -1,6 +1,7 @@
 """The model on the data, before anything changes: it runs, it has a likelihood,
 and the targets fit the likelihood (its support, dtype and shape)."""
 
+import linecache
 import math
 import os
 from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
@@ -146,24 +147,31 @@ def check_not_conditioned(model: Callable[..., Any], name: str) -> None:
 
 def error_text(error: BaseException) -> str:
     """``Type: message`` of an error of the user's model, with advice after its first
-    line where it is about mixed dtypes (float64 data on a float32 network); an
-    error this library raised in the model (e.g. a module's check of the targets)
-    without the trace's shapes that ``poutine.trace`` appends to it."""
+    line where it is about mixed dtypes (float64 data on a float32 network); such an
+    error, and one this library raised in the model (e.g. a module's check of the
+    targets), without the trace's shapes that ``poutine.trace`` appends to it."""
     original = without_trace_shapes(error)
-    if _raised_here(original):
+    first = str(error).partition("\n")[0]
+    dtypes = "dtype" in first or ("type (" in first and "should be the same" in first)
+    if dtypes or _raised_here(original):
         error = original
     first, _, rest = str(error).partition("\n")
-    if "dtype" in first or ("type (" in first and "should be the same" in first):
+    if dtypes:
         first += (". Give the data the network's dtype (x.float() for a float32 network) "
                   "or the network the data's (model.double())")
     return f"{type(error).__name__}: {first}" + (f"\n{rest}" if rest else "")
 
 
 def _raised_here(error: BaseException) -> bool:
+    # by a raise statement of the library (not by torch, called from the library's code)
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
+    if tb is None:
+        return False
+    path = tb.tb_frame.f_code.co_filename
+    return (os.path.abspath(path).startswith(_PACKAGE)
+            and linecache.getline(path, tb.tb_lineno).lstrip().startswith("raise "))
 
 
 def check_targets(site: Any, y: torch.Tensor, all_y: Optional[torch.Tensor] = None,

@@ -60,7 +60,7 @@ from typing_extensions import Self, TypeGuard
 
 from pyro_vinit._pyro_compat import is_predictive_samples, is_vectorized_particles
 from pyro_vinit._typing import SampleSite
-from pyro_vinit.poutine._batched_norms import BatchedNorms
+from pyro_vinit.poutine._batched_modules import BatchedModules
 from pyro_vinit.poutine._layer_ops import (
     LAYER_OPS,
     MATMUL_OPS,
@@ -167,7 +167,7 @@ class LayerCallMessenger(Messenger):
 
     def __init__(self) -> None:
         super().__init__()
-        self._norms = BatchedNorms()
+        self._batched = BatchedModules()
         self._start_run()
 
     def _start_run(self) -> None:
@@ -204,7 +204,7 @@ class LayerCallMessenger(Messenger):
         traceback: Optional[TracebackType],
     ) -> None:
         self._start_run()
-        self._norms.close()
+        self._batched.close()
         if ACTIVE and ACTIVE[-1] is self:
             ACTIVE.pop()
         super().__exit__(exc_type, exc_value, traceback)
@@ -362,8 +362,8 @@ class LayerCallMessenger(Messenger):
                     call.kwargs,
                 )
             if out is not None:
-                if batched:  # (a BatchNorm after it folds the sample dims into its rows)
-                    self._norms.watch(out, out.dim() - call.input.dim())
+                if batched:  # (a BatchNorm or pooling layer after it folds the sample dims)
+                    self._batched.watch(out, out.dim() - call.input.dim())
                 return out
             # unchanged: the program's own op, bit for bit
             original: torch.Tensor = func(*unwrap(args), **unwrap(kwargs))

@@ -44,7 +44,8 @@ class VectorizedLayersMessenger(LayerCallMessenger):
     input with the sample dims folded into its rows: in eval mode each sample
     is normalized with the running statistics, as a run per sample would;
     in train mode, whose batch statistics the samples would share, it is
-    refused. Samples given to :class:`~pyro.infer.Predictive`
+    refused. Pooling modules (``nn.MaxPool2d``, ...) run with the leading
+    dims folded into one. Samples given to :class:`~pyro.infer.Predictive`
     (``posterior_samples``) run batched as drawn ones do.
     The weight-noise handlers
     (:class:`~pyro_vinit.poutine.WeightNoiseMessenger` and its short forms)

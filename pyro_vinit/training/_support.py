@@ -139,18 +139,21 @@ def describe_batch(batch: Batch) -> str:
 
 @contextlib.contextmanager
 def _generators_kept(loader: Any) -> Iterator[None]:
-    """The block run with the global generators' state, and a DataLoader's own
-    generator's, restored afterwards."""
+    """The block run with the global generators' state, and those of a
+    DataLoader's own generator and of its sampler's, restored afterwards."""
     rng = rng_state()
-    own = getattr(loader, "generator", None)
-    own = own if isinstance(own, torch.Generator) else None
-    state = own.get_state() if own is not None else None
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    owns = {id(g): g for g in (getattr(source, "generator", None)
+                               for source in (loader, sampler, batch_sampler))
+            if isinstance(g, torch.Generator)}
+    states = [(g, g.get_state()) for g in owns.values()]
     try:
         yield
     finally:
         set_rng_state(rng)
-        if own is not None and state is not None:
-            own.set_state(state)
+        for generator, state in states:
+            generator.set_state(state)
 
 
 class _Batches:

@@ -256,6 +256,16 @@ class _FrozenBatchNorm2d(nn.BatchNorm2d):  # a user's subclass
     pass
 
 
+class _MaxPoolValues(nn.MaxPool2d):  # the values of a pooling with its indices
+    def __init__(self, size):
+        super().__init__(size, return_indices=True)
+
+    def __call__(self, x):
+        values, indices = super().__call__(x)
+        assert indices.shape == values.shape
+        return values
+
+
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
 def test_sequential_predictive_of_a_guide_with_plates(handler):
     # A per-example latent puts the guide's draws in a plate: Predictive(parallel=False)
@@ -301,7 +311,13 @@ def _bn_cnn(norm, **options):
                              nn.Linear(256, 3)],
               "2d": conv + [nn.BatchNorm2d(4, **options)] + head,
               "2d, a subclass": conv + [_FrozenBatchNorm2d(4)] + head,
-              "sync": conv + [nn.SyncBatchNorm(4)] + head}[norm]
+              "sync": conv + [nn.SyncBatchNorm(4)] + head,
+              # (pooling: with indices, adaptive, 1-d; the BatchNorm after them)
+              "pooling": [nn.Conv2d(1, 4, 3, padding=1), nn.MaxPool2d(2), nn.BatchNorm2d(4),
+                          nn.AdaptiveAvgPool2d(2), nn.ReLU(), nn.Flatten(-2),
+                          nn.AvgPool1d(2), nn.Flatten(-2), nn.Linear(8, 3)],
+              "pooling, indices": [nn.Conv2d(1, 4, 3, padding=1), _MaxPoolValues(2),
+                                   nn.Flatten(-3), nn.Linear(64, 3)]}[norm]
     net = bayesianize(nn.Sequential(*layers))
     model = BayesianClassifier(net)
     x = torch.randn(10, 1, 8, 8)
@@ -310,7 +326,8 @@ def _bn_cnn(norm, **options):
 
 
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
-@pytest.mark.parametrize("norm", ["1d", "1d, length", "2d", "2d, a subclass", "sync"])
+@pytest.mark.parametrize("norm", ["1d", "1d, length", "2d", "2d, a subclass", "sync",
+                                  "pooling", "pooling, indices"])
 def test_batch_norm_in_eval_mode_after_batched_layers_equals_a_loop_over_samples(norm,
                                                                                  handler):
     # A BatchNorm after a batched layer got its input with the samples' dim on the left,

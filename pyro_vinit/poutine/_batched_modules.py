@@ -1,0 +1,114 @@
+"""
+Modules that take a fixed number of dims, on the output of a batched layer
+call, whose sample dims (those of :class:`~pyro.infer.Predictive` with
+``parallel=True``, or of an ELBO's vectorized particles) they would refuse:
+``nn.BatchNorm*d`` with those dims folded into its rows (in eval mode, the
+running statistics, every sample normalized exactly as one at a time would
+be) and the pooling layers ``nn.*Pool*d`` with its leading dims folded into
+one (each map pooled on its own, as it is).
+"""
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from pyro_vinit._pyro_compat import active_sample_plate
+
+__all__ = ["BatchedModules"]
+
+_ADVICE = {
+    "samples": "predict with the samples one at a time (Predictive(..., parallel=False))",
+    "particles": "take the particles one at a time (vectorize_particles=False; fit's "
+                 "num_particles=1)",
+}
+
+#: the most dims a pooling layer takes: its spatial dims, channels and rows
+_POOLING = tuple(
+    (getattr(nn, f"{kind}{d}d"), d + 2)
+    for kind in ("MaxPool", "AvgPool", "AdaptiveMaxPool", "AdaptiveAvgPool", "LPPool",
+                 "FractionalMaxPool")
+    for d in (1, 2, 3) if hasattr(nn, f"{kind}{d}d"))
+
+
+def _pooling_dims(module: nn.Module) -> Optional[int]:
+    for kind, dims in _POOLING:
+        if isinstance(module, kind):
+            return dims
+    return None
+
+
+class BatchedModules:
+    """
+    After :meth:`watch` and until :meth:`close`, while the plate of
+    Predictive's samples or of vectorized particles is active, every BatchNorm
+    or pooling module (through torch's global module hooks) whose input leads
+    with the sample dims of the batched layers runs on that input with its
+    leading dims folded into one (a BatchNorm's into its rows), and gives its
+    output back with them; a BatchNorm that normalizes with its batch's
+    statistics (train mode, or no running statistics), which the samples
+    would share, is refused with a :class:`ValueError`.
+    """
+
+    def __init__(self) -> None:
+        self.samples: Optional[torch.Size] = None
+        self._handles: Tuple[RemovableHandle, ...] = ()
+        self._folded: Dict[int, torch.Size] = {}
+
+    def watch(self, out: torch.Tensor, lead: int) -> None:
+        """A batched layer gave ``out``, whose ``lead`` leading dims are sample dims."""
+        if lead <= 0 or (self.samples is not None and len(self.samples) >= lead):
+            return
+        self.samples = out.shape[:lead]
+        if not self._handles:
+            self._handles = (
+                # (torch types a pre-hook as returning None; it may return new arguments)
+                nn.modules.module.register_module_forward_pre_hook(
+                    self._fold),  # type: ignore[arg-type]
+                nn.modules.module.register_module_forward_hook(self._unfold),
+            )
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.samples = (), None
+        self._folded.clear()
+
+    def _fold(self, module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
+        norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
+        pooling = None if norm else _pooling_dims(module)
+        if not (norm or pooling) or not args:
+            return None
+        x, samples = args[0], self.samples
+        if samples is None or not isinstance(x, torch.Tensor):
+            return None
+        lead = len(samples)
+        if x.shape[:lead] != samples or x.dim() < lead + 2 or (
+                norm and x.shape[lead + 1] != module.num_features):
+            return None
+        plate = active_sample_plate()
+        if plate is None:  # (a run of the model is over: an input of another's)
+            return None
+        if pooling is not None:
+            keep = pooling - 1  # (channels and spatial dims)
+        else:
+            keep = x.dim() - lead - 1
+            if module.training or module.running_mean is None:
+                why = ("in train mode" if module.training
+                       else "without running statistics (track_running_stats=False)")
+                raise ValueError(
+                    f"{type(module).__name__} {why} normalizes with the statistics of its "
+                    f"batch, which the {tuple(samples)} {plate} of the batched layers before "
+                    f"it would share: {_ADVICE[plate]}"
+                    + (", or predict in eval mode (model.eval())" if module.training else ""))
+        self._folded[id(module)] = x.shape[:x.dim() - keep]
+        return (x.reshape((-1,) + x.shape[x.dim() - keep:]),) + args[1:]
+
+    def _unfold(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
+        rows = self._folded.pop(id(module), None)
+        if rows is None:
+            return None
+        if isinstance(out, tuple):  # (a pooling layer's indices too)
+            return tuple(o.reshape(rows + o.shape[1:]) for o in out)
+        return out.reshape(rows + out.shape[1:])
