@@ -7,6 +7,7 @@ import torch
 from typing_extensions import TypeGuard
 
 from pyro_vinit._warn import warn_at_caller
+from pyro_vinit.initialization._rollback import generators_kept
 
 Data = Union[Tuple[Any, ...], Iterable[Sequence[Any]]]
 
@@ -85,7 +86,8 @@ class DataPool:
                 args = tuple(a[keep] if al else a for a, al in zip(args, aligned))
                 n = max_rows
         else:
-            args, n, aligned = self._collect(data, max_rows)
+            with generators_kept(data):  # (reading a loader draws nothing)
+                args, n, aligned = self._collect(data, max_rows)
         if n == 0:
             raise ValueError("the data is empty: there are no rows to initialize from")
         _check_finite(args)

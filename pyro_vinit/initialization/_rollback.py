@@ -1,8 +1,9 @@
 """Leaving a guide (the param store, its model's buffers, the generators) exactly as it
 was when an initializer fails."""
 
+import contextlib
 from types import TracebackType
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import pyro
 import torch
@@ -49,6 +50,35 @@ def set_rng_state(state: Any) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def generators_kept(loader: Any) -> Iterator[None]:
+    """The block run with the global generators' state, and those of a
+    DataLoader's own generator and of its sampler's, restored afterwards."""
+    rng = rng_state()
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    owns = {id(g): g for g in (getattr(source, "generator", None)
+                               for source in (loader, sampler, batch_sampler))
+            if isinstance(g, torch.Generator)}
+    states = [(g, g.get_state()) for g in owns.values()]
+    try:
+        yield
+    finally:
+        set_rng_state(rng)
+        for generator, state in states:
+            generator.set_state(state)
+
+
+@contextlib.contextmanager
+def restored_on_error(state: Dict[str, Any]) -> Iterator[None]:
+    """The generators set to ``state`` (a :func:`rng_state`) where the block fails."""
+    try:
+        yield
+    except BaseException:
+        set_rng_state(state)
+        raise
 
 
 class GuideRollback:

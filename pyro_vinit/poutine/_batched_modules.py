@@ -4,8 +4,9 @@ call, whose sample dims (those of :class:`~pyro.infer.Predictive` with
 ``parallel=True``, or of an ELBO's vectorized particles) they would refuse:
 ``nn.BatchNorm*d`` with those dims folded into its rows (in eval mode, the
 running statistics, every sample normalized exactly as one at a time would
-be) and the pooling layers ``nn.*Pool*d`` with its leading dims folded into
-one (each map pooled on its own, as it is).
+be), ``nn.InstanceNorm*d`` and ``nn.GroupNorm`` likewise (each row normalized
+on its own), and the pooling layers ``nn.*Pool*d`` with its leading dims
+folded into one (each map pooled on its own, as it is).
 """
 
 from typing import Any, Dict, Optional, Tuple
@@ -39,16 +40,30 @@ def _pooling_dims(module: nn.Module) -> Optional[int]:
     return None
 
 
+def _channels(module: nn.Module) -> Optional[int]:
+    # the channels of a normalization that takes (rows, channels, ...): BatchNorm
+    # (its statistics over the rows), InstanceNorm and GroupNorm (each row's own)
+    if isinstance(module, (nn.modules.batchnorm._BatchNorm,
+                           nn.modules.instancenorm._InstanceNorm)):
+        return int(module.num_features)
+    if isinstance(module, nn.GroupNorm):
+        return int(module.num_channels)
+    return None
+
+
 class BatchedModules:
     """
     After :meth:`watch` and until :meth:`close`, while the plate of
-    Predictive's samples or of vectorized particles is active, every BatchNorm
-    or pooling module (through torch's global module hooks) whose input leads
-    with the sample dims of the batched layers runs on that input with its
-    leading dims folded into one (a BatchNorm's into its rows), and gives its
-    output back with them; a BatchNorm that normalizes with its batch's
-    statistics (train mode, or no running statistics), which the samples
-    would share, is refused with a :class:`ValueError`.
+    Predictive's samples or of vectorized particles is active, every BatchNorm,
+    InstanceNorm, GroupNorm or pooling module (through torch's global module
+    hooks) whose input leads with the sample dims of the batched layers runs
+    on that input with its leading dims folded into one (a normalization's
+    into its rows), and gives its output back with them; a BatchNorm that
+    normalizes with its batch's statistics (train mode, or no running
+    statistics), which the samples would share, is refused with a
+    :class:`ValueError`. The test is one of
+    shapes: a BatchNorm1d of data ``(N, C, L)`` in the run, with ``N`` the
+    number of samples and ``L = C``, is taken for samples.
     """
 
     def __init__(self) -> None:
@@ -57,8 +72,9 @@ class BatchedModules:
         self._folded: Dict[int, torch.Size] = {}
 
     def watch(self, out: torch.Tensor, lead: int) -> None:
-        """A batched layer gave ``out``, whose ``lead`` leading dims are sample dims."""
-        if lead <= 0 or (self.samples is not None and len(self.samples) >= lead):
+        """A batched layer gave ``out``, whose ``lead`` leading dims are sample dims
+        (a run's first; the later ones take their input's, ``lead`` 0)."""
+        if lead <= 0:
             return
         self.samples = out.shape[:lead]
         if not self._handles:
@@ -66,7 +82,9 @@ class BatchedModules:
                 # (torch types a pre-hook as returning None; it may return new arguments)
                 nn.modules.module.register_module_forward_pre_hook(
                     self._fold),  # type: ignore[arg-type]
-                nn.modules.module.register_module_forward_hook(self._unfold),
+                # (always: a forward that fails leaves no folded shape behind)
+                nn.modules.module.register_module_forward_hook(self._unfold,
+                                                               always_call=True),
             )
 
     def close(self) -> None:
@@ -76,16 +94,16 @@ class BatchedModules:
         self._folded.clear()
 
     def _fold(self, module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-        norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
-        pooling = None if norm else _pooling_dims(module)
-        if not (norm or pooling) or not args:
+        channels = _channels(module)
+        pooling = None if channels is not None else _pooling_dims(module)
+        if (channels is None and pooling is None) or not args:
             return None
         x, samples = args[0], self.samples
         if samples is None or not isinstance(x, torch.Tensor):
             return None
         lead = len(samples)
         if x.shape[:lead] != samples or x.dim() < lead + 2 or (
-                norm and x.shape[lead + 1] != module.num_features):
+                channels is not None and x.shape[lead + 1] != channels):
             return None
         plate = active_sample_plate()
         if plate is None:  # (a run of the model is over: an input of another's)
@@ -94,7 +112,8 @@ class BatchedModules:
             keep = pooling - 1  # (channels and spatial dims)
         else:
             keep = x.dim() - lead - 1
-            if module.training or module.running_mean is None:
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+                    module.training or module.running_mean is None):
                 why = ("in train mode" if module.training
                        else "without running statistics (track_running_stats=False)")
                 raise ValueError(
@@ -107,7 +126,7 @@ class BatchedModules:
 
     def _unfold(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
         rows = self._folded.pop(id(module), None)
-        if rows is None:
+        if rows is None or out is None:
             return None
         if isinstance(out, tuple):  # (a pooling layer's indices too)
             return tuple(o.reshape(rows + o.shape[1:]) for o in out)

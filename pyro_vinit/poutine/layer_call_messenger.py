@@ -107,6 +107,33 @@ def _align_predictive_sample(msg: SampleSite) -> None:
         msg["value"] = value.reshape(shape)
 
 
+def _check_sample_dims(msg: SampleSite) -> None:
+    # A batched layer's output meets a site: a non-1 dim left of the plate of the
+    # samples (or particles) lies outside every plate, where a batched layer put the
+    # samples' dim one too far left (its output's last dim a plate's)
+    fn = msg["fn"]
+    batch = getattr(fn, "batch_shape", None)
+    if batch is None:
+        return
+    for frame in msg["cond_indep_stack"]:
+        if frame.dim is not None and (is_vectorized_particles(frame)
+                                      or is_predictive_samples(frame)):
+            outside = batch[:max(0, len(batch) + frame.dim)]
+            if any(size != 1 for size in outside):
+                raise ValueError(
+                    f"the site {msg['name']!r} has batch shape {tuple(batch)}, with dims left "
+                    f"of the plate of the vectorized samples or particles (dim {frame.dim}): "
+                    "a batched layer's output (its weight has the samples' dim) puts that "
+                    "dim left of the model's plate dims of the layer's input, and here the "
+                    "output's last dim is a plate's too (e.g. outputs (N, 1) in a data plate "
+                    "at dim=-2), so its samples' dim is one too far left. Give the outputs "
+                    "an event dim (pyro.plate('data', N) with "
+                    "dist.Normal(mu, sigma).to_event(1), or mu.squeeze(-1)), or take the "
+                    "samples or particles one at a time (Predictive(..., parallel=False); "
+                    "vectorize_particles=False, fit's num_particles=1)")
+            return
+
+
 def _drop_leading_ones(msg: SampleSite) -> None:
     # Predictive(parallel=False) conditions the model on each sample of a weight drawn
     # by a guide with plates as (1,) * plates + the weight's shape, which F.linear and
@@ -119,6 +146,17 @@ def _drop_leading_ones(msg: SampleSite) -> None:
     if (len(fn.event_shape) > 0 and extra > 0 and value.shape[extra:] == shape
             and all(size == 1 for size in value.shape[:extra])):
         msg["value"] = value.reshape(shape)
+
+
+def _has_sample_dim(msg: SampleSite, value: torch.Tensor) -> bool:
+    # Whether an observed value has the dim of Predictive's samples (given samples of a
+    # latent site, not the data, which lacks it)
+    event_dim = getattr(msg["fn"], "event_dim", 0)
+    for frame in msg["cond_indep_stack"]:
+        if is_predictive_samples(frame) and frame.dim is not None:
+            dim = frame.dim - event_dim
+            return value.dim() >= -dim and value.shape[dim] == frame.size
+    return False
 
 
 def _is_latent(value: object) -> TypeGuard[SiteValue]:
@@ -213,6 +251,8 @@ class LayerCallMessenger(Messenger):
 
     @eager
     def _pyro_sample(self, msg: SampleSite) -> None:
+        if self._batched.samples is not None:
+            _check_sample_dims(msg)
         if msg["is_observed"] and any(
             is_predictive_samples(frame) for frame in msg["cond_indep_stack"]
         ):
@@ -282,7 +322,7 @@ class LayerCallMessenger(Messenger):
                         value, d.site_dist, [draw, msg], d.view_ops, d.derived, Uses(d.uses.shape)
                     )
                     self._latent[msg["name"]] = msg
-                elif any(is_predictive_samples(f) for f in msg["cond_indep_stack"]):
+                elif _has_sample_dim(msg, value):
                     # Conditioned on given samples (Predictive's posterior_samples): a
                     # value of unknown law, which a layer still runs batched over
                     msg["value"] = SiteValue.wrap(value, None, [msg])

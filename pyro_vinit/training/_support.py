@@ -35,7 +35,7 @@ from torch import nn
 from pyro_vinit._pyro_compat import is_deterministic_site, likelihood_sites
 from pyro_vinit.guides.site_params import is_supported
 from pyro_vinit.initialization._data import all_finite, check_like_first, describe
-from pyro_vinit.initialization._rollback import rng_state, set_rng_state
+from pyro_vinit.initialization._rollback import generators_kept, rng_state, set_rng_state
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 from pyro_vinit.training.averaging import ParamAverage
 from pyro_vinit.training.config import FitHistory
@@ -137,25 +137,6 @@ def describe_batch(batch: Batch) -> str:
     return describe(batch, ("x", "y"))
 
 
-@contextlib.contextmanager
-def _generators_kept(loader: Any) -> Iterator[None]:
-    """The block run with the global generators' state, and those of a
-    DataLoader's own generator and of its sampler's, restored afterwards."""
-    rng = rng_state()
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    owns = {id(g): g for g in (getattr(source, "generator", None)
-                               for source in (loader, sampler, batch_sampler))
-            if isinstance(g, torch.Generator)}
-    states = [(g, g.get_state()) for g in owns.values()]
-    try:
-        yield
-    finally:
-        set_rng_state(rng)
-        for generator, state in states:
-            generator.set_state(state)
-
-
 class _Batches:
     """An endless stream of minibatches: shuffled epochs of an (x, y) pair, or the
     batches of a re-iterable loader, pass after pass."""
@@ -193,7 +174,7 @@ class _Batches:
                     "fit: data must be an (x, y) pair of tensors or an iterable of (x, y) "
                     f"batches (e.g. a DataLoader), got {type(data).__name__}{keys}"
                 )
-            with _generators_kept(data):  # (a DataLoader's iterator draws its seed)
+            with generators_kept(data):  # (a DataLoader's iterator draws its seed)
                 is_iterator = iter(data) is data
             if is_iterator:
                 raise TypeError(
@@ -206,7 +187,7 @@ class _Batches:
             count, first, batches, same = 0, None, 0, 0
             # (a pass that draws nothing: a shuffling loader's generator, its own or the
             # global one, is where it was, whether fit goes on or fails)
-            with _generators_kept(data):
+            with generators_kept(data):
                 for i, batch in enumerate(self.loader):
                     xb, yb = _check_batch(batch, f"batch {i} of data")
                     first = (xb, yb) if first is None else first

@@ -30,7 +30,12 @@ from torch import nn
 
 from pyro_vinit.guides.site_params import _supported_names, is_supported
 from pyro_vinit.initialization import init_guide_iblm, init_guide_pretrained
-from pyro_vinit.initialization._rollback import GuideRollback, rng_state, set_rng_state
+from pyro_vinit.initialization._rollback import (
+    GuideRollback,
+    restored_on_error,
+    rng_state,
+    set_rng_state,
+)
 from pyro_vinit.initialization.pretrained import _model_values
 from pyro_vinit.training._checks import (
     _check_guide,
@@ -419,6 +424,7 @@ def fit(
         done = 0 if resumed is None else int(resumed["step"])
 
         # ---- initialize, or restore --------------------------------------------------------
+        before = rng_state()  # (a failed initialization leaves the generators here too)
         batches.start()
         history = FitHistory()
         defaults = FitConfig()
@@ -451,20 +457,21 @@ def fit(
         elif init is not None and not initialized:
             set_up = cast(AutoGuide, guide).prototype_trace is not None
             init_data = batches.pair if batches.pair is not None else batches.loader
-            if init == "iblm":
-                options = {**defaults.iblm_options(num_data), **(init_options or {})}
-                init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
-                if kept:
-                    how = ("call init_guide_pretrained(member, data) on each member over the "
-                           "layers before fit" if isinstance(guide, AutoGuideList) else
-                           "pass init='pretrained'")
-                    warnings.warn(
-                        "fit: the model keeps a trained network's weights (bayesianize(..., "
-                        f"keep_weights=True)), which I-BLM does not start from: {how} to start "
-                        "the guide from them", UserWarning, stacklevel=2)
-            else:
-                init_guide_pretrained(cast(AutoGuide, guide), cast(Any, init_data),
-                                      **(init_options or {}))
+            with restored_on_error(before):
+                if init == "iblm":
+                    options = {**defaults.iblm_options(num_data), **(init_options or {})}
+                    init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
+                    if kept:
+                        how = ("call init_guide_pretrained(member, data) on each member over the "
+                               "layers before fit" if isinstance(guide, AutoGuideList) else
+                               "pass init='pretrained'")
+                        warnings.warn(
+                            "fit: the model keeps a trained network's weights (bayesianize(..., "
+                            f"keep_weights=True)), which I-BLM does not start from: {how} to start "
+                            "the guide from them", UserWarning, stacklevel=2)
+                else:
+                    init_guide_pretrained(cast(AutoGuide, guide), cast(Any, init_data),
+                                          **(init_options or {}))
             if set_up:
                 warnings.warn(
                     f"fit: the {type(guide).__name__} was set up (e.g. by a call guide(x, y)) but "

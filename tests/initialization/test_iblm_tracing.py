@@ -12,6 +12,7 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 from pyro_vinit import init_guide
+from pyro_vinit.initialization._observed import per_example_sites
 from pyro_vinit.initialization._runs import prior_median, run_model
 
 F64 = torch.float64
@@ -158,3 +159,21 @@ def test_per_example_latent_is_set_to_its_prior_median_in_a_run_of_fewer_rows():
     assert torch.equal(recorder.observed[0]["fn"].loc, torch.full((4,), 3.0))
     recorder = run_model(model, full, (torch.zeros(10),), ["z"])  # (one value per row)
     assert torch.equal(recorder.observed[0]["fn"].loc, full["z"])
+
+
+@pytest.mark.parametrize("subsample", [False, True])
+def test_per_example_sites_are_in_the_plate_of_the_rows(subsample):
+    # the plate at an observation's leftmost batch dim (the rows), subsampled or not; not
+    # a plate of its features that counts as many (a noise scale per output)
+    def model(x, y):
+        size = 2 if subsample else None
+        with pyro.plate("outputs", 4, dim=-1):
+            sigma = pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+            with pyro.plate("data", 4, dim=-2, subsample_size=size) as rows:
+                z = pyro.sample("z", dist.Normal(0.0, 1.0))
+                pyro.sample("obs", dist.Normal(x[rows] + z, sigma), obs=y[rows])
+
+    x = y = torch.zeros(4, 4)
+    trace = pyro.poutine.trace(model).get_trace(x, y)
+    assert per_example_sites(trace, 4, model) == [("z", "data")]
+    assert per_example_sites(trace, 5, model) == []
