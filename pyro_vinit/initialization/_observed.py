@@ -94,10 +94,11 @@ def per_example_sites(trace: poutine.Trace, rows: int,
     observed = likelihood_sites([s for s in trace.nodes.values() if s["type"] == "sample"
                                  and s["is_observed"] and not site_is_subsample(s)
                                  and not is_deterministic_site(s)], model)
-    # (the plate of the rows: at the leftmost batch dim of an observation's, not one over
-    # its features that happens to count as many)
-    data_plates = {frame.name for site in observed for frame in site["cond_indep_stack"]
-                   if frame.vectorized and frame.dim == -len(site["fn"].batch_shape)}
+    # (the dim of the rows: an observation's leftmost batch dim, where its plate is, not
+    # that of a plate over its features that happens to count as many; a latent's plate
+    # over the rows may have another name)
+    row_dims = {frame.dim for site in observed for frame in site["cond_indep_stack"]
+                if frame.vectorized and frame.dim == -len(site["fn"].batch_shape)}
     found = []
     for name, site in trace.nodes.items():
         if (site["type"] != "sample" or site["is_observed"] or is_deterministic_site(site)
@@ -105,7 +106,7 @@ def per_example_sites(trace: poutine.Trace, rows: int,
             continue
         for frame in site["cond_indep_stack"]:
             if (frame.vectorized and (frame.full_size or frame.size) == rows
-                    and frame.name in data_plates):
+                    and frame.dim in row_dims):
                 found.append((name, frame.name))
                 break
     return found

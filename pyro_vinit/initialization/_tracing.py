@@ -4,6 +4,7 @@ likelihood and where each layer's output goes (the first pass of
 :func:`prepare`, a run of :func:`~pyro_vinit.initialization._runs.run_model`).
 """
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple, cast
 
@@ -494,9 +495,26 @@ def trace_structure(
             f"{plates.subsampled_plates}; I-BLM walks the data in blocks of one size"
         )
     block_size = sizes.pop() if sizes else None
+    if block_size == num_rows > 1 and _draws_the_rows(model, values, pool, num_rows):
+        block_size = None  # (every row at hand, scaled to the plate's size: no blocks)
     structure = ModelStructure(layers, likelihood, latent, uncovered, priors, block_size,
                                recorder.num_batch_norms > 0)
     return structure, first
+
+
+def _draws_the_rows(model: Callable[..., Any], values: Dict[str, torch.Tensor],
+                    pool: DataPool, num_rows: int) -> bool:
+    """Whether the model's subsampled plate, whose subsample size is the
+    ``num_rows`` rows of the first chunk, draws as many rows as its arguments
+    have (``pyro.plate("data", N, subsample_size=len(x))``: every row at hand,
+    the likelihood scaled to ``N``), not a subsample of its own size: run on one
+    row fewer, its subsample follows."""
+    plates = PlateRowsMessenger(num_rows=num_rows - 1)
+    with torch.no_grad(), poutine.block(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a per-example latent's fallback: said already)
+        poutine.trace(conditioned_in_rows(model, values, plates)).get_trace(
+            *pool.select(slice(0, num_rows - 1)))
+    return {s for _, s in plates.subsampled_plates.values()} == {num_rows - 1}
 
 
 def prepare(

@@ -70,6 +70,8 @@ class BatchedModules:
         self.samples: Optional[torch.Size] = None
         self._handles: Tuple[RemovableHandle, ...] = ()
         self._folded: Dict[int, torch.Size] = {}
+        # module class -> (a normalization over channels, a pooling layer's dims or None)
+        self._kinds: Dict[type, Tuple[bool, Optional[int]]] = {}
 
     def watch(self, out: torch.Tensor, lead: int) -> None:
         """A batched layer gave ``out``, whose ``lead`` leading dims are sample dims
@@ -94,13 +96,19 @@ class BatchedModules:
         self._folded.clear()
 
     def _fold(self, module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-        channels = _channels(module)
-        pooling = None if channels is not None else _pooling_dims(module)
-        if (channels is None and pooling is None) or not args:
+        samples = self.samples
+        if samples is None or not args:
             return None
-        x, samples = args[0], self.samples
-        if samples is None or not isinstance(x, torch.Tensor):
+        kind = self._kinds.get(type(module))
+        if kind is None:  # (once a class: the hooks see every module call)
+            norm = _channels(module) is not None
+            kind = self._kinds[type(module)] = (norm, None if norm else _pooling_dims(module))
+        if not kind[0] and kind[1] is None:
             return None
+        x = args[0]
+        if not isinstance(x, torch.Tensor):
+            return None
+        channels, pooling = _channels(module), kind[1]
         lead = len(samples)
         if x.shape[:lead] != samples or x.dim() < lead + 2 or (
                 channels is not None and x.shape[lead + 1] != channels):
@@ -125,6 +133,8 @@ class BatchedModules:
         return (x.reshape((-1,) + x.shape[x.dim() - keep:]),) + args[1:]
 
     def _unfold(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
+        if not self._folded:
+            return None
         rows = self._folded.pop(id(module), None)
         if rows is None or out is None:
             return None

@@ -99,6 +99,10 @@ class Uses:
         #: Whether a use got per-example noise (then no other use may follow).
         self.noised = False
 
+    def used(self) -> bool:
+        """Whether a layer call or matrix product has used any element."""
+        return self.whole or (self.mask is not None and bool(self.mask.any()))
+
     def add(self, view_ops: Optional[Tuple[ViewOp, ...]]) -> bool:
         """Records a use of the elements that ``view_ops`` selects (all of
         them if None); returns whether any of them had been used before."""

@@ -294,10 +294,11 @@ class LayerCallMessenger(Messenger):
         if not isinstance(value, torch.Tensor):
             return
         drawn = self._pending.pop(id(msg), None)
-        if (msg["is_observed"] and isinstance(value, SiteValue)
-                and not any(self._draws.get(m["name"]) is m for m in value.msgs)):
-            # a site value of an earlier context (e.g. samples of one Predictive given to
-            # another): here a given value, as a plain tensor would be
+        if (msg["is_observed"] and isinstance(value, SiteValue) and (
+                value.uses.used()
+                or not any(self._draws.get(m["name"]) is m for m in value.msgs))):
+            # a site value of an earlier run or context (e.g. samples of one Predictive
+            # given to another): here a given value, as a plain tensor would be
             msg["value"] = value = unwrap(value)
         if isinstance(value, SiteValue):
             if value is drawn:

@@ -175,7 +175,10 @@ class PlateRowsMessenger(Messenger):
     on a chunk of it), or one whose subsample is larger than its size (one
     declared with the rows at hand, run on a chunk smaller than its
     subsample), takes the first ``subsample_size`` of those rows, wrapped
-    around. Other plates, and subsamples already set, are left alone.
+    around; without rows or ``num_rows``, a subsampled plate takes its first
+    ``subsample_size`` indices (the rows at hand of a plate scaled to the data
+    set, ``pyro.plate("data", N, subsample_size=len(x))``, not a random draw).
+    Other plates, and subsamples already set, are left alone.
     To reach a plate that a ``poutine.block`` around the model hides, it must
     be applied inside the block.
 
@@ -206,6 +209,10 @@ class PlateRowsMessenger(Messenger):
             int(rows.max()) < plate.size
         ):
             msg["value"] = rows.to(plate.device)
+        elif rows is None and self.num_rows is None and plate.subsample_size < plate.size:
+            # (the rows at hand, scaled to the plate's size, pyro.plate("data", N,
+            # subsample_size=len(x)): the first rows, not a draw of the generator)
+            msg["value"] = torch.arange(plate.subsample_size, device=plate.device)
         else:
             # a plate over more rows than the arguments have (declared with the data set's
             # size), or one asking for more rows than it has (declared with the rows at

@@ -428,36 +428,36 @@ def fit(
         batches.start()
         history = FitHistory()
         defaults = FitConfig()
-        if resumed is not None:
-            with GuideRollback(cast(nn.Module, guide)):
-                _set_up(guide, batches.first)  # the checkpoint then overwrites its values
-                _check_checkpoint(path, resumed, model)  # before anything is overwritten
-            if done >= steps:
-                warnings.warn(f"fit: the checkpoint {path!r} is at step {done}, at or past "
-                              f"steps={steps}: nothing is trained", UserWarning, stacklevel=2)
-            device = batches.first[0].device  # the checkpoint was loaded onto the CPU
-            store_state = resumed["param_store"]
-            # into the tensors set up (those the model's and guide's modules hold: a module's
-            # state_dict, the moving average and the optimizer see the values), else afresh
-            store = pyro.get_param_store()
-            held = dict(store.named_parameters())
-            fresh = {}
-            with torch.no_grad():
-                for name, value in store_state["params"].items():
-                    same = name in held and held[name].shape == value.shape
-                    if same and held[name].dtype == value.dtype:
-                        held[name].copy_(value)
-                    else:
-                        fresh[name] = value.to(device)
-            store.set_state({"params": fresh, "constraints": store_state["constraints"]})
-            if isinstance(model, nn.Module) and resumed["model"] is not None:
-                model.load_state_dict(resumed["model"])
-            history.loss = list(resumed["loss"])
-            history.validation = list(resumed["validation"])
-        elif init is not None and not initialized:
-            set_up = cast(AutoGuide, guide).prototype_trace is not None
-            init_data = batches.pair if batches.pair is not None else batches.loader
-            with restored_on_error(before):
+        with restored_on_error(before):  # (a failed start or resume: as it was)
+            if resumed is not None:
+                with GuideRollback(cast(nn.Module, guide)):
+                    _set_up(guide, batches.first)  # the checkpoint then overwrites its values
+                    _check_checkpoint(path, resumed, model)  # before anything is overwritten
+                if done >= steps:
+                    warnings.warn(f"fit: the checkpoint {path!r} is at step {done}, at or past "
+                                  f"steps={steps}: nothing is trained", UserWarning, stacklevel=2)
+                device = batches.first[0].device  # the checkpoint was loaded onto the CPU
+                store_state = resumed["param_store"]
+                # into the tensors set up (those the model's and guide's modules hold: a module's
+                # state_dict, the moving average and the optimizer see the values), else afresh
+                store = pyro.get_param_store()
+                held = dict(store.named_parameters())
+                fresh = {}
+                with torch.no_grad():
+                    for name, value in store_state["params"].items():
+                        same = name in held and held[name].shape == value.shape
+                        if same and held[name].dtype == value.dtype:
+                            held[name].copy_(value)
+                        else:
+                            fresh[name] = value.to(device)
+                store.set_state({"params": fresh, "constraints": store_state["constraints"]})
+                if isinstance(model, nn.Module) and resumed["model"] is not None:
+                    model.load_state_dict(resumed["model"])
+                history.loss = list(resumed["loss"])
+                history.validation = list(resumed["validation"])
+            elif init is not None and not initialized:
+                set_up = cast(AutoGuide, guide).prototype_trace is not None
+                init_data = batches.pair if batches.pair is not None else batches.loader
                 if init == "iblm":
                     options = {**defaults.iblm_options(num_data), **(init_options or {})}
                     init_guide_iblm(cast(AutoGuide, guide), cast(Any, init_data), **options)
@@ -472,24 +472,24 @@ def fit(
                 else:
                     init_guide_pretrained(cast(AutoGuide, guide), cast(Any, init_data),
                                           **(init_options or {}))
-            if set_up:
-                warnings.warn(
-                    f"fit: the {type(guide).__name__} was set up (e.g. by a call guide(x, y)) but "
-                    "not initialized or trained: every scale was still its init_scale, so fit "
-                    f"started it with {who}, replacing its set-up values; pass init=None to train "
-                    "from them", UserWarning, stacklevel=2)
-            history.initialized = True
-        elif not initialized:  # init=None: Pyro's own initial values, set up here
-            guide(*batches.first)
-        else:  # e.g. parameters loaded into the param store: set up, taking their values
-            if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
-                warnings.warn(
-                    f"fit: the param store already holds parameters of a {type(guide).__name__} "
-                    "(loaded, or left by an earlier guide of this class), so its initialization is "
-                    "skipped and "
-                    "training continues from them; call pyro.clear_param_store() first to start "
-                    "afresh", UserWarning, stacklevel=2)
-            _set_up(guide, batches.first)
+                if set_up:
+                    warnings.warn(
+                        f"fit: the {type(guide).__name__} was set up (e.g. by a call guide(x, "
+                        "y)) but not initialized or trained: every scale was still its "
+                        f"init_scale, so fit started it with {who}, replacing its set-up values; "
+                        "pass init=None to train from them", UserWarning, stacklevel=2)
+                history.initialized = True
+            elif not initialized:  # init=None: Pyro's own initial values, set up here
+                guide(*batches.first)
+            else:  # e.g. parameters loaded into the param store: set up, taking their values
+                if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
+                    warnings.warn(
+                        "fit: the param store already holds parameters of a "
+                        f"{type(guide).__name__} (loaded, or left by an earlier guide of this "
+                        "class), so its initialization is skipped and training continues from "
+                        "them; call pyro.clear_param_store() first to start afresh",
+                        UserWarning, stacklevel=2)
+                _set_up(guide, batches.first)
         config = fit_config(guide, lr=lr, kl_weight=kl_weight, num_particles=num_particles,
                             learned_noise=learned_noise, average=average,
                             weight_noise=weight_noise)

@@ -44,6 +44,21 @@ class NoisyRegressor(PyroModule):
         return mean
 
 
+class ScaledPlateClassifier(PyroModule):
+    """A classifier whose data plate draws the rows at hand, scaled to the data set
+    (pyro.plate("data", N, subsample_size=len(x)), as fit's minibatches take it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = bayesianize(mlp((6, 24, 3))).double()
+
+    def forward(self, x, y=None):
+        logits = self.net(x)
+        with pyro.plate("data", sum(SHARDS), subsample_size=x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
 def _classification_data(d=6, k=3):
     g = torch.Generator().manual_seed(SEED)
     x = torch.randn(sum(SHARDS), d, generator=g, dtype=torch.float64)
@@ -107,6 +122,9 @@ CASES: Dict[str, Case] = {
     # of the global chunks), from a pool of 160 of the 187 rows (a global random subset)
     "batchnorm_chunks_subsample": Case(_bn_classifier, AutoNormal, _classification_data,
                                        {"chunk_rows": 64, "max_pool_size": 160}),
+    # a plate of the rows at hand, scaled to the data set: read in blocks of its subsample
+    # size (each rank's own), its shards of other sizes failed inside local_window
+    "scaled_plate": Case(ScaledPlateClassifier, AutoNormal, _classification_data, {}),
 }
 
 

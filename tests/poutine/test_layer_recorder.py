@@ -572,8 +572,12 @@ def test_subsampled_plates_recorded_and_rows_honoured():
     rows = torch.tensor([9, 0, 4])
     plates, out = _plates(_plate_model(10, 3), rows)
     assert plates.subsampled_plates == {"data": (10, 3)} and torch.equal(out, rows)
+    # neither rows nor num_rows: the first indices (the rows at hand of a plate scaled to
+    # the data set), not a draw of the generator
+    rng = torch.get_rng_state()
     plates, out = _plates(_plate_model(10, 3))
-    assert plates.subsampled_plates == {"data": (10, 3)} and out.shape == (3,)
+    assert plates.subsampled_plates == {"data": (10, 3)} and torch.equal(out, torch.arange(3))
+    assert torch.equal(rng, torch.get_rng_state())
     # a plate that is not subsampled is not listed
     for subsample_size in (None, 10):
         plates, out = _plates(_plate_model(10, subsample_size), rows)
@@ -647,9 +651,9 @@ def test_plate_smaller_than_its_subsample_takes_its_rows_wrapped(num_rows, expec
     assert out.tolist() == [3, 2, 1, 0, 3, 2]
 
 
-@pytest.mark.parametrize("num_rows", [None, 0, 10, 12])
+@pytest.mark.parametrize("num_rows", [0, 10, 12])
 def test_plate_over_the_rows_of_the_arguments_draws_as_usual(num_rows):
-    # (a plate as large as the data at hand, or num_rows unknown: Pyro's own random draw)
+    # (a plate as large as the data at hand: Pyro's own random draw)
     model = _plate_model(10, 3)
     pyro.set_rng_seed(0)
     expected = model()
