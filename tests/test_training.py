@@ -2008,9 +2008,11 @@ def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path
     pyro.clear_param_store()
     wider = classifier(hidden=7)
     guide = AutoKTiedNormal(wider)
+    rng = torch.get_rng_state()
     with pytest.raises(ValueError, match="does not fit this model and guide"):
         fit(wider, guide, (x, y), steps=4, checkpoint=path, progress=False)
     assert snapshot() == {} and guide.prototype_trace is None
+    assert torch.equal(rng, torch.get_rng_state())  # (the generator too)
 
 
 def test_stale_param_store_is_said(count_iblm):

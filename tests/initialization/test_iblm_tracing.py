@@ -167,6 +167,8 @@ def test_per_example_sites_are_in_the_plate_of_the_rows(subsample):
     # a plate of its features that counts as many (a noise scale per output)
     def model(x, y):
         size = 2 if subsample else None
+        with pyro.plate("rows", 4, dim=-2, subsample_size=size):  # (the rows, by another name)
+            pyro.sample("r", dist.Normal(0.0, 1.0))
         with pyro.plate("outputs", 4, dim=-1):
             sigma = pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
             with pyro.plate("data", 4, dim=-2, subsample_size=size) as rows:
@@ -175,5 +177,5 @@ def test_per_example_sites_are_in_the_plate_of_the_rows(subsample):
 
     x = y = torch.zeros(4, 4)
     trace = pyro.poutine.trace(model).get_trace(x, y)
-    assert per_example_sites(trace, 4, model) == [("z", "data")]
+    assert per_example_sites(trace, 4, model) == [("r", "rows"), ("z", "data")]
     assert per_example_sites(trace, 5, model) == []

@@ -397,6 +397,25 @@ def test_outputs_in_a_plate_at_dim_minus_two_are_refused(run, handler):
     _assert_no_global_hooks()
 
 
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
+def test_samples_given_within_the_handler_that_drew_them(handler):
+    # one held handler: the guide's samples of one Predictive given to another (their
+    # draw already used by the first run's layers) are given values, not a second use
+    model, x = _mlp()
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    with torch.no_grad(), handler():
+        drawn = Predictive(model, guide=guide, num_samples=3, parallel=True)(x)
+        samples = {k: v for k, v in drawn.items() if k != "obs"}
+        given = Predictive(model, posterior_samples=samples, parallel=True,
+                           return_sites=["_RETURN"])
+        logits = given(x)["_RETURN"]
+    with torch.no_grad():
+        expected = torch.stack([poutine.condition(model, {
+            k: v[s].reshape(v.shape[2:]) for k, v in samples.items()})(x) for s in range(3)])
+    assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
 def _assert_no_global_hooks():
     assert not torch.nn.modules.module._global_forward_pre_hooks
     assert not torch.nn.modules.module._global_forward_hooks
