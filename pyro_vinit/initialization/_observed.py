@@ -94,11 +94,12 @@ def per_example_sites(trace: poutine.Trace, rows: int,
     observed = likelihood_sites([s for s in trace.nodes.values() if s["type"] == "sample"
                                  and s["is_observed"] and not site_is_subsample(s)
                                  and not is_deterministic_site(s)], model)
-    # (the dim of the rows: an observation's leftmost batch dim, where its plate is, not
-    # that of a plate over its features that happens to count as many; a latent's plate
-    # over the rows may have another name)
-    row_dims = {frame.dim for site in observed for frame in site["cond_indep_stack"]
-                if frame.vectorized and frame.dim == -len(site["fn"].batch_shape)}
+    # (the plate of the rows: at an observation's leftmost batch dim, not one over its
+    # features that happens to count as many; a latent's plate of the same dim and size may
+    # have another name, one over as many units as a batch has rows another size)
+    row_plates = {(frame.dim, frame.full_size or frame.size) for site in observed
+                  for frame in site["cond_indep_stack"]
+                  if frame.vectorized and frame.dim == -len(site["fn"].batch_shape)}
     found = []
     for name, site in trace.nodes.items():
         if (site["type"] != "sample" or site["is_observed"] or is_deterministic_site(site)
@@ -106,7 +107,7 @@ def per_example_sites(trace: poutine.Trace, rows: int,
             continue
         for frame in site["cond_indep_stack"]:
             if (frame.vectorized and (frame.full_size or frame.size) == rows
-                    and frame.dim in row_dims):
+                    and (frame.dim, rows) in row_plates):
                 found.append((name, frame.name))
                 break
     return found
