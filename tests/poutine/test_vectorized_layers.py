@@ -179,6 +179,14 @@ def _matmul_mlp():
     return model, torch.randn(10, 6)
 
 
+def _vectorized_trace(model, guide, x, num_samples=4):
+    """The trace of Predictive(parallel=True) under vectorized_layers, returning _RETURN."""
+    predictive = Predictive(model, guide=guide, num_samples=num_samples, parallel=True,
+                            return_sites=["_RETURN"])
+    with torch.no_grad(), vectorized_layers():
+        return predictive.get_vectorized_trace(x)
+
+
 def _sequential_outputs(model, trace, x, num_samples):
     # The model run once per sample, conditioned on that sample's weights.
     weights = {name: site["value"] for name, site in trace.nodes.items()
@@ -338,10 +346,7 @@ def test_batch_norm_in_eval_mode_after_batched_layers_equals_a_loop_over_samples
     model, x = _bn_cnn(norm)
     guide = AutoNormal(model)
     guide(x, torch.randint(0, 3, (10,)))
-    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True,
-                            return_sites=["_RETURN"])
-    with torch.no_grad(), vectorized_layers():
-        trace = predictive.get_vectorized_trace(x)
+    trace = _vectorized_trace(model, guide, x)
     with torch.no_grad():
         expected = _sequential_outputs(model, trace, x, 4)
     assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
@@ -666,10 +671,7 @@ def test_flatten_from_the_right_equals_a_loop_over_samples(spelling, guide_class
     model, x = _flatten_cnn(spelling)
     guide = guide_class(model)
     guide(x, torch.randint(0, 3, (10,)))
-    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True,
-                            return_sites=["_RETURN"])
-    with torch.no_grad(), vectorized_layers():
-        trace = predictive.get_vectorized_trace(x)
+    trace = _vectorized_trace(model, guide, x)
     logits = trace.nodes["_RETURN"]["value"]
     assert logits.shape == (4, 10, 3)
     with torch.no_grad():
