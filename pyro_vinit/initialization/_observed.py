@@ -85,12 +85,15 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
     return trace
 
 
-def per_example_sites(trace: poutine.Trace, rows: int,
-                      model: Callable[..., Any]) -> List[Tuple[str, str]]:
+def per_example_sites(trace: poutine.Trace, rows: int, model: Callable[..., Any],
+                      fewer: Optional[Callable[[], poutine.Trace]] = None,
+                      ) -> List[Tuple[str, str]]:
     """The latent sites of ``trace`` (a run of ``model`` on ``rows`` rows of the
-    data) that lie in a plate of its likelihood over those rows (subsampled or
-    not): per-example latents, whose guide takes the shape of the rows it is set
-    up on; with their plates' names."""
+    data) that lie in a plate of the rows (subsampled or not): per-example
+    latents, whose guide takes the shape of the rows it is set up on; with their
+    plates' names. A plate of the rows has the dim and size of the likelihood's;
+    where ``fewer`` gives the model's trace on one row fewer, only plates whose
+    size follows the rows are (not one over as many units as there are rows)."""
     observed = likelihood_sites([s for s in trace.nodes.values() if s["type"] == "sample"
                                  and s["is_observed"] and not site_is_subsample(s)
                                  and not is_deterministic_site(s)], model)
@@ -110,6 +113,12 @@ def per_example_sites(trace: poutine.Trace, rows: int,
                     and (frame.dim, rows) in row_plates):
                 found.append((name, frame.name))
                 break
+    if found and fewer is not None:
+        again = fewer()
+        follows = {frame.name for site in again.nodes.values() if site["type"] == "sample"
+                   for frame in site["cond_indep_stack"]
+                   if frame.vectorized and (frame.full_size or frame.size) == rows - 1}
+        found = [(name, plate) for name, plate in found if plate in follows]
     return found
 
 

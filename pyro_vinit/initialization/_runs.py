@@ -5,6 +5,7 @@ some latent sites set, under a
 model run of I-BLM goes through :func:`run_model`.
 """
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyro.poutine as poutine
@@ -20,7 +21,8 @@ from pyro_vinit._pyro_compat import (
 )
 from pyro_vinit._typing import SampleSite, sample_site
 from pyro_vinit._warn import warn_at_caller
-from pyro_vinit.initialization._rollback import innermost
+from pyro_vinit.initialization._data import DataPool
+from pyro_vinit.initialization._rollback import innermost, rng_state, set_rng_state
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
     PlateRowsMessenger,
@@ -143,6 +145,38 @@ def prior_median(fn: Distribution) -> torch.Tensor:
         return base.icdf(half.to(base.sample().dtype)).expand(shape).clone()
     except (NotImplementedError, AttributeError, ValueError, RuntimeError):
         return fn.sample(torch.Size([1001])).median(0).values
+
+
+def draws_the_rows(model: Callable[..., Any], values: Dict[str, torch.Tensor],
+                    pool: DataPool, num_rows: int) -> bool:
+    """Whether the model's subsampled plate, whose subsample size is the
+    ``num_rows`` rows of the first chunk, draws as many rows as its arguments
+    have (``pyro.plate("data", N, subsample_size=len(x))``: every row at hand,
+    the likelihood scaled to ``N``), not a subsample of its own size: run on one
+    row fewer, and one more where the pool has it, its subsample follows."""
+    more = pool.rows_of(pool.select(slice(0, num_rows + 1))) > num_rows
+    for rows in (num_rows - 1, num_rows + 1) if more else (num_rows - 1,):
+        plates = PlateRowsMessenger(num_rows=rows)
+        trace_on(model, pool, rows, plates, values)
+        if {s for _, s in plates.subsampled_plates.values()} != {rows}:
+            return False
+    return True
+
+
+def trace_on(model: Callable[..., Any], pool: DataPool, rows: int,
+              plates: Optional[PlateRowsMessenger] = None,
+              values: Optional[Dict[str, torch.Tensor]] = None) -> poutine.Trace:
+    """The model's trace on the pool's first ``rows`` rows (its subsampled plates
+    among them, its sites at ``values``), the generators left as they were."""
+    plates = PlateRowsMessenger(num_rows=rows) if plates is None else plates
+    rng = rng_state()
+    try:
+        with torch.no_grad(), poutine.block(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a per-example latent's fallback: said already)
+            return poutine.trace(conditioned_in_rows(model, values or {}, plates)).get_trace(
+                *pool.select(slice(0, rows)))
+    finally:
+        set_rng_state(rng)
 
 
 def observed_site(recorder: LayerRecorderMessenger) -> SampleSite:

@@ -4,8 +4,8 @@ likelihood and where each layer's output goes (the first pass of
 :func:`prepare`, a run of :func:`~pyro_vinit.initialization._runs.run_model`).
 """
 
-import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import pyro.poutine as poutine
@@ -43,11 +43,13 @@ from pyro_vinit.initialization._observed import (
 from pyro_vinit.initialization._runs import (
     _unwrap,
     conditioned_in_rows,
+    draws_the_rows,
     in_rows,
     observed_site,
     one_dim_sites,
     prior_median,
     run_model,
+    trace_on,
 )
 from pyro_vinit.poutine.layer_recorder import (
     LayerRecorderMessenger,
@@ -495,26 +497,11 @@ def trace_structure(
             f"{plates.subsampled_plates}; I-BLM walks the data in blocks of one size"
         )
     block_size = sizes.pop() if sizes else None
-    if block_size == num_rows > 1 and _draws_the_rows(model, values, pool, num_rows):
+    if block_size == num_rows > 1 and draws_the_rows(model, values, pool, num_rows):
         block_size = None  # (every row at hand, scaled to the plate's size: no blocks)
     structure = ModelStructure(layers, likelihood, latent, uncovered, priors, block_size,
                                recorder.num_batch_norms > 0)
     return structure, first
-
-
-def _draws_the_rows(model: Callable[..., Any], values: Dict[str, torch.Tensor],
-                    pool: DataPool, num_rows: int) -> bool:
-    """Whether the model's subsampled plate, whose subsample size is the
-    ``num_rows`` rows of the first chunk, draws as many rows as its arguments
-    have (``pyro.plate("data", N, subsample_size=len(x))``: every row at hand,
-    the likelihood scaled to ``N``), not a subsample of its own size: run on one
-    row fewer, its subsample follows."""
-    plates = PlateRowsMessenger(num_rows=num_rows - 1)
-    with torch.no_grad(), poutine.block(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (a per-example latent's fallback: said already)
-        poutine.trace(conditioned_in_rows(model, values, plates)).get_trace(
-            *pool.select(slice(0, num_rows - 1)))
-    return {s for _, s in plates.subsampled_plates.values()} == {num_rows - 1}
 
 
 def prepare(
@@ -541,7 +528,9 @@ def prepare(
     if guide.prototype_trace is None:
         setup, args = in_chunk, first
         rows = pool.rows_of(first)
-        local = per_example_sites(trace, rows, model) if pool.num_rows > rows else []
+        local = per_example_sites(
+            trace, rows, model, partial(trace_on, model, pool, rows - 1) if rows > 1 else None,
+        ) if pool.num_rows > rows else []
         if local:  # (its guide takes one value per row it is set up on: all of them)
             if not pool.whole:
                 raise ValueError(

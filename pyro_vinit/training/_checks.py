@@ -280,7 +280,7 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
         )
     rows = x.shape[0]
     if rows < num_data:
-        _check_no_batch_latents(trace, rows, model)
+        _check_no_batch_latents(trace, rows, model, x, y)
     for site in observed:
         check_targets(site, y, all_y, prefix="fit: ")
         check_log_density_shape(site, prefix="fit: ")
@@ -352,12 +352,16 @@ def _learns_noise(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor,
     return False
 
 
-def _check_no_batch_latents(trace: poutine.Trace, rows: int,
-                            model: Callable[..., Any]) -> None:
+def _check_no_batch_latents(trace: poutine.Trace, rows: int, model: Callable[..., Any],
+                            x: torch.Tensor, y: torch.Tensor) -> None:
     """No latent site lies in a plate over the batch's own rows (a per-example
     latent: its guide would take the shape of one batch and fail on the next): a
     plate of the likelihood's, not one over as many weights."""
-    for name, plate in per_example_sites(trace, rows, model)[:1]:
+    def fewer() -> poutine.Trace:
+        return cast(poutine.Trace, _trial_trace(model, x[: rows - 1], y[: rows - 1],
+                                                "the first batch"))
+
+    for name, plate in per_example_sites(trace, rows, model, fewer if rows > 1 else None)[:1]:
         raise ValueError(
             f"fit: the latent sample site {name!r} lies in plate {plate!r} over the batch's "
             f"{rows} rows: a per-example latent, whose guide would take the shape of one "

@@ -15,8 +15,9 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.distributed as tdist
+import torch.nn.functional as F
 from pyro.infer.autoguide import AutoNormal
-from pyro.nn import PyroModule
+from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 from pyro_vinit import AutoKTiedNormal, init_guide_iblm
@@ -56,6 +57,23 @@ class ScaledPlateClassifier(PyroModule):
         logits = self.net(x)
         with pyro.plate("data", sum(SHARDS), subsample_size=x.shape[0]):
             pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+class FixedSubsampleClassifier(PyroModule):
+    """A classifier that indexes its rows by a plate of a fixed subsample size, that of
+    rank 1's shard (its first chunk's rows, not rank 0's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = PyroSample(dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
+                            .expand([3, 6]).to_event(2))
+
+    def forward(self, x, y=None):
+        w = self.w  # (drawn outside the plate)
+        with pyro.plate("data", sum(SHARDS), subsample_size=SHARDS[1]) as rows:
+            logits = F.linear(x[rows], w)
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y[rows])
         return logits
 
 
@@ -125,6 +143,10 @@ CASES: Dict[str, Case] = {
     # a plate of the rows at hand, scaled to the data set: read in blocks of its subsample
     # size (each rank's own), its shards of other sizes failed inside local_window
     "scaled_plate": Case(ScaledPlateClassifier, AutoNormal, _classification_data, {}),
+    # a fixed subsample as large as one rank's first chunk (that rank alone had run a
+    # model to tell, which moved its generator and split the ranks' shared stream)
+    "fixed_subsample": Case(FixedSubsampleClassifier, AutoNormal, _classification_data, {},
+                            setup_first=False),
 }
 
 

@@ -179,3 +179,20 @@ def test_per_example_sites_are_in_the_plate_of_the_rows(subsample):
     trace = pyro.poutine.trace(model).get_trace(x, y)
     assert per_example_sites(trace, 4, model) == [("r", "rows"), ("z", "data")]
     assert per_example_sites(trace, 5, model) == []
+
+
+def test_a_plate_of_as_many_units_as_rows_holds_no_per_example_latent():
+    # a weight in a plate of 8 units beside a data plate over 8 rows, both at dim -1: the
+    # run on a row fewer tells them apart (the units' plate does not follow the rows)
+    def model(x, y):
+        with pyro.plate("units", 8):
+            w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([8, 3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("obs", dist.Normal((x @ w.T).sum(-1) + z, 1.0), obs=y)
+
+    def trace(rows):
+        return pyro.poutine.trace(model).get_trace(torch.zeros(rows, 3), torch.zeros(rows))
+
+    assert per_example_sites(trace(8), 8, model) == [("w", "units"), ("z", "data")]
+    assert per_example_sites(trace(8), 8, model, lambda: trace(7)) == [("z", "data")]

@@ -336,6 +336,38 @@ def test_subsampled_plate_inside_the_network(plate_size, guide_list):
     assert _error(logits, yt) <= 0.1
 
 
+@pytest.mark.parametrize("size", ["len(x)", "min(256, len(x))"])
+def test_a_plate_of_the_rows_at_hand_and_a_subsample_of_as_many(size):
+    # pyro.plate("data", N, subsample_size=len(x)) draws the rows at hand (read without
+    # blocks); min(256, len(x)) draws 256 of more (read in blocks: taken for the first
+    # form, it had failed on a chunk of more rows); both give what the plate written
+    # with its subsample gives, and leave the generator alone
+    x, y = torch.randn(600, 10), torch.randint(0, 3, (600,))
+
+    def make(form):
+        def model(x, y=None):
+            w1 = pyro.sample("w1", dist.Normal(0.0, 0.3).expand([20, 10]).to_event(2))
+            w2 = pyro.sample("w2", dist.Normal(0.0, 0.3).expand([3, 20]).to_event(2))
+            rows = len(x) if form == "len(x)" else min(256, len(x))
+            with pyro.plate("data", 600, subsample_size=rows) as ind:
+                logits = F.linear(torch.relu(F.linear(x[ind] if form != "len(x)" else x,
+                                                      w1)), w2)
+                pyro.sample("obs", dist.Categorical(logits=logits),
+                            obs=(y[ind] if form != "len(x)" else y) if y is not None else None)
+        return model
+
+    results = []
+    for form in (size, "len(x)"):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(make(form))
+        init_guide_iblm(guide, (x, y))
+        results.append((torch.get_rng_state(), guide.median()))
+    assert torch.equal(results[0][0], results[1][0])
+    for name in ("w1", "w2"):
+        assert_close(results[0][1][name], results[1][1][name], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("set_up", [True, False], ids=["set_up", "fresh"])
 @pytest.mark.parametrize("subsample_size", [None, 32], ids=["whole_plate", "subsampled"])
 def test_per_example_latent_over_more_rows_than_a_run_is_held_at_its_prior_median(
