@@ -209,6 +209,10 @@ def test_errors(call, match):
 def test_rejects_non_tensors():
     with pytest.raises(TypeError, match="expected tensors"):
         metrics.rmse([1.0, 2.0], loc=torch.zeros(2, 2))
+    # naming only what the function takes (predictive_entropy takes no y), and the remedy
+    with pytest.raises(TypeError, match=r"^expected a tensor for logits, got ndarray; "
+                       r"convert arrays with torch\.as_tensor$"):
+        metrics.predictive_entropy(logits=LOGITS.numpy())
 
 
 def test_with_predictive_classifier():

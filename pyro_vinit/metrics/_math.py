@@ -15,9 +15,13 @@ def _check_samples(
     name: str, samples: torch.Tensor, y: Optional[torch.Tensor], extra_dims: int
 ) -> None:
     if not isinstance(samples, torch.Tensor) or not isinstance(y, (torch.Tensor, type(None))):
+        arrays = any(hasattr(v, "__array__") and not isinstance(v, torch.Tensor)
+                     for v in (samples, y))
         raise TypeError(
-            f"expected tensors for {name} and y, "
-            f"got {type(samples).__name__} and {type(y).__name__}"
+            (f"expected tensors for {name} and y, got {type(samples).__name__} and "
+             f"{type(y).__name__}" if y is not None else
+             f"expected a tensor for {name}, got {type(samples).__name__}")
+            + ("; convert arrays with torch.as_tensor" if arrays else "")
         )
     expected = samples.shape[1 : samples.dim() - extra_dims]
     if samples.dim() < 1 + extra_dims + 1 or (y is not None and expected != y.shape):
