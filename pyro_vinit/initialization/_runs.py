@@ -100,15 +100,13 @@ def conditioned_in_rows(model: Callable[..., Any], values: Dict[str, torch.Tenso
 
 
 class _RowsConditionMessenger(ConditionMessenger):
-    def __init__(self, values: Dict[str, torch.Tensor]) -> None:
-        super().__init__(values)
-        self.values = values
+    data: Dict[str, torch.Tensor]
 
     def _pyro_sample(self, msg: "Message[..., Any]") -> None:
         super()._pyro_sample(msg)
         site = sample_site(msg)
         value, fn = site["value"], site["fn"]
-        if site["name"] not in self.values or not isinstance(value, torch.Tensor):
+        if site["name"] not in self.data or not isinstance(value, torch.Tensor):
             return
         for frame in site["cond_indep_stack"]:
             dim = (frame.dim or 0) - fn.event_dim

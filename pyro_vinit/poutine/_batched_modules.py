@@ -61,9 +61,9 @@ class BatchedModules:
     into its rows), and gives its output back with them; a BatchNorm that
     normalizes with its batch's statistics (train mode, or no running
     statistics), which the samples would share, is refused with a
-    :class:`ValueError`. The test is one of
-    shapes: a BatchNorm1d of data ``(N, C, L)`` in the run, with ``N`` the
-    number of samples and ``L = C``, is taken for samples.
+    :class:`ValueError`. The test is one of shapes: a BatchNorm1d of data
+    ``(N, C, L)`` in the run, with ``N`` the number of samples and ``L = C``,
+    is taken for samples.
     """
 
     def __init__(self) -> None:

@@ -94,16 +94,20 @@ def base_distribution(fn: Any) -> Any:
     return fn
 
 
-def _align_predictive_sample(msg: SampleSite) -> None:
-    # Predictive(parallel=True) conditions the model on the guide's samples reshaped to
-    # (num_samples,) + (1,) * (max_plate_nesting - value dims) + value shape, which for a
-    # site with event dims (a weight) leaves the sample dim off its plate's dim. The
-    # site's distribution has the sample dim in place: take its shape (the same elements).
+def _to_site_shape(msg: SampleSite, parallel: bool) -> None:
+    # Predictive conditions the model on a weight's sample in another shape than its
+    # site's, which F.linear and F.conv*d refuse: in parallel (a Predictive's samples'
+    # plate), its samples reshaped to (num_samples,) + (1,) * (max_plate_nesting -
+    # value dims) + value shape, which for a site with event dims leaves the sample dim
+    # off its plate's dim; sequentially, a guide with plates draws each sample as
+    # (1,) * plates + the weight's shape. The site's distribution has the shape in
+    # place: take it (the same elements).
     fn, value = msg["fn"], msg["value"]
     if not (isinstance(fn, Distribution) and isinstance(value, torch.Tensor)):
         return
     shape = fn.batch_shape + fn.event_shape
-    if value.shape != shape and value.numel() == shape.numel() and len(fn.event_shape) > 0:
+    if (len(fn.event_shape) > 0 and value.shape != shape and value.numel() == shape.numel()
+            and (parallel or value.shape[value.dim() - len(shape):] == shape)):
         msg["value"] = value.reshape(shape)
 
 
@@ -132,20 +136,6 @@ def _check_sample_dims(msg: SampleSite) -> None:
                     "samples or particles one at a time (Predictive(..., parallel=False); "
                     "vectorize_particles=False, fit's num_particles=1)")
             return
-
-
-def _drop_leading_ones(msg: SampleSite) -> None:
-    # Predictive(parallel=False) conditions the model on each sample of a weight drawn
-    # by a guide with plates as (1,) * plates + the weight's shape, which F.linear and
-    # F.conv*d refuse: the site's distribution's shape (the same elements).
-    fn, value = msg["fn"], msg["value"]
-    if not (isinstance(fn, Distribution) and isinstance(value, torch.Tensor)):
-        return
-    shape = fn.batch_shape + fn.event_shape
-    extra = value.dim() - len(shape)
-    if (len(fn.event_shape) > 0 and extra > 0 and value.shape[extra:] == shape
-            and all(size == 1 for size in value.shape[:extra])):
-        msg["value"] = value.reshape(shape)
 
 
 def _has_sample_dim(msg: SampleSite, value: torch.Tensor) -> bool:
@@ -253,12 +243,9 @@ class LayerCallMessenger(Messenger):
     def _pyro_sample(self, msg: SampleSite) -> None:
         if self._batched.samples is not None:
             _check_sample_dims(msg)
-        if msg["is_observed"] and any(
-            is_predictive_samples(frame) for frame in msg["cond_indep_stack"]
-        ):
-            _align_predictive_sample(msg)
-        elif msg["is_observed"]:
-            _drop_leading_ones(msg)
+        if msg["is_observed"]:
+            _to_site_shape(msg, any(is_predictive_samples(frame)
+                                    for frame in msg["cond_indep_stack"]))
         if (
             msg["value"] is not None
             or msg["is_observed"]

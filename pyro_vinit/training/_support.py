@@ -174,20 +174,19 @@ class _Batches:
                     "fit: data must be an (x, y) pair of tensors or an iterable of (x, y) "
                     f"batches (e.g. a DataLoader), got {type(data).__name__}{keys}"
                 )
-            with generators_kept(data):  # (a DataLoader's iterator draws its seed)
-                is_iterator = iter(data) is data
-            if is_iterator:
-                raise TypeError(
-                    "fit: data is an iterator, which can be read only once; pass a "
-                    "re-iterable such as a DataLoader or a list of batches"
-                )
             self.loader = cast(Iterable[Batch], data)
             self.fold = False
             self.one_row = None
             count, first, batches, same = 0, None, 0, 0
-            # (a pass that draws nothing: a shuffling loader's generator, its own or the
-            # global one, is where it was, whether fit goes on or fails)
+            # (a read that draws nothing: a shuffling loader's generators, its own, its
+            # sampler's or the global one, are where they were, whether fit goes on or
+            # fails; a DataLoader's iterator draws its seed)
             with generators_kept(data):
+                if iter(data) is data:
+                    raise TypeError(
+                        "fit: data is an iterator, which can be read only once; pass a "
+                        "re-iterable such as a DataLoader or a list of batches"
+                    )
                 for i, batch in enumerate(self.loader):
                     xb, yb = _check_batch(batch, f"batch {i} of data")
                     first = (xb, yb) if first is None else first
