@@ -139,8 +139,9 @@ def prior_median(fn: Distribution) -> torch.Tensor:
     shape = fn.batch_shape + fn.event_shape
     base = _unwrap(fn)
     try:
-        half = torch.full(base.batch_shape + base.event_shape, 0.5)
-        return base.icdf(half.to(base.sample().dtype)).expand(shape).clone()
+        like = base.sample()  # (the prior's dtype and device)
+        half = torch.full(like.shape, 0.5, dtype=like.dtype, device=like.device)
+        return base.icdf(half).expand(shape).clone()
     except (NotImplementedError, AttributeError, ValueError, RuntimeError):
         return fn.sample(torch.Size([1001])).median(0).values
 

@@ -27,6 +27,20 @@ def test_prior_median_is_the_icdf_at_one_half_in_the_priors_dtype():
     assert torch.equal(median, want.expand(3, 2))
 
 
+class _DeviceCheckedNormal(dist.Normal):
+    def icdf(self, value):
+        assert value.device == self.loc.device, "icdf at a probability on another device"
+        return super().icdf(value)
+
+
+def test_prior_median_is_the_icdf_on_the_priors_device():
+    # (its probability 0.5 had been made on the CPU: beside a CUDA prior, icdf failed and
+    # the median of 1001 draws stood in)
+    loc = torch.zeros(3, device="meta")
+    prior = _DeviceCheckedNormal(loc, 1.0, validate_args=False).to_event(1)
+    assert prior_median(prior).device.type == "meta"
+
+
 def test_prior_median_without_an_icdf_is_the_median_of_draws():
     # Gamma has no icdf: the median of 1001 draws, whose standard error is
     # 0.5 / sqrt(1001) / density(median): 0.05 and 0.09 here; 0.4 is over 4 of them
