@@ -390,7 +390,7 @@ class LayerCallMessenger(Messenger):
                     call.kwargs,
                 )
             if out is not None:
-                if batched:  # (a BatchNorm or pooling layer after it folds the sample dims)
+                if batched:  # (a pooling or normalization call after it folds the sample dims)
                     self._batched.watch(out, out.dim() - call.input.dim())
                 return out
             # unchanged: the program's own op, bit for bit

@@ -4,7 +4,9 @@
 import pyro
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from pyro_vinit.poutine._batched_modules import BatchedModules
 from tests.common import assert_close
@@ -54,6 +56,60 @@ def test_close_removes_the_hooks():
     modules = BatchedModules()
     modules.watch(torch.zeros(2, 3, 4), 1)
     assert nn.modules.module._global_forward_pre_hooks
+    assert torch.overrides._get_current_function_mode_stack()
     modules.close()
     assert not nn.modules.module._global_forward_pre_hooks
     assert not nn.modules.module._global_forward_hooks
+    assert not torch.overrides._get_current_function_mode_stack()
+
+
+class _Mode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_close_leaves_a_mode_entered_after_watch_on_the_stack():
+    modules = BatchedModules()
+    with _Mode() as outer:
+        modules.watch(torch.zeros(2, 3, 4), 1)
+        inner = _Mode()
+        inner.__enter__()
+        modules.close()
+        assert torch.overrides._get_current_function_mode_stack() == [outer, inner]
+        inner.__exit__(None, None, None)
+    assert not torch.overrides._get_current_function_mode_stack()
+
+
+def test_a_pooling_function_folds_the_leading_dims_in_the_samples_plate_only(batched):
+    x = torch.randn(3, 5, 4, 6, 6)
+    batched.watch(x, 1)
+    with pyro.plate(_SAMPLES, 3, dim=-2):
+        out, indices = F.max_pool2d(x, 2, return_indices=True)
+        plain = F.max_pool2d(x[0], 2)  # (as many dims as the function takes: its own)
+    assert_close(out, torch.stack([F.max_pool2d(x[s], 2) for s in range(3)]))
+    assert indices.shape == out.shape and torch.equal(plain, out[0])
+    with pytest.raises(RuntimeError):  # (outside the plate: torch's own refusal)
+        F.max_pool2d(x, 2)
+
+
+def test_a_batch_norm_module_folds_its_input_once(batched):
+    # one row per sample, as many channels as the height: the function inside the module
+    # gets (samples, channels, height, width), which it must not fold again
+    norm = nn.BatchNorm2d(4).eval()
+    norm.running_mean.normal_()
+    x = torch.randn(3, 1, 4, 4, 5)
+    batched.watch(x, 1)
+    with pyro.plate(_SAMPLES, 3, dim=-2):
+        out = norm(x)
+    assert_close(out, torch.stack([norm(x[s]) for s in range(3)]))
+
+
+def test_a_function_on_an_input_of_its_own_dims_is_left_alone(batched):
+    # a plain (rows, channels, height, width) whose rows are as many as the samples
+    x = torch.randn(3, 2, 4, 4)
+    batched.watch(torch.randn(3, 5, 2), 1)
+    with pyro.plate(_SAMPLES, 3, dim=-2):
+        out = F.interpolate(x, size=(2, 2))
+        conv = F.conv2d(x, torch.ones(1, 2, 3, 3))
+    assert torch.equal(out, F.interpolate(x, size=(2, 2)))
+    assert torch.equal(conv, F.conv2d(x, torch.ones(1, 2, 3, 3)))

@@ -424,6 +424,7 @@ def test_samples_given_within_the_handler_that_drew_them(handler):
 def _assert_no_global_hooks():
     assert not torch.nn.modules.module._global_forward_pre_hooks
     assert not torch.nn.modules.module._global_forward_hooks
+    assert not torch.overrides._get_current_function_mode_stack()
 
 
 @pytest.mark.parametrize("length, num_samples", [(5, 3), (4, 3), (5, 10)])
@@ -495,6 +496,82 @@ def test_a_held_handler_leaves_batch_norms_alone_between_runs():
         _assert_no_global_hooks()
         with handler:  # (entered again)
             assert predictive(x)["obs"].shape == (8, 10)
+    _assert_no_global_hooks()
+
+
+_RUNNING = (torch.randn(4) * 0.1, torch.rand(4) + 0.5)  # (a BatchNorm's statistics)
+_FUNCTIONAL = {
+    "F.max_pool2d": lambda x: F.max_pool2d(x, 2),
+    "F.max_pool2d, indices": lambda x: F.max_pool2d(x, 2, return_indices=True)[0],
+    "F.avg_pool2d": lambda x: F.avg_pool2d(x, 2),
+    "F.adaptive_avg_pool2d": lambda x: F.adaptive_avg_pool2d(x, 4),
+    "F.lp_pool2d": lambda x: F.lp_pool2d(x.abs() + 0.1, 2, 2),
+    "F.max_pool1d": lambda x: F.max_pool1d(x.flatten(-2), 4).unflatten(-1, (4, 4)),
+    "F.dropout2d, eval": lambda x: F.max_pool2d(F.dropout2d(x, 0.5, training=False), 2),
+    "a plain conv": lambda x: F.conv2d(x, torch.ones(4, 4, 3, 3) / 36, stride=2, padding=1),
+    "a plain conv, keywords": lambda x: F.conv2d(input=x, weight=torch.ones(4, 4, 2, 2) / 16,
+                                                 stride=2),
+    "F.interpolate": lambda x: F.interpolate(x, scale_factor=0.5, mode="bilinear"),
+    "F.interpolate, size": lambda x: F.interpolate(x, size=(4, 4)),
+    "nn.Upsample": lambda x: nn.Upsample(size=4)(x),
+    "F.batch_norm, eval": lambda x: F.max_pool2d(F.batch_norm(x, *_RUNNING), 2),
+    "F.instance_norm": lambda x: F.max_pool2d(F.instance_norm(x), 2),
+    "F.group_norm": lambda x: F.max_pool2d(F.group_norm(x, 2, torch.ones(4) * 2), 2),
+    "F.local_response_norm": lambda x: F.max_pool2d(F.local_response_norm(x, 2, alpha=1.0), 2),
+    "a Bayesian conv": None,  # (a layer call: left to the handler)
+}
+
+
+class _Functional(nn.Module):  # a CNN whose forward calls torch functions
+    def __init__(self, tail):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(64, 3)
+        self.tail = tail
+
+    def forward(self, x):
+        return self.fc(self.tail(torch.tanh(self.conv(x))).flatten(-3))
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
+@pytest.mark.parametrize("call", list(_FUNCTIONAL))
+def test_torch_functions_after_batched_layers_equal_a_loop_over_samples(call, handler):
+    # F.max_pool2d and the others took the samples' dim for one of theirs: refused inside
+    # torch ("non-empty 3D or 4D tensor expected"), or misread (F.group_norm took the
+    # rows for channels); they now fold the samples into the rows, as the modules do
+    torch.manual_seed(0)
+    tail = _FUNCTIONAL[call] or nn.Conv2d(4, 4, 3, stride=2, padding=1)
+    model = BayesianClassifier(bayesianize(_Functional(tail)))
+    x = torch.randn(10, 1, 8, 8)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    trace = _vectorized_trace(model, guide, x)
+    with torch.no_grad():
+        expected = _sequential_outputs(model, trace, x, 4)
+    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
+    samples = {name: site["value"] for name, site in trace.nodes.items()
+               if site["type"] == "sample" and name.startswith("net.")}
+    given = Predictive(model, posterior_samples=samples, parallel=True,
+                       return_sites=["_RETURN"])
+    with torch.no_grad(), handler():
+        assert_close(given(x)["_RETURN"], expected, atol=1e-5, rtol=1e-5)
+    _assert_no_global_hooks()
+    with pytest.raises(RuntimeError):  # (the control: Pyro alone)
+        with torch.no_grad():
+            given(x)
+
+
+def test_functional_batch_norm_with_batch_statistics_after_batched_layers_is_refused():
+    torch.manual_seed(0)
+    tail = partial(F.batch_norm, running_mean=None, running_var=None, training=True)
+    model = BayesianClassifier(bayesianize(_Functional(tail)))
+    x = torch.randn(10, 1, 4, 4)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    with pytest.raises(ValueError, match=r"F\.batch_norm in train mode normalizes with the "
+                                         r"statistics of its batch, which the \(4,\) samples"):
+        with torch.no_grad(), vectorized_layers():
+            Predictive(model, guide=guide, num_samples=4, parallel=True)(x)
     _assert_no_global_hooks()
 
 
