@@ -17,9 +17,10 @@ from pyro.nn import PyroModule
 from pyro.optim import PyroOptim
 from torch import nn
 
-from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, CapturedSVI, local_reparam
+from pyro_vinit import AutoKTiedNormal, AutoMeanFieldNormal, CapturedSVI, fit, local_reparam
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
 from pyro_vinit.poutine import Flipout, KLAnnealingMessenger, LocalReparam, weight_noise
+from pyro_vinit.training import captured as captured_module
 
 RTOL = 1e-10
 
@@ -388,6 +389,68 @@ def test_falls_back_with_one_warning(model_cls, reason):
     assert all(isinstance(v, float) for v in losses)
 
 
+class _FailingCapture(captured_module._Capture):
+    """A traced step whose replay fails (as aten's LSTM backward did, traced on a CPU)."""
+
+    def __init__(self, graph, params, uncompiled=None):
+        def fails(*args):
+            graph(*args)  # (its draws and BatchNorm's updates made, as a late failure's are)
+            raise RuntimeError("Expected a proper Tensor but got None")
+        super().__init__(fails, params, uncompiled)
+
+
+def test_a_first_replay_that_fails_falls_back_to_the_eager_step(monkeypatch):
+    # fit's default capture of a model with an nn.LSTM failed on its first replay inside
+    # torch; the step is now taken eagerly, from the buffers and generators it found
+    with torch.device("cpu"):
+        torch.set_default_dtype(torch.float64)
+        try:
+            eager = _run(SVI, "batchnorm", "cpu")
+            monkeypatch.setattr(captured_module, "_Capture", _FailingCapture)
+            with pytest.warns(RuntimeWarning, match="failed on its first replay "
+                                                    r"\(RuntimeError: Expected a proper"):
+                captured = _run(CapturedSVI, "batchnorm", "cpu")
+        finally:
+            torch.set_default_dtype(torch.float32)
+    assert captured[0] == eager[0]
+    assert all(torch.equal(captured[2][name], eager[2][name]) for name in eager[2])
+    assert captured[3].fallback_reason is not None
+
+
+def test_a_replay_that_fails_after_the_first_raises(monkeypatch):
+    model, make_guide, (x, y), handler = _mlp("cpu")
+    svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
+                      TraceMeanField_ELBO())
+    with handler():
+        for _ in range(3):
+            svi.step(x, y)
+        (capture,) = svi._captures.values()
+        monkeypatch.setattr(capture, "graph", _FailingCapture(capture.graph, []).graph)
+        with pytest.raises(RuntimeError, match="proper Tensor"):
+            svi.step(x, y)
+
+
+def test_fit_trains_a_model_with_an_lstm():
+    # (aten's LSTM backward, traced on a CPU, cannot be replayed: fit falls back)
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(3, 8, batch_first=True)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0][:, -1])
+
+    x = torch.randn(40, 5, 3)
+    y = (x[..., 0].sum(-1) > 0).long()
+    model = BayesianClassifier(bayesianize(Net()), num_data=40)
+    guide = AutoKTiedNormal(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = fit(model, guide, (x, y), steps=30, capture=True, progress=False)
+    assert len(history.loss) == 30 and all(math.isfinite(v) for v in history.loss)
+
+
 def test_too_many_signatures_fall_back():
     model, make_guide, (x, y), handler = _mlp("cpu")
     svi = CapturedSVI(model, make_guide(model), pyro.optim.Adam({"lr": 1e-2}),
@@ -448,7 +511,7 @@ def test_bad_arguments():
 def test_dead_buffers_are_reused_only_where_safe():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from pyro_vinit.training.captured import _reuse_dead_buffers
+    from pyro_vinit.training._trace import reuse_dead_buffers
 
     def dies(x):
         a = x * 2.0
@@ -472,7 +535,7 @@ def test_dead_buffers_are_reused_only_where_safe():
     x = torch.rand(3, 3)
     for fn, expected in ((dies, 2), (viewed, 1), (used_later, 1), (returned, 0)):
         graph = make_fx(fn)(x)
-        assert _reuse_dead_buffers(graph) == expected, fn.__name__
+        assert reuse_dead_buffers(graph) == expected, fn.__name__
         for got, want in zip(torch.utils._pytree.tree_leaves(graph(x)),
                              torch.utils._pytree.tree_leaves(fn(x))):
             assert torch.equal(got, want), fn.__name__

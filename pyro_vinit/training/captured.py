@@ -36,7 +36,7 @@ from pyro_vinit.poutine import KLAnnealingMessenger
 from pyro_vinit.training._cuda_graph import CudaGraphReplay, off_device
 from pyro_vinit.training._inductor import held_write, inductor_compile
 from pyro_vinit.training._signature import messenger_state
-from pyro_vinit.training._trace import trace_graph
+from pyro_vinit.training._trace import reuse_dead_buffers, trace_graph
 
 __all__ = ["CapturedSVI"]
 
@@ -78,82 +78,6 @@ def _no_validation() -> Iterator[None]:
         base._validate_sample = check  # type: ignore[method-assign]
 
 
-_aten = torch.ops.aten
-#: Operators whose first argument the graph may overwrite, where it dies there.
-_IN_PLACE = {
-    _aten.add.Tensor: _aten.add_.Tensor, _aten.mul.Tensor: _aten.mul_.Tensor,
-    _aten.sub.Tensor: _aten.sub_.Tensor, _aten.div.Tensor: _aten.div_.Tensor,
-    _aten.sqrt.default: _aten.sqrt_.default, _aten.exp.default: _aten.exp_.default,
-    _aten.log.default: _aten.log_.default, _aten.neg.default: _aten.neg_.default,
-    _aten.relu.default: _aten.relu_.default,
-    _aten.pow.Tensor_Scalar: _aten.pow_.Scalar,
-}
-#: Those of them whose two tensor arguments may be swapped (IEEE addition and
-#: multiplication are commutative, bit for bit).
-_COMMUTATIVE = {_aten.add.Tensor, _aten.mul.Tensor}
-
-
-def _schema(node: torch.fx.Node) -> Any:
-    target = node.target
-    return getattr(target, "_schema", None) if node.op == "call_function" else None
-
-
-def _reuse_dead_buffers(graph: torch.fx.GraphModule) -> int:
-    """
-    Rewrites the out-of-place elementwise operators of ``graph`` whose input
-    tensor is a fresh buffer that dies there (no later use, no view of it, not an
-    output) into their in-place forms, as autograd's engine accumulates
-    gradients in place where ``make_fx`` records ``add``: the same values,
-    fewer fresh buffers. Returns the number of operators rewritten.
-    """
-    order = {node: i for i, node in enumerate(graph.graph.nodes)}
-    outputs = {n for node in graph.graph.nodes if node.op == "output"
-               for n in node.all_input_nodes}
-
-    owned: Set[torch.fx.Node] = set()  # rewritten here: the buffer they overwrote, alone
-
-    def fresh(node: Any) -> bool:
-        if node in owned:
-            return True
-        schema = _schema(node) if isinstance(node, torch.fx.Node) else None
-        return (schema is not None and not schema.is_mutable
-                and all(r.alias_info is None for r in schema.returns))
-
-    def dies_at(buffer: torch.fx.Node, node: torch.fx.Node) -> bool:
-        if buffer in outputs or not fresh(buffer):
-            return False
-        for user in buffer.users:
-            if user is node:
-                continue
-            schema = _schema(user)
-            if order[user] > order[node] or schema is None or any(
-                    r.alias_info is not None for r in schema.returns):
-                return False  # used later, or viewed
-        mine, result = buffer.meta.get("val"), node.meta.get("val")
-        return (isinstance(mine, torch.Tensor) and isinstance(result, torch.Tensor)
-                and mine.shape == result.shape and mine.dtype == result.dtype
-                and mine.stride() == result.stride())
-
-    rewritten = 0
-    for node in list(graph.graph.nodes):
-        if node.op != "call_function" or node.target not in _IN_PLACE or node.kwargs:
-            continue
-        args = list(node.args)
-        if isinstance(args[0], torch.fx.Node) and dies_at(args[0], node):
-            pass
-        elif (node.target in _COMMUTATIVE and len(args) == 2
-              and isinstance(args[1], torch.fx.Node) and dies_at(args[1], node)):
-            args = [args[1], args[0]]
-        else:
-            continue
-        node.args = tuple(args)
-        node.target = _IN_PLACE[node.target]
-        owned.add(node)
-        rewritten += 1
-    graph.recompile()
-    return rewritten
-
-
 class _Capture:
     """One traced step: what replays it (the graph, inductor's code or a CUDA graph
     of either), the parameters it reads, in order, and the traced graph where it is
@@ -164,6 +88,9 @@ class _Capture:
         self.graph = graph
         self.params = params
         self.uncompiled = uncompiled
+        #: the buffers, their values and the generators' states before the first replay
+        self.before: Optional[Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor,
+                                    Optional[List[torch.Tensor]]]] = None
 
 
 def _describe(error: BaseException) -> str:
@@ -409,8 +336,17 @@ class CapturedSVI(SVI):
         self._captures.move_to_end(key)
         tensors = [a for a in [*args, *(kwargs[k] for k in sorted(kwargs))]
                    if isinstance(a, torch.Tensor)]
-        with torch.no_grad():  # the graph computes the gradients itself: nothing to record
-            loss, grads = capture.graph(capture.params, tensors)
+        try:
+            with torch.no_grad():  # the graph computes the gradients itself: nothing to record
+                loss, grads = capture.graph(capture.params, tensors)
+        except Exception as error:  # e.g. an operator whose traced backward cannot run
+            if capture.before is None:
+                raise
+            self._restore(*capture.before)  # (the optimizer has not run: only buffers moved)
+            del self._captures[key]
+            self._fall_back(f"the traced step failed on its first replay ({_describe(error)})")
+            return self._eager_step(args, kwargs)
+        capture.before = None  # (replayed once: a later failure is the step's own)
         if is_validation_enabled() and not math.isfinite(float(loss)):
             # the eager step's validation would have refused it (SVI raises there)
             raise ValueError(
@@ -506,13 +442,15 @@ class CapturedSVI(SVI):
         if compiled is not None:
             replay = compiled
         else:
-            _reuse_dead_buffers(graph)
+            reuse_dead_buffers(graph)
         if device is not None:
             try:
                 replay = self._capture_cuda_graph(graph, replay, params, tensors, device)
             finally:
                 self._restore(buffers, saved, cpu_rng, cuda_rng)  # the warm-up run's updates
         capture = _Capture(replay, params, graph if compiled is None else None)
+        capture.before = (buffers, [b.detach().clone() for b in buffers],
+                          torch.get_rng_state(), cuda_rng and torch.cuda.get_rng_state_all())
         self._captures[key] = capture
         return capture
 
