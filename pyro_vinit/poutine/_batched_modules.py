@@ -2,16 +2,20 @@
 Calls that take a fixed number of dims, on the output of a batched layer
 call, whose sample dims (those of :class:`~pyro.infer.Predictive` with
 ``parallel=True``, or of an ELBO's vectorized particles) they would refuse or
-misread: pooling (``F.*pool*d``, modules or functions), channel dropout
-(``F.dropout1d/2d/3d``), convolutions with a plain weight, ``F.interpolate``
-(``nn.Upsample``), and the normalizations ``F.batch_norm`` (in eval mode, the
-running statistics), ``F.instance_norm``, ``F.group_norm`` and
-``F.local_response_norm``. Each runs on its input with the leading dims folded
-into one (a normalization's into its rows), every sample computed exactly as
-one at a time would be, and gives its output back with them.
+misread: pooling and unpooling (``F.*pool*d``, modules or functions), channel
+dropout (``F.dropout1d/2d/3d``, ``F.feature_alpha_dropout``), convolutions
+with a plain weight and bias, ``F.pad`` other than constant,
+``F.interpolate`` (``nn.Upsample``), ``F.grid_sample``, ``F.unfold``,
+``F.fold``, ``F.channel_shuffle``, ``nn.Softmax2d`` and the normalizations
+``F.batch_norm`` (in eval mode, the running statistics), ``F.instance_norm``,
+``F.group_norm`` and ``F.local_response_norm``. Each runs on its input with
+the leading dims folded into one (a normalization's into its rows), every
+sample computed exactly as one at a time would be, and gives its output back
+with them. Only tensors computed from a batched layer's output are folded.
 """
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils.hooks import RemovableHandle
 
 from pyro_vinit._pyro_compat import active_sample_plate
+from pyro_vinit.poutine._site_value import eager
 
 __all__ = ["BatchedModules"]
 
@@ -34,74 +39,90 @@ _ADVICE = {
 _Rule = Callable[[torch.Tensor, int, Tuple[Any, ...], Dict[str, Any]], Optional[int]]
 
 
-def _fixed(dims: int) -> _Rule:
-    # pooling and channel dropout over ``dims`` spatial dims: (rows, channels, spatial)
-    return lambda x, lead, args, kwargs: dims + 1
-
-
-def _conv(dims: int) -> _Rule:
-    # a convolution with a plain weight (one with a sample site's value is a layer call)
-    def rule(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
-             kwargs: Dict[str, Any]) -> Optional[int]:
-        weight = args[1] if len(args) > 1 else kwargs.get("weight")
-        return dims + 1 if type(weight) in (torch.Tensor, nn.Parameter) else None
-    return rule
-
-
-def _channels_of(*tensors: Any) -> Optional[int]:
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            return t.numel()
-    return None
-
-
 def _argument(args: Tuple[Any, ...], kwargs: Dict[str, Any], index: int, name: str) -> Any:
     return args[index] if len(args) > index else kwargs.get(name)
 
 
-def _norm_keep(x: torch.Tensor, lead: int, channels: Optional[int]) -> Optional[int]:
-    # (rows, channels, ...) normalized over the channels' statistics or each row on its
-    # own: the model's tensor is the input past its sample dims
+def _fixed(dims: int) -> _Rule:
+    # (rows, channels, ``dims`` spatial dims): pooling, channel dropout, unfold
+    return lambda x, lead, args, kwargs: dims + 1
+
+
+def _conv(dims: int) -> _Rule:
+    # a convolution with a plain weight and bias (a sample site's value is a layer call)
+    def rule(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
+             kwargs: Dict[str, Any]) -> Optional[int]:
+        plain = all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in (
+            _argument(args, kwargs, 1, "weight"), _argument(args, kwargs, 2, "bias")))
+        return dims + 1 if plain else None
+    return rule
+
+
+def _model_keep(x: torch.Tensor, lead: int, channels: Optional[int]) -> Optional[int]:
+    # the model's own (rows, channels, ...) past the sample dims, ``channels`` where known
     if x.dim() < lead + 2 or channels not in (None, x.shape[lead + 1]):
         return None
     return x.dim() - lead - 1
 
 
-def _norm(*names: Tuple[int, str]) -> _Rule:
+def _model(*names: Tuple[int, str]) -> _Rule:
     # (the arguments, by position and name, whose size is the number of channels)
-    return lambda x, lead, args, kwargs: _norm_keep(
-        x, lead, _channels_of(*(_argument(args, kwargs, i, n) for i, n in names)))
+    def rule(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
+             kwargs: Dict[str, Any]) -> Optional[int]:
+        sizes = [t.numel() for t in (_argument(args, kwargs, i, n) for i, n in names)
+                 if isinstance(t, torch.Tensor)]
+        return _model_keep(x, lead, sizes[0] if sizes else None)
+    return rule
 
 
 def _interpolate(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
                  kwargs: Dict[str, Any]) -> Optional[int]:
     for index, name in ((1, "size"), (2, "scale_factor")):
         given = _argument(args, kwargs, index, name)
-        if isinstance(given, Sequence):
+        if isinstance(given, (tuple, list)):
             return len(given) + 1
-    return x.dim() - lead - 1 if x.dim() >= lead + 3 else None
+    return _model_keep(x, lead, None)
+
+
+def _pad(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
+         kwargs: Dict[str, Any]) -> Optional[int]:
+    # (a constant pad takes any dims; the others (rows, channels, padded dims))
+    if _argument(args, kwargs, 2, "mode") in (None, "constant"):
+        return None
+    return len(_argument(args, kwargs, 1, "pad")) // 2 + 1
 
 
 def _rules() -> Dict[Callable[..., Any], _Rule]:
     rules: Dict[Callable[..., Any], _Rule] = {}
     for d in (1, 2, 3):
         for stem in ("max_pool", "avg_pool", "adaptive_max_pool", "adaptive_avg_pool",
-                     "lp_pool", "fractional_max_pool", "dropout"):
+                     "lp_pool", "fractional_max_pool", "dropout", "max_unpool"):
             for name in (f"{stem}{d}d", f"_{stem}{d}d", f"{stem}{d}d_with_indices"):
                 for space in (F, torch):
                     if callable(getattr(space, name, None)):
                         rules[getattr(space, name)] = _fixed(d)
         for stem in ("conv", "conv_transpose"):
             rules[getattr(torch, f"{stem}{d}d")] = _conv(d)
-    rules[F.interpolate] = _interpolate
-    rules[F.batch_norm] = _norm((1, "running_mean"), (3, "weight"))
-    rules[F.instance_norm] = _norm((1, "running_mean"), (3, "weight"))
-    rules[F.group_norm] = _norm((2, "weight"))
-    rules[F.local_response_norm] = _norm()
+    rules.update({
+        F.unfold: _fixed(2), F.fold: _fixed(1), F.pad: _pad, F.interpolate: _interpolate,
+        F.batch_norm: _model((1, "running_mean"), (3, "weight")),
+        F.instance_norm: _model((1, "running_mean"), (3, "weight")),
+        F.group_norm: _model((2, "weight")),
+        F.local_response_norm: _model(), F.channel_shuffle: _model(),
+        F.feature_alpha_dropout: _model(), F.grid_sample: _model(),
+    })
     return rules
 
 
 _RULES = _rules()
+
+
+def _module_keep(module: nn.Module, x: torch.Tensor, lead: int) -> Optional[int]:
+    # modules that check their input's dims before calling their function
+    if isinstance(module, (nn.modules.batchnorm._BatchNorm,
+                           nn.modules.instancenorm._InstanceNorm)):
+        return _model_keep(x, lead, int(module.num_features))
+    return 3 if isinstance(module, nn.Softmax2d) else None
 
 
 def _refuse_batch_statistics(name: str, training: bool, running: Optional[torch.Tensor],
@@ -117,6 +138,14 @@ def _refuse_batch_statistics(name: str, training: bool, running: Optional[torch.
         f"{_ADVICE[plate]}" + (", or predict in eval mode (model.eval())" if training else ""))
 
 
+def _tensors(items: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, (tuple, list)):
+            yield from (t for t in item if isinstance(t, torch.Tensor))
+
+
 def _unfolded(out: Any, rows: torch.Size) -> Any:
     if isinstance(out, tuple):  # (a pooling layer's indices too)
         return tuple(o.reshape(rows + o.shape[1:]) for o in out)
@@ -128,30 +157,35 @@ class _Folding(TorchFunctionMode):
         super().__init__()
         self.owner = owner
 
+    @eager  # (torch.compile runs it as Python: the folds depend on Pyro's stack)
     def __torch_function__(self, func: Callable[..., Any], types: Any,
                            args: Tuple[Any, ...] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        owner = self.owner
         rule = _RULES.get(func)
-        if rule is not None:
-            return self.owner.call(func, rule, args, kwargs)
-        return func(*args, **kwargs)
+        out = (owner.call(func, rule, args, kwargs) if rule is not None
+               else func(*args, **kwargs))
+        if owner.carries(args) or (kwargs and owner.carries(kwargs.values())):
+            owner.mark(out)
+        return out
 
 
 class BatchedModules:
     """
     After :meth:`watch` and until :meth:`close`, while the plate of
     Predictive's samples or of vectorized particles is active, each call of
-    the module docstring (through a torch function mode) whose input leads
-    with the sample dims of the batched layers, with more dims than the call
-    takes, runs on that input with its leading dims folded into one, and gives
-    its output back with them. ``nn.BatchNorm*d`` and ``nn.InstanceNorm*d``,
-    which check their input's dims before calling their function, fold it
-    through torch's global module hooks. A BatchNorm that normalizes with its
-    batch's statistics (train mode, or no running statistics), which the
-    samples would share, is refused with a :class:`ValueError`. The test is
-    one of shapes: a BatchNorm1d of data ``(N, C, L)`` in the run, with ``N``
-    the number of samples and ``L = C``, is taken for samples.
+    the module docstring (seen by a torch function mode) whose input was
+    computed from a batched layer's output (the mode follows every torch call)
+    and leads with its sample dims, with more dims than the call takes, runs
+    on that input with its leading dims folded into one, and gives its output
+    back with them; so does every other argument computed from one, with the
+    same leading dims (else the call is left alone). ``nn.BatchNorm*d``,
+    ``nn.InstanceNorm*d`` and ``nn.Softmax2d``, which check their input's
+    dims before calling their function, fold it through torch's global module
+    hooks. A BatchNorm that normalizes with its batch's statistics (train
+    mode, or no running statistics), which the samples would share, is
+    refused with a :class:`ValueError`.
     """
 
     def __init__(self) -> None:
@@ -159,10 +193,14 @@ class BatchedModules:
         self._handles: Tuple[RemovableHandle, ...] = ()
         self._mode: Optional[_Folding] = None
         self._folded: Dict[int, torch.Size] = {}
+        # id -> each tensor computed from a batched layer's output, while it lives
+        self._marked: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary())
 
     def watch(self, out: torch.Tensor, lead: int) -> None:
         """A batched layer gave ``out``, whose ``lead`` leading dims are sample dims
         (a run's first; the later ones take their input's, ``lead`` 0)."""
+        self.mark(out)
         if lead <= 0:
             return
         self.samples = out.shape[:lead]
@@ -193,6 +231,17 @@ class BatchedModules:
                 _push_mode(mode)  # type: ignore[no-untyped-call]
         self._handles, self._mode, self.samples = (), None, None
         self._folded.clear()
+        self._marked.clear()
+
+    def mark(self, out: Any) -> None:
+        """Marks the tensors of ``out`` as computed from a batched layer's output."""
+        for t in _tensors((out,)):
+            self._marked[id(t)] = t
+
+    def carries(self, items: Iterable[Any]) -> bool:
+        """Whether a tensor of ``items`` was computed from a batched layer's output."""
+        marked = self._marked
+        return any(marked.get(id(t)) is t for t in _tensors(items))
 
     def _rows(self, x: Any, keep: Optional[int]) -> Optional[torch.Size]:
         # the leading dims of ``x`` to fold, or None where the call is left alone
@@ -201,7 +250,9 @@ class BatchedModules:
             return None
         if not isinstance(x, torch.Tensor) or x.dim() <= keep + 1:
             return None
-        if x.shape[:len(samples)] != samples or active_sample_plate() is None:
+        if x.shape[:len(samples)] != samples or not self.carries((x,)):
+            return None
+        if active_sample_plate() is None:
             return None
         return x.shape[:x.dim() - keep]
 
@@ -213,30 +264,30 @@ class BatchedModules:
         if not isinstance(x, torch.Tensor) or samples is None:
             return func(*args, **kwargs)
         rows = self._rows(x, rule(x, len(samples), args, kwargs))
-        if rows is None:
+        others = [t for t in _tensors((*args[1:], *kwargs.values()))
+                  if t is not x and self.carries((t,))]
+        if rows is None or any(t.shape[:len(rows)] != rows for t in others):
             return func(*args, **kwargs)
         if func is F.batch_norm:
             _refuse_batch_statistics(
                 "F.batch_norm", bool(_argument(args, kwargs, 5, "training")),
                 _argument(args, kwargs, 1, "running_mean"), samples,
                 str(active_sample_plate()))
-        folded = x.reshape((-1,) + x.shape[len(rows):])
-        if args:
-            args = (folded,) + args[1:]
-        else:
-            kwargs = dict(kwargs, input=folded)
+
+        def fold(a: Any) -> Any:
+            if a is x or any(a is t for t in others):
+                return a.reshape((-1,) + a.shape[len(rows):])
+            return a
+
+        args = tuple(fold(a) for a in args)
+        kwargs = {k: fold(v) for k, v in kwargs.items()}
         return _unfolded(func(*args, **kwargs), rows)
 
     def _fold(self, module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-        if not isinstance(module, (nn.modules.batchnorm._BatchNorm,
-                                   nn.modules.instancenorm._InstanceNorm)):
-            return None
-        if not args or self.samples is None:
+        if not args or self.samples is None or not isinstance(args[0], torch.Tensor):
             return None
         x = args[0]
-        if not isinstance(x, torch.Tensor):
-            return None
-        rows = self._rows(x, _norm_keep(x, len(self.samples), int(module.num_features)))
+        rows = self._rows(x, _module_keep(module, x, len(self.samples)))
         if rows is None:
             return None
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -252,4 +303,6 @@ class BatchedModules:
         rows = self._folded.pop(id(module), None)
         if rows is None or out is None:
             return None
-        return _unfolded(out, rows)
+        out = _unfolded(out, rows)
+        self.mark(out)
+        return out

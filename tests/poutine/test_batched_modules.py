@@ -113,3 +113,24 @@ def test_a_function_on_an_input_of_its_own_dims_is_left_alone(batched):
         conv = F.conv2d(x, torch.ones(1, 2, 3, 3))
     assert torch.equal(out, F.interpolate(x, size=(2, 2)))
     assert torch.equal(conv, F.conv2d(x, torch.ones(1, 2, 3, 3)))
+
+
+@pytest.mark.parametrize("rows", [5, 1])
+def test_the_other_arguments_from_a_batched_layer_fold_with_the_input(batched, rows):
+    # (an argument computed from a batched layer with other leading dims: left alone)
+    seen = []
+
+    def func(a, b):
+        seen.append((a.shape, b.shape))
+        return a
+
+    x = torch.randn(3, 5, 4, 6, 6)
+    batched.watch(x, 1)
+    with pyro.plate(_SAMPLES, 3, dim=-2):
+        other = x[:, :rows] * 2  # (computed under the mode: marked)
+        out = batched.call(func, lambda *args: 3, (x, other), {})
+    assert out.shape == x.shape
+    if rows == 5:
+        assert seen == [((15, 4, 6, 6), (15, 4, 6, 6))]
+    else:
+        assert seen == [(x.shape, other.shape)]

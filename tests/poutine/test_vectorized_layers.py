@@ -26,6 +26,7 @@ from pyro_vinit import (
 )
 from pyro_vinit.nn import BayesianClassifier, bayesianize
 from pyro_vinit.poutine import LayerCallMessenger
+from pyro_vinit.poutine._batched_modules import BatchedModules
 from pyro_vinit.poutine._layer_ops import batched_layer
 from tests.common import assert_close
 
@@ -427,12 +428,11 @@ def _assert_no_global_hooks():
     assert not torch.overrides._get_current_function_mode_stack()
 
 
-@pytest.mark.parametrize("length, num_samples", [(5, 3), (4, 3), (5, 10)])
+@pytest.mark.parametrize("length, num_samples", [(5, 3), (4, 3), (5, 10), (4, 10)])
 def test_batch_norm_of_an_input_without_sample_dims_is_left_alone(length, num_samples):
-    # After a batched layer, a BatchNorm1d of plain data (N, C, L), which does not lead
-    # with the samples' dims (also where L equals C), or whose channels are not where
-    # they would be after them (N samples), runs as it is (folded, it would be
-    # normalized over L)
+    # After a batched layer, a BatchNorm1d of plain data (N, C, L), not computed from
+    # it, runs as it is (folded, it would be normalized over L), also where it leads
+    # with as many rows as there are samples and L equals C (once taken for samples)
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(4).eval()
     norm.running_mean.normal_()
@@ -509,8 +509,8 @@ _FUNCTIONAL = {
     "F.max_pool1d": lambda x: F.max_pool1d(x.flatten(-2), 4).unflatten(-1, (4, 4)),
     "F.dropout2d, eval": lambda x: F.max_pool2d(F.dropout2d(x, 0.5, training=False), 2),
     "a plain conv": lambda x: F.conv2d(x, torch.ones(4, 4, 3, 3) / 36, stride=2, padding=1),
-    "a plain conv, keywords": lambda x: F.conv2d(input=x, weight=torch.ones(4, 4, 2, 2) / 16,
-                                                 stride=2),
+    "a plain conv, keywords": lambda x: F.max_pool2d(
+        F.conv2d(input=x, weight=torch.ones(4, 4, 3, 3) / 36, padding=1), 2),
     "F.interpolate": lambda x: F.interpolate(x, scale_factor=0.5, mode="bilinear"),
     "F.interpolate, size": lambda x: F.interpolate(x, size=(4, 4)),
     "nn.Upsample": lambda x: nn.Upsample(size=4)(x),
@@ -519,6 +519,12 @@ _FUNCTIONAL = {
     "F.group_norm": lambda x: F.max_pool2d(F.group_norm(x, 2, torch.ones(4) * 2), 2),
     "F.local_response_norm": lambda x: F.max_pool2d(F.local_response_norm(x, 2, alpha=1.0), 2),
     "a Bayesian conv": None,  # (a layer call: left to the handler)
+    "F.channel_shuffle": lambda x: F.max_pool2d(F.channel_shuffle(x, 2), 2),
+    "F.pad, reflect": lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect")[..., 1:-1:2, 1:-1:2],
+    "F.unfold, F.fold": lambda x: F.max_pool2d(F.fold(F.unfold(x, 2), (8, 8), 2), 2),
+    "F.max_unpool2d": lambda x: F.max_pool2d(F.max_unpool2d(*F.max_pool2d(
+        x, 2, return_indices=True), 2), 2),
+    "nn.Softmax2d": lambda x: F.max_pool2d(nn.Softmax2d()(x), 2),
 }
 
 
@@ -559,6 +565,86 @@ def test_torch_functions_after_batched_layers_equal_a_loop_over_samples(call, ha
     with pytest.raises(RuntimeError):  # (the control: Pyro alone)
         with torch.no_grad():
             given(x)
+
+
+class _SideBranch(nn.Module):  # the batched features and a branch of the plain input
+    def __init__(self, side):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 3)
+        self.side = side
+
+    def forward(self, x):
+        before = self.side(x)  # (before and after the batched layer)
+        h = torch.tanh(self.conv(x)) + (before + self.side(x)).mean(-3, keepdim=True)
+        return self.fc(h.flatten(-3))
+
+
+@pytest.mark.parametrize("side", [
+    lambda x: F.local_response_norm(x, 2, alpha=1.0), nn.GroupNorm(1, 3, affine=False),
+    F.instance_norm, lambda x: F.avg_pool2d(F.interpolate(x, scale_factor=2), 2)],
+    ids=["F.local_response_norm", "nn.GroupNorm", "F.instance_norm", "F.interpolate"])
+def test_a_plain_tensor_as_long_as_the_samples_is_left_alone(side):
+    # a plain input with as many rows as there are samples had been folded, by one call
+    # of a held handler, and by the calls of the next runs before their batched layers
+    torch.manual_seed(0)
+    model = BayesianClassifier(bayesianize(_SideBranch(side)))
+    x = torch.randn(4, 3, 8, 8)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (4,)))
+    predictive = Predictive(model, guide=guide, num_samples=4, parallel=True,
+                            return_sites=["_RETURN"])
+    with torch.no_grad(), vectorized_layers():
+        traces = [predictive.get_vectorized_trace(x) for _ in range(2)]
+    for trace in traces:
+        with torch.no_grad():
+            expected = _sequential_outputs(model, trace, x, 4)
+        assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_conv_of_a_plain_weight_and_a_latent_bias_is_left_to_the_handler():
+    torch.manual_seed(0)
+    net = bayesianize(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(),
+                                    nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(-3),
+                                    nn.Linear(4 * 8 * 8, 3)))
+    net[2].weight = nn.Parameter(torch.randn(4, 4, 3, 3) / 6)  # (its bias stays latent)
+    model = BayesianClassifier(net)
+    x = torch.randn(6, 1, 8, 8)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (6,)))
+    trace = _vectorized_trace(model, guide, x)
+    with torch.no_grad():
+        expected = _sequential_outputs(model, trace, x, 4)
+    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_compiled_network_under_parallel_predictive():
+    # (torch.compile had traced into the folding's torch function mode, and failed)
+    torch.manual_seed(0)
+    model = BayesianClassifier(bayesianize(_Functional(lambda x: F.max_pool2d(x, 2))))
+    x = torch.randn(6, 1, 8, 8)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (6,)))
+    model.net.forward = torch.compile(model.net.forward, backend="eager")
+    trace = _vectorized_trace(model, guide, x)
+    with torch.no_grad():
+        expected = _sequential_outputs(model, trace, x, 4)
+    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
+    _assert_no_global_hooks()
+
+
+@pytest.mark.parametrize("dropout", [F.dropout2d, F.feature_alpha_dropout])
+def test_channel_dropout_of_vectorized_particles_drops_channels(dropout):
+    # each (particle, row) gets its own mask over the channels, as one particle's rows do
+    batched = BatchedModules()
+    x = torch.ones(3, 5, 8, 4, 4)
+    batched.watch(x, 1)
+    try:
+        with pyro.plate("num_particles_vectorized", 3, dim=-2):
+            out = dropout(x, 0.5, training=True)[..., 0, 0]
+    finally:
+        batched.close()
+    assert (out.std(-1) > 0).all()  # (a whole (particle, row) dropped had no spread)
 
 
 def test_functional_batch_norm_with_batch_statistics_after_batched_layers_is_refused():
