@@ -173,6 +173,23 @@ def _sample_dims(value: torch.Tensor) -> int:
     return max(value.dim() - 2, 0)  # (the sample dim, and the plates' singletons)
 
 
+def _refuse_sample_dims(func: Callable[..., Any], values: List[SiteValue],
+                        error: RuntimeError) -> None:
+    # torch refused an op (no layer call) on a site value with the vectorized samples'
+    # or particles' dims on its left (e.g. F.multi_head_attention_forward's w.t())
+    for value in values:
+        frames = value.msgs[0]["cond_indep_stack"]
+        if any(is_vectorized_particles(f) or is_predictive_samples(f) for f in frames):
+            raise ValueError(
+                f"{op_name(func)} of the value of sample site {value.site!r}, "
+                "which leads with the dims of Predictive's samples (parallel=True) or of "
+                f"vectorized particles, failed ({str(error).splitlines()[0]}): the handlers "
+                "run F.linear, F.conv*d and matrix products batched over them, and any other "
+                "use of a site's value must take them. Predict with "
+                "Predictive(..., parallel=False) (or vectorize_particles=False), or keep "
+                "the layer deterministic (bayesianize(..., exclude=[...]))") from error
+
+
 def _msgs_of(value: Any) -> List[SampleSite]:
     return value.msgs if _is_latent(value) and value.is_view else []
 
@@ -360,7 +377,11 @@ class LayerCallMessenger(Messenger):
         values = [v for v in _site_values(args) + _site_values(list(kwargs.values())) if v.msgs]
         if not values:
             return NotImplemented
-        out = func(*unwrap(args), **unwrap(kwargs))
+        try:
+            out = func(*unwrap(args), **unwrap(kwargs))
+        except RuntimeError as error:
+            _refuse_sample_dims(func, values, error)
+            raise
         if uses_values(func, out):
             for value in values:
                 self._on_plain_op(value, op_name(func))

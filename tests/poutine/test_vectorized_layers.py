@@ -647,6 +647,34 @@ def test_channel_dropout_of_vectorized_particles_drops_channels(dropout):
     assert (out.std(-1) > 0).all()  # (a whole (particle, row) dropped had no spread)
 
 
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(-2))
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
+def test_a_use_of_a_batched_weight_that_torch_refuses_names_the_site(handler):
+    # the attention's output projection (F.multi_head_attention_forward: w.t()) failed
+    # inside torch ("t() expects a tensor with <= 2 dimensions")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the attention's in_proj stays deterministic)
+        model = BayesianClassifier(bayesianize(_Encoder()))
+    x = torch.randn(6, 5, 8)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 2, (6,)))
+    match = (r"multi_head_attention_forward of the value of sample site "
+             r"'net\.enc\.self_attn\.out_proj\.weight', which leads with the dims of "
+             r"Predictive's samples .*failed \(t\(\) expects .*parallel=False")
+    with pytest.raises(ValueError, match=match), torch.no_grad(), handler():
+        Predictive(model, guide=guide, num_samples=3, parallel=True)(x)
+
+
 def test_functional_batch_norm_with_batch_statistics_after_batched_layers_is_refused():
     torch.manual_seed(0)
     tail = partial(F.batch_norm, running_mean=None, running_var=None, training=True)
