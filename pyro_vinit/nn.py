@@ -215,11 +215,14 @@ def bayesianize(
         )
 
     # Matrices outside the layer types (attention projections, embeddings, a user's own
-    # matmul weights) are not converted: say so rather than leave them silently.
+    # matmul weights) are not converted: say so rather than leave them silently (those
+    # the user excluded, and what is inside them, are deterministic by request).
+    asked = excluded_names + tuple(name for name, sub in module.named_modules()
+                                   if isinstance(sub, excluded_types))
     left = [
         f"{name}.{p}" if name else p
         for name, sub in module.named_modules()
-        if not isinstance(sub, _LAYER_TYPES)
+        if not isinstance(sub, _LAYER_TYPES) and not _is_excluded(name, sub, asked, ())
         for p, param in sub.named_parameters(recurse=False)
         if param.dim() >= 2
     ]

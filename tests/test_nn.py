@@ -399,6 +399,22 @@ def test_matrices_left_deterministic_are_named():
     assert len(record) == 1  # the LayerNorm's vectors and the converted layer are not named
 
 
+@pytest.mark.parametrize("exclude", [["attention"], [nn.TransformerEncoderLayer]])
+def test_matrices_of_excluded_modules_are_not_named(exclude):
+    # (an excluded module's matrices are deterministic by request: no warning)
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = nn.TransformerEncoderLayer(4, 2, 8, batch_first=True)
+            self.embed = nn.Embedding(5, 4)
+            self.head = nn.Linear(4, 2)
+
+    with pytest.warns(UserWarning) as record:
+        bayesianize(Encoder(), exclude=exclude)
+    assert [str(r.message).split("]")[0] for r in record] == [
+        "bayesianize: the parameters ['embed.weight'"]
+
+
 @pytest.mark.parametrize("guide_cls", [AutoNormal, AutoKTiedNormal, AutoRadialNormal])
 def test_zero_width_layer(guide_cls):
     # A hidden layer of width 0: its weight (0, 3) and bias (0,) are zero-size sites,
