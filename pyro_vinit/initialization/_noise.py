@@ -47,7 +47,9 @@ def fit_noise(prep: Prepared, values: Dict[str, torch.Tensor], targets: Targets,
         inputs = layer_inputs(prep, values, output, options.chunk_rows, collective)
         for _ in range(2):  # the residuals of a fit with the noise they imply
             sigma = residual_std(prep, values, options.chunk_rows, collective)
-            refit = replace(targets, noise_var=_column_var(sigma, targets.y))
+            # (in the targets' units: the likelihood's over the model's gain)
+            own = sigma if targets.gain is None else sigma / targets.gain.abs()
+            refit = replace(targets, noise_var=_column_var(own, targets.y))
             fit = solve_layer(prep.pool, output, inputs, refit, options, collective)
             stage(prep.site_shape, values, fits, fit, options.propagate)
         sigma = residual_std(prep, values, options.chunk_rows, collective)

@@ -126,15 +126,18 @@ def warn_unscaled_targets(trace: poutine.Trace, site: Any) -> None:
     """Warns where the targets of a Normal, StudentT or Laplace likelihood ``site``
     lie more than ten times beyond the largest scale of the Normal priors of the
     ``trace``'s latent sites (a bayesianized network's keep its outputs near unit
-    scale), where a Bayesian fit is pulled toward 0."""
+    scale) and of the likelihood's mean (a model that maps its network's output
+    to the targets' scale reaches them), where a Bayesian fit is pulled toward 0."""
     fn, y = base_distribution(site["fn"]), site["value"]
     if not isinstance(fn, (dist.Normal, dist.StudentT, dist.Laplace)) or y.numel() < 2:
         return
     scales = [float(normal.scale.max()) for s in trace.nodes.values()
               if s["type"] == "sample" and not s["is_observed"]
               for normal in [factorized_normal(s["fn"])] if normal is not None]
+    loc = fn.loc.detach()
     size = max(abs(float(y.mean())), float(y.std()))  # (of the rows at hand)
-    if not scales or size <= 10 * max(scales):
+    if not scales or size <= 10 * max(scales + [abs(float(loc.mean()))] + (
+            [float(loc.std())] if loc.numel() > 1 else [])):
         return
     # (its order of magnitude only: fit's first batch and I-BLM's first rows say the same)
     warn_at_caller(

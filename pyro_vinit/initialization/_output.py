@@ -1,8 +1,10 @@
 """
 I-BLM's checks of the layer that feeds the likelihood: which layer it is in a
 guide list's model (:func:`output_layer_site`), and whether the model
-transforms its output before the likelihood (:func:`report_transformed_output`),
-which the output layer's regressions would not undo.
+transforms its output before the likelihood (:func:`output_transform`): an
+affine map per output (``out * std + mean``, a temperature of Bernoulli
+logits), which the output layer's targets undo, or another, which the
+regressions would not.
 """
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
@@ -19,7 +21,11 @@ from pyro_vinit.initialization._tracing import (
 )
 from pyro_vinit.poutine.layer_recorder import RecordedLayer
 
-__all__ = ["output_layer_site", "report_transformed_output", "transformed_output"]
+__all__ = ["Affine", "output_layer_site", "output_transform", "transformed_output"]
+
+#: per output unit, the gain and offset of the map from the output layer to the
+#: likelihood's mean or logits
+Affine = Tuple[torch.Tensor, torch.Tensor]
 
 
 def output_layer_site(
@@ -41,15 +47,17 @@ def output_layer_site(
     return (names[outputs[0]] if len(outputs) == 1 else None), names
 
 
-def transformed_output(prep: Prepared) -> Optional[Tuple[str, str]]:
-    """``(output layer's weight site, likelihood parameter)`` if, in a run of the
-    model whose output layer gives fixed varied values, the likelihood's mean or
-    logits (or the probabilities of its logits) are not that output, up to a
-    reshape and 5%; else None."""
-    output = prep.structure.output_layers[0].weight_name
+def transformed_output(prep: Prepared) -> Optional[Tuple[str, str, Optional[Affine]]]:
+    """``(output layer's weight site, likelihood parameter, affine map or None)`` if,
+    in a run of the model whose output layer gives fixed varied values, the
+    likelihood's mean or logits (or the probabilities of its logits) are not
+    that output, up to a reshape and 5%; else None. The map is given where a
+    Normal's mean or Bernoulli logits are the output times a gain plus an
+    offset per output unit (to 1e-5)."""
+    output = prep.structure.output_layers[0]
 
     def probe(layer: RecordedLayer) -> Optional[torch.Tensor]:
-        if layer.weight_name != output:
+        if layer.weight_name != output.weight_name:
             return None
         out = layer.call()
         index = torch.arange(out.numel(), dtype=out.dtype, device=out.device)
@@ -62,7 +70,8 @@ def transformed_output(prep: Prepared) -> Optional[Tuple[str, str]]:
         recorder = run_model(prep.model, guide_medians(prep.guide, prep.first), prep.first,
                              prep.latent, num_rows=prep.pool.rows_of(prep.first),
                              on_layer=probe, track_flow=True)
-    found = [layer.output for layer in recorder.layers if layer.weight_name == output]
+    found = [layer.output for layer in recorder.layers
+             if layer.weight_name == output.weight_name]
     if len(found) != 1 or found[0] is None or len(recorder.observed) != 1:
         return None
     out, site = found[0].detach(), recorder.observed[0]
@@ -84,20 +93,44 @@ def transformed_output(prep: Prepared) -> Optional[Tuple[str, str]]:
     scale = 1.0 + float(expected.abs().max()) if expected.numel() else 1.0
     if bool(((got - expected).abs() <= 0.05 * scale).all()):
         return None
-    return output, param
+    affine = None
+    if param == "loc" or (param == "logits" and not softmax):
+        affine = _affine(expected.reshape(-1, output.num_units),
+                         got.reshape(-1, output.num_units))
+    return output.weight_name, param, affine
 
 
-def report_transformed_output(prep: Prepared, who: str) -> None:
-    """Says, in one warning, that the model transforms its output layer's output
-    before the likelihood, which the regressions do not undo."""
+def _affine(out: torch.Tensor, got: torch.Tensor) -> Optional[Affine]:
+    # per column j, got[:, j] = gain[j] * out[:, j] + offset[j], where that holds
+    if out.shape[0] < 2:
+        return None
+    centred = out - out.mean(0)
+    gain = (centred * (got - got.mean(0))).sum(0) / centred.pow(2).sum(0)
+    offset = got.mean(0) - gain * out.mean(0)
+    tolerance = 1e-5 * (1.0 + float(got.abs().max()))
+    if not bool(((gain * out + offset - got).abs() <= tolerance).all()):
+        return None
+    if not bool((gain.abs() > 1e-6 * (1.0 + gain.abs().max())).all()):
+        return None
+    return gain, offset
+
+
+def output_transform(prep: Prepared, who: str) -> Optional[Affine]:
+    """The affine map per output unit from the output layer to the likelihood's
+    mean or logits, where the model applies one (the output layer's targets
+    undo it); else None, saying in one warning that the model transforms its
+    output layer's output in another way, which the regressions do not undo."""
     found = transformed_output(prep)
     if found is None:
-        return
-    name, param = found
+        return None
+    name, param, affine = found
+    if affine is not None:
+        return affine
     warn_at_caller(
         f"{who} fits the output layer {name!r} to the targets as the likelihood's {param}, "
         "but the model transforms that layer's output before the likelihood (e.g. a "
-        "de-standardization out * std + mean, an offset, a temperature), which the fit does "
-        "not undo: the guide starts off by that transform. Move the transform into the "
-        "data (e.g. standardize the targets) or into the layer, or initialize with "
+        "nonlinear map, a temperature of softmax logits, an offset that depends on the "
+        "inputs), which the fit does not undo: the guide starts off by that transform. "
+        "Move the transform into the data or into the layer, or initialize with "
         "init_guide(..., method='xavier')", UserWarning)
+    return None

@@ -53,12 +53,17 @@ class Targets:
     noise_var: torch.Tensor  # (rows, k)
     softmax: bool  # whether a shift shared by all columns leaves the likelihood unchanged
     fixed_noise: bool  # whether noise_var is the model's own (a fixed likelihood scale)
+    #: per column, the gain from the output layer to the likelihood's mean or logits
+    gain: Optional[torch.Tensor] = None
 
 
 def read_targets(prep: Prepared, values: Dict[str, torch.Tensor], options: IBLMOptions,
-                 collective: Collective) -> Targets:
+                 collective: Collective,
+                 affine: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Targets:
     """The output layer's regression targets, from the observed site of a pass
-    over the data with the latent sites at ``values``."""
+    over the data with the latent sites at ``values``; where the model maps the
+    output layer's output by ``affine`` (a gain and an offset per column) to
+    the likelihood's mean or logits, the targets and noise are mapped back."""
     likelihood = prep.likelihood
     fixed = likelihood.noise == "fixed" and not options.estimate_noise
     fixed = fixed and options.noise_scale is None
@@ -74,11 +79,18 @@ def read_targets(prep: Prepared, values: Dict[str, torch.Tensor], options: IBLMO
             parts.append(site_targets(site, likelihood.family, obs, scale, options.alpha))
     y = torch.cat([p[0] for p in parts])
     noise_var = torch.cat([p[1] for p in parts])
+    gain = None
+    if affine is not None and affine[0].numel() == y.shape[1]:
+        gain, offset = (a.to(y) for a in affine)
+        y, noise_var = (y - offset) / gain, noise_var / gain.pow(2)
     task = "regression" if likelihood.family == "normal" else "classification"
     if task == "regression" and not fixed:
-        std = collective.std(y)
-        noise = options.noise_scale or 0.1 * std.clamp_min(1e-6).item()
-        noise_var.fill_(noise**2)
+        if options.noise_scale is not None:  # (the likelihood's, over the model's gain)
+            noise_var.fill_(options.noise_scale**2)
+            if gain is not None:
+                noise_var /= gain.pow(2)
+        else:
+            noise_var.fill_(0.1**2 * collective.std(y).clamp_min(1e-6).item() ** 2)
     softmax = likelihood.family in ("categorical", "onehot")
     output = prep.structure.output_layers[0]
     if output.num_units != y.shape[1]:
@@ -93,7 +105,7 @@ def read_targets(prep: Prepared, values: Dict[str, torch.Tensor], options: IBLMO
             f"the likelihood has {y.shape[1]} target columns; I-BLM needs them to match"
             + hint
         )
-    return Targets(task, y, noise_var, softmax, fixed)
+    return Targets(task, y, noise_var, softmax, fixed, gain)
 
 
 def site_targets(site: SampleSite, family: str, obs: torch.Tensor,

@@ -15,7 +15,7 @@ Bayes for Deep Models"
 
 import itertools
 from contextlib import ExitStack
-from typing import Any, Callable, Dict, List, Optional, TypeVar, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
 
 import pyro.poutine as poutine
 import torch
@@ -32,7 +32,7 @@ from pyro_vinit.initialization._marks import mark_initialized
 from pyro_vinit.initialization._noise import fit_noise
 from pyro_vinit.initialization._observed import check_has_likelihood
 from pyro_vinit.initialization._options import IBLMOptions
-from pyro_vinit.initialization._output import output_layer_site, report_transformed_output
+from pyro_vinit.initialization._output import Affine, output_layer_site, output_transform
 from pyro_vinit.initialization._passes import layer_inputs, refresh_norm_statistics
 from pyro_vinit.initialization._process_group import check_process_group, collective_for
 from pyro_vinit.initialization._regressions import extract_patches
@@ -212,9 +212,9 @@ def _initialize_member(guide: AutoGuide, data: Data, options: IBLMOptions,
     member of ``owner`` owns, for the list to write."""
     collective = collective_for(process_group)
     with ExitStack() as stack:
-        prep = _trace_model(guide, data, options, collective, stack, owner)  # 1. the structure
+        prep, affine = _trace_model(guide, data, options, collective, stack, owner)  # 1.
         values = guide_medians(guide, prep.first)
-        targets = read_targets(prep, values, options, collective)
+        targets = read_targets(prep, values, options, collective, affine)
         fits: Dict[str, Fit] = {}
         for layer in prep.layers:
             if layer.role == "scale":  # a scale head is fitted with the noise
@@ -368,10 +368,12 @@ def _check_data(data: Any, process_group: Optional[Any]) -> None:
 
 
 def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective: Collective,
-                stack: ExitStack, owner: Optional[AutoGuideList] = None) -> Prepared:
+                 stack: ExitStack, owner: Optional[AutoGuideList] = None,
+                 ) -> Tuple[Prepared, Optional[Affine]]:
     """Step 1: reads the data into the pool (entering into ``stack`` what must
     last the whole call), sets the guide up if needed, and traces the model's
-    layers, likelihood and what feeds it."""
+    layers, likelihood and what feeds it (with the affine map from the output
+    layer to the likelihood, where there is one)."""
     pool = collective.open_pool(data, options, stack)
     with collective.agree():
         prep = prepare(guide, None, options.max_pool_size, options.chunk_rows, pool=pool,
@@ -380,9 +382,9 @@ def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective:
     # (the warnings point at the user's call: of init_guide_iblm, of fit, ...)
     report_uncovered(prep.structure, options.strict, "init_guide_iblm")
     report_held(prep.structure, "init_guide_iblm", noise_written=owner is not None)
-    report_transformed_output(prep, "init_guide_iblm")
+    affine = output_transform(prep, "init_guide_iblm")
     pool.effective_batch_size(options.batch_size, "init_guide_iblm")
-    return prep
+    return prep, affine
 
 
 class IBLMGuideInitializer:
