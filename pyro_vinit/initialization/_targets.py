@@ -97,9 +97,15 @@ def read_targets(prep: Prepared, values: Dict[str, torch.Tensor], options: IBLMO
         layered = {name for layer in prep.layers for name in layer.site_names}
         vectors = one_dim_sites({name: prep.site_shape(name) for name in prep.latent
                                  if name not in layered})
+        matrices = [name for name in prep.latent
+                    if name not in layered and len(prep.site_shape(name)) == 2]
         hint = (f" (the latent sites {vectors} have one dimension: a product h @ w with w of "
                 "shape (D,) is not read as a layer; give it the shape (D, 1) and take "
                 "(h @ w).squeeze(-1))") if vectors else ""
+        hint += (f" (the latent matrices {matrices} are in no layer I-BLM reads: a product "
+                 "that sums the outputs' dim away, einsum('oi,ni->n', w, h), or puts it "
+                 "first, is none; write F.linear(h, w) or h @ w.T and reshape its output)"
+                 ) if matrices and not vectors else ""
         raise ValueError(
             f"the output layer ({output.weight_name!r}) has {output.num_units} outputs but "
             f"the likelihood has {y.shape[1]} target columns; I-BLM needs them to match"

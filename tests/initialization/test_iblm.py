@@ -621,6 +621,22 @@ def test_a_vector_weight_is_named_where_it_is_not_read_as_a_layer():
         init_guide_iblm(AutoNormal(model), (x, y))
 
 
+def test_a_matrix_in_no_layer_is_named_where_the_outputs_do_not_match():
+    # (the hidden layer had been taken for the output layer, with no word of the head)
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([8, 3]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([1, 8]).to_event(2))
+        h = torch.tanh(F.linear(x, w1))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(torch.einsum("oi,ni->n", w2, h), 0.1), obs=y)
+
+    x = torch.randn(40, 3)
+    with pytest.raises(ValueError, match=r"has 8 outputs but the likelihood has 1 target "
+                       r"columns; .* \(the latent matrices \['w2'\] are in no layer "
+                       r"I-BLM reads: .*einsum\('oi,ni->n', w, h\)"):
+        init_guide_iblm(AutoNormal(model), (x, x.sum(-1)))
+
+
 def test_data_whose_sum_overflows_is_finite_and_opposite_infinities_are_not():
     # (the finiteness check reads the sum first: it must not take an overflow for a
     # non-finite element, nor inf + -inf, whose sum is NaN, for a finite one)
