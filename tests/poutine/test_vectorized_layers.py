@@ -345,13 +345,18 @@ def test_batch_norm_in_eval_mode_after_batched_layers_equals_a_loop_over_samples
     # which it refused ("expected 4D input (got 5D input)"); in eval mode it now
     # normalizes each sample with the running statistics, as a run per sample does
     model, x = _bn_cnn(norm)
+    _assert_equals_a_loop_over_samples(model, x, handler)
+
+
+def _assert_equals_a_loop_over_samples(model, x, handler):
+    """A classifier's vectorized Predictive equals a run per sample, and so does one of
+    those samples given to Predictive under ``handler``; returns the latter."""
     guide = AutoNormal(model)
-    guide(x, torch.randint(0, 3, (10,)))
+    guide(x, torch.randint(0, 3, (len(x),)))
     trace = _vectorized_trace(model, guide, x)
     with torch.no_grad():
         expected = _sequential_outputs(model, trace, x, 4)
     assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
-    # and with given samples (the weights above), under either handler
     samples = {name: site["value"] for name, site in trace.nodes.items()
                if site["type"] == "sample" and name.startswith("net.")}
     given = Predictive(model, posterior_samples=samples, parallel=True,
@@ -362,6 +367,7 @@ def test_batch_norm_in_eval_mode_after_batched_layers_equals_a_loop_over_samples
             logits = given(x)["_RETURN"]
     assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     _assert_no_global_hooks()
+    return given
 
 
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
@@ -548,23 +554,10 @@ def test_torch_functions_after_batched_layers_equal_a_loop_over_samples(call, ha
     torch.manual_seed(0)
     tail = _FUNCTIONAL[call] or nn.Conv2d(4, 4, 3, stride=2, padding=1)
     model = BayesianClassifier(bayesianize(_Functional(tail)))
-    x = torch.randn(10, 1, 8, 8)
-    guide = AutoNormal(model)
-    guide(x, torch.randint(0, 3, (10,)))
-    trace = _vectorized_trace(model, guide, x)
-    with torch.no_grad():
-        expected = _sequential_outputs(model, trace, x, 4)
-    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
-    samples = {name: site["value"] for name, site in trace.nodes.items()
-               if site["type"] == "sample" and name.startswith("net.")}
-    given = Predictive(model, posterior_samples=samples, parallel=True,
-                       return_sites=["_RETURN"])
-    with torch.no_grad(), handler():
-        assert_close(given(x)["_RETURN"], expected, atol=1e-5, rtol=1e-5)
-    _assert_no_global_hooks()
+    given = _assert_equals_a_loop_over_samples(model, torch.randn(10, 1, 8, 8), handler)
     with pytest.raises(RuntimeError):  # (the control: Pyro alone)
         with torch.no_grad():
-            given(x)
+            given(torch.randn(10, 1, 8, 8))
 
 
 class _SideBranch(nn.Module):  # the batched features and a branch of the plain input
