@@ -160,7 +160,7 @@ def compile_regions(graph):
             inputs = [_example(a.meta["val"]) for a in node.args]
             with torch.no_grad():
                 setattr(fused, node.target, _Compiled(compile_fx(sub, inputs)))
-    captured_module._reuse_dead_buffers(fused)  # the rest in place, as the library's replay
+    captured_module.reuse_dead_buffers(fused)  # the rest in place, as the library's replay
     return fused, sizes
 
 
@@ -189,12 +189,12 @@ def functional_graphs():
     """The graphs ``CapturedSVI`` traces meanwhile, collected before its
     in-place rewrite (which is skipped)."""
     graphs = []
-    rewrite = captured_module._reuse_dead_buffers
-    captured_module._reuse_dead_buffers = graphs.append
+    rewrite = captured_module.reuse_dead_buffers
+    captured_module.reuse_dead_buffers = graphs.append
     try:
         yield graphs
     finally:
-        captured_module._reuse_dead_buffers = rewrite
+        captured_module.reuse_dead_buffers = rewrite
 
 
 def fit_step(x, y, num_data, variant=None, again=False, cold=False):
