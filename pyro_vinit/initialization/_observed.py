@@ -4,7 +4,8 @@ and the targets fit the likelihood (its support, dtype and shape)."""
 import linecache
 import math
 import os
-from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -12,6 +13,7 @@ import torch
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
 from pyro.util import check_site_shape
+from torch.distributions import Distribution
 
 from pyro_vinit._pyro_compat import (
     conditioned_sites,
@@ -24,6 +26,7 @@ from pyro_vinit._pyro_compat import (
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.distributions import factorized_normal
 from pyro_vinit.initialization._data import describe
+from pyro_vinit.initialization._runs import prior_median
 from pyro_vinit.poutine.layer_call_messenger import base_distribution
 
 #: the package's directory: an error whose innermost frame lies in it is the library's
@@ -80,9 +83,15 @@ def check_has_likelihood(model: Callable[..., Any], args: Sequence[Any],
         check_not_conditioned(model, site["name"])
         check_targets(site, site["value"])  # (I-BLM checks every row as it reads them)
         check_log_density_shape(site)
-        warn_unscaled_targets(trace, site)
+        warn_unscaled_targets(trace, site, partial(_conditioned_trace, model, args))
     check_latent_shapes(trace)
     return trace
+
+
+def _conditioned_trace(model: Callable[..., Any], args: Sequence[Any],
+                       values: Dict[str, torch.Tensor]) -> poutine.Trace:
+    with torch.no_grad(), poutine.block():
+        return poutine.trace(poutine.condition(model, data=values)).get_trace(*args)
 
 
 def per_example_sites(trace: poutine.Trace, rows: int, model: Callable[..., Any],
@@ -122,22 +131,33 @@ def per_example_sites(trace: poutine.Trace, rows: int, model: Callable[..., Any]
     return found
 
 
-def warn_unscaled_targets(trace: poutine.Trace, site: Any) -> None:
+def warn_unscaled_targets(trace: poutine.Trace, site: Any,
+                          rerun: Callable[[Dict[str, torch.Tensor]], poutine.Trace]) -> None:
     """Warns where the targets of a Normal, StudentT or Laplace likelihood ``site``
     lie more than ten times beyond the largest scale of the Normal priors of the
     ``trace``'s latent sites (a bayesianized network's keep its outputs near unit
-    scale) and of the likelihood's mean (a model that maps its network's output
-    to the targets' scale reaches them), where a Bayesian fit is pulled toward 0."""
+    scale) and beyond the likelihood's mean with every latent site at its prior's
+    median (the trace of the model conditioned on them, by ``rerun``: a model
+    that adds the targets' mean reaches them), where a Bayesian fit is pulled
+    toward 0."""
     fn, y = base_distribution(site["fn"]), site["value"]
     if not isinstance(fn, (dist.Normal, dist.StudentT, dist.Laplace)) or y.numel() < 2:
         return
     scales = [float(normal.scale.max()) for s in trace.nodes.values()
               if s["type"] == "sample" and not s["is_observed"]
               for normal in [factorized_normal(s["fn"])] if normal is not None]
-    loc = fn.loc.detach()
     size = max(abs(float(y.mean())), float(y.std()))  # (of the rows at hand)
-    if not scales or size <= 10 * max(scales + [abs(float(loc.mean()))] + (
-            [float(loc.std())] if loc.numel() > 1 else [])):
+    if not scales or size <= 10 * max(scales):
+        return
+    medians = {name: prior_median(cast(Distribution, s["fn"]))
+               for name, s in trace.nodes.items()
+               if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s)}
+    try:
+        again = rerun(medians)
+        offset = abs(float(base_distribution(again.nodes[site["name"]]["fn"]).loc.mean()))
+    except Exception:  # (a model that cannot run at its priors' medians: the scales alone)
+        offset = 0.0
+    if size <= 10 * max(scales + [offset]):
         return
     # (its order of magnitude only: fit's first batch and I-BLM's first rows say the same)
     warn_at_caller(

@@ -382,7 +382,7 @@ def _trace_model(guide: AutoGuide, data: Data, options: IBLMOptions, collective:
     # (the warnings point at the user's call: of init_guide_iblm, of fit, ...)
     report_uncovered(prep.structure, options.strict, "init_guide_iblm")
     report_held(prep.structure, "init_guide_iblm", noise_written=owner is not None)
-    affine = output_transform(prep, "init_guide_iblm")
+    affine = output_transform(prep, "init_guide_iblm", options.chunk_rows, collective)
     pool.effective_batch_size(options.batch_size, "init_guide_iblm")
     return prep, affine
 

@@ -7,7 +7,7 @@ weight-noise handler, and whether the model learns its noise scale.
 
 import contextlib
 import warnings
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, cast
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, cast
 
 import pyro
 import pyro.distributions as dist
@@ -281,10 +281,15 @@ def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,
     rows = x.shape[0]
     if rows < num_data:
         _check_no_batch_latents(trace, rows, model, x, y)
+
+    def rerun(values: Dict[str, torch.Tensor]) -> poutine.Trace:
+        with _sandbox(model):
+            return poutine.trace(poutine.condition(model, data=values)).get_trace(x, y)
+
     for site in observed:
         check_targets(site, y, all_y, prefix="fit: ")
         check_log_density_shape(site, prefix="fit: ")
-        warn_unscaled_targets(trace, site)
+        warn_unscaled_targets(trace, site, rerun)
         scale = float(site["scale"]) if not isinstance(site["scale"], torch.Tensor) else float(
             site["scale"].max())
         if rows < num_data and abs(scale - 1.0) < 1e-6:

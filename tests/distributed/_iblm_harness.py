@@ -45,6 +45,18 @@ class NoisyRegressor(PyroModule):
         return mean
 
 
+class DestandardizedRegressor(NoisyRegressor):
+    """NoisyRegressor mapping its output to the targets' scale (out * 3 + 10), which
+    I-BLM's output targets undo (the map checked on every rank's rows)."""
+
+    def forward(self, x, y=None):
+        sigma = pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0, dtype=x.dtype), 1.0))
+        mean = self.net(x).squeeze(-1) * 3.0 + 10.0
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+        return mean
+
+
 class ScaledPlateClassifier(PyroModule):
     """A classifier whose data plate draws the rows at hand, scaled to the data set
     (pyro.plate("data", N, subsample_size=len(x)), as fit's minibatches take it)."""
@@ -130,6 +142,9 @@ CASES: Dict[str, Case] = {
                                            _regression_data, {}),
     "regression_learned_noise_autonormal": Case(NoisyRegressor, AutoNormal,
                                                 _regression_data, {}),
+    "regression_destandardized": Case(DestandardizedRegressor, AutoNormal,
+                                      lambda: tuple(t * 3.0 + 10.0 if i else t for i, t in
+                                                    enumerate(_regression_data())), {}),
     # units whose local batch has a constant target column get random batches
     "imbalanced_small_batches": Case(_mlp_classifier, AutoNormal, _imbalanced_data,
                                      {"batch_size": 16}),

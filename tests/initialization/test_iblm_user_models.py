@@ -1326,6 +1326,9 @@ _AFTER_OUTPUT = {
                               lambda h: dist.Bernoulli(logits=h.squeeze(-1) / 10.0), True),
     "temperature": ("categorical", lambda h: dist.Categorical(logits=h / 10.0), False),
     "tanh": ("regression", lambda h: dist.Normal(torch.tanh(h.squeeze(-1)), 1.0), False),
+    # (nonlinear: its spread is small beside the offset, which had hidden it)
+    "softplus after an offset": ("regression", lambda h: dist.Normal(
+        1e5 + 2 * F.softplus(h.squeeze(-1)), 1.0), False),
     "input offset": ("regression", lambda h: dist.Normal(h.squeeze(-1) + torch.arange(
         float(len(h))), 1.0), False),
 }
@@ -1394,6 +1397,29 @@ def test_an_affine_map_after_the_output_layer_is_undone_by_the_targets(noise):
         assert_close(mapped[name], value, rtol=1e-3, atol=1e-4)  # (the map estimated in float32)
     if noise != "fixed":
         assert sigma_mapped == pytest.approx(sigma_plain, rel=1e-4)
+
+
+def test_a_map_that_changes_along_sorted_rows_is_named():
+    # a gain and offset per group, read from an input, over rows sorted by group: affine on
+    # the first chunk of rows alone (taken for the model's map, it had started group 1
+    # eighteen standard deviations off, with no word said)
+    g = (torch.arange(600) >= 300).long()
+    x = torch.cat([g.float()[:, None], torch.randn(600, 3)], 1)
+    means, stds = torch.tensor([100.0, 300.0]), torch.tensor([10.0, 50.0])
+    y = (torch.sin(x[:, 1]) + 0.1 * torch.randn(600)) * stds[g] + means[g]
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 0.5).expand([16, 4]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 0.25).expand([1, 16]).to_event(2))
+        out = F.linear(torch.tanh(F.linear(x, w1)), w2).squeeze(-1)
+        group = x[:, 0].long()
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(out * stds[group] + means[group],
+                                           0.1 * stds[group]), obs=y)
+
+    for chunk_rows in (4096, 200):  # (one run of all rows, or three)
+        with pytest.warns(UserWarning, match="transforms that layer's output"):
+            init_guide_iblm(AutoNormal(model), (x, y), chunk_rows=chunk_rows)
 
 
 def test_the_transformed_output_probe_leaves_the_random_stream_alone(monkeypatch):
