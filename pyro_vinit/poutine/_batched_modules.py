@@ -14,6 +14,7 @@ sample computed exactly as one at a time would be, and gives its output back
 with them. Only tensors computed from a batched layer's output are folded.
 """
 
+import sys
 import weakref
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
@@ -116,6 +117,13 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
 
 _RULES = _rules()
 
+#: calls that count a dim from the left, which lands on the sample dims: normalizations
+#: over a dim (refused for a dim >= 0), and reshapes (refused where they merge them)
+_SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax,
+            torch.Tensor.softmax, torch.Tensor.log_softmax}
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten,
+             torch.flatten, torch.Tensor.view_as, torch.Tensor.reshape_as}
+
 
 def _module_keep(module: nn.Module, x: torch.Tensor, lead: int) -> Optional[int]:
     # modules that check their input's dims before calling their function
@@ -135,7 +143,25 @@ def _refuse_batch_statistics(name: str, training: bool, running: Optional[torch.
     raise ValueError(
         f"{name} {why} normalizes with the statistics of its batch, which the "
         f"{tuple(samples)} {plate} of the batched layers before it would share: "
-        f"{_ADVICE[plate]}" + (", or predict in eval mode (model.eval())" if training else ""))
+        f"{_ADVICE[plate]}" + (", or predict in eval mode (model.eval())" if training else "")
+        + ("; the runs Predictive made before this one, one sample at a time in train "
+           "mode, have updated its running statistics: restore them (e.g. load the "
+           "model's state_dict again) before predicting" if training and plate == "samples"
+           else ""))
+
+
+def _from_the_model() -> bool:
+    # Whether the call being handled came from a model's own code: the first caller
+    # outside this module and torch (its wrappers and functions) is neither Pyro nor
+    # this library (whose distributions' draws reshape their parameters on purpose).
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name != __name__ and not name.startswith("torch."):
+            return (not name.startswith(("pyro.", "pyro_vinit."))
+                    or name.startswith("pyro_vinit.testing"))
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _tensors(items: Iterable[Any]) -> Iterable[torch.Tensor]:
@@ -164,9 +190,13 @@ class _Folding(TorchFunctionMode):
         kwargs = kwargs or {}
         owner = self.owner
         rule = _RULES.get(func)
+        if func in _SOFTMAX:
+            owner.check_softmax(func, args, kwargs)
         out = (owner.call(func, rule, args, kwargs) if rule is not None
                else func(*args, **kwargs))
         if owner.carries(args) or (kwargs and owner.carries(kwargs.values())):
+            if func in _RESHAPES:
+                owner.check_reshape(func, args[0], out)
             owner.mark(out)
         return out
 
@@ -256,6 +286,47 @@ class BatchedModules:
             return None
         return x.shape[:x.dim() - keep]
 
+    def _samples_of(self, x: Any) -> Optional[str]:
+        # the plate of the samples or particles where ``x``, computed from a batched layer's
+        # output, leads with their dims (in a run of the model), else None
+        samples = self.samples
+        if samples is None or self._folded or not isinstance(x, torch.Tensor):
+            return None
+        if x.shape[:len(samples)] != samples or not self.carries((x,)):
+            return None
+        return active_sample_plate()
+
+    def check_softmax(self, func: Callable[..., Any], args: Tuple[Any, ...],
+                      kwargs: Dict[str, Any]) -> None:
+        """Refuses a softmax over a dim counted from the left of a tensor that leads with
+        the sample dims (``F.log_softmax(x, dim=1)``: over the rows, not the classes)."""
+        x = args[0] if args else kwargs.get("input")
+        dim = _argument(args, kwargs, 1, "dim")
+        plate = self._samples_of(x) if isinstance(dim, int) and dim >= 0 else None
+        if plate is None or not isinstance(x, torch.Tensor) or not _from_the_model():
+            return
+        own = dim - (x.dim() - len(self.samples or ()))
+        raise ValueError(
+            f"{getattr(func, '__name__', func)}(dim={dim}) of a tensor of shape "
+            f"{tuple(x.shape)} computed from a batched layer's output, which leads with the "
+            f"{tuple(self.samples or ())} {plate} dims: a dim counted from the left lands on "
+            f"them. Count dims from the right, as models run with vectorized samples must: "
+            f"dim={own}")
+
+    def check_reshape(self, func: Callable[..., Any], x: Any, out: Any) -> None:
+        """Refuses a reshape that merges the sample dims of a tensor that leads with them
+        into the model's own (``x.view(-1, 320)``)."""
+        samples = self.samples or ()
+        if (not isinstance(out, torch.Tensor) or out.shape[:len(samples)] == samples
+                or self._samples_of(x) is None or not _from_the_model()):
+            return
+        raise ValueError(
+            f"{getattr(func, '__name__', func)} of a tensor of shape {tuple(x.shape)}, "
+            f"computed from a batched layer's output, to {tuple(out.shape)} merges the "
+            f"{tuple(samples)} {active_sample_plate()} dims it leads with into the model's "
+            "own. Count dims from the right, as models run with vectorized samples must: "
+            "e.g. x.flatten(-3) or x.reshape(x.shape[:-3] + (-1,)) for (C, H, W) features")
+
     def call(self, func: Callable[..., Any], rule: _Rule, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Any:
         """Runs ``func`` (of the module docstring) with its input's leading dims folded
@@ -279,9 +350,13 @@ class BatchedModules:
                 return a.reshape((-1,) + a.shape[len(rows):])
             return a
 
-        args = tuple(fold(a) for a in args)
-        kwargs = {k: fold(v) for k, v in kwargs.items()}
-        return _unfolded(func(*args, **kwargs), rows)
+        self._folded[id(self)] = rows  # (while it runs folded: its reshapes are the fold's)
+        try:
+            args = tuple(fold(a) for a in args)
+            kwargs = {k: fold(v) for k, v in kwargs.items()}
+            return _unfolded(func(*args, **kwargs), rows)
+        finally:
+            del self._folded[id(self)]
 
     def _fold(self, module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
         if not args or self.samples is None or not isinstance(args[0], torch.Tensor):
@@ -294,15 +369,17 @@ class BatchedModules:
             _refuse_batch_statistics(type(module).__name__, module.training,
                                      module.running_mean, self.samples,
                                      str(active_sample_plate()))
-        self._folded[id(module)] = rows
+        self._folded[id(module)] = rows  # (its reshapes are the fold's: not checked)
         return (x.reshape((-1,) + x.shape[len(rows):]),) + args[1:]
 
     def _unfold(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
         if not self._folded:
             return None
-        rows = self._folded.pop(id(module), None)
+        rows = self._folded.get(id(module))
         if rows is None or out is None:
+            self._folded.pop(id(module), None)
             return None
         out = _unfolded(out, rows)
+        del self._folded[id(module)]
         self.mark(out)
         return out
