@@ -3,7 +3,7 @@
 import math
 from contextlib import ExitStack
 from operator import attrgetter
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import pyro
 import pyro.distributions as dist
@@ -130,6 +130,8 @@ class AutoSiteGuide(AutoNormal):
     def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
         # AutoGuide's set-up, not AutoNormal's: that one would create a full-size
         # scale for every site, which a subclass may not use (k-tied sites).
+        before = set(pyro.get_param_store().keys())
+        self._stale: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = []
         try:
             try:
                 setup_prototype(self, *args, **kwargs)
@@ -139,10 +141,38 @@ class AutoSiteGuide(AutoNormal):
                     raise
                 raise self._unobserved_discrete_error(name) from error
             self._setup_params()
+            self._check_not_stored_elsewhere(before)
         except BaseException:
             # A failed set-up leaves the guide unset, so that a corrected call sets it up.
             self.prototype_trace = None
             raise
+
+    def _new_param(self, module: PyroModule, name: str, value: torch.Tensor,
+                   constraint: constraints.Constraint, event_dim: int) -> None:
+        """Sets the PyroParam ``name`` of ``module`` to ``value``, noting where the
+        global param store already held one of that name and another shape (which
+        Pyro gives the guide in its place)."""
+        deep_setattr(module, name, PyroParam(value, constraint, event_dim))
+        held = attrgetter(name)(module)
+        if held.shape != value.shape:
+            stored = pyro.get_param_store().param_name(unconstrained_param(module, name))
+            self._stale.append((str(stored), tuple(held.shape), tuple(value.shape)))
+
+    def _check_not_stored_elsewhere(self, before: Set[str]) -> None:
+        stale, self._stale = self._stale, []
+        if stale:
+            store = pyro.get_param_store()
+            for new in set(store.keys()) - before:  # (the store as it was)
+                del store[new]
+            name, held, own = stale[0]
+            raise ValueError(
+                f"{type(self).__name__}: the param store already holds {name!r} with shape "
+                f"{held}, where this guide's is {own} ({len(stale)} such params): another "
+                f"{type(self).__name__} of the same site names (e.g. of another rank, or "
+                "set up on another network) set it up, and Pyro would give this guide its "
+                "params. Call pyro.clear_param_store() before making this guide, or keep "
+                "each guide's params in it (pyro.settings.set(module_local_params=True)). "
+                "The guide is left unset.")
 
     def _setup_if_needed(self, *args: Any, **kwargs: Any) -> None:
         """Sets the guide up from the model's ``*args, **kwargs`` if it is not yet,
@@ -190,7 +220,7 @@ class AutoSiteGuide(AutoNormal):
                 if full_size != frame.size:
                     init_loc = periodic_repeat(init_loc, full_size, frame.dim - event_dim)
                     init_loc = init_loc.contiguous()
-            deep_setattr(self.locs, name, PyroParam(init_loc, constraints.real, event_dim))
+            self._new_param(self.locs, name, init_loc, constraints.real, event_dim)
         self.scales = PyroModule()
         self._setup_scales()
 
@@ -203,9 +233,8 @@ class AutoSiteGuide(AutoNormal):
         for name in names:
             loc = attrgetter(name)(self.locs)
             scale = torch.full_like(loc, self._init_scale)
-            deep_setattr(
-                self.scales, name, PyroParam(scale, self.scale_constraint, self._event_dims[name])
-            )
+            self._new_param(self.scales, name, scale, self.scale_constraint,
+                            self._event_dims[name])
 
     def _unconstrained_posterior(self, name: str) -> dist.TorchDistribution:
         """The posterior of site ``name`` in unconstrained space, with

@@ -11,9 +11,9 @@ from pyro.distributions import constraints
 from pyro.distributions.constraints import Constraint
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import init_to_feasible
-from pyro.nn import PyroModule, PyroParam
+from pyro.nn import PyroModule
 
-from pyro_vinit._pyro_compat import deep_setattr, share_prototype, unwrap_init_messenger
+from pyro_vinit._pyro_compat import share_prototype, unwrap_init_messenger
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.distributions import KTiedNormal
 from pyro_vinit.guides import site_params
@@ -143,8 +143,8 @@ class AutoKTiedNormal(AutoSiteGuide):
             u = math.sqrt(c / k) * weights
             v = torch.full(batch_shape + (n, k), math.sqrt(c / k), dtype=loc.dtype,
                            device=loc.device)
-            deep_setattr(self.scale_u, name, PyroParam(u, self.scale_constraint, 2))
-            deep_setattr(self.scale_v, name, PyroParam(v, self.scale_constraint, 2))
+            self._new_param(self.scale_u, name, u, self.scale_constraint, 2)
+            self._new_param(self.scale_v, name, v, self.scale_constraint, 2)
         self._setup_normal_scales(untied)
         # matrices whose dims are plate dims, not in a subsampled (data) plate: a per-example
         # latent is no weight matrix

@@ -310,3 +310,39 @@ def test_mean_field_elbo_counts_the_log_density_of_events_annealed_and_captured(
     mean_field, svi = losses(guide, CapturedSVI, TraceMeanField_ELBO())
     assert svi.num_traces == 1 and svi.fallback_reason is None  # traced once, replayed
     assert_close(mean_field, losses(guide, SVI, Trace_ELBO())[0], atol=1e-4, rtol=1e-5)
+
+
+def _net_model(width, bias=False):
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([width, 3]).to_event(2))
+        h = x @ w.T
+        if bias:  # (a site the first guide had not: its params go again)
+            h = h + pyro.sample("b", dist.Normal(0.0, 1.0).expand([width]).to_event(1))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(torch.tanh(h).sum(-1), 1.0), obs=y)
+    return model
+
+
+@pytest.mark.parametrize("make, again", [
+    (lambda: AutoKTiedNormal(_net_model(5), rank=1),
+     lambda: AutoKTiedNormal(_net_model(5, bias=True), rank=3)),
+    (lambda: AutoMeanFieldNormal(_net_model(5)),
+     lambda: AutoMeanFieldNormal(_net_model(7, bias=True))),
+], ids=["another rank", "another width"])
+def test_a_guide_whose_params_another_left_in_the_store_is_refused(make, again):
+    # Pyro gives a guide the store's params of its names: a rank-3 guide made after a
+    # rank-1 one had silently taken its (5, 1) factors (and loaded a rank-2 file)
+    x, y = torch.randn(6, 3), torch.randn(6)
+    make()(x, y)
+    store = pyro.get_param_store()
+    before = {name: value.detach().clone() for name, value in store.items()}
+    guide = again()
+    with pytest.raises(ValueError, match=r"the param store already holds '[\w.]+' with shape "
+                       r"\(\d+, \d+\), where this guide's is \(\d+, \d+\) .*"
+                       r"pyro\.clear_param_store\(\)"):
+        guide(x, y)
+    assert guide.prototype_trace is None  # (left unset, the store as it was)
+    assert store.keys() == before.keys()
+    assert all(torch.equal(store[name].detach(), value) for name, value in before.items())
+    pyro.clear_param_store()
+    guide(x, y)  # (as the message says)
