@@ -850,6 +850,32 @@ def test_targets_far_beyond_the_priors_scale_are_warned_of(targets, prior_scale)
             assert said == []
 
 
+def test_fit_refuses_vectorized_particles_through_a_batch_norm_before_any_change():
+    # (refused by the handler at the first step, after I-BLM had set the guide up)
+    x, y = blobs()
+    net = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model = BayesianClassifier(bayesianize(net), num_data=len(x))
+    guide = AutoKTiedNormal(model)
+    with pytest.raises(ValueError, match=r"fit: num_particles > 1 runs the particles "
+                       r"vectorized, and the BatchNorm 'net\.1' normalizes with the "
+                       r"statistics of its batch.*num_particles=1"):
+        fit(model, guide, (x, y), steps=2, num_particles=2, progress=False)
+    assert snapshot() == {} and not is_initialized(guide)
+    assert int(net[1].num_batches_tracked) == 0
+
+
+def test_a_refused_fit_leaves_the_batch_norm_statistics_as_they_were():
+    # (the check of the guide's model ran it, through the guide's wrapper, in train mode)
+    x, y = blobs()
+    net = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model = BayesianClassifier(bayesianize(net), num_data=len(x))
+    buffers = {k: b.clone() for k, b in net.named_buffers()}
+    with pytest.raises(ValueError, match="validation y holds values outside the support"):
+        fit(model, AutoKTiedNormal(model), (x, y), steps=2, progress=False,
+            validation=(x[:5], torch.full((5,), 7)))
+    assert all(torch.equal(b, buffers[k]) for k, b in net.named_buffers())
+
+
 def test_fit_refuses_a_model_without_num_data_on_minibatches():
     x, y = blobs()
     model = BayesianClassifier(bayesianize(mlp((5, 16, 3))))

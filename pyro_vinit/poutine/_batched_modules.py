@@ -143,7 +143,9 @@ def _refuse_batch_statistics(name: str, training: bool, running: Optional[torch.
     raise ValueError(
         f"{name} {why} normalizes with the statistics of its batch, which the "
         f"{tuple(samples)} {plate} of the batched layers before it would share: "
-        f"{_ADVICE[plate]}" + (", or predict in eval mode (model.eval())" if training else "")
+        f"{_ADVICE[plate]}"
+        + (", or predict in eval mode (model.eval())" if training and plate == "samples"
+           else "")
         + ("; the runs Predictive made before this one, one sample at a time in train "
            "mode, have updated its running statistics: restore them (e.g. load the "
            "model's state_dict again) before predicting" if training and plate == "samples"

@@ -17,7 +17,11 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.nn import PyroModule
 from torch import nn
 
-from pyro_vinit._pyro_compat import conditioned_sites, is_deterministic_site
+from pyro_vinit._pyro_compat import (
+    conditioned_sites,
+    is_deterministic_site,
+    unwrap_init_messenger,
+)
 from pyro_vinit.initialization._observed import (
     check_latent_shapes,
     check_log_density_shape,
@@ -40,7 +44,8 @@ __all__: List[str] = []
 @contextlib.contextmanager
 def _sandbox(model: Callable[..., Any]) -> Iterator[None]:
     """Runs the block with the param store, the model's buffers and the RNG restored
-    afterwards."""
+    afterwards (the model inside a guide's wrapper too)."""
+    model = unwrap_init_messenger(model)
     store = pyro.get_param_store()
     names = set(store.keys())
     buffers = ({k: b.clone() for k, b in model.named_buffers()}
@@ -240,6 +245,19 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
                     "(its rows are an event dimension, e.g. .to_event(1) over the data): put "
                     "the rows in a pyro.plate('data', len(x)), or train without validation"
                 )
+
+
+def _check_batch_norm_particles(model: Callable[..., Any]) -> None:
+    """Refuses vectorized particles for a model with a BatchNorm that normalizes with
+    its batch's statistics in training, which the particles would share."""
+    norms = [name for name, m in (model.named_modules() if isinstance(model, nn.Module) else ())
+             if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and (m.training or m.running_mean is None)]
+    if norms:
+        raise ValueError(
+            f"fit: num_particles > 1 runs the particles vectorized, and the BatchNorm "
+            f"{norms[0]!r} normalizes with the statistics of its batch, which they would "
+            "share: train with num_particles=1 (fit's default)")
 
 
 def _check_model(model: Callable[..., Any], batch: Batch, num_data: int,

@@ -38,6 +38,7 @@ from pyro_vinit.initialization._rollback import (
 )
 from pyro_vinit.initialization.pretrained import _model_values
 from pyro_vinit.training._checks import (
+    _check_batch_norm_particles,
     _check_guide,
     _check_guide_model,
     _check_model,
@@ -364,6 +365,8 @@ def fit(
                 "set(module_local_params=True) the model's and guide's are their modules' own: "
                 "it would resume from fresh ones. Save and load the guide's state_dict around "
                 "fit instead (the Saving page), or train with module_local_params=False")
+        if num_particles is not None and num_particles > 1:
+            _check_batch_norm_particles(model)
         batches = _Batches(data, batch_size)
         num_data = batches.num_data
         _check_one_row_batches(model, batches.one_row)

@@ -740,7 +740,8 @@ def test_batch_norm_with_batch_statistics_after_batched_layers_is_refused(case):
         run = Predictive(model, guide=guide, num_samples=4, parallel=True)
     else:
         model.train()
-        match = r"the \(2,\) particles .*vectorize_particles=False; fit's num_particles=1\)"
+        match = (r"the \(2,\) particles .*vectorize_particles=False; fit's "
+                 r"num_particles=1\)$")  # (no advice of predicting in eval mode)
         elbo = Trace_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=1)
         run = partial(elbo.loss, model, guide)
     with pytest.raises(ValueError, match=match):
