@@ -741,7 +741,7 @@ def test_batch_norm_with_batch_statistics_after_batched_layers_is_refused(case):
     else:
         model.train()
         match = (r"the \(2,\) particles .*vectorize_particles=False; fit's "
-                 r"num_particles=1\)$")  # (no advice of predicting in eval mode)
+                 r"num_particles=1\)\n")  # (no advice of predicting in eval mode)
         elbo = Trace_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=1)
         run = partial(elbo.loss, model, guide)
     with pytest.raises(ValueError, match=match):
