@@ -1524,6 +1524,23 @@ def test_fit_warns_when_training_made_the_validation_worse(monkeypatch, mnlls, w
         assert worse[0].filename == __file__  # the caller's line
 
 
+def test_the_warning_of_a_worse_validation_names_the_models_dropout(monkeypatch):
+    # (the PyTorch tutorial's dropout, on in SVI and off in I-BLM's fit, undid its start
+    # while the warning blamed the KL weight alone)
+    x, y = blobs()
+    net = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+    model = BayesianClassifier(bayesianize(net), num_data=len(x))
+    values = iter([1.0, 1.5, 2.0])
+    monkeypatch.setattr(training_loop, "_evaluate",
+                        lambda *args: {"mnll": next(values), "error_rate": 0.0})
+    with pytest.warns(UserWarning, match=r"validation MNLL rose .*; the model's dropout "
+                      r"\(net\.2\) is on in training and was off in the initializer's fit, "
+                      r"whose start it can undo: train without it$") as record:
+        fit(model, AutoKTiedNormal(model), (x, y), steps=4, eval_every=2,
+            validation=(x, y), progress=False)
+    assert [w.filename for w in record if "MNLL rose" in str(w.message)] == [__file__]
+
+
 def test_fit_at_the_full_elbo_warns_without_naming_the_kl_weight(monkeypatch):
     x, y = blobs()
     model = classifier()

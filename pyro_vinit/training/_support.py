@@ -18,6 +18,7 @@ from typing import (
     List,
     Mapping,
     Optional,
+    Sequence,
     Sized,
     Tuple,
     Union,
@@ -394,3 +395,41 @@ def _load(path: str) -> Dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
         raise ValueError(f"fit: {path!r} is not a checkpoint written by pyro_vinit.fit")
     return cast(Dict[str, Any], state)
+
+
+#: How much higher than at step 0 or at its best the last validation MNLL may be before
+#: fit warns: by this share of its size (an MNLL can be negative), and at least by
+#: _WORSE_NATS.
+_WORSE_BY = 0.1
+_WORSE_NATS = 0.05
+
+
+def warn_if_worse(validation: List[Dict[str, float]], kl_weight: float,
+                  dropout: Sequence[str] = ()) -> None:
+    """Warns where the run ended with a validation MNLL well above its start's
+    (the initializer's, or the first call's) or its best evaluation's: training
+    made the model worse; ``dropout`` names the model's dropout modules, on in
+    training and off in the initializer's fit."""
+    finite = [v for v in validation if math.isfinite(v["mnll"])]
+    if len(validation) < 2 or not finite:
+        return
+    best, last = min(finite, key=lambda v: v["mnll"]), validation[-1]["mnll"]
+    if math.isfinite(last) and last - best["mnll"] <= max(_WORSE_BY * abs(best["mnll"]),
+                                                          _WORSE_NATS):
+        return
+    remedy = (f"the tempered objective (kl_weight={kl_weight:g}) can overfit a small, noisy "
+              "data set: try a larger kl_weight (1 is the full ELBO) or fewer steps"
+              if kl_weight < 1 else "try fewer steps")
+    if dropout:
+        remedy += (f"; the model's dropout ({', '.join(dropout)}) is on in training and was "
+                   "off in the initializer's fit, whose start it can undo: train without it")
+    end, start = int(validation[-1]["step"]), validation[0]["mnll"]
+    if validation[0]["step"] == 0 and not (math.isfinite(last) and last - start <= max(
+            _WORSE_BY * abs(start), _WORSE_NATS)):
+        said = (f"rose from {start:.4g} at step 0 to {last:.4g} at step {end}: "
+                "training made the model worse than its start")
+    else:
+        said = (f"rose from its best, {best['mnll']:.4g} at step {int(best['step'])}, to "
+                f"{last:.4g} at step {end}: training past step {int(best['step'])} made the "
+                "model worse (e.g. overconfident)")
+    warnings.warn(f"fit: the validation MNLL {said}; " + remedy, UserWarning, stacklevel=3)

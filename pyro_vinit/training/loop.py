@@ -60,6 +60,7 @@ from pyro_vinit.training._support import (
     _save,
     _set_up,
     _train_mode,
+    warn_if_worse,
 )
 from pyro_vinit.training.averaging import _check_decay
 from pyro_vinit.training.batch_norm import update_batch_norm
@@ -150,41 +151,15 @@ def _raise_if_diverged(step: int, modules: List[nn.Module], before: Set[str],
         "as they are") from error
 
 
-#: How much higher than at step 0 or at its best the last validation MNLL may be before
-#: fit warns: by this share of its size (an MNLL can be negative), and at least by
-#: _WORSE_NATS.
-_WORSE_BY = 0.1
-_WORSE_NATS = 0.05
-
-
-def _warn_if_worse(validation: List[Dict[str, float]], kl_weight: float) -> None:
-    """Warns where the run ended with a validation MNLL well above its start's
-    (the initializer's, or the first call's) or its best evaluation's: training
-    made the model worse."""
-    finite = [v for v in validation if math.isfinite(v["mnll"])]
-    if len(validation) < 2 or not finite:
-        return
-    best, last = min(finite, key=lambda v: v["mnll"]), validation[-1]["mnll"]
-    if math.isfinite(last) and last - best["mnll"] <= max(_WORSE_BY * abs(best["mnll"]),
-                                                          _WORSE_NATS):
-        return
-    remedy = (f"the tempered objective (kl_weight={kl_weight:g}) can overfit a small, noisy "
-              "data set: try a larger kl_weight (1 is the full ELBO) or fewer steps"
-              if kl_weight < 1 else "try fewer steps")
-    end, start = int(validation[-1]["step"]), validation[0]["mnll"]
-    if validation[0]["step"] == 0 and not (math.isfinite(last) and last - start <= max(
-            _WORSE_BY * abs(start), _WORSE_NATS)):
-        said = (f"rose from {start:.4g} at step 0 to {last:.4g} at step {end}: "
-                "training made the model worse than its start")
-    else:
-        said = (f"rose from its best, {best['mnll']:.4g} at step {int(best['step'])}, to "
-                f"{last:.4g} at step {end}: training past step {int(best['step'])} made the "
-                "model worse (e.g. overconfident)")
-    warnings.warn(f"fit: the validation MNLL {said}; " + remedy, UserWarning, stacklevel=3)
-
-
 # ---- fit -----------------------------------------------------------------------------
 
+
+
+def _dropout(model: Callable[..., Any]) -> List[str]:
+    """The names of the model's dropout modules that drop (in train mode)."""
+    return [name or type(m).__name__ for name, m in (
+        model.named_modules() if isinstance(model, torch.nn.Module) else ())
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
 
 def fit(
     model: Callable[..., Any],
@@ -596,5 +571,5 @@ def fit(
         history.captured = captured is not None and captured.fallback_reason is None
         history.compiled = (captured is not None and captured.compile and captured.num_traces > 0
                             and captured.compile_failure is None)
-        _warn_if_worse(history.validation, config.kl_weight)
+        warn_if_worse(history.validation, config.kl_weight, _dropout(model))
         return history
