@@ -755,6 +755,15 @@ def test_one_networks_square_outputs_without_a_sample_dim_are_named(name):
     metrics.classification_metrics(y, **{name: samples.unsqueeze(0)})  # as it says
 
 
+def test_labels_of_shape_n_by_one_are_told_to_squeeze():
+    # (the message had advised an unsqueeze of the samples, as BayesianClassifier's does not)
+    logits, y = torch.randn(20, 10, 3), torch.randint(0, 3, (10, 1))
+    with pytest.raises(ValueError, match=r"y\.shape = \(10, 1\); for labels of shape "
+                                         r"\(N, 1\) pass y\.squeeze\(-1\)$"):
+        metrics.classification_metrics(y, logits=logits)
+    metrics.classification_metrics(y.squeeze(-1), logits=logits)  # as it says
+
+
 def test_one_logit_a_row_without_labels_must_say_so():
     with pytest.raises(ValueError, match=r"for a binary classifier's one logit a row use "
                                          r"\.unsqueeze\(-1\) \(S, N, 1\)$"):

@@ -27,12 +27,15 @@ def _check_samples(
     if samples.dim() < 1 + extra_dims + 1 or (y is not None and expected != y.shape):
         what = "(S,) + y.shape + (C,)" if extra_dims else "(S,) + y.shape"
         got = "" if y is None else f" and y.shape = {tuple(y.shape)}"
+        labels = (extra_dims and y is not None and y.dim() == 2 and y.shape[-1] == 1
+                  and y.shape[:1] == expected)
         raise ValueError(
             f"{name} must have shape {what} with the posterior samples on the left, "
             f"got {name}.shape = {tuple(samples.shape)}{got}; "
-            "for a single prediction use .unsqueeze(0), "
-            + ("for a binary classifier's one logit a row use .unsqueeze(-1) (S, N, 1)"
-               if extra_dims else "for a (N, 1) network output use .squeeze(-1)")
+            + ("for labels of shape (N, 1) pass y.squeeze(-1)" if labels else
+               "for a single prediction use .unsqueeze(0), "
+               + ("for a binary classifier's one logit a row use .unsqueeze(-1) (S, N, 1)"
+                  if extra_dims else "for a (N, 1) network output use .squeeze(-1)"))
         )
 
 
