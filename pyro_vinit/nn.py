@@ -14,8 +14,10 @@ from pyro.distributions import constraints
 from pyro.nn import PyroModule, PyroParam, PyroSample
 from torch import nn
 
+from pyro_vinit._pyro_compat import active_messengers, active_sample_plate
 from pyro_vinit._warn import warn_at_caller
 from pyro_vinit.initialization.pretrained import TRAINED_PREFIX
+from pyro_vinit.poutine import LayerCallMessenger
 
 __all__ = ["BayesianClassifier", "BayesianRegressor", "bayesianize", "mlp"]
 
@@ -277,6 +279,21 @@ def _check_num_data(cls: type, num_data: Optional[int]) -> None:
         )
 
 
+def _check_batched_run(who: str) -> None:
+    """Refuses a run in the plate of Predictive's samples or of vectorized particles
+    with no layer-call handler: the weights lead with their dims, which nn.Linear
+    and nn.Conv*d do not take (torch refuses it deep inside)."""
+    plate = active_sample_plate()
+    if plate is None or any(isinstance(m, LayerCallMessenger) for m in active_messengers()):
+        return
+    raise ValueError(
+        f"{who}: the {plate} of Predictive(parallel=True) or of vectorized particles give "
+        "every weight a leading dim, which nn.Linear and nn.Conv*d do not take: run it "
+        "under pyro_vinit.poutine.vectorized_layers() (or local_reparam(), flipout()), e.g. "
+        "with vectorized_layers(): Predictive(model, guide=guide, num_samples=100, "
+        "parallel=True)(x)")
+
+
 def _warn_minibatches(
     model: Union["BayesianClassifier", "BayesianRegressor"],
     x: torch.Tensor,
@@ -342,6 +359,7 @@ class BayesianClassifier(PyroModule):
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         _warn_minibatches(self, x, y)
+        _check_batched_run(type(self).__name__)
         logits: torch.Tensor = self.net(x)
         if y is not None and y.shape != (x.shape[0],):
             # (a y of shape (batch, 1) would broadcast with the logits to (batch, batch))
@@ -417,6 +435,7 @@ class BayesianRegressor(PyroModule):
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         _warn_minibatches(self, x, y)
+        _check_batched_run(type(self).__name__)
         out: torch.Tensor = self.net(x)
         mean = out.squeeze(-1) if out.dim() > 1 else out
         # leading dims beyond the batch are allowed (e.g. vectorized particles)

@@ -862,6 +862,10 @@ def test_fit_refuses_vectorized_particles_through_a_batch_norm_before_any_change
         fit(model, guide, (x, y), steps=2, num_particles=2, progress=False)
     assert snapshot() == {} and not is_initialized(guide)
     assert int(net[1].num_batches_tracked) == 0
+    # a BatchNorm before every Bayesian layer sees one input for all the particles
+    head = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model = BayesianClassifier(bayesianize(head, exclude=["0"]), num_data=len(x))
+    fit(model, AutoKTiedNormal(model), (x, y), steps=2, num_particles=2, progress=False)
 
 
 def test_a_refused_fit_leaves_the_batch_norm_statistics_as_they_were():

@@ -117,12 +117,11 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
 
 _RULES = _rules()
 
-#: calls that count a dim from the left, which lands on the sample dims: normalizations
-#: over a dim (refused for a dim >= 0), and reshapes (refused where they merge them)
-_SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax,
-            torch.Tensor.softmax, torch.Tensor.log_softmax}
-_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten,
-             torch.flatten, torch.Tensor.view_as, torch.Tensor.reshape_as}
+#: normalizations over a dim, refused where it counts from the left within the model's
+#: own dims (which lands on the sample dims)
+_SOFTMAX = {F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
+            torch.Tensor.softmax, torch.Tensor.log_softmax, torch.special.softmax,
+            torch.special.log_softmax}
 
 
 def _module_keep(module: nn.Module, x: torch.Tensor, lead: int) -> Optional[int]:
@@ -197,8 +196,6 @@ class _Folding(TorchFunctionMode):
         out = (owner.call(func, rule, args, kwargs) if rule is not None
                else func(*args, **kwargs))
         if owner.carries(args) or (kwargs and owner.carries(kwargs.values())):
-            if func in _RESHAPES:
-                owner.check_reshape(func, args[0], out)
             owner.mark(out)
         return out
 
@@ -301,33 +298,23 @@ class BatchedModules:
     def check_softmax(self, func: Callable[..., Any], args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:
         """Refuses a softmax over a dim counted from the left of a tensor that leads with
-        the sample dims (``F.log_softmax(x, dim=1)``: over the rows, not the classes)."""
+        the sample dims (``F.log_softmax(x, dim=1)``: over the rows, not the classes),
+        within the model's own dims."""
         x = args[0] if args else kwargs.get("input")
         dim = _argument(args, kwargs, 1, "dim")
-        plate = self._samples_of(x) if isinstance(dim, int) and dim >= 0 else None
+        # (a dim past the model's own rank was counted from the batched tensor's: right)
+        rank = x.dim() - len(self.samples or ()) if isinstance(x, torch.Tensor) else 0
+        plate = (self._samples_of(x) if isinstance(dim, int) and 0 <= dim < rank
+                 else None)
         if plate is None or not isinstance(x, torch.Tensor) or not _from_the_model():
             return
-        own = dim - (x.dim() - len(self.samples or ()))
+        own = dim - rank
         raise ValueError(
             f"{getattr(func, '__name__', func)}(dim={dim}) of a tensor of shape "
             f"{tuple(x.shape)} computed from a batched layer's output, which leads with the "
             f"{tuple(self.samples or ())} {plate} dims: a dim counted from the left lands on "
             f"them. Count dims from the right, as models run with vectorized samples must: "
             f"dim={own}")
-
-    def check_reshape(self, func: Callable[..., Any], x: Any, out: Any) -> None:
-        """Refuses a reshape that merges the sample dims of a tensor that leads with them
-        into the model's own (``x.view(-1, 320)``)."""
-        samples = self.samples or ()
-        if (not isinstance(out, torch.Tensor) or out.shape[:len(samples)] == samples
-                or self._samples_of(x) is None or not _from_the_model()):
-            return
-        raise ValueError(
-            f"{getattr(func, '__name__', func)} of a tensor of shape {tuple(x.shape)}, "
-            f"computed from a batched layer's output, to {tuple(out.shape)} merges the "
-            f"{tuple(samples)} {active_sample_plate()} dims it leads with into the model's "
-            "own. Count dims from the right, as models run with vectorized samples must: "
-            "e.g. x.flatten(-3) or x.reshape(x.shape[:-3] + (-1,)) for (C, H, W) features")
 
     def call(self, func: Callable[..., Any], rule: _Rule, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Any:

@@ -248,11 +248,15 @@ def _check_validation(model: Callable[..., Any], batch: Batch, chunk: int) -> No
 
 
 def _check_batch_norm_particles(model: Callable[..., Any]) -> None:
-    """Refuses vectorized particles for a model with a BatchNorm that normalizes with
-    its batch's statistics in training, which the particles would share."""
-    norms = [name for name, m in (model.named_modules() if isinstance(model, nn.Module) else ())
-             if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and (m.training or m.running_mean is None)]
+    """Refuses vectorized particles for a model with a BatchNorm after a Bayesian layer
+    (in the modules' order) that normalizes with its batch's statistics in training,
+    which the particles would share (the handler refuses those it meets anyway)."""
+    norms, bayesian = [], False
+    for name, m in (model.named_modules() if isinstance(model, nn.Module) else ()):
+        bayesian = bayesian or bool(getattr(m, "_pyro_samples", None))
+        if bayesian and isinstance(m, nn.modules.batchnorm._BatchNorm) and (
+                m.training or m.running_mean is None):
+            norms.append(name)
     if norms:
         raise ValueError(
             f"fit: num_particles > 1 runs the particles vectorized, and the BatchNorm "

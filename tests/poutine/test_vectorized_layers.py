@@ -555,7 +555,7 @@ def test_torch_functions_after_batched_layers_equal_a_loop_over_samples(call, ha
     tail = _FUNCTIONAL[call] or nn.Conv2d(4, 4, 3, stride=2, padding=1)
     model = BayesianClassifier(bayesianize(_Functional(tail)))
     given = _assert_equals_a_loop_over_samples(model, torch.randn(10, 1, 8, 8), handler)
-    with pytest.raises(RuntimeError):  # (the control: Pyro alone)
+    with pytest.raises(ValueError, match="vectorized_layers"):  # (the control: no handler)
         with torch.no_grad():
             given(torch.randn(10, 1, 8, 8))
 
@@ -674,10 +674,8 @@ _LEFT_DIMS = {
                                 r"log_softmax\(dim=1\) of a tensor of shape \(4, 10, 3\) "
                                 r"computed from a batched layer's output, which leads with the "
                                 r"\(4,\) samples dims: .* dim=-1\n"),
-    "x.view(-1, 64)": (lambda x: x.view(-1, 64) @ torch.ones(64, 3),
-                       r"view of a tensor of shape \(4, 10, 4, 4, 4\), computed from a "
-                       r"batched layer's output, to \(40, 64\) merges the \(4,\) samples "
-                       r"dims .*x\.flatten\(-3\)"),
+    "nn.Softmax(dim=1)": (lambda x: nn.Softmax(dim=1)(x.flatten(-3) @ torch.ones(64, 3)),
+                          r"softmax\(dim=1\) of a tensor .* dim=-1\n"),
 }
 
 
@@ -685,7 +683,7 @@ _LEFT_DIMS = {
 @pytest.mark.parametrize("case", list(_LEFT_DIMS))
 def test_dims_counted_from_the_left_after_batched_layers_are_refused(case, handler):
     # F.log_softmax(x, dim=1) had normalized over the rows (error 0.28 against 0.13, with
-    # no word said); x.view(-1, 64) had failed inside Pyro ("Shape mismatch ... 10 vs 40")
+    # no word said)
     head, match = _LEFT_DIMS[case]
 
     class Net(nn.Module):
@@ -704,6 +702,13 @@ def test_dims_counted_from_the_left_after_batched_layers_are_refused(case, handl
     with pytest.raises(ValueError, match=match), torch.no_grad(), handler():
         Predictive(model, guide=guide, num_samples=4, parallel=True)(x)
     _assert_no_global_hooks()
+
+
+def test_a_softmax_over_a_dim_counted_from_the_batched_tensor_runs():
+    # (its dim, past the model's own rank, lands on the classes: right, not refused)
+    model = BayesianClassifier(bayesianize(_Functional(
+        lambda x: F.max_pool2d(F.log_softmax(x, dim=x.dim() - 1), 2))))
+    _assert_equals_a_loop_over_samples(model, torch.randn(10, 1, 8, 8), vectorized_layers)
 
 
 def test_functional_batch_norm_with_batch_statistics_after_batched_layers_is_refused():
@@ -752,13 +757,18 @@ def test_batch_norm_with_batch_statistics_after_batched_layers_is_refused(case):
 
 @pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
 def test_without_the_handler_pyro_fails(make):
-    # The control: Pyro's Predictive alone cannot run these models vectorized.
+    # The control: Pyro's Predictive alone cannot run these models vectorized (torch
+    # refused it deep inside); the library's models say which handler runs it
     model, x = make()
     guide = AutoNormal(model)
     guide(x, torch.randint(0, 3, (10,)))
     predictive = Predictive(model, guide=guide, num_samples=3, parallel=True)
-    with pytest.raises(RuntimeError), torch.no_grad():
+    with pytest.raises(ValueError, match=r"BayesianClassifier: the samples of "
+                       r"Predictive\(parallel=True\) .*pyro_vinit\.poutine\."
+                       r"vectorized_layers\(\)"), torch.no_grad():
         predictive(x)
+    with pytest.raises(RuntimeError), torch.no_grad():  # (a model of its own: torch's)
+        Predictive(lambda x: model.net(x), num_samples=3, parallel=True)(x)
 
 
 @pytest.mark.parametrize("handler", [local_reparam, flipout])
