@@ -14,6 +14,7 @@ sample computed exactly as one at a time would be, and gives its output back
 with them. Only tensors computed from a batched layer's output are folded.
 """
 
+import functools
 import sys
 import weakref
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
@@ -93,6 +94,7 @@ def _pad(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
     return len(_argument(args, kwargs, 1, "pad")) // 2 + 1
 
 
+@functools.cache  # (built on first use, not at import: mutation testing reaches it)
 def _rules() -> Dict[Callable[..., Any], _Rule]:
     rules: Dict[Callable[..., Any], _Rule] = {}
     for d in (1, 2, 3):
@@ -114,8 +116,6 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
     })
     return rules
 
-
-_RULES = _rules()
 
 #: normalizations over a dim, refused where it counts from the left within the model's
 #: own dims (which lands on the sample dims)
@@ -190,7 +190,7 @@ class _Folding(TorchFunctionMode):
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         owner = self.owner
-        rule = _RULES.get(func)
+        rule = _rules().get(func)
         if func in _SOFTMAX:
             owner.check_softmax(func, args, kwargs)
         out = (owner.call(func, rule, args, kwargs) if rule is not None
