@@ -2,6 +2,7 @@
 vectorized particles on models built from nn.Linear / nn.Conv*d."""
 
 import math
+import re
 import warnings
 from functools import partial
 
@@ -399,7 +400,16 @@ def test_outputs_in_a_plate_at_dim_minus_two_are_refused(run, handler):
     x, y = torch.randn(20, 3), torch.randn(20, 1)
     guide = AutoNormal(model)
     guide(x, y)
-    match = r"'obs' has batch shape \(4, 4, 20, 1\), with dims left of the plate"
+    match = re.escape(
+        "the site 'obs' has batch shape (4, 4, 20, 1), with dims left of the plate of the "
+        "vectorized samples or particles (dim -3): a batched layer's output (its weight has "
+        "the samples' dim) puts that dim left of the model's plate dims of the layer's "
+        "input, and here the output's last dim is a plate's too (e.g. outputs (N, 1) in a "
+        "data plate at dim=-2), so its samples' dim is one too far left. Give the outputs "
+        "an event dim (pyro.plate('data', N) with dist.Normal(mu, sigma).to_event(1), or "
+        "mu.squeeze(-1)), or take the samples or particles one at a time "
+        "(Predictive(..., parallel=False); vectorize_particles=False, fit's "
+        "num_particles=1)")
     with pytest.raises(ValueError, match=match), handler():
         if run == "particles":
             TraceMeanField_ELBO(num_particles=4, vectorize_particles=True).loss(
@@ -661,9 +671,14 @@ def test_a_use_of_a_batched_weight_that_torch_refuses_names_the_site(handler):
     x = torch.randn(6, 5, 8)
     guide = AutoNormal(model)
     guide(x, torch.randint(0, 2, (6,)))
-    match = (r"multi_head_attention_forward of the value of sample site "
-             r"'net\.enc\.self_attn\.out_proj\.weight', which leads with the dims of "
-             r"Predictive's samples .*failed \(t\(\) expects .*parallel=False")
+    match = re.escape(
+        "multi_head_attention_forward of the value of sample site "
+        "'net.enc.self_attn.out_proj.weight', which leads with the dims of Predictive's "
+        "samples (parallel=True) or of vectorized particles, failed (t() expects a tensor "
+        "with <= 2 dimensions, but self is 4D): the handlers run F.linear, F.conv*d and "
+        "matrix products batched over them, and any other use of a site's value must take "
+        "them. Predict with Predictive(..., parallel=False) (or vectorize_particles=False), "
+        "or keep the layer deterministic (bayesianize(..., exclude=[...]))")
     with pytest.raises(ValueError, match=match), torch.no_grad(), handler():
         Predictive(model, guide=guide, num_samples=3, parallel=True)(x)
 
@@ -671,9 +686,11 @@ def test_a_use_of_a_batched_weight_that_torch_refuses_names_the_site(handler):
 _LEFT_DIMS = {
     # the tutorial's CNN: its class scores over the rows, or the samples merged into them
     "F.log_softmax(x, dim=1)": (lambda x: F.log_softmax(x.flatten(-3) @ torch.ones(64, 3), 1),
-                                r"log_softmax\(dim=1\) of a tensor of shape \(4, 10, 3\) "
-                                r"computed from a batched layer's output, which leads with the "
-                                r"\(4,\) samples dims: .* dim=-1\n"),
+                                re.escape(
+        "log_softmax(dim=1) of a tensor of shape (4, 10, 3) computed from a batched layer's "
+        "output, which leads with the (4,) samples dims: a dim counted from the left lands "
+        "on them. Count dims from the right, as models run with vectorized samples must: "
+        "dim=-1\n")),
     "nn.Softmax(dim=1)": (lambda x: nn.Softmax(dim=1)(x.flatten(-3) @ torch.ones(64, 3)),
                           r"softmax\(dim=1\) of a tensor .* dim=-1\n"),
 }
