@@ -385,6 +385,18 @@ def test_observed_data_come_back_as_plain_tensors(handler):
 
 
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
+def test_observed_data_of_a_step_stay_plain_tensors(handler):
+    # (outside Predictive's samples no observed value is a given sample)
+    model, _ = _latent_bias_model()
+    x, y = torch.randn(10, 4), torch.randn(10, 3)
+    guide = AutoNormal(model)
+    guide(x, y)
+    with handler():
+        trace = poutine.trace(model).get_trace(x, y)
+    assert type(trace.nodes["obs"]["value"]) is torch.Tensor
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
 @pytest.mark.parametrize("run", ["particles", "samples"])
 def test_outputs_in_a_plate_at_dim_minus_two_are_refused(run, handler):
     # mu of shape (N, 1) in a data plate at dim=-2: the batched layers put the samples'
