@@ -17,6 +17,7 @@ with them. Only tensors computed from a batched layer's output are folded.
 import functools
 import sys
 import weakref
+from functools import partial
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -45,19 +46,18 @@ def _argument(args: Tuple[Any, ...], kwargs: Dict[str, Any], index: int, name: s
     return args[index] if len(args) > index else kwargs.get(name)
 
 
-def _fixed(dims: int) -> _Rule:
+def _fixed(dims: int, x: torch.Tensor, lead: int, args: Tuple[Any, ...],
+           kwargs: Dict[str, Any]) -> Optional[int]:
     # (rows, channels, ``dims`` spatial dims): pooling, channel dropout, unfold
-    return lambda x, lead, args, kwargs: dims + 1
+    return dims + 1
 
 
-def _conv(dims: int) -> _Rule:
+def _conv(dims: int, x: torch.Tensor, lead: int, args: Tuple[Any, ...],
+          kwargs: Dict[str, Any]) -> Optional[int]:
     # a convolution with a plain weight and bias (a sample site's value is a layer call)
-    def rule(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
-             kwargs: Dict[str, Any]) -> Optional[int]:
-        plain = all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in (
-            _argument(args, kwargs, 1, "weight"), _argument(args, kwargs, 2, "bias")))
-        return dims + 1 if plain else None
-    return rule
+    plain = all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in (
+        _argument(args, kwargs, 1, "weight"), _argument(args, kwargs, 2, "bias")))
+    return dims + 1 if plain else None
 
 
 def _model_keep(x: torch.Tensor, lead: int, channels: Optional[int]) -> Optional[int]:
@@ -67,14 +67,12 @@ def _model_keep(x: torch.Tensor, lead: int, channels: Optional[int]) -> Optional
     return x.dim() - lead - 1
 
 
-def _model(*names: Tuple[int, str]) -> _Rule:
-    # (the arguments, by position and name, whose size is the number of channels)
-    def rule(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
-             kwargs: Dict[str, Any]) -> Optional[int]:
-        sizes = [t.numel() for t in (_argument(args, kwargs, i, n) for i, n in names)
-                 if isinstance(t, torch.Tensor)]
-        return _model_keep(x, lead, sizes[0] if sizes else None)
-    return rule
+def _model(names: Tuple[Tuple[int, str], ...], x: torch.Tensor, lead: int,
+           args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[int]:
+    # ``names``: the arguments, by position and name, whose size is the number of channels
+    sizes = [t.numel() for t in (_argument(args, kwargs, i, n) for i, n in names)
+             if isinstance(t, torch.Tensor)]
+    return _model_keep(x, lead, sizes[0] if sizes else None)
 
 
 def _interpolate(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
@@ -94,7 +92,7 @@ def _pad(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
     return len(_argument(args, kwargs, 1, "pad")) // 2 + 1
 
 
-@functools.cache  # (built on first use, not at import: mutation testing reaches it)
+@functools.cache  # (built on first use; the rules' code runs at each call)
 def _rules() -> Dict[Callable[..., Any], _Rule]:
     rules: Dict[Callable[..., Any], _Rule] = {}
     for d in (1, 2, 3):
@@ -103,16 +101,17 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
             for name in (f"{stem}{d}d", f"_{stem}{d}d", f"{stem}{d}d_with_indices"):
                 for space in (F, torch):
                     if callable(getattr(space, name, None)):
-                        rules[getattr(space, name)] = _fixed(d)
+                        rules[getattr(space, name)] = partial(_fixed, d)
         for stem in ("conv", "conv_transpose"):
-            rules[getattr(torch, f"{stem}{d}d")] = _conv(d)
+            rules[getattr(torch, f"{stem}{d}d")] = partial(_conv, d)
     rules.update({
-        F.unfold: _fixed(2), F.fold: _fixed(1), F.pad: _pad, F.interpolate: _interpolate,
-        F.batch_norm: _model((1, "running_mean"), (3, "weight")),
-        F.instance_norm: _model((1, "running_mean"), (3, "weight")),
-        F.group_norm: _model((2, "weight")),
-        F.local_response_norm: _model(), F.channel_shuffle: _model(),
-        F.feature_alpha_dropout: _model(), F.grid_sample: _model(),
+        F.unfold: partial(_fixed, 2), F.fold: partial(_fixed, 1), F.pad: _pad,
+        F.interpolate: _interpolate,
+        F.batch_norm: partial(_model, ((1, "running_mean"), (3, "weight"))),
+        F.instance_norm: partial(_model, ((1, "running_mean"), (3, "weight"))),
+        F.group_norm: partial(_model, ((2, "weight"),)),
+        F.local_response_norm: partial(_model, ()), F.channel_shuffle: partial(_model, ()),
+        F.feature_alpha_dropout: partial(_model, ()), F.grid_sample: partial(_model, ()),
     })
     return rules
 
