@@ -372,28 +372,23 @@ def _assert_equals_a_loop_over_samples(model, x, handler):
 
 
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
-def test_observed_data_come_back_as_plain_tensors(handler):
+@pytest.mark.parametrize("run", ["Predictive", "a step"])
+def test_observed_data_come_back_as_plain_tensors(handler, run):
     # the data lack the samples' dim: not a site value, which Predictive had returned
+    # (and outside Predictive's samples no observed value is a given sample)
     model, _ = _latent_bias_model()
     x, y = torch.randn(10, 4), torch.randn(10, 3)
     guide = AutoNormal(model)
     guide(x, y)
+    if run == "a step":
+        with handler():
+            trace = poutine.trace(model).get_trace(x, y)
+        assert type(trace.nodes["obs"]["value"]) is torch.Tensor
+        return
     with torch.no_grad(), handler():
         out = Predictive(model, guide=guide, num_samples=3, parallel=True,
                          return_sites=["bias", "obs"])(x, y)
     assert type(out["obs"]) is torch.Tensor and torch.equal(out["obs"], y.expand(3, 10, 3))
-
-
-@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
-def test_observed_data_of_a_step_stay_plain_tensors(handler):
-    # (outside Predictive's samples no observed value is a given sample)
-    model, _ = _latent_bias_model()
-    x, y = torch.randn(10, 4), torch.randn(10, 3)
-    guide = AutoNormal(model)
-    guide(x, y)
-    with handler():
-        trace = poutine.trace(model).get_trace(x, y)
-    assert type(trace.nodes["obs"]["value"]) is torch.Tensor
 
 
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
