@@ -142,12 +142,10 @@ def _refuse_batch_statistics(name: str, training: bool, running: Optional[torch.
         f"{name} {why} normalizes with the statistics of its batch, which the "
         f"{tuple(samples)} {plate} of the batched layers before it would share: "
         f"{_ADVICE[plate]}"
-        + (", or predict in eval mode (model.eval())" if training and plate == "samples"
-           else "")
-        + ("; the runs Predictive made before this one, one sample at a time in train "
-           "mode, have updated its running statistics: restore them (e.g. load the "
-           "model's state_dict again) before predicting" if training and plate == "samples"
-           else ""))
+        + (", or predict in eval mode (model.eval()); the runs Predictive made before this "
+           "one, one sample at a time in train mode, have updated its running statistics: "
+           "restore them (e.g. load the model's state_dict again) before predicting"
+           if training and plate == "samples" else ""))
 
 
 def _from_the_model() -> bool:
@@ -271,22 +269,16 @@ class BatchedModules:
         marked = self._marked
         return any(marked.get(id(t)) is t for t in _tensors(items))
 
-    def _rows(self, x: Any, keep: Optional[int]) -> Optional[torch.Size]:
+    def _rows(self, x: torch.Tensor, keep: Optional[int]) -> Optional[torch.Size]:
         # the leading dims of ``x`` to fold, or None where the call is left alone
-        samples = self.samples
-        if samples is None or keep is None or self._folded:  # (in a folded module)
-            return None
-        if not isinstance(x, torch.Tensor) or x.dim() <= keep + 1:
-            return None
-        if x.shape[:len(samples)] != samples or not self.carries((x,)):
-            return None
-        if active_sample_plate() is None:
+        if keep is None or x.dim() <= keep + 1 or self._samples_of(x) is None:
             return None
         return x.shape[:x.dim() - keep]
 
     def _samples_of(self, x: Any) -> Optional[str]:
         # the plate of the samples or particles where ``x``, computed from a batched layer's
-        # output, leads with their dims (in a run of the model), else None
+        # output, leads with their dims (in a run of the model, not in a folded module's),
+        # else None
         samples = self.samples
         if samples is None or self._folded or not isinstance(x, torch.Tensor):
             return None
@@ -301,11 +293,12 @@ class BatchedModules:
         within the model's own dims."""
         x = args[0] if args else kwargs.get("input")
         dim = _argument(args, kwargs, 1, "dim")
+        if not isinstance(x, torch.Tensor) or not isinstance(dim, int):
+            return
         # (a dim past the model's own rank was counted from the batched tensor's: right)
-        rank = x.dim() - len(self.samples or ()) if isinstance(x, torch.Tensor) else 0
-        plate = (self._samples_of(x) if isinstance(dim, int) and 0 <= dim < rank
-                 else None)
-        if plate is None or not isinstance(x, torch.Tensor) or not _from_the_model():
+        rank = x.dim() - len(self.samples or ())
+        plate = self._samples_of(x) if 0 <= dim < rank else None
+        if plate is None or not _from_the_model():
             return
         own = dim - rank
         raise ValueError(
@@ -323,9 +316,11 @@ class BatchedModules:
         if not isinstance(x, torch.Tensor) or samples is None:
             return func(*args, **kwargs)
         rows = self._rows(x, rule(x, len(samples), args, kwargs))
+        if rows is None:
+            return func(*args, **kwargs)
         others = [t for t in _tensors((*args[1:], *kwargs.values()))
                   if t is not x and self.carries((t,))]
-        if rows is None or any(t.shape[:len(rows)] != rows for t in others):
+        if any(t.shape[:len(rows)] != rows for t in others):
             return func(*args, **kwargs)
         if func is F.batch_norm:
             _refuse_batch_statistics(
