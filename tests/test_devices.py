@@ -9,7 +9,9 @@ gradient on the device).
 import pyro
 import pytest
 import torch
-from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
+import torch.nn.functional as F
+from pyro import poutine
+from pyro.infer import Predictive, Trace_ELBO, TraceMeanField_ELBO
 from torch import nn
 
 from pyro_vinit import (
@@ -20,6 +22,7 @@ from pyro_vinit import (
     flipout,
     init_guide_iblm,
     local_reparam,
+    vectorized_layers,
 )
 from pyro_vinit.distributions import KTiedNormal
 from pyro_vinit.metrics import brier_score, error_rate, mnll
@@ -133,3 +136,56 @@ def test_batchnorm_model_on_device(device):
         loss = TraceMeanField_ELBO().differentiable_loss(model, guide, x, y)
     assert torch.isfinite(loss)
     assert net[1].running_mean.device.type == device.type
+
+
+class _CNN(nn.Module):
+    # the tutorial-style CNN: torch functions after a Bayesian conv (pooling, a conv of a
+    # plain weight, a group norm, an eval-mode BatchNorm) fold the samples' dim
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.register_buffer("smooth", torch.ones(4, 4, 3, 3) / 36)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = F.max_pool2d(torch.tanh(self.norm(self.conv(x))), 2)
+        h = F.group_norm(F.conv2d(h, self.smooth, padding=1), 2)
+        return self.fc(F.avg_pool2d(h, 2).flatten(-3))
+
+
+def test_vectorized_predictive_of_a_cnn_on_device(device):
+    # Predictive(parallel=True) on the device: each sample's logits equal the model run
+    # on that sample's weights alone, and the same samples give the same logits on the CPU
+    torch.manual_seed(0)
+    model = BayesianClassifier(bayesianize(_CNN()).double()).eval().to(device)
+    x = torch.randn(6, 1, 8, 8, dtype=torch.float64, device=device)
+    guide = AutoMeanFieldNormal(model)
+    guide(x, torch.arange(6, device=device) % 3)
+    predictive = Predictive(model, guide=guide, num_samples=3, parallel=True,
+                            return_sites=["_RETURN"])
+    with torch.no_grad(), vectorized_layers():
+        trace = predictive.get_vectorized_trace(x)
+    logits = trace.nodes["_RETURN"]["value"]
+    assert logits.shape == (3, 6, 3) and logits.device.type == device.type
+    weights = {name: site["value"] for name, site in trace.nodes.items()
+               if site["type"] == "sample" and name.startswith("net.")}
+    with torch.no_grad():
+        for s in range(3):
+            one = {name: v[s].reshape(v.shape[2:]) for name, v in weights.items()}
+            assert _close(logits[s], poutine.condition(model, one)(x)), s
+        given = Predictive(model.cpu(), posterior_samples={k: v.cpu() for k, v in
+                                                           weights.items()},
+                           parallel=True, return_sites=["_RETURN"])
+        with vectorized_layers():
+            assert _close(logits, given(x.cpu())["_RETURN"])
+
+
+def test_fit_with_vectorized_particles_on_device(device):
+    x, y = _data(device)
+    model = _model(device)
+    guide = AutoKTiedNormal(model)
+    history = fit(model, guide, (x, y), steps=3, batch_size=32, num_particles=2,
+                  progress=False)
+    assert len(history.loss) == 3 and all(torch.isfinite(torch.tensor(history.loss)))
+    assert all(p.device.type == device.type for p in guide.parameters())
