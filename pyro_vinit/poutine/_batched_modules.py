@@ -15,7 +15,6 @@ with them. Only tensors computed from a batched layer's output are folded.
 """
 
 import functools
-import sys
 import weakref
 from functools import partial
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
@@ -27,7 +26,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils.hooks import RemovableHandle
 
 from pyro_vinit._pyro_compat import active_sample_plate
-from pyro_vinit.poutine._site_value import eager
+from pyro_vinit.poutine._site_value import eager, from_the_model
 
 __all__ = ["BatchedModules"]
 
@@ -146,20 +145,6 @@ def _refuse_batch_statistics(name: str, training: bool, running: Optional[torch.
            "one, one sample at a time in train mode, have updated its running statistics: "
            "restore them (e.g. load the model's state_dict again) before predicting"
            if training and plate == "samples" else ""))
-
-
-def _from_the_model() -> bool:
-    # Whether the call being handled came from a model's own code: the first caller
-    # outside this module and torch (its wrappers and functions) is neither Pyro nor
-    # this library (whose distributions' draws reshape their parameters on purpose).
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name != __name__ and not name.startswith("torch."):
-            return (not name.startswith(("pyro.", "pyro_vinit."))
-                    or name.startswith("pyro_vinit.testing"))
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
 
 
 def _tensors(items: Iterable[Any]) -> Iterable[torch.Tensor]:
@@ -298,7 +283,7 @@ class BatchedModules:
         # (a dim past the model's own rank was counted from the batched tensor's: right)
         rank = x.dim() - len(self.samples or ())
         plate = self._samples_of(x) if 0 <= dim < rank else None
-        if plate is None or not _from_the_model():
+        if plate is None or not from_the_model():
             return
         own = dim - rank
         raise ValueError(

@@ -250,6 +250,8 @@ def op_name(func: Callable[..., Any]) -> str:
     """``func``'s name as users spell it: ``"mm"``, ``Tensor.__matmul__`` and
     ``__rmatmul__`` (``x @ w``) -> ``"matmul"``."""
     name: str = getattr(func, "__name__", None) or str(func)
+    if name == "__get__":  # (an attribute read: w.T)
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
     return name.removeprefix("__").removesuffix("__").replace("rmatmul", "matmul")
 
 

@@ -5,6 +5,7 @@ slowing down any other tensor operation.
 """
 
 import functools
+import sys
 from typing import (
     Any,
     Callable,
@@ -59,6 +60,20 @@ def eager(fn: _F) -> _F:
 
 
 _GRAD = getter("grad")
+
+
+def from_the_model() -> bool:
+    """Whether the operation being handled came from a model's own code: the first
+    caller outside torch and this package's handlers is neither Pyro nor this library
+    (whose distributions' draws reshape their parameters on purpose)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith(("torch.", "pyro_vinit.poutine.")):
+            return (not name.startswith(("pyro.", "pyro_vinit."))
+                    or name.startswith("pyro_vinit.testing"))
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 @functools.lru_cache(maxsize=256)

@@ -728,6 +728,98 @@ def test_dims_counted_from_the_left_after_batched_layers_are_refused(case, handl
     _assert_no_global_hooks()
 
 
+def _weight_view_model(shape, view):
+    # A functional model whose weight reaches F.linear as a (3, 4) or (5, 4) matrix through
+    # the model's own view of it
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand(shape).to_event(len(shape)))
+        f = F.linear(x, view(w))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=f[..., :3]), obs=y)
+        return f[..., :3]
+
+    return model
+
+
+_WEIGHT_VIEWS_FROM_THE_LEFT = {
+    "w[:3]": ([5, 4], lambda w: w[:3]),
+    "w.narrow(0, 0, 3)": ([5, 4], lambda w: w.narrow(0, 0, 3)),
+    "w.reshape(-1, 4)": ([5, 4], lambda w: w.reshape(-1, 4)),
+    "w.t()": ([4, 5], lambda w: w.t()),
+    "w.T": ([4, 5], lambda w: w.T),
+    "w.view(5, 4)": ([20], lambda w: w.view(5, 4)),
+    "w[[5, 4, 3, 2, 1, 0]]": ([6, 4], lambda w: w[[5, 4, 3, 2, 1, 0]]),  # (six samples)
+}
+_WEIGHT_VIEWS_FROM_THE_RIGHT = {
+    "w[..., :3, :]": ([5, 4], lambda w: w[..., :3, :]),
+    "w.narrow(-2, 0, 3)": ([5, 4], lambda w: w.narrow(-2, 0, 3)),
+    "w.mT": ([4, 5], lambda w: w.mT),
+    "w.transpose(-1, -2)": ([4, 5], lambda w: w.transpose(-1, -2)),
+    "w.unflatten(-1, (5, 4))": ([20], lambda w: w.unflatten(-1, (5, 4))),
+    "w.flatten(-2).unflatten(-1, (5, 4))": ([5, 4], lambda w: w.flatten(-2).unflatten(
+        -1, (5, 4))),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The use of `x.T` on tensors")
+@pytest.mark.parametrize("run", ["the guide's samples", "given samples", "particles"])
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam, flipout])
+@pytest.mark.parametrize("view", list(_WEIGHT_VIEWS_FROM_THE_LEFT))
+def test_a_view_of_a_weight_counted_from_the_left_is_refused_by_name(view, handler, run):
+    # w[:3] of a weight drawn with the samples' dim on its left took the first three
+    # samples (Pyro's shape mismatch at the likelihood; with three particles, none said),
+    # and w.reshape(-1, 4) merged them into the rows (a layer of 30 units); w.t() and
+    # w.view(5, 4) failed inside torch; with six samples, w[[5, 4, ...]] reversed them
+    model = _weight_view_model(*_WEIGHT_VIEWS_FROM_THE_LEFT[view])
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    guide = AutoNormal(model)
+    guide(x, y)  # (one run at a time: the model's own dims)
+    match = (r"of the value of sample site 'w', of shape \(\d+, 1, [\d, ]+\), whose first 2 "
+             r"dims are those of Predictive's samples .* count a value's dims from the right "
+             r"\(w\[\.\.\., :3, :\] for the first three rows")
+    predictive = Predictive(model, guide=guide, num_samples=6, parallel=True)
+    before = {k: v.clone() for k, v in pyro.get_param_store().items()}
+    with pytest.raises(ValueError, match=match), torch.no_grad(), handler():
+        if run == "the guide's samples":
+            predictive(x)
+        elif run == "given samples":
+            samples = {"w": torch.randn(6, 1, *_WEIGHT_VIEWS_FROM_THE_LEFT[view][0])}
+            Predictive(model, posterior_samples=samples, parallel=True)(x)
+        else:
+            Trace_ELBO(num_particles=4, vectorize_particles=True,
+                       max_plate_nesting=1).loss(model, guide, x, y)
+    assert all(torch.equal(v, before[k]) for k, v in pyro.get_param_store().items())
+
+
+@pytest.mark.parametrize("view", list(_WEIGHT_VIEWS_FROM_THE_RIGHT))
+def test_a_view_of_a_weight_counted_from_the_right_equals_a_loop_over_samples(view):
+    model = _weight_view_model(*_WEIGHT_VIEWS_FROM_THE_RIGHT[view])
+    x = torch.randn(10, 4)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    trace = _vectorized_trace(model, guide, x)
+    with torch.no_grad():
+        expected = _sequential_outputs(model, trace, x, 4)
+    assert trace.nodes["_RETURN"]["value"].shape == (4, 10, 3)
+    assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
+    given = Predictive(model, posterior_samples={"w": trace.nodes["w"]["value"]},
+                       parallel=True, return_sites=["_RETURN"])
+    with torch.no_grad(), vectorized_layers():
+        assert_close(given(x)["_RETURN"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_view_counted_from_the_left_of_one_sample_runs():
+    # (one sample: w.view(5, 4) of its (1, 1, 20) holds the weight, as a run without it)
+    model = _weight_view_model([20], lambda w: w.view(5, 4))
+    x = torch.randn(10, 4)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    trace = _vectorized_trace(model, guide, x, num_samples=1)
+    with torch.no_grad():
+        expected = _sequential_outputs(model, trace, x, 1)
+    assert_close(trace.nodes["_RETURN"]["value"].reshape(1, 10, 3), expected)
+
+
 def test_a_softmax_over_a_dim_counted_from_the_batched_tensor_runs():
     # (its dim, past the model's own rank, lands on the classes: right, not refused)
     model = BayesianClassifier(bayesianize(_Functional(
