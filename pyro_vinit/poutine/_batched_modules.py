@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils.hooks import RemovableHandle
 
 from pyro_vinit._pyro_compat import active_sample_plate
+from pyro_vinit.poutine._left_dims import left_dims
 from pyro_vinit.poutine._site_value import eager, from_the_model
 
 __all__ = ["BatchedModules"]
@@ -115,13 +116,6 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
     return rules
 
 
-#: normalizations over a dim, refused where it counts from the left within the model's
-#: own dims (which lands on the sample dims)
-_SOFTMAX = {F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
-            torch.Tensor.softmax, torch.Tensor.log_softmax, torch.special.softmax,
-            torch.special.log_softmax}
-
-
 def _module_keep(module: nn.Module, x: torch.Tensor, lead: int) -> Optional[int]:
     # modules that check their input's dims before calling their function
     if isinstance(module, (nn.modules.batchnorm._BatchNorm,
@@ -173,8 +167,8 @@ class _Folding(TorchFunctionMode):
         kwargs = kwargs or {}
         owner = self.owner
         rule = _rules().get(func)
-        if func in _SOFTMAX:
-            owner.check_softmax(func, args, kwargs)
+        if owner.samples is not None:
+            owner.check_dims(func, args, kwargs)
         out = (owner.call(func, rule, args, kwargs) if rule is not None
                else func(*args, **kwargs))
         if owner.carries(args) or (kwargs and owner.carries(kwargs.values())):
@@ -271,27 +265,22 @@ class BatchedModules:
             return None
         return active_sample_plate()
 
-    def check_softmax(self, func: Callable[..., Any], args: Tuple[Any, ...],
-                      kwargs: Dict[str, Any]) -> None:
-        """Refuses a softmax over a dim counted from the left of a tensor that leads with
-        the sample dims (``F.log_softmax(x, dim=1)``: over the rows, not the classes),
-        within the model's own dims."""
-        x = args[0] if args else kwargs.get("input")
-        dim = _argument(args, kwargs, 1, "dim")
-        if not isinstance(x, torch.Tensor) or not isinstance(dim, int):
+    def check_dims(self, func: Callable[..., Any], args: Tuple[Any, ...],
+                   kwargs: Dict[str, Any]) -> None:
+        """Refuses the model's dims counted from the left, within its own dims, of a
+        tensor that leads with the sample dims (``F.log_softmax(x, dim=1)``: over the
+        rows, not the classes; ``x.mean((2, 3))``, ``torch.cat(xs, dim=1)``)."""
+        samples = self.samples or torch.Size()
+        found = left_dims(func, args, kwargs, len(samples))
+        plate = self._samples_of(found.input) if found is not None else None
+        if found is None or plate is None or not from_the_model(__name__):
             return
-        # (a dim past the model's own rank was counted from the batched tensor's: right)
-        rank = x.dim() - len(self.samples or ())
-        plate = self._samples_of(x) if 0 <= dim < rank else None
-        if plate is None or not from_the_model():
-            return
-        own = dim - rank
         raise ValueError(
-            f"{getattr(func, '__name__', func)}(dim={dim}) of a tensor of shape "
-            f"{tuple(x.shape)} computed from a batched layer's output, which leads with the "
-            f"{tuple(self.samples or ())} {plate} dims: a dim counted from the left lands on "
-            f"them. Count dims from the right, as models run with vectorized samples must: "
-            f"dim={own}")
+            f"{getattr(func, '__name__', func)}({found.name}={found.given}) of a tensor of "
+            f"shape {tuple(found.input.shape)} computed from a batched layer's output, which "
+            f"leads with the {tuple(samples)} {plate} dims: a dim counted from the left lands "
+            f"on them. Count dims from the right, as models run with vectorized samples "
+            f"must: {found.name}={found.own}")
 
     def call(self, func: Callable[..., Any], rule: _Rule, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Any:

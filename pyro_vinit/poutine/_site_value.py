@@ -62,14 +62,15 @@ def eager(fn: _F) -> _F:
 _GRAD = getter("grad")
 
 
-def from_the_model() -> bool:
+def from_the_model(*dispatch: str) -> bool:
     """Whether the operation being handled came from a model's own code: the first
-    caller outside torch and this package's handlers is neither Pyro nor this library
-    (whose distributions' draws reshape their parameters on purpose)."""
+    caller outside torch and the ``dispatch`` modules (those that handle it) is neither
+    Pyro nor this library (whose distributions' draws and handlers' layers view and
+    reshape their tensors on purpose)."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if not name.startswith(("torch.", "pyro_vinit.poutine.")):
+        if name not in dispatch and not name.startswith("torch."):
             return (not name.startswith(("pyro.", "pyro_vinit."))
                     or name.startswith("pyro_vinit.testing"))
         frame = frame.f_back  # type: ignore[assignment]

@@ -250,7 +250,7 @@ def _refuse_moved_sample_dims(func: Callable[..., Any], args: Tuple[Any, ...],
         what = f"failed ({str(out).splitlines()[0]})"
     else:
         return
-    if not from_the_model():
+    if not from_the_model(__name__, SiteValue.__module__):
         return
     raise ValueError(
         f"{op_name(func)} of the value of sample site {source.site!r}, of shape "
