@@ -811,3 +811,31 @@ def test_setting_keys_of_configs_partials_functions_and_methods():
     first, second = _Picker(LocalReparam()), _Picker(Flipout())
     assert key(first.pick) == key(first.pick) != key(second.pick)
     assert key(first.pick) != key(first.__init__)
+
+
+def _viewed_weight_model(x, y=None):
+    # a functional model that views its weight (w.mT, counted from the right), checked
+    # for dims counted from the left in each vectorized run, the traced one too
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([4, 3]).to_event(2))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("obs", dist.Categorical(logits=torch.nn.functional.linear(x, w.mT)), obs=y)
+
+
+def test_vectorized_particles_with_a_view_of_a_weight_are_captured():
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        runs = []
+        for cls in (SVI, CapturedSVI):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            svi = cls(_viewed_weight_model, AutoNormal(_viewed_weight_model),
+                      pyro.optim.Adam({"lr": 1e-2}),
+                      Trace_ELBO(num_particles=3, vectorize_particles=True,
+                                 max_plate_nesting=1))
+            with local_reparam():
+                runs.append([svi.step(x, y) for _ in range(3)])
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert svi.num_traces == 1 and svi.fallback_reason is None
+    assert _close(*runs), runs

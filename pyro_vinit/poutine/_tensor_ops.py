@@ -12,7 +12,7 @@ interception: the per-step handlers' tensor subclass
 nothing from :mod:`pyro_vinit.poutine`.
 """
 
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -165,7 +165,19 @@ def element_index(shape: torch.Size, view_ops: Tuple[ViewOp, ...]) -> Optional[t
     ops = tuple(op for op in view_ops if op[0] not in CASTS and _view_dtype(*op) is None)
     if not ops:
         return None
-    return replay(ops, torch.arange(shape.numel()).reshape(shape))
+    # (on the device of an index tensor among the ops', w[..., idx] on CUDA; read on the CPU)
+    device = next((t.device for t in _tensors_in([op[1:] for op in ops])), None)
+    return replay(ops, torch.arange(shape.numel(), device=device).reshape(shape)).cpu()
+
+
+def _tensors_in(items: Any) -> Iterator[torch.Tensor]:
+    if isinstance(items, torch.Tensor):
+        yield items
+    elif isinstance(items, (tuple, list)):
+        for item in items:
+            yield from _tensors_in(item)
+    elif isinstance(items, dict):
+        yield from _tensors_in(list(items.values()))
 
 
 def is_transpose(view_ops: Tuple[ViewOp, ...], shape: torch.Size) -> bool:

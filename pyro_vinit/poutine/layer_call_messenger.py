@@ -48,8 +48,6 @@ and how a call becomes a :class:`LayerCall`
 layer-call handler may be active at a time.
 """
 
-import itertools
-import operator
 from types import TracebackType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, cast
 
@@ -60,11 +58,7 @@ from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, Independent
 from typing_extensions import Self, TypeGuard
 
-from pyro_vinit._pyro_compat import (
-    active_sample_plate,
-    is_predictive_samples,
-    is_vectorized_particles,
-)
+from pyro_vinit._pyro_compat import is_predictive_samples, is_vectorized_particles
 from pyro_vinit._typing import SampleSite
 from pyro_vinit.poutine._batched_modules import BatchedModules
 from pyro_vinit.poutine._layer_ops import (
@@ -77,19 +71,15 @@ from pyro_vinit.poutine._layer_ops import (
     is_batched,
     op_name,
 )
-from pyro_vinit.poutine._site_value import (
-    ACTIVE,
-    SiteValue,
-    Uses,
-    eager,
-    from_the_model,
-    unwrap,
-)
-from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, ViewOp, element_index, uses_values
+from pyro_vinit.poutine._site_value import ACTIVE, SiteValue, Uses, eager, unwrap
+from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, uses_values
+from pyro_vinit.poutine._weight_views import refuse_left_counting
 
 __all__ = ["LayerCall", "LayerCallMessenger"]
 
 _T = torch.Tensor
+# The modules whose code hands a site value's operation on to the handler
+_DISPATCH = (__name__, BatchedModules.__module__)
 # Operations that use a site value as a layer's weight in a way the handlers cannot see
 # (the matrix products too, in the forms parse_matmul does not read as a layer).
 _CUSTOM_LAYER_OPS = MATMUL_OPS | {
@@ -201,65 +191,6 @@ def _refuse_sample_dims(func: Callable[..., Any], values: List[SiteValue],
                 "use of a site's value must take them. Predict with "
                 "Predictive(..., parallel=False) (or vectorize_particles=False), or keep "
                 "the layer deterministic (bayesianize(..., exclude=[...]))") from error
-
-
-def _leading_dims(value: SiteValue, dims: int) -> int:
-    # Of a value of ``dims`` dims of value's site, those left of the site's event dims
-    # where the site is in the plate of Predictive's samples or of vectorized particles
-    # (their dims and the plates' singletons); else 0
-    msg = value.msgs[0]
-    if not any(is_vectorized_particles(f) or is_predictive_samples(f)
-               for f in msg.get("cond_indep_stack", ())):
-        return 0
-    return max(dims - len(getattr(msg["fn"], "event_shape", ())), 0)
-
-
-def _keeps_sample_dims(source: SiteValue, op: ViewOp, out: torch.Tensor) -> bool:
-    # Whether ``out``, ``op`` of a view (or other element op) of a draw with leading sample
-    # dims, keeps them: its own leading dims hold the draw's in order, each element in its
-    # own place there (singletons may come and go: Pyro's reshapes of a sample to its
-    # plate's dim)
-    draw = source.uses.shape
-    lead = _leading_dims(source, len(draw))
-    rows = draw[:lead].numel()
-    if rows == 1:
-        return True
-    if rows not in itertools.accumulate(out.shape, operator.mul):
-        return False
-    index = element_index(draw, source.view_ops + (op,)) if source.derived is None else None
-    if index is None:
-        return True
-    own = torch.arange(rows).unsqueeze(-1).expand(rows, index.numel() // rows)
-    return torch.equal(index.reshape(rows, -1) // draw[lead:].numel(), own)
-
-
-def _refuse_moved_sample_dims(func: Callable[..., Any], args: Tuple[Any, ...],
-                              kwargs: Dict[str, Any], out: Any) -> None:
-    # The model's own view, in its run, of a value with the vectorized samples' dims on its
-    # left that indexes, moves or merges them (w[:3] meant for the first rows of w), or
-    # that torch refused (w.t(), w.view(5, 4) of a value of more dims)
-    source = args[0]
-    lead = _leading_dims(source, source.dim())
-    if lead == 0 or active_sample_plate() is None:  # (outside the run: e.g. its results)
-        return
-    if isinstance(out, torch.Tensor):
-        if _keeps_sample_dims(source, (func, unwrap(args[1:]), unwrap(kwargs)), out):
-            return
-        what = f"indexes, moves or merges them (a result of shape {tuple(out.shape)})"
-    elif isinstance(out, (RuntimeError, IndexError)):
-        what = f"failed ({str(out).splitlines()[0]})"
-    else:
-        return
-    if not from_the_model(__name__, SiteValue.__module__):
-        return
-    raise ValueError(
-        f"{op_name(func)} of the value of sample site {source.site!r}, of shape "
-        f"{tuple(source.shape)}, whose first {lead} dims are those of Predictive's samples "
-        f"(parallel=True) or of vectorized particles and the plates, {what}: a model run "
-        "with vectorized samples must count a value's dims from the right "
-        "(w[..., :3, :] for the first three rows of a matrix w, w.mT rather than w.t() or "
-        "w.T, w.unflatten(-1, (5, 4)) rather than w.view(5, 4)). Else predict with "
-        "Predictive(..., parallel=False) (or vectorize_particles=False)")
 
 
 def _msgs_of(value: Any) -> List[SampleSite]:
@@ -438,9 +369,9 @@ class LayerCallMessenger(Messenger):
             try:
                 out = source.derive(func, args[1:], kwargs)
             except (RuntimeError, IndexError) as error:
-                _refuse_moved_sample_dims(func, args, kwargs, error)
+                refuse_left_counting(func, args, kwargs, error, _DISPATCH)
                 raise
-            _refuse_moved_sample_dims(func, args, kwargs, out)
+            refuse_left_counting(func, args, kwargs, out, _DISPATCH)
             return out
         if func in LAYER_OPS or func in _CUSTOM_LAYER_OPS:
             # A layer function with a site value anywhere is seen; a product only with one
@@ -457,6 +388,7 @@ class LayerCallMessenger(Messenger):
         values = [v for v in _site_values(args) + _site_values(list(kwargs.values())) if v.msgs]
         if not values:
             return NotImplemented
+        refuse_left_counting(func, args, kwargs, None, _DISPATCH)
         try:
             out = func(*unwrap(args), **unwrap(kwargs))
         except RuntimeError as error:

@@ -777,14 +777,29 @@ def _weight_view_model(shape, view):
     return model
 
 
-_WEIGHT_VIEWS_FROM_THE_LEFT = {
-    "w[:3]": ([5, 4], lambda w: w[:3]),
-    "w.narrow(0, 0, 3)": ([5, 4], lambda w: w.narrow(0, 0, 3)),
-    "w.reshape(-1, 4)": ([5, 4], lambda w: w.reshape(-1, 4)),
-    "w.t()": ([4, 5], lambda w: w.t()),
-    "w.T": ([4, 5], lambda w: w.T),
-    "w.view(5, 4)": ([20], lambda w: w.view(5, 4)),
-    "w[[5, 4, 3, 2, 1, 0]]": ([6, 4], lambda w: w[[5, 4, 3, 2, 1, 0]]),  # (six samples)
+_MOVES = (r".*, indexes, moves or merges them \(a result of shape .*\): a model run with "
+          r"vectorized samples must count a value's dims from the right \(w\[\.\.\., :3, :\] "
+          r"for the first three rows")
+_FAILS = r".*, failed \({}.*\): a model run with vectorized samples must count"
+_DIM = r".*: a dim counted from the left lands on them. Count dims from the right, .*: {}\n"
+_WEIGHT_VIEWS_FROM_THE_LEFT = {  # shape, the model's use of w, what the refusal says
+    "w[:3]": ([5, 4], lambda w: w[:3], "getitem", _MOVES),
+    "w.reshape(-1, 4)": ([5, 4], lambda w: w.reshape(-1, 4), "reshape", _MOVES),
+    "w.t()": ([4, 5], lambda w: w.t(), "t", _FAILS.format(r"t\(\) expects")),
+    "w.T": ([4, 5], lambda w: w.T, "T", _MOVES),
+    "w.view(5, 4)": ([20], lambda w: w.view(5, 4), "view", _FAILS.format("shape")),
+    "w[[5, 4, 3, 2, 1, 0]]": ([6, 4], lambda w: w[[5, 4, 3, 2, 1, 0]], "getitem",  # (six
+        _MOVES + "|" + _FAILS.format("index 5 is out of bounds")),  # samples; four particles)
+    "w.narrow(0, 0, 3)": ([5, 4], lambda w: w.narrow(0, 0, 3), r"narrow\(dim=0\)",
+                          _DIM.format("dim=-2")),
+    "w.transpose(0, 1)": ([4, 5], lambda w: w.transpose(0, 1), r"transpose\(dim0=0\)",
+                          _DIM.format("dim0=-2")),
+    "w.flip(0)": ([5, 4], lambda w: w.flip(0), r"flip\(dims=0\)", _DIM.format("dims=-2")),
+    "torch.roll(w, 1, 0)": ([5, 4], lambda w: torch.roll(w, 1, 0), r"roll\(dims=0\)",
+                            _DIM.format("dims=-2")),
+    "w.index_select(0, idx)": ([5, 4], lambda w: w.index_select(0, torch.tensor([2, 1, 0])),
+                               r"index_select\(dim=0\)", _DIM.format("dim=-2")),
+    "w.chunk(2)": ([6, 4], lambda w: w.chunk(2)[0], r"chunk\(dim=0\)", _DIM.format("dim=-2")),
 }
 _WEIGHT_VIEWS_FROM_THE_RIGHT = {
     "w[..., :3, :]": ([5, 4], lambda w: w[..., :3, :]),
@@ -805,21 +820,23 @@ def test_a_view_of_a_weight_counted_from_the_left_is_refused_by_name(view, handl
     # w[:3] of a weight drawn with the samples' dim on its left took the first three
     # samples (Pyro's shape mismatch at the likelihood; with three particles, none said),
     # and w.reshape(-1, 4) merged them into the rows (a layer of 30 units); w.t() and
-    # w.view(5, 4) failed inside torch; with six samples, w[[5, 4, ...]] reversed them
-    model = _weight_view_model(*_WEIGHT_VIEWS_FROM_THE_LEFT[view])
+    # w.view(5, 4) failed inside torch; with six samples, w[[5, 4, ...]] reversed them, and
+    # so did w.flip(0) with as many samples as rows
+    shape, use, op, says = _WEIGHT_VIEWS_FROM_THE_LEFT[view]
+    model = _weight_view_model(shape, use)
     x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
     guide = AutoNormal(model)
     guide(x, y)  # (one run at a time: the model's own dims)
-    match = (r"of the value of sample site 'w', of shape \(\d+, 1, [\d, ]+\), whose first 2 "
-             r"dims are those of Predictive's samples .* count a value's dims from the right "
-             r"\(w\[\.\.\., :3, :\] for the first three rows")
+    match = (rf"(?s)^{op} of the value of sample site 'w', of shape \(\d+, 1, [\d, ]+\), which "
+             rf"leads with the dims of Predictive's samples \(parallel=True\) or of vectorized "
+             rf"particles({says})")
     predictive = Predictive(model, guide=guide, num_samples=6, parallel=True)
     before = {k: v.clone() for k, v in pyro.get_param_store().items()}
     with pytest.raises(ValueError, match=match), torch.no_grad(), handler():
         if run == "the guide's samples":
             predictive(x)
         elif run == "given samples":
-            samples = {"w": torch.randn(6, 1, *_WEIGHT_VIEWS_FROM_THE_LEFT[view][0])}
+            samples = {"w": torch.randn(6, 1, *shape)}
             Predictive(model, posterior_samples=samples, parallel=True)(x)
         else:
             Trace_ELBO(num_particles=4, vectorize_particles=True,
@@ -842,6 +859,54 @@ def test_a_view_of_a_weight_counted_from_the_right_equals_a_loop_over_samples(vi
                        parallel=True, return_sites=["_RETURN"])
     with torch.no_grad(), vectorized_layers():
         assert_close(given(x)["_RETURN"], expected, atol=1e-5, rtol=1e-5)
+
+
+def _plate_models(use=lambda a: a):
+    # indices into the model's own plate dims, counted from the right (Pyro's spelling)
+    group = torch.arange(10) % 4
+
+    def intercepts(x, y=None):  # a hierarchical model: an intercept per group
+        with pyro.plate("groups", 4):
+            a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 4]).to_event(2))
+        f = F.linear(x, w) + use(a)[..., group].unsqueeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=f), obs=y)
+        return f
+
+    return {"a[..., group]": intercepts}
+
+
+@pytest.mark.parametrize("handler", [vectorized_layers, local_reparam, flipout])
+@pytest.mark.parametrize("case", list(_plate_models()))
+def test_an_index_into_a_plate_dim_counted_from_the_right_runs(case, handler):
+    # the model's own plate dims are no sample dims: a[..., group] had been refused
+    model = _plate_models()[case]
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    guide = AutoNormal(model)
+    guide(x, y)
+    with torch.no_grad(), handler():
+        samples = Predictive(model, guide=guide, num_samples=5, parallel=True,
+                             return_sites=["_RETURN"])(x)
+        loss = Trace_ELBO(num_particles=4, vectorize_particles=True,
+                          max_plate_nesting=1).loss(model, guide, x, y)
+    assert samples["_RETURN"].shape == (5, 10, 3) and math.isfinite(loss)
+    pyro.clear_param_store()
+    flipped = _plate_models(lambda a: a.flip(0))[case]  # (the groups, counted from the left)
+    guide = AutoNormal(flipped)
+    guide(x, y)
+    with pytest.raises(ValueError, match=r"^flip\(dims=0\) of the value of sample site 'a', "
+                       r"of shape \(5, 4\), .* dims=-1\n"), torch.no_grad(), handler():
+        Predictive(flipped, guide=guide, num_samples=5, parallel=True)(x)
+    if handler is vectorized_layers:  # (the guide's samples themselves: a run per sample)
+        trace = _vectorized_trace(model, guide, x, num_samples=5)
+        outs = []
+        for s in range(5):
+            given = {name: trace.nodes[name]["value"][s].reshape(shape)
+                     for name, shape in (("a", (4,)), ("w", (3, 4)))}
+            with torch.no_grad():
+                outs.append(poutine.condition(model, given)(x))
+        assert_close(trace.nodes["_RETURN"]["value"], torch.stack(outs), atol=1e-5, rtol=1e-5)
 
 
 def test_a_view_counted_from_the_left_of_one_sample_runs():
