@@ -6,6 +6,8 @@ deterministic parts to 1e-8 relative; the random ones to a finite loss with ever
 gradient on the device).
 """
 
+import warnings
+
 import pyro
 import pytest
 import torch
@@ -189,3 +191,31 @@ def test_fit_with_vectorized_particles_on_device(device):
                   progress=False)
     assert len(history.loss) == 3 and all(torch.isfinite(torch.tensor(history.loss)))
     assert all(p.device.type == device.type for p in guide.parameters())
+
+
+def test_a_weight_indexed_by_a_tensor_on_device(device):
+    # the handlers follow a weight's view w[..., idx, :] with idx on the device (the
+    # index of the view's elements is computed where idx lives)
+    idx = torch.tensor([2, 0], device=device)
+
+    def model(x, y=None):
+        w = pyro.sample("w", pyro.distributions.Normal(
+            torch.zeros(3, 5, dtype=torch.float64, device=device), 1.0).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", pyro.distributions.Categorical(logits=F.linear(x, w[..., idx, :])),
+                        obs=y)
+        return w
+
+    x, y = _data(device)
+    guide = AutoMeanFieldNormal(model)
+    with local_reparam(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a gather of the weight keeps its ordinary sample)
+        loss = TraceMeanField_ELBO().differentiable_loss(model, guide, x, y % 2)
+    with torch.no_grad(), vectorized_layers():
+        trace = Predictive(model, guide=guide, num_samples=3, parallel=True,
+                           return_sites=["_RETURN", "obs"]).get_vectorized_trace(x)
+    assert torch.isfinite(loss) and loss.device.type == device.type
+    logits = trace.nodes["obs"]["fn"].logits
+    w = trace.nodes["w"]["value"].squeeze(1)  # (3 samples, 1 plate's, 3, 5)
+    assert logits.shape == (3, 64, 2)
+    assert _close(logits, torch.log_softmax(x @ w[..., idx, :].mT, -1))
