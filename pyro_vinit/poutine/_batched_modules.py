@@ -60,28 +60,10 @@ def _conv(dims: int, x: torch.Tensor, lead: int, args: Tuple[Any, ...],
     return dims + 1 if plain else None
 
 
-def _model_keep(x: torch.Tensor, lead: int, channels: Optional[int]) -> Optional[int]:
-    # the model's own (rows, channels, ...) past the sample dims, ``channels`` where known
-    if x.dim() < lead + 2 or channels not in (None, x.shape[lead + 1]):
-        return None
-    return x.dim() - lead - 1
-
-
-def _model(names: Tuple[Tuple[int, str], ...], x: torch.Tensor, lead: int,
-           args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[int]:
-    # ``names``: the arguments, by position and name, whose size is the number of channels
-    sizes = [t.numel() for t in (_argument(args, kwargs, i, n) for i, n in names)
-             if isinstance(t, torch.Tensor)]
-    return _model_keep(x, lead, sizes[0] if sizes else None)
-
-
-def _interpolate(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Optional[int]:
-    for index, name in ((1, "size"), (2, "scale_factor")):
-        given = _argument(args, kwargs, index, name)
-        if isinstance(given, (tuple, list)):
-            return len(given) + 1
-    return _model_keep(x, lead, None)
+def _model(x: torch.Tensor, lead: int, args: Tuple[Any, ...] = (),
+           kwargs: Optional[Dict[str, Any]] = None) -> Optional[int]:
+    # the model's own (rows, channels, ...) past the sample dims
+    return x.dim() - lead - 1 if x.dim() >= lead + 2 else None
 
 
 def _pad(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
@@ -106,13 +88,11 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
             rules[getattr(torch, f"{stem}{d}d")] = partial(_conv, d)
     rules.update({
         F.unfold: partial(_fixed, 2), F.fold: partial(_fixed, 1), F.pad: _pad,
-        F.interpolate: _interpolate,
-        F.batch_norm: partial(_model, ((1, "running_mean"), (3, "weight"))),
-        F.instance_norm: partial(_model, ((1, "running_mean"), (3, "weight"))),
-        F.group_norm: partial(_model, ((2, "weight"),)),
-        F.local_response_norm: partial(_model, ()), F.channel_shuffle: partial(_model, ()),
-        F.feature_alpha_dropout: partial(_model, ()), F.grid_sample: partial(_model, ()),
     })
+    for f in (F.interpolate, F.batch_norm, F.instance_norm, F.group_norm,
+              F.local_response_norm, F.channel_shuffle, F.feature_alpha_dropout,
+              F.grid_sample):
+        rules[f] = _model
     return rules
 
 
@@ -120,7 +100,7 @@ def _module_keep(module: nn.Module, x: torch.Tensor, lead: int) -> Optional[int]
     # modules that check their input's dims before calling their function
     if isinstance(module, (nn.modules.batchnorm._BatchNorm,
                            nn.modules.instancenorm._InstanceNorm)):
-        return _model_keep(x, lead, int(module.num_features))
+        return _model(x, lead)
     return 3 if isinstance(module, nn.Softmax2d) else None
 
 

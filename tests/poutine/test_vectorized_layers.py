@@ -544,6 +544,8 @@ _FUNCTIONAL = {
     "a Bayesian conv": None,  # (a layer call: left to the handler)
     "F.channel_shuffle": lambda x: F.max_pool2d(F.channel_shuffle(x, 2), 2),
     "F.pad, reflect": lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect")[..., 1:-1:2, 1:-1:2],
+    "F.pad, replicate, positional": lambda x: F.pad(x, (1, 1, 1, 1), "replicate")[
+        ..., 1:-1:2, 1:-1:2],
     "F.unfold, F.fold": lambda x: F.max_pool2d(F.fold(F.unfold(x, 2), (8, 8), 2), 2),
     "F.max_unpool2d": lambda x: F.max_pool2d(F.max_unpool2d(*F.max_pool2d(
         x, 2, return_indices=True), 2), 2),
@@ -626,6 +628,39 @@ def test_a_conv_of_a_plain_weight_and_a_latent_bias_is_left_to_the_handler():
     with torch.no_grad():
         expected = _sequential_outputs(model, trace, x, 4)
     assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
+
+
+class _KeywordConvs(PyroModule):
+    # convolutions after a batched layer whose latent weight or bias comes positionally
+    # without a bias, or by keyword: each a layer call of the handler's, never folded
+    def __init__(self, call):
+        super().__init__()
+        self.w1 = PyroSample(dist.Normal(0.0, 0.3).expand([4, 1, 3, 3]).to_event(4))
+        self.w2 = PyroSample(dist.Normal(0.0, 0.3).expand([4, 4, 3, 3]).to_event(4))
+        self.b2 = PyroSample(dist.Normal(0.0, 0.3).expand([4]).to_event(1))
+        self.plain = torch.randn(4, 4, 3, 3) / 6
+        self.fc = nn.Linear(4 * 8 * 8, 3)
+        self.call = call
+
+    def forward(self, x):
+        h = torch.tanh(F.conv2d(x, self.w1, padding=1))
+        return self.fc(torch.tanh(self.call(self, h)).flatten(-3))
+
+
+_KEYWORD_CONVS = {
+    "F.conv2d(h, w)": lambda m, h: F.conv2d(h, m.w2, padding=1),
+    "F.conv2d(input=h, weight=w)": lambda m, h: F.conv2d(input=h, weight=m.w2, padding=1),
+    "F.conv2d(h, plain, bias=b)": lambda m, h: F.conv2d(h, m.plain, bias=m.b2, padding=1),
+    "a plain nn.Conv2d": lambda m, h: _PLAIN_CONV(h),  # (its bias and stride positional)
+}
+_PLAIN_CONV = nn.Conv2d(4, 4, 3, padding=1)
+
+
+@pytest.mark.parametrize("call", list(_KEYWORD_CONVS))
+def test_a_conv_by_position_or_keyword_after_batched_layers(call):
+    torch.manual_seed(0)
+    model = BayesianClassifier(_KeywordConvs(_KEYWORD_CONVS[call]))
+    _assert_equals_a_loop_over_samples(model, torch.randn(6, 1, 8, 8), vectorized_layers)
 
 
 def test_a_compiled_network_under_parallel_predictive():
