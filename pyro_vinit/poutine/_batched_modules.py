@@ -17,7 +17,7 @@ with them. Only tensors computed from a batched layer's output are folded.
 import functools
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +96,17 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
     return rules
 
 
+#: the reshapes after which a tensor leads with the sample dims only where they and the
+#: next dim are kept
+_RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten,
+             torch.flatten, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as,
+             torch.Tensor.reshape_as}
+#: modules that apply a function over their ``dim``
+_DIM_MODULES: Dict[type, Callable[..., Any]] = {
+    nn.Softmax: F.softmax, nn.LogSoftmax: F.log_softmax, nn.Softmin: F.softmin,
+    nn.GLU: F.glu, nn.Unflatten: torch.unflatten}
+
+
 def _module_keep(module: nn.Module, x: torch.Tensor, lead: int) -> Optional[int]:
     # modules that check their input's dims before calling their function
     if isinstance(module, (nn.modules.batchnorm._BatchNorm,
@@ -152,7 +163,7 @@ class _Folding(TorchFunctionMode):
         out = (owner.call(func, rule, args, kwargs) if rule is not None
                else func(*args, **kwargs))
         if owner.carries(args) or (kwargs and owner.carries(kwargs.values())):
-            owner.mark(out)
+            owner.mark(out, owner.leads_after(func, args, kwargs, out))
         return out
 
 
@@ -181,6 +192,9 @@ class BatchedModules:
         # id -> each tensor computed from a batched layer's output, while it lives
         self._marked: weakref.WeakValueDictionary[int, torch.Tensor] = (
             weakref.WeakValueDictionary())
+        # ids of the marked tensors that do not lead with the sample dims (merged into
+        # another dim by a reshape)
+        self._merged: Set[int] = set()
 
     def watch(self, out: torch.Tensor, lead: int) -> None:
         """A batched layer gave ``out``, whose ``lead`` leading dims are sample dims
@@ -217,11 +231,32 @@ class BatchedModules:
         self._handles, self._mode, self.samples = (), None, None
         self._folded.clear()
         self._marked.clear()
+        self._merged.clear()
 
-    def mark(self, out: Any) -> None:
-        """Marks the tensors of ``out`` as computed from a batched layer's output."""
+    def mark(self, out: Any, leads: bool = True) -> None:
+        """Marks the tensors of ``out`` as computed from a batched layer's output, and
+        whether they may lead with the sample dims."""
         for t in _tensors((out,)):
             self._marked[id(t)] = t
+            if leads:
+                self._merged.discard(id(t))
+            else:
+                self._merged.add(id(t))
+
+    def leads_after(self, func: Callable[..., Any], args: Tuple[Any, ...],
+                    kwargs: Dict[str, Any], out: Any) -> bool:
+        """Whether ``out = func(*args, **kwargs)``, computed from a batched layer's output,
+        may lead with the sample dims: not where one of its marked inputs was merged, nor
+        after a reshape that merges or splits the dims next to them (the fold of an LSTM's
+        input into (samples * batch, time, features), also where the batch is one)."""
+        marked, merged = self._marked, self._merged
+        ins = [t for t in _tensors((*args, *kwargs.values())) if marked.get(id(t)) is t]
+        if any(id(t) in merged for t in ins):
+            return False
+        if func in _RESHAPES and ins and isinstance(out, torch.Tensor):
+            keep = len(self.samples or ()) + 1
+            return out.shape[:keep] == ins[0].shape[:keep]
+        return True
 
     def carries(self, items: Iterable[Any]) -> bool:
         """Whether a tensor of ``items`` was computed from a batched layer's output."""
@@ -234,33 +269,41 @@ class BatchedModules:
             return None
         return x.shape[:x.dim() - keep]
 
-    def _samples_of(self, x: Any) -> Optional[str]:
-        # the plate of the samples or particles where ``x``, computed from a batched layer's
-        # output, leads with their dims (in a run of the model, not in a folded module's),
-        # else None
+    def _lead(self, x: Any) -> Optional[int]:
+        # the sample dims that ``x``, computed from a batched layer's output, leads with
+        # (in a run of the model, not in a folded module's): all of them, or the first
+        # where the model broadcast the plates' singletons after it; else None
         samples = self.samples
-        if samples is None or self._folded or not isinstance(x, torch.Tensor):
+        if (samples is None or self._folded or not isinstance(x, torch.Tensor)
+                or id(x) in self._merged or not self.carries((x,))):
             return None
-        if x.shape[:len(samples)] != samples or not self.carries((x,)):
-            return None
-        return active_sample_plate()
+        if x.shape[:len(samples)] == samples:
+            return len(samples)
+        if x.shape[:1] == samples[:1] and all(size == 1 for size in samples[1:]):
+            return 1
+        return None
+
+    def _samples_of(self, x: Any) -> Optional[str]:
+        # the plate of the samples or particles where ``x`` leads with their dims, else None
+        return active_sample_plate() if self._lead(x) is not None else None
 
     def check_dims(self, func: Callable[..., Any], args: Tuple[Any, ...],
-                   kwargs: Dict[str, Any]) -> None:
+                   kwargs: Dict[str, Any], name: Optional[str] = None) -> None:
         """Refuses the model's dims counted from the left, within its own dims, of a
         tensor that leads with the sample dims (``F.log_softmax(x, dim=1)``: over the
-        rows, not the classes; ``x.mean((2, 3))``, ``torch.cat(xs, dim=1)``)."""
-        samples = self.samples or torch.Size()
-        found = left_dims(func, args, kwargs, len(samples))
+        rows, not the classes; ``x.mean((2, 3))``, ``torch.cat(xs, dim=1)``). ``name``:
+        the module whose dim it is (its call is the model's wherever it comes from)."""
+        found = left_dims(func, args, kwargs, self._lead)
         plate = self._samples_of(found.input) if found is not None else None
-        if found is None or plate is None or not from_the_model(__name__):
+        if found is None or plate is None or (name is None and not from_the_model(__name__)):
             return
+        lead = self._lead(found.input)
         raise ValueError(
-            f"{getattr(func, '__name__', func)}({found.name}={found.given}) of a tensor of "
-            f"shape {tuple(found.input.shape)} computed from a batched layer's output, which "
-            f"leads with the {tuple(samples)} {plate} dims: a dim counted from the left lands "
-            f"on them. Count dims from the right, as models run with vectorized samples "
-            f"must: {found.name}={found.own}")
+            f"{name or getattr(func, '__name__', func)}({found.name}={found.given}) of a "
+            f"tensor of shape {tuple(found.input.shape)} computed from a batched layer's "
+            f"output, which leads with the {tuple(found.input.shape[:lead])} {plate} dims: "
+            f"a dim counted from the left lands on them. Count dims from the right, as "
+            f"models run with vectorized samples must: {found.name}={found.own}")
 
     def call(self, func: Callable[..., Any], rule: _Rule, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Any:
@@ -299,6 +342,11 @@ class BatchedModules:
         if not args or self.samples is None or not isinstance(args[0], torch.Tensor):
             return None
         x = args[0]
+        for kind in type(module).__mro__:  # (its dim is its maker's, wherever it runs)
+            if kind in _DIM_MODULES:
+                self.check_dims(_DIM_MODULES[kind], (x, getattr(module, "dim", None)), {},
+                                f"nn.{kind.__name__}")
+                break
         rows = self._rows(x, _module_keep(module, x, len(self.samples)))
         if rows is None:
             return None

@@ -106,13 +106,17 @@ class LeftDims(NamedTuple):
 
 
 def left_dims(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-              lead: int) -> Optional[LeftDims]:
+              lead_of: Callable[[torch.Tensor], Optional[int]]) -> Optional[LeftDims]:
     """The first dim argument of ``func(*args, **kwargs)`` that counts from
-    the left within the dims its input has past its ``lead`` leading dims, or
-    None (also where ``func`` takes no dim)."""
+    the left within the dims its input has past its ``lead_of(input)``
+    leading dims, or None (also where ``func`` takes no dim, or ``lead_of``
+    gives None)."""
     spec = _table().get(func)
     x = _input(args, kwargs) if spec is not None else None
     if spec is None or not isinstance(x, torch.Tensor):
+        return None
+    lead = lead_of(x)
+    if lead is None:
         return None
     for arg in spec:
         given = (args[arg.position] if len(args) > arg.position

@@ -90,7 +90,7 @@ def refuse_left_counting(func: Callable[..., Any], args: Tuple[Any, ...],
     if not from_the_model(__name__, SiteValue.__module__, *dispatch):
         return
     lead = max(x.dim() - _own_dims(x), 0)
-    found = left_dims(func, args, kwargs, lead)
+    found = left_dims(func, args, kwargs, lambda _: lead)
     head = (f"of the value of sample site {x.site!r}, of shape {tuple(x.shape)}, which leads "
             f"with the dims of Predictive's samples (parallel=True) or of vectorized "
             f"particles")
