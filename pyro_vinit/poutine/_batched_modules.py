@@ -101,6 +101,22 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
 _RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten,
              torch.flatten, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as,
              torch.Tensor.reshape_as}
+def _merges_samples(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    dims: int, lead: int) -> bool:
+    # whether a reshape of a tensor of ``dims`` dims that leads with ``lead`` sample dims
+    # takes them into another (its shape's sizes kept by chance: one row)
+    if func in (torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten, torch.unflatten):
+        first = _argument(args, kwargs, 1, "start_dim" if "flatten" == func.__name__
+                          else "dim")
+        return int(first or 0) % dims < lead
+    if func in (torch.Tensor.view_as, torch.Tensor.reshape_as):
+        return False  # (the shape of another tensor, which leads with them where it may)
+    shape = args[1:] if len(args) > 1 else (kwargs.get("shape") or kwargs.get("size"),)
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return bool(shape) and shape[0] == -1  # (the samples into the first dim: a fold)
+
+
 #: modules that apply a function over their ``dim``
 _DIM_MODULES: Dict[type, Callable[..., Any]] = {
     nn.Softmax: F.softmax, nn.LogSoftmax: F.log_softmax, nn.Softmin: F.softmin,
@@ -246,17 +262,20 @@ class BatchedModules:
     def leads_after(self, func: Callable[..., Any], args: Tuple[Any, ...],
                     kwargs: Dict[str, Any], out: Any) -> bool:
         """Whether ``out = func(*args, **kwargs)``, computed from a batched layer's output,
-        may lead with the sample dims: not where one of its marked inputs was merged, nor
-        after a reshape that merges or splits the dims next to them (the fold of an LSTM's
-        input into (samples * batch, time, features), also where the batch is one)."""
+        may lead with the sample dims: where none of its marked inputs was merged, and after
+        a reshape only where the sample dims stay in front: not after a fold into (samples *
+        batch, time, features) as around an LSTM (also where the batch is one), until an
+        unfold puts them back."""
         marked, merged = self._marked, self._merged
         ins = [t for t in _tensors((*args, *kwargs.values())) if marked.get(id(t)) is t]
-        if any(id(t) in merged for t in ins):
+        if func not in _RESHAPES or not ins or not isinstance(out, torch.Tensor):
+            return not any(id(t) in merged for t in ins)
+        x, samples = ins[0], self.samples or torch.Size()
+        if out.shape[:len(samples)] != samples:
             return False
-        if func in _RESHAPES and ins and isinstance(out, torch.Tensor):
-            keep = len(self.samples or ()) + 1
-            return out.shape[:keep] == ins[0].shape[:keep]
-        return True
+        if id(x) in merged:  # (an unfold: the sample dims in front again, with more dims)
+            return out.dim() > x.dim()
+        return not _merges_samples(func, args, kwargs, x.dim(), len(samples))
 
     def carries(self, items: Iterable[Any]) -> bool:
         """Whether a tensor of ``items`` was computed from a batched layer's output."""

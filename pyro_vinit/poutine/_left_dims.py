@@ -18,13 +18,15 @@ __all__: List[str] = []
 
 class DimArgument(NamedTuple):
     """Where a function takes a dim: position, keyword, the default used when
-    it is not given (None: then no dim), and whether it inserts a dim (its
-    range then takes the result's extra dim)."""
+    it is not given (None: then no dim), whether it inserts a dim (its range
+    then takes the result's extra dim), and whether a dim of None is torch's
+    implicit one (a softmax's: 0 for 0, 1 and 3 dims, else 1)."""
 
     position: int
     name: str
     default: Optional[int] = None
     inserts: bool = False
+    implicit: bool = False
 
 
 _Spec = Tuple[DimArgument, ...]
@@ -47,6 +49,7 @@ def _table() -> Dict[Callable[..., Any], _Spec]:
                    "sort", "argsort", "narrow", "select", "index_select", "gather", "squeeze",
                    "unflatten"):
         table[f] = dim1
+    implicit: _Spec = (DimArgument(1, "dim", implicit=True),)
     for f in _both("unbind"):
         table[f] = (DimArgument(1, "dim", 0),)
     for f in _both("unsqueeze"):
@@ -71,7 +74,7 @@ def _table() -> Dict[Callable[..., Any], _Spec]:
     table.update({
         torch.linalg.vector_norm: (DimArgument(2, "dim"),),
         torch.special.softmax: dim1, torch.special.log_softmax: dim1,
-        F.softmax: dim1, F.log_softmax: dim1, F.softmin: dim1, F.glu: dim1,
+        F.softmax: implicit, F.log_softmax: implicit, F.softmin: implicit, F.glu: dim1,
         F.gumbel_softmax: (DimArgument(4, "dim"),),
         F.normalize: (DimArgument(2, "dim", 1),),
         F.cosine_similarity: (DimArgument(2, "dim", 1),),
@@ -121,10 +124,11 @@ def left_dims(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str,
     for arg in spec:
         given = (args[arg.position] if len(args) > arg.position
                  else kwargs.get(arg.name, arg.default))
-        dims = _dims(given)
+        rank = x.dim() - lead + arg.inserts  # (the model's own dims of the result)
+        dims = _dims(given) if not (given is None and arg.implicit) else (
+            (0 if rank in (0, 1, 3) else 1,))
         if dims is None:
             continue
-        rank = x.dim() - lead + arg.inserts  # (the model's own dims of the result)
         if any(0 <= d < rank for d in dims):
             own = tuple(d - rank if 0 <= d < rank else d for d in dims)
             return LeftDims(x, arg.name, given, own if isinstance(given, (tuple, list))

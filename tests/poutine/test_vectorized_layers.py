@@ -985,17 +985,26 @@ class _FoldedGRU(nn.Module):
         self.inp, self.fc = nn.Linear(20, 30), nn.Linear(6, 3)
         self.rnn = nn.GRU(6, 6, batch_first=True)
         self.smooth = nn.Conv1d(6, 6, 3, padding=1)
+        self.norm = nn.BatchNorm1d(6).eval()
         self.tail = tail
 
     def forward(self, x):
         h = torch.tanh(self.inp(x)).unflatten(-1, (5, 6))  # (..., batch, time, features)
         o, _ = self.rnn(h.reshape(-1, 5, 6))
-        return self.fc(self.tail(self, o).reshape(*h.shape[:-2], 6))
+        return self.fc(self.tail(self, o, h).reshape(*h.shape[:-2], 6))
 
 
 _FOLDED = {
-    "o.mean(1)": lambda m, o: o.mean(1),
-    "o.transpose(1, 2) into a Conv1d": lambda m, o: m.smooth(o.transpose(1, 2)).amax(-1),
+    "o.mean(1)": lambda m, o, h: o.mean(1),
+    "o.transpose(1, 2) into a Conv1d": lambda m, o, h: m.smooth(o.transpose(1, 2)).amax(-1),
+    # (unfolded: the samples in front again, folded by the pooling and the BatchNorm)
+    "unfolded, F.max_pool1d": lambda m, o, h: F.max_pool1d(
+        o.reshape(*h.shape[:-2], 5, 6).transpose(-1, -2), 5).squeeze(-1),
+    "unfolded, BatchNorm1d": lambda m, o, h: m.norm(
+        (o.reshape(h.shape) + h).transpose(-1, -2)).mean(-1),
+    # (the model's own batch and time merged: the samples stay in front)
+    "h.flatten(-3, -2), BatchNorm1d": lambda m, o, h: m.norm(
+        h.flatten(-3, -2)).unflatten(-2, h.shape[-3:-1]).mean(-2),
 }
 
 
@@ -1005,23 +1014,39 @@ def test_dims_counted_from_the_left_of_a_folded_tensor_run(tail, rows):
     # with one row, the folded (samples * 1, time, features) had the shape of a tensor
     # that leads with the samples: o.mean(1) was refused, its advice (dim=-1) wrong
     torch.manual_seed(0)
-    net = bayesianize(_FoldedGRU(_FOLDED[tail]), exclude=[nn.GRU, nn.Conv1d])
+    net = bayesianize(_FoldedGRU(_FOLDED[tail]), exclude=[nn.GRU, nn.Conv1d, nn.BatchNorm1d])
     _assert_equals_a_loop_over_samples(BayesianClassifier(net), torch.randn(rows, 20),
                                        vectorized_layers)
 
 
+def test_a_dim_counted_from_the_left_of_an_unfolded_tensor_is_refused():
+    # (the samples back in front after the fold: the model's dims are checked again)
+    torch.manual_seed(0)
+    net = bayesianize(_FoldedGRU(lambda m, o, h: o.reshape(h.shape).mean(1)),
+                      exclude=[nn.GRU, nn.Conv1d, nn.BatchNorm1d])
+    model = BayesianClassifier(net)
+    x = torch.randn(6, 20)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (6,)))
+    with pytest.raises(ValueError, match=r"^mean\(dim=1\) of a tensor of shape \(4, 6, 5, 6\)"
+                       r".* dim=-2\n"), torch.no_grad(), vectorized_layers():
+        Predictive(model, guide=guide, num_samples=4, parallel=True)(x)
+
+
 @pytest.mark.parametrize("run", ["samples", "particles"])
-def test_a_dim_module_inside_a_bayesianized_network_is_refused(run):
+@pytest.mark.parametrize("dim", [1, None])
+def test_a_dim_module_inside_a_bayesianized_network_is_refused(run, dim):
     # nn.LogSoftmax(dim=1) inside the network: torch's and Pyro's frames only, so the
-    # check of the model's own calls had let it normalize over the rows (error 1.08)
+    # check of the model's own calls had let it normalize over the rows (error 1.08);
+    # with no dim, torch's implicit dim of a 3-dim tensor is its first (error 0.42)
     torch.manual_seed(0)
     model = BayesianClassifier(bayesianize(nn.Sequential(nn.Linear(4, 3),
-                                                         nn.LogSoftmax(dim=1))))
+                                                         nn.LogSoftmax(dim=dim))))
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     guide = AutoNormal(model)
     guide(x, y)
-    match = (r"^nn\.LogSoftmax\(dim=1\) of a tensor of shape .* Count dims from the right, "
-             r".*: dim=-1\n")
+    match = (rf"^nn\.LogSoftmax\(dim={dim}\) of a tensor of shape .* Count dims from the "
+             r"right, .*: dim=-1\n")
     with pytest.raises(ValueError, match=match), torch.no_grad(), vectorized_layers():
         if run == "samples":
             Predictive(model, guide=guide, num_samples=4, parallel=True)(x)
