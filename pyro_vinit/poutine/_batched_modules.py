@@ -17,7 +17,7 @@ with them. Only tensors computed from a batched layer's output are folded.
 import functools
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils.hooks import RemovableHandle
 
 from pyro_vinit._pyro_compat import active_sample_plate
-from pyro_vinit.poutine._left_dims import left_dims
+from pyro_vinit.poutine._left_dims import first_dim, left_dims
 from pyro_vinit.poutine._site_value import eager, from_the_model
 
 __all__ = ["BatchedModules"]
@@ -101,20 +101,23 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
 _RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten,
              torch.flatten, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as,
              torch.Tensor.reshape_as}
-def _merges_samples(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                    dims: int, lead: int) -> bool:
-    # whether a reshape of a tensor of ``dims`` dims that leads with ``lead`` sample dims
-    # takes them into another (its shape's sizes kept by chance: one row)
-    if func in (torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten, torch.unflatten):
-        first = _argument(args, kwargs, 1, "start_dim" if "flatten" == func.__name__
-                          else "dim")
-        return int(first or 0) % dims < lead
+_FLATTENS = {torch.Tensor.flatten, torch.flatten}
+
+
+def _first_reshaped(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    dims: int) -> Union[int, str]:
+    # where a reshape of a tensor of ``dims`` dims starts: a flatten's or unflatten's
+    # first dim (normalized); "-1" for a shape of -1 first (all the leading dims into
+    # one); "sizes" for a shape of sizes; "like" for another tensor's shape
+    if func in _FLATTENS or func in (torch.Tensor.unflatten, torch.unflatten):
+        first = _argument(args, kwargs, 1, "start_dim" if func in _FLATTENS else "dim")
+        return int(first or 0) % dims
     if func in (torch.Tensor.view_as, torch.Tensor.reshape_as):
-        return False  # (the shape of another tensor, which leads with them where it may)
+        return "like"
     shape = args[1:] if len(args) > 1 else (kwargs.get("shape") or kwargs.get("size"),)
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    return bool(shape) and shape[0] == -1  # (the samples into the first dim: a fold)
+    return "-1" if shape and shape[0] == -1 else "sizes"
 
 
 #: modules that apply a function over their ``dim``
@@ -273,9 +276,19 @@ class BatchedModules:
         x, samples = ins[0], self.samples or torch.Size()
         if out.shape[:len(samples)] != samples:
             return False
-        if id(x) in merged:  # (an unfold: the sample dims in front again, with more dims)
-            return out.dim() > x.dim()
-        return not _merges_samples(func, args, kwargs, x.dim(), len(samples))
+        first = _first_reshaped(func, args, kwargs, x.dim())
+        if id(x) not in merged:  # (not a fold of the sample dims into the next one)
+            return first in ("sizes", "like") or (isinstance(first, int)
+                                                  and first >= len(samples))
+        # (an unfold: the first dim split again, the sample dims in front)
+        return first in ("sizes", "like", 0) and (
+            out.dim() > x.dim() or out.shape[0] != x.shape[0])
+
+    def merged(self, x: Any) -> bool:
+        """Whether ``x`` was computed from a batched layer's output whose sample dims a
+        reshape merged into its rows (a fold, as around an LSTM)."""
+        return (isinstance(x, torch.Tensor) and id(x) in self._merged
+                and self.carries((x,)))
 
     def carries(self, items: Iterable[Any]) -> bool:
         """Whether a tensor of ``items`` was computed from a batched layer's output."""
@@ -310,8 +323,19 @@ class BatchedModules:
                    kwargs: Dict[str, Any], name: Optional[str] = None) -> None:
         """Refuses the model's dims counted from the left, within its own dims, of a
         tensor that leads with the sample dims (``F.log_softmax(x, dim=1)``: over the
-        rows, not the classes; ``x.mean((2, 3))``, ``torch.cat(xs, dim=1)``). ``name``:
-        the module whose dim it is (its call is the model's wherever it comes from)."""
+        rows, not the classes; ``x.mean((2, 3))``, ``torch.cat(xs, dim=1)``), and its
+        first dim of a tensor into whose rows a reshape merged them. ``name``: the module
+        whose dim it is (its call is the model's wherever it comes from)."""
+        first = first_dim(func, args, kwargs)
+        if first is not None and self.merged(first.input) and active_sample_plate() and (
+                name is not None or from_the_model(__name__)):
+            raise ValueError(
+                f"{name or getattr(func, '__name__', func)}({first.name}={first.given}) "
+                f"of a tensor of shape {tuple(first.input.shape)} into whose first dim a "
+                f"reshape merged the {tuple(self.samples or ())} {active_sample_plate()} "
+                "dims of a batched layer's output (a fold, as x.reshape(-1, T, H) around an "
+                "LSTM): over that dim it mixes them. Unfold first (x.reshape(*lead, T, H), "
+                "lead the dims before the fold) and count the dim from the right")
         found = left_dims(func, args, kwargs, self._lead)
         plate = self._samples_of(found.input) if found is not None else None
         if found is None or plate is None or (name is None and not from_the_model(__name__)):

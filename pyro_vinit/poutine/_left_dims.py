@@ -134,3 +134,22 @@ def left_dims(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str,
             return LeftDims(x, arg.name, given, own if isinstance(given, (tuple, list))
                             else own[0])
     return None
+
+
+def first_dim(func: Callable[..., Any], args: Tuple[Any, ...],
+              kwargs: Dict[str, Any]) -> Optional[LeftDims]:
+    """The dim argument of ``func(*args, **kwargs)`` that takes its input's first dim
+    (a reduction, concatenation or split over it; not a dim inserted there, nor an
+    unflatten, which splits it), or None."""
+    spec = _table().get(func) if func not in (torch.unflatten, torch.Tensor.unflatten) else None
+    x = _input(args, kwargs) if spec is not None else None
+    if spec is None or not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    for arg in spec:
+        given = (args[arg.position] if len(args) > arg.position
+                 else kwargs.get(arg.name, arg.default))
+        dims = _dims(given) if not (given is None and arg.implicit) else (
+            (0 if x.dim() in (0, 1, 3) else 1,))
+        if dims is not None and not arg.inserts and any(d % x.dim() == 0 for d in dims):
+            return LeftDims(x, arg.name, given, None)
+    return None

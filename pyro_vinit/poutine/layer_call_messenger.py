@@ -193,6 +193,21 @@ def _refuse_sample_dims(func: Callable[..., Any], values: List[SiteValue],
                 "the layer deterministic (bayesianize(..., exclude=[...]))") from error
 
 
+def _refuse_folded_input(call: LayerCall, folded: bool) -> None:
+    # a batched layer on an input whose sample dims a reshape merged into its rows would
+    # run every sample's weight on every sample's rows
+    if folded:
+        raise ValueError(
+            f"F.{call.op} (sample site {call.weight_name or call.bias_name!r}) runs "
+            f"batched over the samples or particles on an input of shape "
+            f"{tuple(call.input.shape)} into whose first dim a reshape merged their dims (a "
+            "fold, as x.reshape(-1, T, H) around an LSTM, or x.view(-1, features)): every "
+            "sample's weight would meet every sample's rows. Unfold before the layer "
+            "(x.reshape(*lead, T, H), lead the dims before the fold), flatten from the right "
+            "(x.flatten(-3)), or keep the layer deterministic (bayesianize(..., "
+            "exclude=[...]))")
+
+
 def _msgs_of(value: Any) -> List[SampleSite]:
     return value.msgs if _is_latent(value) and value.is_view else []
 
@@ -411,6 +426,7 @@ class LayerCallMessenger(Messenger):
             batched = is_batched(call.op, call.weight, call.bias)
             if batched:
                 # before any handler acts on the call: an input that does not fit is refused
+                _refuse_folded_input(call, self._batched.merged(unwrap(call.input)))
                 check_batched_input(
                     call.op, call.input, call.weight, call.kwargs,
                     call.weight_name or call.bias_name,

@@ -986,6 +986,7 @@ class _FoldedGRU(nn.Module):
         self.rnn = nn.GRU(6, 6, batch_first=True)
         self.smooth = nn.Conv1d(6, 6, 3, padding=1)
         self.norm = nn.BatchNorm1d(6).eval()
+        self.norm6 = nn.BatchNorm1d(30).eval()
         self.tail = tail
 
     def forward(self, x):
@@ -1005,6 +1006,15 @@ _FOLDED = {
     # (the model's own batch and time merged: the samples stay in front)
     "h.flatten(-3, -2), BatchNorm1d": lambda m, o, h: m.norm(
         h.flatten(-3, -2)).unflatten(-2, h.shape[-3:-1]).mean(-2),
+    # (other unfolds: the rows split again, the samples in front)
+    "unfolded by unflatten(0, lead)": lambda m, o, h: F.max_pool1d(
+        o.unflatten(0, h.shape[:-2]).transpose(-1, -2), 5).squeeze(-1),
+    "unfolded by view_as": lambda m, o, h: m.norm(o.view_as(h).transpose(-1, -2)).mean(-1),
+    "unfolded to the same rank": lambda m, o, h: m.norm6(
+        o.reshape(*h.shape[:-2], 30)).unflatten(-1, (5, 6)).mean(-2),
+    # (a fold by unflatten of its own: still folded)
+    "folded by reshape(-1, 30).unflatten(-1, ...)": lambda m, o, h: m.rnn(
+        h.reshape(-1, 30).unflatten(-1, (5, 6)))[0].mean(1),
 }
 
 
@@ -1013,10 +1023,42 @@ _FOLDED = {
 def test_dims_counted_from_the_left_of_a_folded_tensor_run(tail, rows):
     # with one row, the folded (samples * 1, time, features) had the shape of a tensor
     # that leads with the samples: o.mean(1) was refused, its advice (dim=-1) wrong
+    if rows == 1 and tail == "unfolded to the same rank":
+        pytest.skip("one row: an unfold to the same rank has the shape of the fold")
     torch.manual_seed(0)
     net = bayesianize(_FoldedGRU(_FOLDED[tail]), exclude=[nn.GRU, nn.Conv1d, nn.BatchNorm1d])
     _assert_equals_a_loop_over_samples(BayesianClassifier(net), torch.randn(rows, 20),
                                        vectorized_layers)
+
+
+_FOLDED_WRONG = {  # a use of the folded tensor's first dim, where the samples are merged
+    "F.softmax(o, dim=0)": (lambda m, o, h: F.softmax(o, dim=0).mean(1),
+                            r"^softmax\(dim=0\) of a tensor of shape \(24, 5, 6\) into whose "
+                            r"first dim a reshape merged the \(4,\) samples dims .* over that "
+                            r"dim it mixes them"),
+    "a Bayesian layer on the folded rows": (
+        lambda m, o, h: m.fc(o.mean(1)),
+        r"^F\.linear \(sample site 'net\.fc\.weight'\) runs batched over the samples or "
+        r"particles on an input of shape \(24, 6\) into whose first dim a reshape merged"),
+}
+
+
+@pytest.mark.parametrize("case", list(_FOLDED_WRONG))
+def test_a_use_of_a_folded_tensors_first_dim_is_refused(case):
+    # the samples merged into the folded rows: softmax over them had mixed the samples
+    # (error 0.28), and a Bayesian layer had run every sample's weight on every sample's
+    # rows (silently, with a -1 in the unfold)
+    tail, match = _FOLDED_WRONG[case]
+    torch.manual_seed(0)
+    net = bayesianize(_FoldedGRU(tail), exclude=[nn.GRU, nn.Conv1d, nn.BatchNorm1d])
+    if case.startswith("a Bayesian"):
+        net.fc = bayesianize(nn.Linear(6, 6))
+    model = BayesianClassifier(net)
+    x = torch.randn(6, 20)
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (6,)))
+    with pytest.raises(ValueError, match=match), torch.no_grad(), vectorized_layers():
+        Predictive(model, guide=guide, num_samples=4, parallel=True)(x)
 
 
 def test_a_dim_counted_from_the_left_of_an_unfolded_tensor_is_refused():
