@@ -208,7 +208,7 @@ def test_a_weight_indexed_by_a_tensor_on_device(device):
 
     x, y = _data(device)
     guide = AutoMeanFieldNormal(model)
-    with local_reparam(), warnings.catch_warnings():
+    with warnings.catch_warnings(), local_reparam():
         warnings.simplefilter("ignore")  # (a gather of the weight keeps its ordinary sample)
         loss = TraceMeanField_ELBO().differentiable_loss(model, guide, x, y % 2)
     with torch.no_grad(), vectorized_layers():
