@@ -85,6 +85,7 @@ __all__ = [
     "is_deterministic_site",
     "likelihood_sites",
     "is_predictive_samples",
+    "is_sample_frame",
     "is_vectorized_particles",
     "model_swapped",
     "prefill_log_prob",
@@ -295,6 +296,12 @@ def is_predictive_samples(frame: CondIndepStackFrame) -> bool:
     """Whether the ``CondIndepStackFrame`` ``frame`` is the plate of the
     samples of :class:`~pyro.infer.Predictive` with ``parallel=True``."""
     return frame.name == _PREDICTIVE_PLATE
+
+
+def is_sample_frame(frame: CondIndepStackFrame) -> bool:
+    """Whether ``frame`` is the plate of an ELBO's vectorized particles or of
+    :class:`~pyro.infer.Predictive`'s samples."""
+    return is_vectorized_particles(frame) or is_predictive_samples(frame)
 
 
 # The objectives that weigh whole-model samples against each other.

@@ -17,7 +17,7 @@ with them. Only tensors computed from a batched layer's output are folded.
 import functools
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils.hooks import RemovableHandle
 
 from pyro_vinit._pyro_compat import active_sample_plate
+from pyro_vinit.poutine._layer_ops import op_name
 from pyro_vinit.poutine._left_dims import first_dim, left_dims
 from pyro_vinit.poutine._site_value import eager, from_the_model
 
@@ -60,8 +61,8 @@ def _conv(dims: int, x: torch.Tensor, lead: int, args: Tuple[Any, ...],
     return dims + 1 if plain else None
 
 
-def _model(x: torch.Tensor, lead: int, args: Tuple[Any, ...] = (),
-           kwargs: Optional[Dict[str, Any]] = None) -> Optional[int]:
+def _model(x: torch.Tensor, lead: int, args: Tuple[Any, ...],
+           kwargs: Dict[str, Any]) -> Optional[int]:
     # the model's own (rows, channels, ...) past the sample dims
     return x.dim() - lead - 1 if x.dim() >= lead + 2 else None
 
@@ -96,30 +97,53 @@ def _rules() -> Dict[Callable[..., Any], _Rule]:
     return rules
 
 
-#: the reshapes after which a tensor leads with the sample dims only where they and the
-#: next dim are kept
+#: the reshapes, after which a tensor leads with the sample dims only where it kept them
+#: in front (BatchedModules.leads_after)
 _RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten,
              torch.flatten, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as,
              torch.Tensor.reshape_as}
-_FLATTENS = {torch.Tensor.flatten, torch.flatten}
+#: the flattens and unflattens, by the name of the first dim they take
+_FLATTENS: Dict[Callable[..., Any], str] = {
+    torch.Tensor.flatten: "start_dim", torch.flatten: "start_dim",
+    torch.Tensor.unflatten: "dim", torch.unflatten: "dim"}
 
 
-def _first_reshaped(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                    dims: int) -> Union[int, str]:
-    # where a reshape of a tensor of ``dims`` dims starts: a flatten's or unflatten's
-    # first dim (normalized); "-1" for a shape of -1 first (all the leading dims into
-    # one); "sizes" for a shape of sizes; "like" for another tensor's shape
-    if func in _FLATTENS or func in (torch.Tensor.unflatten, torch.unflatten):
-        first = _argument(args, kwargs, 1, "start_dim" if func in _FLATTENS else "dim")
-        return int(first or 0) % dims
-    if func in (torch.Tensor.view_as, torch.Tensor.reshape_as):
-        return "like"
+def _flattened(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+               dims: int) -> Optional[int]:
+    # the first dim that a flatten or unflatten of a tensor of ``dims`` dims takes
+    name = _FLATTENS.get(func)
+    return None if name is None else int(_argument(args, kwargs, 1, name) or 0) % dims
+
+
+def _minus_one_first(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    # whether a reshape's shape starts with -1 (all the leading dims into one)
     shape = args[1:] if len(args) > 1 else (kwargs.get("shape") or kwargs.get("size"),)
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    return "-1" if shape and shape[0] == -1 else "sizes"
+    return bool(shape) and isinstance(shape[0], int) and shape[0] == -1
 
 
+def _folds(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+           dims: int, lead: int) -> bool:
+    # whether a reshape of a tensor that leads with ``lead`` sample dims takes them into
+    # another dim (a shape of -1 first: also where its sizes are kept by chance, one row)
+    first = _flattened(func, args, kwargs, dims)
+    return first < lead if first is not None else _minus_one_first(args, kwargs)
+
+
+def _unfolds(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+             dims: int) -> bool:
+    # whether a reshape of a tensor whose first dim holds the sample dims may split it
+    # again: a shape of sizes, another tensor's, or an unflatten of that dim
+    first = _flattened(func, args, kwargs, dims)
+    if first is not None:
+        return first == 0 and func in (torch.Tensor.unflatten, torch.unflatten)
+    return not _minus_one_first(args, kwargs)
+
+
+#: the wording of the refusals of a fold: what it is, and what to write instead
+FOLD = "a fold, as x.reshape(-1, T, H) around an LSTM, or x.view(-1, features)"
+UNFOLD = "Unfold first (x.reshape(*lead, T, H), lead the dims before the fold)"
 #: modules that apply a function over their ``dim``
 _DIM_MODULES: Dict[type, Callable[..., Any]] = {
     nn.Softmax: F.softmax, nn.LogSoftmax: F.log_softmax, nn.Softmin: F.softmin,
@@ -130,7 +154,7 @@ def _module_keep(module: nn.Module, x: torch.Tensor, lead: int) -> Optional[int]
     # modules that check their input's dims before calling their function
     if isinstance(module, (nn.modules.batchnorm._BatchNorm,
                            nn.modules.instancenorm._InstanceNorm)):
-        return _model(x, lead)
+        return _model(x, lead, (), {})
     return 3 if isinstance(module, nn.Softmax2d) else None
 
 
@@ -276,12 +300,9 @@ class BatchedModules:
         x, samples = ins[0], self.samples or torch.Size()
         if out.shape[:len(samples)] != samples:
             return False
-        first = _first_reshaped(func, args, kwargs, x.dim())
-        if id(x) not in merged:  # (not a fold of the sample dims into the next one)
-            return first in ("sizes", "like") or (isinstance(first, int)
-                                                  and first >= len(samples))
-        # (an unfold: the first dim split again, the sample dims in front)
-        return first in ("sizes", "like", 0) and (
+        if id(x) not in merged:
+            return not _folds(func, args, kwargs, x.dim(), len(samples))
+        return _unfolds(func, args, kwargs, x.dim()) and (
             out.dim() > x.dim() or out.shape[0] != x.shape[0])
 
     def merged(self, x: Any) -> bool:
@@ -322,31 +343,35 @@ class BatchedModules:
     def check_dims(self, func: Callable[..., Any], args: Tuple[Any, ...],
                    kwargs: Dict[str, Any], name: Optional[str] = None) -> None:
         """Refuses the model's dims counted from the left, within its own dims, of a
-        tensor that leads with the sample dims (``F.log_softmax(x, dim=1)``: over the
-        rows, not the classes; ``x.mean((2, 3))``, ``torch.cat(xs, dim=1)``), and its
-        first dim of a tensor into whose rows a reshape merged them. ``name``: the module
-        whose dim it is (its call is the model's wherever it comes from)."""
+        tensor that leads with the sample dims (``F.log_softmax(x, dim=1)``,
+        ``x.mean((2, 3))``, ``torch.cat(xs, dim=1)``), and the first dim of a tensor
+        into whose rows a reshape merged them.
+
+        :param str name: The module whose dim it is, if any: its call is the model's
+            wherever it comes from.
+        """
+        op = name or op_name(func)
         first = first_dim(func, args, kwargs)
-        if first is not None and self.merged(first.input) and active_sample_plate() and (
+        plate = active_sample_plate()
+        if first is not None and self.merged(first.input) and plate and (
                 name is not None or from_the_model(__name__)):
             raise ValueError(
-                f"{name or getattr(func, '__name__', func)}({first.name}={first.given}) "
-                f"of a tensor of shape {tuple(first.input.shape)} into whose first dim a "
-                f"reshape merged the {tuple(self.samples or ())} {active_sample_plate()} "
-                "dims of a batched layer's output (a fold, as x.reshape(-1, T, H) around an "
-                "LSTM): over that dim it mixes them. Unfold first (x.reshape(*lead, T, H), "
-                "lead the dims before the fold) and count the dim from the right")
+                f"{op}({first.name}={first.given}) of a tensor of shape "
+                f"{tuple(first.input.shape)} into whose first dim a reshape merged the "
+                f"{tuple(self.samples or ())} {plate} dims of a batched layer's output "
+                f"({FOLD}): over that dim it mixes them. {UNFOLD} and count the dim from "
+                "the right")
         found = left_dims(func, args, kwargs, self._lead)
-        plate = self._samples_of(found.input) if found is not None else None
-        if found is None or plate is None or (name is None and not from_the_model(__name__)):
+        lead = self._lead(found.input) if found is not None else None
+        if found is None or lead is None or not plate or (
+                name is None and not from_the_model(__name__)):
             return
-        lead = self._lead(found.input)
         raise ValueError(
-            f"{name or getattr(func, '__name__', func)}({found.name}={found.given}) of a "
-            f"tensor of shape {tuple(found.input.shape)} computed from a batched layer's "
-            f"output, which leads with the {tuple(found.input.shape[:lead])} {plate} dims: "
-            f"a dim counted from the left lands on them. Count dims from the right, as "
-            f"models run with vectorized samples must: {found.name}={found.own}")
+            f"{op}({found.name}={found.given}) of a tensor of shape "
+            f"{tuple(found.input.shape)} computed from a batched layer's output, which leads "
+            f"with the {tuple(found.input.shape[:lead])} {plate} dims: a dim counted from "
+            f"the left lands on them. Count dims from the right, as models run with "
+            f"vectorized samples must: {found.name}={found.own}")
 
     def call(self, func: Callable[..., Any], rule: _Rule, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Any:

@@ -105,7 +105,7 @@ class LeftDims(NamedTuple):
     input: torch.Tensor
     name: str  #: the argument's name
     given: Any  #: its value
-    own: Any  #: the same dims counted from the right
+    own: Optional[Any]  #: the same dims counted from the right, where known
 
 
 def left_dims(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],

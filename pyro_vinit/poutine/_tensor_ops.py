@@ -160,7 +160,7 @@ def replay(view_ops: Tuple[ViewOp, ...], tensor: torch.Tensor) -> torch.Tensor:
 
 def element_index(shape: torch.Size, view_ops: Tuple[ViewOp, ...]) -> Optional[torch.Tensor]:
     """For a view of a value of ``shape`` made by ``view_ops``: the flat
-    index in the value of each of its elements (a tensor of the view's
+    index in the value of each of its elements (a CPU tensor of the view's
     shape), or None if ``view_ops`` only cast (the value itself)."""
     ops = tuple(op for op in view_ops if op[0] not in CASTS and _view_dtype(*op) is None)
     if not ops:

@@ -13,11 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.fx.experimental import proxy_tensor
 
-from pyro_vinit._pyro_compat import (
-    active_sample_plate,
-    is_predictive_samples,
-    is_vectorized_particles,
-)
+from pyro_vinit._pyro_compat import active_sample_plate, is_sample_frame
 from pyro_vinit.poutine._layer_ops import op_name
 from pyro_vinit.poutine._left_dims import left_dims
 from pyro_vinit.poutine._site_value import SiteValue, from_the_model, unwrap
@@ -36,16 +32,15 @@ def _sampled(value: Any) -> Optional[SiteValue]:
     if not (isinstance(value, SiteValue) and value.msgs):
         return None
     frames = value.msgs[0].get("cond_indep_stack", ())
-    return value if any(is_vectorized_particles(f) or is_predictive_samples(f)
-                        for f in frames) else None
+    return value if any(is_sample_frame(f) for f in frames) else None
 
 
 def _own_dims(value: SiteValue) -> int:
     # The dims of the site's value in a run without the samples: its event dims and
     # those of the model's own plates
     msg = value.msgs[0]
-    plates = [-f.dim for f in msg.get("cond_indep_stack", ()) if f.dim is not None
-              and not (is_vectorized_particles(f) or is_predictive_samples(f))]
+    plates = [-f.dim for f in msg.get("cond_indep_stack", ())
+              if f.dim is not None and not is_sample_frame(f)]
     return len(getattr(msg["fn"], "event_shape", ())) + max(plates, default=0)
 
 
@@ -79,7 +74,7 @@ def refuse_left_counting(func: Callable[..., Any], args: Tuple[Any, ...],
     that indexes, moves or merges the samples' dim (``w[:3]``) or that torch
     refused (``out``, the error, for ``w.t()``).
 
-    :param out: The result of ``func`` (None before it runs), or its error.
+    :param object out: The result of ``func`` (None before it runs), or its error.
     :param tuple dispatch: The modules that handed the call on to this one (the
         handler's, and a torch function mode's).
     """

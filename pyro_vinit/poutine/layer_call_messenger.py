@@ -58,9 +58,9 @@ from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, Independent
 from typing_extensions import Self, TypeGuard
 
-from pyro_vinit._pyro_compat import is_predictive_samples, is_vectorized_particles
+from pyro_vinit._pyro_compat import is_predictive_samples, is_sample_frame
 from pyro_vinit._typing import SampleSite
-from pyro_vinit.poutine._batched_modules import BatchedModules
+from pyro_vinit.poutine._batched_modules import FOLD, UNFOLD, BatchedModules
 from pyro_vinit.poutine._layer_ops import (
     LAYER_OPS,
     MATMUL_OPS,
@@ -123,8 +123,7 @@ def _check_sample_dims(msg: SampleSite) -> None:
     if batch is None:
         return
     for frame in msg["cond_indep_stack"]:
-        if frame.dim is not None and (is_vectorized_particles(frame)
-                                      or is_predictive_samples(frame)):
+        if frame.dim is not None and is_sample_frame(frame):
             outside = batch[:max(0, len(batch) + frame.dim)]
             if any(size != 1 for size in outside):
                 raise ValueError(
@@ -171,7 +170,7 @@ def _sample_dims(value: torch.Tensor) -> int:
     fn = msg["fn"]
     frames = msg["cond_indep_stack"]
     if (not frames or len(getattr(fn, "event_shape", ())) != 2
-            or not all(is_vectorized_particles(f) or is_predictive_samples(f) for f in frames)):
+            or not all(is_sample_frame(f) for f in frames)):
         return 0
     return max(value.dim() - 2, 0)  # (the sample dim, and the plates' singletons)
 
@@ -182,7 +181,7 @@ def _refuse_sample_dims(func: Callable[..., Any], values: List[SiteValue],
     # or particles' dims on its left (e.g. F.multi_head_attention_forward's w.t())
     for value in values:
         frames = value.msgs[0]["cond_indep_stack"]
-        if any(is_vectorized_particles(f) or is_predictive_samples(f) for f in frames):
+        if any(is_sample_frame(f) for f in frames):
             raise ValueError(
                 f"{op_name(func)} of the value of sample site {value.site!r}, "
                 "which leads with the dims of Predictive's samples (parallel=True) or of "
@@ -193,19 +192,15 @@ def _refuse_sample_dims(func: Callable[..., Any], values: List[SiteValue],
                 "the layer deterministic (bayesianize(..., exclude=[...]))") from error
 
 
-def _refuse_folded_input(call: LayerCall, folded: bool) -> None:
+def _refuse_merged_input(call: LayerCall) -> None:
     # a batched layer on an input whose sample dims a reshape merged into its rows would
     # run every sample's weight on every sample's rows
-    if folded:
-        raise ValueError(
-            f"F.{call.op} (sample site {call.weight_name or call.bias_name!r}) runs "
-            f"batched over the samples or particles on an input of shape "
-            f"{tuple(call.input.shape)} into whose first dim a reshape merged their dims (a "
-            "fold, as x.reshape(-1, T, H) around an LSTM, or x.view(-1, features)): every "
-            "sample's weight would meet every sample's rows. Unfold before the layer "
-            "(x.reshape(*lead, T, H), lead the dims before the fold), flatten from the right "
-            "(x.flatten(-3)), or keep the layer deterministic (bayesianize(..., "
-            "exclude=[...]))")
+    raise ValueError(
+        f"F.{call.op} (sample site {call.weight_name or call.bias_name!r}) runs batched over "
+        f"the samples or particles on an input of shape {tuple(call.input.shape)} into whose "
+        f"first dim a reshape merged their dims ({FOLD}): every sample's weight would meet "
+        f"every sample's rows. {UNFOLD}, flatten from the right (x.flatten(-3)), or keep the "
+        "layer deterministic (bayesianize(..., exclude=[...]))")
 
 
 def _msgs_of(value: Any) -> List[SampleSite]:
@@ -426,7 +421,8 @@ class LayerCallMessenger(Messenger):
             batched = is_batched(call.op, call.weight, call.bias)
             if batched:
                 # before any handler acts on the call: an input that does not fit is refused
-                _refuse_folded_input(call, self._batched.merged(unwrap(call.input)))
+                if self._batched.merged(unwrap(call.input)):
+                    _refuse_merged_input(call)
                 check_batched_input(
                     call.op, call.input, call.weight, call.kwargs,
                     call.weight_name or call.bias_name,
