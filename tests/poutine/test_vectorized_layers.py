@@ -773,6 +773,16 @@ _RIGHT_DIMS = {
 }
 
 
+class _ConvHead(nn.Module):  # a conv whose (samples, 10, 4, 4, 4) features a head takes
+    def __init__(self, head):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, stride=2, padding=1)
+        self.head = head
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)))
+
+
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
 @pytest.mark.parametrize("case", list(_LEFT_DIMS))
 def test_dims_counted_from_the_left_after_batched_layers_are_refused(case, handler):
@@ -780,17 +790,8 @@ def test_dims_counted_from_the_left_after_batched_layers_are_refused(case, handl
     # no word said); x.mean((2, 3)), x.sum(1), torch.cat(dim=1) and the others acted on
     # other dims than the model's, silently where the shapes still fit
     head, match = _LEFT_DIMS[case]
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(1, 4, 3, stride=2, padding=1)
-
-        def forward(self, x):
-            return head(torch.relu(self.conv(x)))
-
     torch.manual_seed(0)
-    model = BayesianClassifier(bayesianize(Net()))
+    model = BayesianClassifier(bayesianize(_ConvHead(head)))
     x = torch.randn(10, 1, 8, 8)
     guide = AutoNormal(model)
     guide(x, torch.randint(0, 3, (10,)))  # (one run at a time: the model's own dims)
@@ -1122,19 +1123,9 @@ def test_a_dim_counted_from_the_left_after_a_broadcast_of_the_particles_plates()
 
 @pytest.mark.parametrize("case", list(_RIGHT_DIMS))
 def test_dims_counted_from_the_right_after_batched_layers_equal_a_loop_over_samples(case):
-    head = _RIGHT_DIMS[case]
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(1, 4, 3, stride=2, padding=1)
-
-        def forward(self, x):
-            return head(torch.relu(self.conv(x)))
-
     torch.manual_seed(0)
-    _assert_equals_a_loop_over_samples(BayesianClassifier(bayesianize(Net())),
-                                       torch.randn(10, 1, 8, 8), vectorized_layers)
+    _assert_equals_a_loop_over_samples(BayesianClassifier(bayesianize(_ConvHead(
+        _RIGHT_DIMS[case]))), torch.randn(10, 1, 8, 8), vectorized_layers)
 
 
 def test_a_softmax_over_a_dim_counted_from_the_batched_tensor_runs():
