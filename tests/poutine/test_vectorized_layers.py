@@ -744,6 +744,10 @@ _LEFT_DIMS = {
                                  "vectorized samples must: dim=(-2, -1)\n")),
     "x.sum(1)": (lambda x: x.sum(1).flatten(-2) @ torch.ones(16, 3),
                  r"sum\(dim=1\) of a tensor .* dim=-3\n"),
+    "torch.sum(input=x, dim=1)": (lambda x: torch.sum(input=x, dim=1).flatten(-2)
+                                  @ torch.ones(16, 3), r"sum\(dim=1\) of a tensor .* dim=-3\n"),
+    "torch.cat(tensors=..., dim=1)": (lambda x: torch.cat(tensors=[x, x], dim=1).flatten(-3)
+                                      @ torch.ones(128, 3), r"cat\(dim=1\) .* dim=-3\n"),
     "x.amax(dim=1)": (lambda x: x.amax(dim=1).flatten(-2) @ torch.ones(16, 3),
                       r"amax\(dim=1\) .* dim=-3\n"),
     "x.logsumexp(1)": (lambda x: x.logsumexp(1).flatten(-2) @ torch.ones(16, 3),
@@ -1013,9 +1017,15 @@ _FOLDED = {
     "unfolded by view_as": lambda m, o, h: m.norm(o.view_as(h).transpose(-1, -2)).mean(-1),
     "unfolded to the same rank": lambda m, o, h: m.norm6(
         o.reshape(*h.shape[:-2], 30)).unflatten(-1, (5, 6)).mean(-2),
+    "unfolded by unflatten(dim=0, sizes=lead)": lambda m, o, h: F.max_pool1d(
+        o.unflatten(dim=0, sizes=h.shape[:-2]).transpose(-1, -2), 5).squeeze(-1),
+    "unfolded by reshape(shape=...)": lambda m, o, h: m.norm(
+        o.reshape(shape=h.shape).transpose(-1, -2)).mean(-1),
     # (a fold by unflatten of its own: still folded)
     "folded by reshape(-1, 30).unflatten(-1, ...)": lambda m, o, h: m.rnn(
         h.reshape(-1, 30).unflatten(-1, (5, 6)))[0].mean(1),
+    "folded by reshape(-1, 30).unflatten(1, ...)": lambda m, o, h: m.rnn(
+        h.reshape(-1, 30).unflatten(1, (5, 6)))[0].mean(1),
 }
 
 
@@ -1039,8 +1049,14 @@ _FOLDED_WRONG = {  # a use of the folded tensor's first dim, where the samples a
                             r"dim it mixes them"),
     "a Bayesian layer on the folded rows": (
         lambda m, o, h: m.fc(o.mean(1)),
-        r"^F\.linear \(sample site 'net\.fc\.weight'\) runs batched over the samples or "
-        r"particles on an input of shape \(24, 6\) into whose first dim a reshape merged"),
+        "^" + re.escape(
+            "F.linear (sample site 'net.fc.weight') runs batched over the samples or "
+            "particles on an input of shape (24, 6) into whose first dim a reshape merged "
+            "their dims (a fold, as x.reshape(-1, T, H) around an LSTM, or x.view(-1, "
+            "features)): every sample's weight would meet every sample's rows. Unfold first "
+            "(x.reshape(*lead, T, H), lead the dims before the fold), flatten from the right "
+            "(x.flatten(-3)), or keep the layer deterministic (bayesianize(..., "
+            "exclude=[...]))\n")),
 }
 
 
