@@ -550,6 +550,7 @@ _FUNCTIONAL = {
     "F.max_unpool2d": lambda x: F.max_pool2d(F.max_unpool2d(*F.max_pool2d(
         x, 2, return_indices=True), 2), 2),
     "nn.Softmax2d": lambda x: F.max_pool2d(nn.Softmax2d()(x), 2),
+    "a module called by keyword": lambda x: nn.MaxPool2d(2)(input=x),
 }
 
 
@@ -1026,6 +1027,13 @@ _FOLDED = {
         h.reshape(-1, 30).unflatten(-1, (5, 6)))[0].mean(1),
     "folded by reshape(-1, 30).unflatten(1, ...)": lambda m, o, h: m.rnn(
         h.reshape(-1, 30).unflatten(1, (5, 6)))[0].mean(1),
+    "folded by reshape((-1, 5, 6))": lambda m, o, h: m.rnn(h.reshape((-1, 5, 6)))[0].mean(1),
+    "folded by reshape(shape=(-1, 5, 6))": lambda m, o, h: m.rnn(
+        h.reshape(shape=(-1, 5, 6)))[0].mean(1),
+    "folded by view(size=(-1, 5, 6))": lambda m, o, h: m.rnn(
+        h.contiguous().view(size=(-1, 5, 6)))[0].mean(1),
+    "folded by flatten(start_dim=0, end_dim=-3)": lambda m, o, h: m.rnn(
+        h.flatten(start_dim=0, end_dim=-3))[0].mean(1),
 }
 
 
