@@ -1055,6 +1055,10 @@ _FOLDED_WRONG = {  # a use of the folded tensor's first dim, where the samples a
                             r"^softmax\(dim=0\) of a tensor of shape \(24, 5, 6\) into whose "
                             r"first dim a reshape merged the \(4,\) samples dims .* over that "
                             r"dim it mixes them"),
+    "F.softmax(dim=0) of a fold by sizes": (
+        lambda m, o, h: F.softmax(m.rnn(h.reshape(math.prod(h.shape[:-2]), 5, 6))[0],
+                                  dim=0).mean(1),
+        r"^softmax\(dim=0\) of a tensor of shape \(24, 5, 6\) into whose first dim"),
     "a Bayesian layer on the folded rows": (
         lambda m, o, h: m.fc(o.mean(1)),
         "^" + re.escape(
