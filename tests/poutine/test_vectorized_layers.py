@@ -498,6 +498,19 @@ def test_a_held_handler_folds_each_runs_samples(norm):
             assert_close(trace.nodes["_RETURN"]["value"], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_held_handler_leaves_the_results_of_a_run_free_to_reduce():
+    # a run's outputs lead with the samples; outside its plate, the caller's own reductions
+    # over them (the predictive mean) are no model's dims counted from the left
+    model, x = _cnn()
+    guide = AutoNormal(model)
+    guide(x, torch.randint(0, 3, (10,)))
+    with torch.no_grad(), vectorized_layers():
+        logits = Predictive(model, guide=guide, num_samples=4, parallel=True,
+                            return_sites=["_RETURN"])(x)["_RETURN"]
+        mean = logits.softmax(-1).mean(0)
+        assert mean.shape == (10, 3) and logits.sum(1).shape == (4, 3)
+
+
 def test_a_held_handler_leaves_batch_norms_alone_between_runs():
     # A handler held around several Predictive calls: after a run, another network's
     # BatchNorm on an input that leads with as many rows as there were samples is its own
@@ -1058,7 +1071,9 @@ _FOLDED_WRONG = {  # a use of the folded tensor's first dim, where the samples a
     "F.softmax(dim=0) of a fold by sizes": (
         lambda m, o, h: F.softmax(m.rnn(h.reshape(math.prod(h.shape[:-2]), 5, 6))[0],
                                   dim=0).mean(1),
-        r"^softmax\(dim=0\) of a tensor of shape \(24, 5, 6\) into whose first dim"),
+        r"^softmax\(dim=0\) of a tensor of shape \(24, 5, 6\) into whose first dim .* "
+        r"Unfold first \(x\.reshape\(\*lead, T, H\), lead the dims before the fold\) and "
+        r"count the dim from the right\n"),
     "a Bayesian layer on the folded rows": (
         lambda m, o, h: m.fc(o.mean(1)),
         "^" + re.escape(
