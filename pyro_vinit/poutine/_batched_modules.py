@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pyro_vinit._pyro_compat import active_sample_plate
 from pyro_vinit.poutine._layer_ops import op_name
-from pyro_vinit.poutine._left_dims import first_dim, left_dims
+from pyro_vinit.poutine._left_dims import first_dim, left_dims, takes_dims
 from pyro_vinit.poutine._site_value import eager, from_the_model
 
 __all__ = ["BatchedModules"]
@@ -201,7 +201,7 @@ class _Folding(TorchFunctionMode):
         kwargs = kwargs or {}
         owner = self.owner
         rule = _rules().get(func)
-        if owner.samples is not None:
+        if owner.samples is not None and takes_dims(func):
             owner.check_dims(func, args, kwargs)
         out = (owner.call(func, rule, args, kwargs) if rule is not None
                else func(*args, **kwargs))

@@ -99,6 +99,22 @@ def _dims(value: Any) -> Optional[Sequence[int]]:
     return None
 
 
+def _read(arg: DimArgument, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+          rank: int) -> Tuple[Any, Optional[Sequence[int]]]:
+    # the argument as given, and its dims (a softmax's implicit one for a tensor of
+    # ``rank`` dims), None where it names none
+    given = args[arg.position] if len(args) > arg.position else kwargs.get(arg.name,
+                                                                           arg.default)
+    if given is None and arg.implicit:
+        return given, (0 if rank in (0, 1, 3) else 1,)
+    return given, _dims(given)
+
+
+def takes_dims(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` takes a dim argument of the table."""
+    return func in _table()
+
+
 class LeftDims(NamedTuple):
     """A call's dims counted from the left within the model's own dims."""
 
@@ -122,11 +138,8 @@ def left_dims(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str,
     if lead is None:
         return None
     for arg in spec:
-        given = (args[arg.position] if len(args) > arg.position
-                 else kwargs.get(arg.name, arg.default))
         rank = x.dim() - lead + arg.inserts  # (the model's own dims of the result)
-        dims = _dims(given) if not (given is None and arg.implicit) else (
-            (0 if rank in (0, 1, 3) else 1,))
+        given, dims = _read(arg, args, kwargs, rank)
         if dims is None:
             continue
         if any(0 <= d < rank for d in dims):
@@ -146,10 +159,7 @@ def first_dim(func: Callable[..., Any], args: Tuple[Any, ...],
     if spec is None or not isinstance(x, torch.Tensor) or x.dim() == 0:
         return None
     for arg in spec:
-        given = (args[arg.position] if len(args) > arg.position
-                 else kwargs.get(arg.name, arg.default))
-        dims = _dims(given) if not (given is None and arg.implicit) else (
-            (0 if x.dim() in (0, 1, 3) else 1,))
+        given, dims = _read(arg, args, kwargs, x.dim())
         if dims is not None and not arg.inserts and any(d % x.dim() == 0 for d in dims):
             return LeftDims(x, arg.name, given, None)
     return None
