@@ -138,7 +138,8 @@ def latent_numel(guide):
     return sum(site["value"].numel() for _, site in guide.prototype_trace.iter_stochastic_nodes())
 
 
-def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None, average=None):
+def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None, average=None,
+        iblm_options=None):
     """One fit: the test metrics at each evaluation, W, the time and the warnings
     (``average``: fit's decay of the parameters' moving average, if not its default)."""
     spec = PROBLEMS[name]
@@ -157,8 +158,7 @@ def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None, average=None):
         history = fit(model, guide, (x, y), steps=steps, batch_size=BATCH_SIZE, lr=lr,
                       validation=(xt, yt), eval_every=max(1, steps // 10),
                       num_samples=num_samples, progress=False, capture=False,
-                      init_options=None if iblm_kl_weight is None
-                      else {"kl_weight": iblm_kl_weight},
+                      init_options=_init_options(iblm_kl_weight, iblm_options),
                       **({} if average is None else {"average": average}))
     seconds = time.perf_counter() - start
     seen = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
@@ -172,6 +172,14 @@ def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None, average=None):
             "best_mnll": min(trained, default=math.nan), "final_mnll": curve["mnll"][-1],
             "final_" + second: curve[second][-1], "curve": curve,
             "nonfinite_loss": sum(not math.isfinite(v) for v in history.loss)}
+
+
+def _init_options(iblm_kl_weight, iblm_options):
+    """fit's ``init_options``: I-BLM's kl_weight and further options, if any."""
+    options = dict(iblm_options or {})
+    if iblm_kl_weight is not None:
+        options["kl_weight"] = iblm_kl_weight
+    return options or None
 
 
 def summarize(name, rows, grid):
@@ -297,7 +305,8 @@ def main(args):
         for name, lr, seed in bar:
             bar.set_postfix_str(f"{name} lr={lr:.3g} seed={seed}")
             steps = PROBLEMS[name]["steps"] if args.steps is None else args.steps
-            row = run(name, lr, seed, steps, args.num_samples, args.iblm_kl_weight)
+            row = run(name, lr, seed, steps, args.num_samples, args.iblm_kl_weight,
+                      iblm_options=json.loads(args.iblm_options or "{}"))
             rows.append(row)
             if args.quick:
                 print(f"{name} lr={lr:.3g} seed {seed}: best MNLL {row['best_mnll']:.3f}, "
@@ -326,6 +335,9 @@ if __name__ == "__main__":
     parser.add_argument("--iblm-kl-weight", type=float, default=None,
                         help="init_guide_iblm's kl_weight (the output layer at the tempered "
                              "objective, e.g. 0.01; default: fit's, the exact posterior)")
+    parser.add_argument("--iblm-options", default=None, metavar="JSON",
+                        help="further init_guide_iblm options over fit's, e.g. "
+                             "'{\"standardize_hidden\": false}'")
     parser.add_argument("--from-json", default=None,
                         help="rewrite the tables of this saved run's JSON (no training)")
     main(parse_args(parser, quick={

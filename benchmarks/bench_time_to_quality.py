@@ -259,10 +259,11 @@ def ours_overrides(args):
 def make_runner(method, spec, data, args):
     x, y = data[0], data[1]
     if method == OURS:
-        iblm = getattr(args, "iblm_kl_weight", None)
+        iblm = dict(json.loads(getattr(args, "iblm_options", None) or "{}"))
+        if getattr(args, "iblm_kl_weight", None) is not None:
+            iblm["kl_weight"] = args.iblm_kl_weight
         return Ours(spec["net"], x, y, BATCH_SIZE, use_fit=args.use_fit,
-                    overrides=ours_overrides(args),
-                    init_options=None if iblm is None else {"kl_weight": iblm})
+                    overrides=ours_overrides(args), init_options=iblm or None)
     if method == OURS_TRAINED:
         return Ours(spec["net"], x, y, BATCH_SIZE, start="trained",
                     pretrain_epochs=spec["pretrain_epochs"], use_fit=args.use_fit,
@@ -562,6 +563,9 @@ def parse_args(argv=None):
     parser.add_argument("--iblm-kl-weight", type=float, default=None,
                         help="ours (I-BLM): init_guide_iblm's kl_weight, e.g. 0.01 for the "
                              "output layer at the tempered objective")
+    parser.add_argument("--iblm-options", default=None, metavar="JSON",
+                        help="ours (I-BLM): further init_guide_iblm options over fit's, e.g. "
+                             "'{\"standardize_hidden\": false}'")
     parser.add_argument("--validation", action="store_true", help="Pyro's validation on")
     parser.add_argument("--use-fit", dest="use_fit", action="store_true", default=None,
                         help="ours through pyro_vinit.fit (the default when the package has it)")

@@ -36,6 +36,7 @@ class IBLMOptions:
     max_chunk_elements: int = 2**22
     input_rank: Optional[int] = 64
     kl_weight: float = 1.0
+    standardize_hidden: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_pool_size", "chunk_rows", "max_chunk_elements"):
@@ -48,7 +49,8 @@ class IBLMOptions:
         for name in ("noise_scale", "hidden_target_scale", "max_scale_ratio"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        for name in ("center_targets", "alternate_hidden_signs", "estimate_noise"):
+        for name in ("center_targets", "alternate_hidden_signs", "estimate_noise",
+                     "standardize_hidden"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(
                     f"IBLMGuideInitializer: {name} must be None, True or False, got "
@@ -71,6 +73,12 @@ class IBLMOptions:
     def center(self, classification: bool) -> bool:
         """Whether hidden targets are centered (default: for classification)."""
         return classification if self.center_targets is None else self.center_targets
+
+    def standardize(self, classification: bool) -> bool:
+        """Whether hidden units are standardized (default: for classification)."""
+        if self.standardize_hidden is None:
+            return classification
+        return self.standardize_hidden
 
     def alternate(self, classification: bool) -> bool:
         """Whether hidden signs alternate (default: for regression)."""

@@ -11,6 +11,7 @@ from pyro_vinit.initialization._fits import Fit
 from pyro_vinit.initialization._minibatches import hidden_batches, unit_columns
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._regressions import HiddenTargets, solve_units, unit_priors
+from pyro_vinit.initialization._standardize import standardize_units
 from pyro_vinit.initialization._targets import Targets
 from pyro_vinit.initialization._tracing import Layer
 from pyro_vinit.initialization.bayesian_linear_regression import _Unsolvable
@@ -89,4 +90,7 @@ def _solve_layer(pool: DataPool, layer: Layer, inputs: torch.Tensor, targets: Ta
     else:
         idx = hidden_batches(pool, inputs, y, cols, batch_size, collective)
     means, variances = collective.solve_units(h, inputs, y, noise_var, idx, solve)
+    if not output and options.standardize(classification):
+        means, variances = standardize_units(layer, inputs, means, variances, collective,
+                                             options.max_chunk_elements)
     return Fit(layer, means, variances)

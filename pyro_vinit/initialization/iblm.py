@@ -86,6 +86,7 @@ def init_guide_iblm(
     max_chunk_elements: int = 2**22,
     input_rank: Optional[int] = 64,
     kl_weight: float = 1.0,
+    standardize_hidden: Optional[bool] = None,
 ) -> _G:
     r"""
     Iterative Bayesian Linear Modeling (I-BLM) [1]: initializes ``guide`` in
@@ -167,6 +168,12 @@ def init_guide_iblm(
         output layer regresses with its rows counted :math:`1/\lambda` times
         (:math:`L` times :math:`\lambda`), the optimum of that objective; 1
         gives the exact posterior.
+    :param bool standardize_hidden: Rescale the fit (means and stds) of each
+        hidden unit whose pre-activation on the data has a mean beyond twice
+        its std, to mean 0 and std 1 [3]: the regression's direction with the
+        data's scale and offset. None: for classification only, whose
+        heteroscedastic targets pull a poorly fitted unit's intercept up until
+        it is active on every row.
     :return: ``guide``.
 
     [1] Rossi, Michiardi, Filippone (2019) "Good Initializations of Variational
@@ -174,6 +181,9 @@ def init_guide_iblm(
 
     [2] Milios, Camoriano, Michiardi, Rosasco, Filippone (2018) "Dirichlet-based
     Gaussian Processes for Large-scale Calibrated Classification"
+
+    [3] Krähenbühl, Doersch, Donahue, Darrell (2016) "Data-dependent
+    Initializations of Convolutional Neural Networks"
     """
     options = IBLMOptions(
         batch_size=batch_size, output_rows=output_rows, alpha=alpha,
@@ -183,6 +193,7 @@ def init_guide_iblm(
         estimate_noise=estimate_noise, strict=strict, solver=solver, jitter=jitter,
         max_scale_ratio=max_scale_ratio, max_pool_size=max_pool_size, chunk_rows=chunk_rows,
         max_chunk_elements=max_chunk_elements, input_rank=input_rank, kl_weight=kl_weight,
+        standardize_hidden=standardize_hidden,
     )
     _check_data(data, process_group)
     check_process_group(process_group)
@@ -425,6 +436,7 @@ class IBLMGuideInitializer:
         max_chunk_elements: int = 2**22,
         input_rank: Optional[int] = 64,
         kl_weight: float = 1.0,
+        standardize_hidden: Optional[bool] = None,
     ) -> None:
         self.options = IBLMOptions(
             batch_size=batch_size, output_rows=output_rows, alpha=alpha,
@@ -435,6 +447,7 @@ class IBLMGuideInitializer:
             max_scale_ratio=max_scale_ratio, max_pool_size=max_pool_size,
             chunk_rows=chunk_rows, max_chunk_elements=max_chunk_elements,
             input_rank=input_rank, kl_weight=kl_weight,
+            standardize_hidden=standardize_hidden,
         )
         check_process_group(process_group)
         self.process_group = process_group

@@ -89,7 +89,7 @@ _NON_DEFAULTS = dict(
     hidden_target_scale=0.5, hidden_columns="random", hidden_batches="random",
     propagate="sample", noise_scale=0.3, estimate_noise=False, strict=True, solver="dual",
     jitter=1e-4, max_scale_ratio=0.25, max_pool_size=99, chunk_rows=33,
-    max_chunk_elements=1000, input_rank=5, kl_weight=0.3,
+    max_chunk_elements=1000, input_rank=5, kl_weight=0.3, standardize_hidden=True,
 )
 
 

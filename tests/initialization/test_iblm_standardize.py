@@ -1,0 +1,202 @@
+"""
+I-BLM's ``standardize_hidden`` (``_standardize.py``): each hidden unit whose
+pre-activation is on one side of zero on nearly every row (its regression's
+intercept dominates) rescaled to mean 0 and std 1 on the data, its direction
+and relative uncertainties kept; the others as fitted; by default for
+classification only.
+"""
+
+import pyro
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer.autoguide import AutoNormal
+from torch import nn
+
+from pyro_vinit import IBLMGuideInitializer, init_guide_iblm
+from pyro_vinit.data import load_digits, toy_regression
+from pyro_vinit.initialization._collective import LocalCollective
+from pyro_vinit.initialization._standardize import standardize_units
+from pyro_vinit.initialization._tracing import Layer
+from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
+from tests.common import assert_close
+
+
+def _state(guide):
+    return {k: v.detach().clone() for k, v in guide.state_dict().items()}
+
+
+def _cnn(groups=1, bias=True):
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=bias), nn.ReLU(),
+                         nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=groups), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(16 * 4 * 4, 10))
+
+
+def _init(net, x, y, **options):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = BayesianClassifier(bayesianize(net).double())
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=256, **options)
+    return guide
+
+
+@pytest.fixture(scope="module")
+def images():
+    x, y, _, _ = load_digits(image=True)
+    return x[:600].double(), y[:600]
+
+
+def _moments(z):
+    """Per channel of a conv output: the mean and std over the images and positions."""
+    return z.mean((0, 2, 3)), z.std((0, 2, 3), unbiased=False)
+
+
+def _deep(module, name):
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def test_off_centre_units_are_standardized_and_the_others_kept(images):
+    x, y = images
+    plain = _init(_cnn(), x, y, standardize_hidden=False)
+    standard = _init(_cnn(), x, y, standardize_hidden=True)
+    p, q = plain.median(), standard.median()
+    z0 = F.conv2d(x, p["net.0.weight"], p["net.0.bias"], padding=1)
+    mu, sigma = _moments(z0)
+    # the first layer's regressions: active on (nearly) every patch, their intercept
+    # following the class rows' small noise
+    assert (mu.abs() > 2 * sigma).all()
+    factor = sigma.reciprocal()
+    assert_close(q["net.0.weight"], factor[:, None, None, None] * p["net.0.weight"], rtol=1e-9)
+    z1 = F.conv2d(x, q["net.0.weight"], q["net.0.bias"], padding=1)
+    mu1, sigma1 = _moments(z1)
+    assert_close(mu1, torch.zeros_like(mu), atol=1e-9)
+    assert_close(sigma1, torch.ones_like(sigma), rtol=1e-9)
+    assert 0.2 < (z1 > 0).double().mean() < 0.8
+    # the standard deviations follow the means
+    for name in ("net.0.weight", "net.0.bias"):
+        ratio = (_deep(standard.scales, name) / _deep(plain.scales, name)).reshape(8, -1)
+        assert_close(ratio, factor[:, None].expand_as(ratio), rtol=1e-9)
+    # the second layer's units, on the standardized features: those on both sides of
+    # zero as fitted, the others standardized
+    z2 = F.conv2d(z1.relu(), q["net.2.weight"], q["net.2.bias"], stride=2, padding=1)
+    mu2, sigma2 = _moments(z2)
+    standardized = (mu2.abs() < 1e-9) & ((sigma2 - 1).abs() < 1e-9)
+    assert ((mu2.abs() <= 2 * sigma2 + 1e-9) | standardized).all()
+
+
+def _regression(x, y, standardize, bias=True):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    net = nn.Sequential(nn.Linear(1, 10, bias=bias), nn.Tanh(), nn.Linear(10, 1))
+    model = BayesianRegressor(bayesianize(net).double(), noise_scale=0.1)
+    guide = AutoNormal(model)
+    init_guide_iblm(guide, (x, y), batch_size=20, standardize_hidden=standardize)
+    return guide
+
+
+def test_without_a_bias_only_the_scale_changes():
+    # inputs in [4, 6]: a bias-free unit's pre-activation w x has one sign on every row
+    x, y, _, _ = toy_regression(60)
+    x, y = x.double() / 10 + 5.0, y.double() + 4.0
+    plain, standard = (_regression(x, y, s, bias=False) for s in (False, True))
+    w0, w1 = _deep(plain.locs, "net.0.weight"), _deep(standard.locs, "net.0.weight")
+    z = x @ w0.T
+    mu, sigma = z.mean(0), z.std(0, unbiased=False)
+    moved = mu.abs() > 2 * sigma
+    assert moved.any()
+    factor = torch.where(moved, sigma.reciprocal(), torch.ones_like(sigma))
+    assert_close(w1, factor[:, None] * w0, rtol=1e-9)
+    assert_close(_deep(standard.scales, "net.0.weight"),
+                 factor[:, None] * _deep(plain.scales, "net.0.weight"), rtol=1e-9)
+
+
+def test_grouped_convolutions_are_standardized_per_channel(images):
+    x, y = images
+    median = _init(_cnn(groups=2), x, y, standardize_hidden=True).median()
+    z1 = F.conv2d(x, median["net.0.weight"], median["net.0.bias"], padding=1)
+    z2 = F.conv2d(z1.relu(), median["net.2.weight"], median["net.2.bias"], stride=2, padding=1,
+                  groups=2)
+    for z in (z1, z2):
+        mu, sigma = _moments(z)
+        # every unit on both sides of zero on a good share of the rows
+        assert (mu.abs() <= 2 * sigma + 1e-9).all()
+        assert ((mu.abs() < 1e-9) & ((sigma - 1).abs() < 1e-9)).any()
+
+
+def test_the_output_layer_is_never_standardized(images):
+    x, y = images
+    for output_rows in (4096, None):
+        median = _init(_cnn(), x, y, standardize_hidden=True, output_rows=output_rows).median()
+        h = F.conv2d(x, median["net.0.weight"], median["net.0.bias"], padding=1).relu()
+        h = F.conv2d(h, median["net.2.weight"], median["net.2.bias"], stride=2, padding=1)
+        out = F.linear(h.relu().flatten(1), median["net.5.weight"], median["net.5.bias"])
+        assert out.std(0, unbiased=False).sub(1.0).abs().max() > 0.1
+
+
+def test_default_is_for_classification_only(images):
+    x, y = images
+    states = [_state(_init(_cnn(), x, y, **options))
+              for options in ({}, {"standardize_hidden": True}, {"standardize_hidden": False})]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert not all(torch.equal(states[0][k], states[2][k]) for k in states[0])
+
+    x, y, _, _ = toy_regression(60)
+    # targets far from zero: hidden units fitted off centre, standardized only when asked
+    states = [_state(_regression(x.double(), y.double() + 4.0, standardize))
+              for standardize in (None, False, True)]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert not all(torch.equal(states[0][k], states[2][k]) for k in states[0])
+
+
+def test_constant_units_are_left_as_fitted():
+    # every input zero: each hidden unit's pre-activation is its bias, a constant
+    x = torch.zeros(40, 5, dtype=torch.float64)
+    y = torch.arange(40) % 3
+    runs = []
+    for standardize in (False, True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        model = BayesianClassifier(bayesianize(mlp((5, 6, 3))).double())
+        guide = AutoNormal(model)
+        init_guide_iblm(guide, (x, y), batch_size=16, standardize_hidden=standardize)
+        runs.append(_state(guide))
+    assert runs[0].keys() == runs[1].keys()
+    for name in runs[0]:
+        assert torch.isfinite(runs[1][name]).all()
+        assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+@pytest.mark.parametrize("value", [0.5, "yes"])
+def test_standardize_hidden_must_be_none_or_a_bool(value):
+    with pytest.raises(ValueError, match="standardize_hidden must be None, True or False"):
+        IBLMGuideInitializer(standardize_hidden=value)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_unit_is_standardized_where_its_level_exceeds_twice_its_spread(fixed):
+    # x = (1, t), t of mean 0 and std 1: unit j's pre-activation a_j + s_j t + 1 (a latent
+    # or a fixed bias 1) has level a_j + 1 and spread |s_j|
+    t = torch.tensor([-1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    inputs = torch.stack([torch.ones(4, dtype=torch.float64), t], 1)
+    a = torch.tensor([-0.75, -0.05, 0.05, 2.0, 1.0, 0.0], dtype=torch.float64)
+    s = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.0, 0.5], dtype=torch.float64)
+    # level / spread: 0.5, 1.9, 2.1, 6, a constant unit, and 2 exactly (kept)
+    weight, bias = torch.stack([a, s], 1), torch.ones(6, dtype=torch.float64)
+    layer = Layer("linear", "w", torch.Size([6, 2]), bias_name=None if fixed else "b",
+                  fixed_bias=bias if fixed else None)
+    mean = weight if fixed else torch.cat([weight, bias[:, None]], 1)
+    var = torch.rand_like(mean)
+    out_mean, out_var = standardize_units(layer, inputs, mean, var, LocalCollective(), 64)
+    for j in (0, 1, 4, 5):
+        assert torch.equal(out_mean[j], mean[j]) and torch.equal(out_var[j], var[j]), j
+    for j in (2, 3):
+        assert_close(out_mean[j, :2], 2 * weight[j])
+        assert_close(out_var[j], 4 * var[j])
+        if fixed:  # the bias cannot move: only the scale changes
+            assert out_mean.shape[1] == 2
+        else:
+            assert_close(out_mean[j, 2], -2 * a[j])
+            assert_close(inputs @ out_mean[j, :2] + out_mean[j, 2], t)
