@@ -13,6 +13,13 @@ from pyro_vinit.initialization._tracing import Layer
 
 __all__ = ["standardize_units"]
 
+#: A unit is standardized where the mean of its pre-activation is more than this
+#: many of its standard deviations away from zero.
+OFF_CENTRE = 2.0
+#: ... and left as fitted where its standard deviation is under this fraction of
+#: its mean (a constant, to rounding).
+CONSTANT = 1e-6
+
 
 def _moments(layer: Layer, inputs: torch.Tensor, weight: torch.Tensor,
              max_chunk_elements: int) -> torch.Tensor:
@@ -22,15 +29,17 @@ def _moments(layer: Layer, inputs: torch.Tensor, weight: torch.Tensor,
     totals = torch.zeros(3, units, dtype=torch.float64, device=weight.device)
     if len(inputs) == 0:
         return totals
-    step = max(1, max_chunk_elements // max(1, unit_inputs(layer, inputs[:1]).numel()))
+    first = unit_inputs(layer, inputs[:1])
+    per_row = max(first.numel(), first.shape[1] * units, 1)  # a row's inputs or outputs
+    step = max(1, max_chunk_elements // per_row)
     for start in range(0, len(inputs), step):
         x = unit_inputs(layer, inputs[start:start + step]).to(weight.dtype)
         per_group = units // x.shape[2]
         z = torch.cat([x[:, :, g] @ weight[g * per_group:(g + 1) * per_group].T
-                       for g in range(x.shape[2])], -1).to(torch.float64)
+                       for g in range(x.shape[2])], -1)
         totals[0] += z.shape[0] * z.shape[1]
-        totals[1] += z.sum((0, 1))
-        totals[2] += z.pow(2).sum((0, 1))
+        totals[1] += z.sum((0, 1), dtype=torch.float64)
+        totals[2] += z.pow(2).sum((0, 1), dtype=torch.float64)
     return totals
 
 
@@ -38,42 +47,44 @@ def standardize_units(layer: Layer, inputs: torch.Tensor, mean: torch.Tensor,
                       var: torch.Tensor, collective: Collective,
                       max_chunk_elements: int) -> Tuple[torch.Tensor, torch.Tensor]:
     r"""
-    A hidden layer's fit ``(mean, var)`` (``(units, fan_in [+ 1])``, a latent
+    A hidden layer's fit ``(mean, var)`` (``(units, fan_in + 1)``, the latent
     bias last) with each unit whose regression left it on one side of zero
     standardized [1]. With :math:`\mu_j, \sigma_j` the mean and std of its
     pre-activation :math:`z_j = x^\top w_j + b_j` over the layer's input rows
     ``inputs`` (every patch or position of them, on every process of
-    ``collective``), a unit with :math:`|\mu_j| > 2 \sigma_j` gets
+    ``collective``), a unit with :math:`|\mu_j| >` :data:`OFF_CENTRE`
+    :math:`\sigma_j` gets
 
     .. math::
 
         w_j \leftarrow w_j / \sigma_j, \qquad
         b_j \leftarrow (b_j - \mu_j) / \sigma_j, \qquad
-        \mathrm{var} \leftarrow \mathrm{var} / \sigma_j^2,
+        \mathrm{var} \leftarrow \mathrm{var} \min(1, \sigma_j^{-2}),
 
     i.e. :math:`z_j \leftarrow (z_j - \mu_j) / \sigma_j`: the regression's
     direction, and with it the unit's ranking of the rows, at the data's scale
-    and offset. The other units, and a constant one (:math:`\sigma_j` under a
-    millionth of :math:`|\mu_j|`), stay as fitted. Without a latent bias only
-    the scale changes (a fixed bias counts in :math:`\mu_j`).
+    and offset. The variances shrink with a unit scaled down and stay where it
+    is scaled up: at its threshold, the unit's activations turn with any
+    noise in its weights. The other units, a constant one, and every unit of a
+    layer without a latent bias (whose threshold cannot move) stay as fitted.
 
     [1] Krähenbühl, Doersch, Donahue, Darrell (2016) "Data-dependent
     Initializations of Convolutional Neural Networks"
     """
     d = layer.fan_in
-    totals = collective.all_reduce(_moments(layer, inputs, mean[:, :d], max_chunk_elements))
+    if mean.shape[1] != d + 1:
+        return mean, var
+    with collective.agree():
+        totals = _moments(layer, inputs, mean[:, :d], max_chunk_elements)
+    totals = collective.all_reduce(totals)
     count = totals[0].clamp_min(1.0)
     center = totals[1] / count
     spread = (totals[2] / count - center.pow(2)).clamp_min(0.0).sqrt()
-    has_bias = mean.shape[1] == d + 1
-    bias = mean[:, d] if has_bias else layer.fixed_bias
-    level = center + (0.0 if bias is None else bias.to(center))  # mu_j
-    # a unit on both sides of zero (its regression's fit) stays, and so does a constant one
-    keep = (level.abs() <= 2 * spread) | (spread <= 1e-6 * level.abs())
+    level = center + mean[:, d].to(center)  # mu_j
+    keep = (level.abs() <= OFF_CENTRE * spread) | (spread <= CONSTANT * level.abs())
     factor = torch.where(keep, torch.ones_like(spread), spread.clamp_min(1e-300).reciprocal())
     mean, var = mean.clone(), var.clone()
-    if has_bias:
-        mean[:, d] = torch.where(keep, mean[:, d].to(factor), -center * factor).to(mean)
+    mean[:, d] = torch.where(keep, mean[:, d].to(factor), -center * factor).to(mean)
     mean[:, :d] *= factor[:, None].to(mean)
-    var *= factor[:, None].pow(2).to(var)
+    var *= factor.clamp_max(1.0)[:, None].pow(2).to(var)
     return mean, var

@@ -108,7 +108,9 @@ def init_guide_iblm(
         \mu = A^{-1}(X^\top L^{-1} y + \Lambda^{-1} m_0), \qquad
         s_i^2 = 1 / A_{ii},
 
-    written through :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`
+    (for classification, a hidden unit that this leaves on one side of zero
+    on the data then standardized: ``standardize_hidden``), written through
+    :func:`~pyro_vinit.guides.site_params.set_loc_and_scale`
     (with BatchNorm, the hidden layers' variances shrunk until guide draws
     keep every BatchNorm input's statistics). A learnable observation noise
     gets the residual std of the fitted network. Nothing is written unless

@@ -75,10 +75,10 @@ def test_off_centre_units_are_standardized_and_the_others_kept(images):
     assert_close(mu1, torch.zeros_like(mu), atol=1e-9)
     assert_close(sigma1, torch.ones_like(sigma), rtol=1e-9)
     assert 0.2 < (z1 > 0).double().mean() < 0.8
-    # the standard deviations follow the means
+    # the standard deviations stay where a unit is scaled up (every unit here)
+    assert (factor > 1).all()
     for name in ("net.0.weight", "net.0.bias"):
-        ratio = (_deep(standard.scales, name) / _deep(plain.scales, name)).reshape(8, -1)
-        assert_close(ratio, factor[:, None].expand_as(ratio), rtol=1e-9)
+        assert torch.equal(_deep(standard.scales, name), _deep(plain.scales, name))
     # the second layer's units, on the standardized features: those on both sides of
     # zero as fitted, the others standardized
     z2 = F.conv2d(z1.relu(), q["net.2.weight"], q["net.2.bias"], stride=2, padding=1)
@@ -97,20 +97,17 @@ def _regression(x, y, standardize, bias=True):
     return guide
 
 
-def test_without_a_bias_only_the_scale_changes():
-    # inputs in [4, 6]: a bias-free unit's pre-activation w x has one sign on every row
+def test_a_layer_without_a_latent_bias_is_left_as_fitted():
+    # inputs in [4, 6]: a bias-free unit's pre-activation w x has one sign on every row,
+    # and no bias can move its threshold
     x, y, _, _ = toy_regression(60)
     x, y = x.double() / 10 + 5.0, y.double() + 4.0
-    plain, standard = (_regression(x, y, s, bias=False) for s in (False, True))
-    w0, w1 = _deep(plain.locs, "net.0.weight"), _deep(standard.locs, "net.0.weight")
-    z = x @ w0.T
-    mu, sigma = z.mean(0), z.std(0, unbiased=False)
-    moved = mu.abs() > 2 * sigma
-    assert moved.any()
-    factor = torch.where(moved, sigma.reciprocal(), torch.ones_like(sigma))
-    assert_close(w1, factor[:, None] * w0, rtol=1e-9)
-    assert_close(_deep(standard.scales, "net.0.weight"),
-                 factor[:, None] * _deep(plain.scales, "net.0.weight"), rtol=1e-9)
+    plain, standard = (_state(_regression(x, y, s, bias=False)) for s in (False, True))
+    w = plain["locs.net.0.weight_unconstrained"]
+    z = x @ w.T
+    assert (z.mean(0).abs() > 2 * z.std(0, unbiased=False)).any()
+    assert plain.keys() == standard.keys()
+    assert all(torch.equal(plain[k], standard[k]) for k in plain)
 
 
 def test_grouped_convolutions_are_standardized_per_channel(images):
@@ -175,28 +172,34 @@ def test_standardize_hidden_must_be_none_or_a_bool(value):
         IBLMGuideInitializer(standardize_hidden=value)
 
 
-@pytest.mark.parametrize("fixed", [False, True])
-def test_a_unit_is_standardized_where_its_level_exceeds_twice_its_spread(fixed):
-    # x = (1, t), t of mean 0 and std 1: unit j's pre-activation a_j + s_j t + 1 (a latent
-    # or a fixed bias 1) has level a_j + 1 and spread |s_j|
+@pytest.mark.parametrize("spread", [0.5, 2.0])
+def test_a_unit_is_standardized_where_its_level_exceeds_twice_its_spread(spread):
+    # x = (1, t), t of mean 0 and std 1: unit j's pre-activation a_j + s_j t + 1 has level
+    # a_j + 1 and spread |s_j|
     t = torch.tensor([-1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
     inputs = torch.stack([torch.ones(4, dtype=torch.float64), t], 1)
-    a = torch.tensor([-0.75, -0.05, 0.05, 2.0, 1.0, 0.0], dtype=torch.float64)
-    s = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.0, 0.5], dtype=torch.float64)
-    # level / spread: 0.5, 1.9, 2.1, 6, a constant unit, and 2 exactly (kept)
+    ratios = torch.tensor([0.5, 1.9, 2.1, 6.0, 0.0, 2.0], dtype=torch.float64)
+    s = torch.full((6,), spread, dtype=torch.float64)
+    s[4] = 0.0  # a constant unit, level 2
+    a = torch.where(s > 0, ratios * spread, torch.full_like(s, 2.0)) - 1.0
     weight, bias = torch.stack([a, s], 1), torch.ones(6, dtype=torch.float64)
-    layer = Layer("linear", "w", torch.Size([6, 2]), bias_name=None if fixed else "b",
-                  fixed_bias=bias if fixed else None)
-    mean = weight if fixed else torch.cat([weight, bias[:, None]], 1)
+    layer = Layer("linear", "w", torch.Size([6, 2]), bias_name="b")
+    mean = torch.cat([weight, bias[:, None]], 1)
     var = torch.rand_like(mean)
     out_mean, out_var = standardize_units(layer, inputs, mean, var, LocalCollective(), 64)
-    for j in (0, 1, 4, 5):
+    for j in (0, 1, 4, 5):  # level within twice the spread (5: exactly), or constant
         assert torch.equal(out_mean[j], mean[j]) and torch.equal(out_var[j], var[j]), j
     for j in (2, 3):
-        assert_close(out_mean[j, :2], 2 * weight[j])
-        assert_close(out_var[j], 4 * var[j])
-        if fixed:  # the bias cannot move: only the scale changes
-            assert out_mean.shape[1] == 2
-        else:
-            assert_close(out_mean[j, 2], -2 * a[j])
-            assert_close(inputs @ out_mean[j, :2] + out_mean[j, 2], t)
+        assert_close(out_mean[j, :2], weight[j] / spread)
+        assert_close(out_mean[j, 2], -a[j] / spread)
+        assert_close(inputs @ out_mean[j, :2] + out_mean[j, 2], t)
+        # the variances shrink with a unit scaled down, and stay where it is scaled up
+        assert_close(out_var[j], var[j] / max(spread, 1.0) ** 2)
+
+
+def test_a_fixed_bias_leaves_the_layer_as_fitted():
+    inputs = torch.stack([torch.ones(4), torch.tensor([-1.0, 1.0, -1.0, 1.0])], 1)
+    mean, var = torch.tensor([[5.0, 0.5]]), torch.ones(1, 2)
+    layer = Layer("linear", "w", torch.Size([1, 2]), fixed_bias=torch.ones(1))
+    out_mean, out_var = standardize_units(layer, inputs, mean, var, LocalCollective(), 64)
+    assert torch.equal(out_mean, mean) and torch.equal(out_var, var)
