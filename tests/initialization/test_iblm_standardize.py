@@ -178,16 +178,21 @@ def test_a_unit_is_standardized_where_its_level_exceeds_twice_its_spread(spread)
     # a_j + 1 and spread |s_j|
     t = torch.tensor([-1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
     inputs = torch.stack([torch.ones(4, dtype=torch.float64), t], 1)
-    ratios = torch.tensor([0.5, 1.9, 2.1, 6.0, 0.0, 2.0], dtype=torch.float64)
-    s = torch.full((6,), spread, dtype=torch.float64)
+    ratios = torch.tensor([0.5, 1.9, 2.1, 6.0, 0.0, 2.0, 0.0], dtype=torch.float64)
+    s = torch.full((7,), spread, dtype=torch.float64)
     s[4] = 0.0  # a constant unit, level 2
+    s[6] = 1e-4  # and one constant to a ten-millionth, level 1000
     a = torch.where(s > 0, ratios * spread, torch.full_like(s, 2.0)) - 1.0
-    weight, bias = torch.stack([a, s], 1), torch.ones(6, dtype=torch.float64)
-    layer = Layer("linear", "w", torch.Size([6, 2]), bias_name="b")
+    a[6] = 999.0
+    weight, bias = torch.stack([a, s], 1), torch.ones(7, dtype=torch.float64)
+    layer = Layer("linear", "w", torch.Size([7, 2]), bias_name="b")
     mean = torch.cat([weight, bias[:, None]], 1)
     var = torch.rand_like(mean)
     out_mean, out_var = standardize_units(layer, inputs, mean, var, LocalCollective(), 64)
-    for j in (0, 1, 4, 5):  # level within twice the spread (5: exactly), or constant
+    # a row at a time: the moments summed over the chunks
+    chunked = standardize_units(layer, inputs, mean, var, LocalCollective(), 1)
+    assert_close(chunked[0], out_mean) and assert_close(chunked[1], out_var)
+    for j in (0, 1, 4, 5, 6):  # level within twice the spread (5: exactly), or constant
         assert torch.equal(out_mean[j], mean[j]) and torch.equal(out_var[j], var[j]), j
     for j in (2, 3):
         assert_close(out_mean[j, :2], weight[j] / spread)
@@ -203,3 +208,23 @@ def test_a_fixed_bias_leaves_the_layer_as_fitted():
     layer = Layer("linear", "w", torch.Size([1, 2]), fixed_bias=torch.ones(1))
     out_mean, out_var = standardize_units(layer, inputs, mean, var, LocalCollective(), 64)
     assert torch.equal(out_mean, mean) and torch.equal(out_var, var)
+
+
+def test_one_row_a_linear_unit_is_constant_and_a_convolution_has_its_positions():
+    linear = Layer("linear", "w", torch.Size([2, 2]), bias_name="b")
+    # (levels 6 and 0.5, far beyond a spread counted from two rows)
+    mean = torch.tensor([[0.5, 0.25, 5.0], [0.5, -2.0, 4.0]], dtype=torch.float64)
+    var = torch.ones_like(mean)
+    row = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    out = standardize_units(linear, row, mean, var, LocalCollective(), 64)
+    assert torch.equal(out[0], mean) and torch.equal(out[1], var)
+
+    conv = Layer("conv2d", "w", torch.Size([1, 1, 2, 2]), bias_name="b",
+                 kwargs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1})
+    image = torch.arange(9.0, dtype=torch.float64).reshape(1, 1, 3, 3)
+    mean = torch.tensor([[1.0, 0.0, 0.0, 0.0, 10.0]], dtype=torch.float64)  # z: 10 + pixel
+    out_mean, _ = standardize_units(conv, image, mean, torch.ones_like(mean),
+                                    LocalCollective(), 64)
+    z = F.conv2d(image, out_mean[:, :4].reshape(1, 1, 2, 2), out_mean[:, 4])
+    assert_close(z.mean(), torch.zeros((), dtype=z.dtype), atol=1e-12)
+    assert_close(z.std(unbiased=False), torch.ones((), dtype=z.dtype))
