@@ -76,9 +76,7 @@ class IBLMOptions:
 
     def standardize(self, classification: bool) -> bool:
         """Whether hidden units are standardized (default: for classification)."""
-        if self.standardize_hidden is None:
-            return classification
-        return self.standardize_hidden
+        return classification if self.standardize_hidden is None else self.standardize_hidden
 
     def alternate(self, classification: bool) -> bool:
         """Whether hidden signs alternate (default: for regression)."""

@@ -89,6 +89,33 @@ def unit_inputs(layer: Layer, x: torch.Tensor) -> torch.Tensor:
     return patches.reshape(patches.shape[0], patches.shape[1], kw["groups"], -1)
 
 
+@torch.no_grad()
+def unit_statistics(layer: Layer, inputs: torch.Tensor, weight: torch.Tensor, chunk_rows: int
+                    ) -> Tuple[Optional[torch.Tensor], Tuple[torch.Tensor, torch.Tensor], int]:
+    """Over every row (and position) of the layer's input ``inputs``: the sums of
+    squares of the inputs ``(groups, fan_in)`` (None for no rows), the sums of
+    each unit's output :math:`x^\top w_j` and of its square (float64), and the
+    number of rows."""
+    h = layer.num_units
+    sumsq: Optional[torch.Tensor] = None
+    first = torch.zeros(h, dtype=torch.float64, device=weight.device)
+    second = torch.zeros_like(first)
+    count = 0
+    for start in range(0, inputs.shape[0], chunk_rows):
+        x = unit_inputs(layer, inputs[start:start + chunk_rows])  # (n, positions, groups, d)
+        n, positions, groups, d = x.shape
+        x = x.reshape(n * positions, groups, d).to(weight)
+        part = x.square().sum(0)
+        sumsq = part if sumsq is None else sumsq + part
+        per_group = max(h // groups, 1)
+        for g in range(groups):
+            z = (x[:, g] @ weight[g * per_group:(g + 1) * per_group].T).double()
+            first[g * per_group:(g + 1) * per_group] += z.sum(0)
+            second[g * per_group:(g + 1) * per_group] += z.square().sum(0)
+        count += n * positions
+    return sumsq, (first, second), count
+
+
 def unit_priors(layer: Layer, units: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The prior loc and scale ``(c, fan_in [+ 1])`` of some units, read from the
     (possibly expanded) prior tensors without materializing the whole layer's."""

@@ -92,5 +92,5 @@ def _solve_layer(pool: DataPool, layer: Layer, inputs: torch.Tensor, targets: Ta
     means, variances = collective.solve_units(h, inputs, y, noise_var, idx, solve)
     if not output and options.standardize(classification):
         means, variances = standardize_units(layer, inputs, means, variances, collective,
-                                             options.max_chunk_elements)
+                                             options.chunk_rows)
     return Fit(layer, means, variances)

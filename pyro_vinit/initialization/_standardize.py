@@ -8,7 +8,7 @@ from typing import Tuple
 import torch
 
 from pyro_vinit.initialization._collective import Collective
-from pyro_vinit.initialization._regressions import unit_inputs
+from pyro_vinit.initialization._regressions import unit_statistics
 from pyro_vinit.initialization._tracing import Layer
 
 __all__ = ["standardize_units"]
@@ -21,31 +21,9 @@ OFF_CENTRE = 2.0
 CONSTANT = 1e-6
 
 
-def _moments(layer: Layer, inputs: torch.Tensor, weight: torch.Tensor,
-             max_chunk_elements: int) -> torch.Tensor:
-    """``(count, sum, sum of squares)`` per unit of ``x^T w_j`` over the rows of
-    ``inputs`` (every position of them): ``(3, units)``, in float64."""
-    units, d = weight.shape
-    totals = torch.zeros(3, units, dtype=torch.float64, device=weight.device)
-    if len(inputs) == 0:
-        return totals
-    first = unit_inputs(layer, inputs[:1])
-    per_row = max(first.numel(), first.shape[1] * units, 1)  # a row's inputs or outputs
-    step = max(1, max_chunk_elements // per_row)
-    for start in range(0, len(inputs), step):
-        x = unit_inputs(layer, inputs[start:start + step]).to(weight.dtype)
-        per_group = units // x.shape[2]
-        z = torch.cat([x[:, :, g] @ weight[g * per_group:(g + 1) * per_group].T
-                       for g in range(x.shape[2])], -1)
-        totals[0] += z.shape[0] * z.shape[1]
-        totals[1] += z.sum((0, 1), dtype=torch.float64)
-        totals[2] += z.pow(2).sum((0, 1), dtype=torch.float64)
-    return totals
-
-
 def standardize_units(layer: Layer, inputs: torch.Tensor, mean: torch.Tensor,
                       var: torch.Tensor, collective: Collective,
-                      max_chunk_elements: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      chunk_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     r"""
     A hidden layer's fit ``(mean, var)`` (``(units, fan_in + 1)``, the latent
     bias last) with each unit whose regression left it on one side of zero
@@ -75,7 +53,8 @@ def standardize_units(layer: Layer, inputs: torch.Tensor, mean: torch.Tensor,
     if mean.shape[1] != d + 1:
         return mean, var
     with collective.agree():
-        totals = _moments(layer, inputs, mean[:, :d], max_chunk_elements)
+        _, (first, second), rows = unit_statistics(layer, inputs, mean[:, :d], chunk_rows)
+        totals = torch.stack([torch.full_like(first, rows), first, second])
     totals = collective.all_reduce(totals)
     count = totals[0].clamp_min(1.0)
     center = totals[1] / count

@@ -8,7 +8,7 @@ a learnable regression noise at the trained network's residual std.
 import math
 import warnings
 from contextlib import ExitStack
-from typing import Any, Dict, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Dict, Mapping, Optional, TypeVar
 
 import torch
 from pyro.infer.autoguide import AutoGuide, AutoGuideList
@@ -21,7 +21,7 @@ from pyro_vinit.initialization._marks import mark_initialized
 from pyro_vinit.initialization._noise import noise_fit, residual_std
 from pyro_vinit.initialization._options import IBLMOptions
 from pyro_vinit.initialization._passes import layer_inputs
-from pyro_vinit.initialization._regressions import unit_inputs, unit_priors
+from pyro_vinit.initialization._regressions import unit_priors, unit_statistics
 from pyro_vinit.initialization._rollback import (
     GuideRollback,
     innermost,
@@ -285,7 +285,8 @@ def _blr_variances(layer: Layer, inputs: torch.Tensor, mean: torch.Tensor,
     ``(units, fan_in [+ 1])`` (see :func:`init_guide_pretrained`)."""
     h, d = layer.num_units, layer.fan_in
     weight = mean[:, :d]
-    sumsq, moments, count = _input_statistics(layer, inputs, weight, chunk_rows)
+    sumsq, moments, count = unit_statistics(layer, inputs, weight, chunk_rows)
+    assert sumsq is not None  # the pool has at least one row
     groups = sumsq.shape[0]
     group_of = torch.arange(h, device=mean.device) // max(h // groups, 1)
     data = sumsq[group_of]  # (h, d): each unit's inputs' sums of squares
@@ -299,30 +300,3 @@ def _blr_variances(layer: Layer, inputs: torch.Tensor, mean: torch.Tensor,
                                  torch.zeros_like(data, dtype=mean.dtype))
     _, prior_scale = unit_priors(layer, torch.arange(h, device=mean.device))
     return (prior_scale.to(mean).pow(-2) + precision_data).reciprocal()
-
-
-@torch.no_grad()
-def _input_statistics(layer: Layer, inputs: torch.Tensor, weight: torch.Tensor,
-                      chunk_rows: int) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...], int]:
-    """Over every row (and position) of the layer's input: the sums of squares
-    of the inputs ``(groups, fan_in)``, the sums of each unit's output and of
-    its square (float64), and the number of rows."""
-    h = layer.num_units
-    sumsq: Optional[torch.Tensor] = None
-    first = torch.zeros(h, dtype=torch.float64, device=weight.device)
-    second = torch.zeros_like(first)
-    count = 0
-    for start in range(0, inputs.shape[0], chunk_rows):
-        x = unit_inputs(layer, inputs[start:start + chunk_rows])  # (n, positions, groups, d)
-        n, positions, groups, d = x.shape
-        x = x.reshape(n * positions, groups, d).to(weight)
-        part = x.square().sum(0)
-        sumsq = part if sumsq is None else sumsq + part
-        per_group = max(h // groups, 1)
-        for g in range(groups):
-            z = (x[:, g] @ weight[g * per_group:(g + 1) * per_group].T).double()
-            first[g * per_group:(g + 1) * per_group] += z.sum(0)
-            second[g * per_group:(g + 1) * per_group] += z.square().sum(0)
-        count += n * positions
-    assert sumsq is not None  # the pool has at least one row
-    return sumsq, (first, second), count
