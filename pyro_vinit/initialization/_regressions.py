@@ -199,6 +199,11 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
         return _solve_shared_rows(layer, rows_with_bias[idx[lo]], y, noise_var, idx[lo],
                                   torch.arange(lo, hi, device=device), cols=cols, hidden=hidden,
                                   jitter=jitter, max_chunk_elements=max_chunk_elements)
+    # a convolution's patches of every row at once, where they fit in a chunk's memory,
+    # gathered by each chunk of units (instead of each unit's rows' patches anew)
+    patches = None
+    if rows_with_bias is None and len(inputs) * positions * groups * d <= max_chunk_elements:
+        patches = unit_inputs(layer, inputs)  # (N, positions, groups, d)
     for start in range(lo, hi, chunk):
         units = torch.arange(start, min(hi, start + chunk), device=device)
         c = len(units)
@@ -206,7 +211,10 @@ def solve_units(layer: Layer, inputs: torch.Tensor, y: torch.Tensor, noise_var: 
         if rows_with_bias is not None:
             x = gather_rows(rows_with_bias, batch)  # (c, B, width)
         else:
-            x = unit_inputs(layer, inputs.index_select(0, batch.reshape(-1)))
+            if patches is not None:
+                x = gather_rows(patches, batch)
+            else:
+                x = unit_inputs(layer, inputs.index_select(0, batch.reshape(-1)))
             x = x.reshape(c, batch_size, positions, groups, d)
             if groups == 1:
                 x = x.reshape(c, rows, d)

@@ -4,6 +4,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from pyro_vinit.initialization._data import all_finite
+
 __all__ = ["BLRPosterior", "bayesian_linear_regression"]
 
 _SOLVERS = ("auto", "primal", "dual")
@@ -43,11 +45,11 @@ def _cholesky(matrix: torch.Tensor, jitter: float, max_tries: int = 8) -> torch.
     try) to the matrices of the batch that are not numerically positive definite."""
     factor: torch.Tensor
     info: torch.Tensor
-    finite = torch.isfinite(matrix).all()
     factor, info = torch.linalg.cholesky_ex(matrix)
-    if bool((info == 0).all() & finite):  # one synchronization
+    # finite where its sum is (one synchronization, no elementwise pass), else elementwise
+    if bool((info == 0).all() & torch.isfinite(matrix.sum())):
         return factor
-    if not bool(finite):
+    if not all_finite(matrix):
         # no jitter helps, and a factorization may even "succeed" with inf in the factor
         dtype = str(matrix.dtype).removeprefix("torch.")
         raise _Unsolvable(

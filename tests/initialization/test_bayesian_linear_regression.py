@@ -199,6 +199,14 @@ def test_a_system_with_inf_or_nan_is_refused_at_once(bad):
     assert torch.isfinite(bayesian_linear_regression(x.double(), y.double(), 1.0).mean).all()
 
 
+def test_a_system_whose_sum_overflows_is_factored():
+    # Finite entries whose sum overflows float32 (the quick check of finiteness is not
+    # the answer): the factor, as LAPACK's.
+    matrix = torch.diag(torch.tensor([3e38, 3e38, 1.0])).repeat(2, 1, 1)
+    assert not torch.isfinite(matrix.sum())
+    assert torch.equal(blr._cholesky(matrix, jitter=1e-6), torch.linalg.cholesky(matrix))
+
+
 def test_bad_x():
     with pytest.raises(ValueError, match=re.escape("x must have shape (..., n, d), got (3,)")):
         bayesian_linear_regression(torch.randn(3), torch.randn(3), 1.0)

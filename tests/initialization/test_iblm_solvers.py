@@ -23,6 +23,7 @@ from pyro_vinit.initialization._regressions import (
     projects,
     solve_statistics,
     solve_units,
+    unit_inputs,
 )
 from pyro_vinit.initialization._tracing import Layer
 
@@ -420,3 +421,53 @@ def test_units_on_shared_rows_solved_in_bounded_chunks(noise, monkeypatch):
         post = blr.bayesian_linear_regression(xj, y[:, j], noise_var[:, j], loc, scale)
         assert_close(means[j], post.mean, atol=1e-10, rtol=1e-9)
         assert_close(variances[j], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("patches_at_once", [True, False])
+def test_conv_units_equal_their_closed_form(groups, patches_at_once, monkeypatch):
+    # Units 1..5 of a 3x3 convolution (stride 2, padding 1) with a latent bias, on
+    # batches of rows drawn with repeats: each unit's Bayesian linear regression on
+    # every patch of its rows (its group's channels), each patch with its row's
+    # target. The rows' patches are extracted once where they fit in
+    # max_chunk_elements, or per chunk of units; the same regressions either way.
+    n, c, h, k, b, lo, hi = 10, 4, 6, 3, 5, 1, 6
+    x = torch.randn(n, c, 5, 5, dtype=F64)
+    y = torch.randn(n, k, dtype=F64)
+    noise_var = torch.rand(n, k, dtype=F64) + 0.1
+    idx = torch.randint(0, n, (h, b))
+    cols = torch.arange(h) % k
+    shape = torch.Size([h, c // groups, 3, 3])
+    layer = Layer("conv2d", "w", shape, dict(stride=2, padding=1, dilation=1, groups=groups),
+                  prior_loc=torch.zeros(shape, dtype=F64),
+                  prior_scale=torch.linspace(0.5, 1.2, h, dtype=F64)[:, None, None, None]
+                  .expand(shape), bias_name="b",
+                  bias_prior_loc=torch.linspace(-0.5, 0.5, h, dtype=F64),
+                  bias_prior_scale=torch.full((h,), 1.5, dtype=F64))
+    d, positions = layer.fan_in, 9
+    # the patches of all rows (n * positions * groups * d elements) fit, or they do not
+    # (and a chunk is one unit)
+    budget = n * positions * groups * d - (not patches_at_once)
+    rows_seen = []
+
+    def spy(layer, x):
+        rows_seen.append(len(x))
+        return unit_inputs(layer, x)
+
+    monkeypatch.setattr(_regressions, "unit_inputs", spy)
+    means, variances = solve_units(layer, x, y, noise_var, idx, lo, hi, cols=cols, hidden=None,
+                                   solver="primal", jitter=1e-6, max_chunk_elements=budget)
+    # (after the one row that reads the layout) every row once, or each unit's rows
+    assert rows_seen == [1, n] if patches_at_once else rows_seen == [1] + [b] * (hi - lo)
+    patches = _regressions.extract_patches(x, (3, 3), 2, 1).reshape(n, positions, groups, d)
+    for j in range(lo, hi):
+        rows = idx[j]
+        xj = patches[rows, :, j // (h // groups)].reshape(b * positions, d)
+        t = y[rows, cols[j]].repeat_interleave(positions)
+        noise = noise_var[rows, cols[j]].repeat_interleave(positions)
+        post = blr.bayesian_linear_regression(
+            torch.cat([xj, torch.ones(len(xj), 1, dtype=F64)], 1), t, noise,
+            torch.cat([layer.prior_loc[j].reshape(-1), layer.bias_prior_loc[j, None]]),
+            torch.cat([layer.prior_scale[j].reshape(-1), layer.bias_prior_scale[j, None]]))
+        assert_close(means[j - lo], post.mean, atol=1e-9, rtol=1e-7)
+        assert_close(variances[j - lo], post.precision_diag.reciprocal(), atol=0, rtol=1e-12)
