@@ -1,4 +1,6 @@
+import _thread
 import gc
+import threading
 import weakref
 
 import pyro.distributions as dist
@@ -13,6 +15,7 @@ from pyro_vinit.poutine._site_value import (
     _meta_result,
     _placeholder,
     eager,
+    from_the_model,
     unwrap,
 )
 from pyro_vinit.poutine._tensor_ops import getter, is_transpose, replay
@@ -577,3 +580,50 @@ def test_is_transpose(spelling):
 @pytest.mark.parametrize("spelling", sorted(NOT_TRANSPOSES))
 def test_is_not_transpose(spelling):
     assert not is_transpose(NOT_TRANSPOSES[spelling], torch.Size([2, 3]))
+
+
+def _in_module(module, call, *args):
+    """A function defined in a module named ``module`` (None: globals without a
+    ``__name__``) that returns ``call(*args)``: a frame of that module on the stack."""
+    namespace = {"call": call, "args": args}
+    if module is not None:
+        namespace["__name__"] = module
+    exec("def caller():\n    return call(*args)\n", namespace)
+    return namespace["caller"]
+
+
+@pytest.mark.parametrize("chain, dispatch, expected", [
+    (["user_model"], (), True),
+    (["pyro.infer.svi"], (), False),
+    (["pyro_vinit.poutine.handlers"], (), False),
+    (["pyro_vinit.testing.user_models"], (), True),
+    # torch's frames and the dispatch modules are skipped: the first other caller decides
+    (["pyro.infer.svi", "torch.nn.functional"], (), False),
+    (["user_model", "torch.nn.functional"], (), True),
+    (["pyro.infer.svi", "my.dispatch"], ("my.dispatch",), False),
+    (["user_model", "my.dispatch", "torch.overrides"], ("my.dispatch",), True),
+    (["pyro.infer.svi", "my.dispatch"], (), True),
+    # the immediate caller decides, not the one above it
+    (["user_model", "pyro.distributions.util"], (), False),
+    (["pyro.infer.svi", "user_model"], (), True),
+    # a frame whose globals have no __name__ is a model's (named ""), unless "" dispatches
+    ([None], (), True),
+    (["pyro.infer.svi", None], ("",), False),
+])
+def test_from_the_model_reads_the_first_caller_outside_torch_and_dispatch(chain, dispatch,
+                                                                          expected):
+    # chain: the callers' modules, outermost first
+    call, args = from_the_model, dispatch
+    for module in reversed(chain):
+        call, args = _in_module(module, call, *args), ()
+    assert call() is expected
+
+
+def test_from_the_model_on_a_stack_of_torch_frames_only():
+    # a thread whose only frame is torch's: no caller is a model's
+    out, done = [], threading.Event()
+    namespace = {"__name__": "torch.fake", "from_the_model": from_the_model, "out": out,
+                 "done": done}
+    exec("def run():\n    out.append(from_the_model())\n    done.set()\n", namespace)
+    _thread.start_new_thread(namespace["run"], ())
+    assert done.wait(10) and out == [False]
