@@ -90,23 +90,35 @@ def unit_inputs(layer: Layer, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def unit_statistics(layer: Layer, inputs: torch.Tensor, weight: torch.Tensor, chunk_rows: int
+def unit_statistics(layer: Layer, inputs: torch.Tensor, weight: torch.Tensor, chunk_rows: int,
+                    squares: bool = True
                     ) -> Tuple[Optional[torch.Tensor], Tuple[torch.Tensor, torch.Tensor], int]:
     """Over every row (and position) of the layer's input ``inputs``: the sums of
-    squares of the inputs ``(groups, fan_in)`` (None for no rows), the sums of
-    each unit's output :math:`x^\top w_j` and of its square (float64), and the
-    number of rows."""
+    squares of the inputs ``(groups, fan_in)`` (None for no rows, or unless
+    ``squares``), the sums of each unit's output :math:`x^\top w_j` and of its
+    square (float64), and the number of rows. Without ``squares``, a
+    convolution's outputs come from its op (``F.<op>``), not from its patches."""
     h = layer.num_units
     sumsq: Optional[torch.Tensor] = None
     first = torch.zeros(h, dtype=torch.float64, device=weight.device)
     second = torch.zeros_like(first)
     count = 0
     for start in range(0, inputs.shape[0], chunk_rows):
-        x = unit_inputs(layer, inputs[start:start + chunk_rows])  # (n, positions, groups, d)
+        rows = inputs[start:start + chunk_rows]
+        if not squares and layer.op != "linear":
+            op = getattr(F, layer.op)
+            z = op(rows.to(weight), weight.reshape(layer.weight_shape), None, **layer.kwargs)
+            z = z.transpose(0, 1).reshape(h, -1).double()  # (units, rows x positions)
+            first += z.sum(1)
+            second += z.square().sum(1)
+            count += z.shape[1]
+            continue
+        x = unit_inputs(layer, rows)  # (n, positions, groups, d)
         n, positions, groups, d = x.shape
         x = x.reshape(n * positions, groups, d).to(weight)
-        part = x.square().sum(0)
-        sumsq = part if sumsq is None else sumsq + part
+        if squares:
+            part = x.square().sum(0)
+            sumsq = part if sumsq is None else sumsq + part
         per_group = max(h // groups, 1)
         for g in range(groups):
             z = (x[:, g] @ weight[g * per_group:(g + 1) * per_group].T).double()

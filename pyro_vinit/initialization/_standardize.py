@@ -53,7 +53,8 @@ def standardize_units(layer: Layer, inputs: torch.Tensor, mean: torch.Tensor,
     if mean.shape[1] != d + 1:
         return mean, var
     with collective.agree():
-        _, (first, second), rows = unit_statistics(layer, inputs, mean[:, :d], chunk_rows)
+        _, (first, second), rows = unit_statistics(layer, inputs, mean[:, :d], chunk_rows,
+                                                  squares=False)
         totals = torch.stack([torch.full_like(first, rows), first, second])
     totals = collective.all_reduce(totals)
     count = totals[0].clamp_min(1.0)

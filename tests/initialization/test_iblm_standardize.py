@@ -16,6 +16,7 @@ from torch import nn
 from pyro_vinit import IBLMGuideInitializer, init_guide_iblm
 from pyro_vinit.data import load_digits, toy_regression
 from pyro_vinit.initialization._collective import LocalCollective
+from pyro_vinit.initialization._regressions import unit_statistics
 from pyro_vinit.initialization._standardize import standardize_units
 from pyro_vinit.initialization._tracing import Layer
 from pyro_vinit.nn import BayesianClassifier, BayesianRegressor, bayesianize, mlp
@@ -228,3 +229,26 @@ def test_one_row_a_linear_unit_is_constant_and_a_convolution_has_its_positions()
     z = F.conv2d(image, out_mean[:, :4].reshape(1, 1, 2, 2), out_mean[:, 4])
     assert_close(z.mean(), torch.zeros((), dtype=z.dtype), atol=1e-12)
     assert_close(z.std(unbiased=False), torch.ones((), dtype=z.dtype))
+
+
+@pytest.mark.parametrize("op, spatial, kwargs", [
+    ("conv1d", (9,), dict(stride=2, padding=1, dilation=1, groups=1)),
+    ("conv2d", (6, 5), dict(stride=1, padding="same", dilation=2, groups=2)),
+    ("conv3d", (4, 4, 3), dict(stride=(1, 2, 1), padding=0, dilation=1, groups=1)),
+])
+def test_moments_from_the_op_equal_those_of_the_patches(op, spatial, kwargs):
+    # The standardization's moments of a convolution's outputs, from F.<op> (in chunks
+    # of 3 rows), equal those of its patches times its weight: every position of every row.
+    groups, h, c, k = kwargs["groups"], 4, 4, (3,) * len(spatial)
+    shape = torch.Size((h, c // groups) + k)
+    layer = Layer(op, "w", shape, kwargs)
+    x = torch.randn((7, c) + spatial, dtype=torch.float64)
+    weight = torch.randn(h, shape[1:].numel(), dtype=torch.float64)
+    sumsq, (first, second), rows = unit_statistics(layer, x, weight, 3)
+    none, (first_op, second_op), rows_op = unit_statistics(layer, x, weight, 3, squares=False)
+    out = getattr(F, op)(x, weight.reshape(shape), None, **kwargs)
+    assert sumsq is not None and none is None
+    assert rows == rows_op == out[:, 0].numel()
+    assert_close(first_op, out.transpose(0, 1).reshape(h, -1).sum(1), rtol=1e-12, atol=1e-12)
+    assert_close(first_op, first, rtol=1e-12, atol=1e-12)
+    assert_close(second_op, second, rtol=1e-12, atol=1e-12)
