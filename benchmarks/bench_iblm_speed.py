@@ -16,7 +16,9 @@ MLP with N(0, 1/D_in) priors:
 * ``diabetes``: scikit-learn diabetes (standardized, 309 rows), 10-100×5-1
   with a latent noise std ``sigma ~ HalfNormal(1)``, AutoNormal, the same call
   with ``batch_size=128``: the noise estimate's search for the value of
-  ``sigma`` runs the model once per step (metrics: test RMSE and MNLL).
+  ``sigma`` runs the model once per step (metrics: test RMSE and MNLL);
+* ``digits_cnn``: the race's digits CNN (:mod:`pyro_vinit.testing.paper_problems`,
+  two convolutions and a linear layer), AutoKTiedNormal(rank=2), ``batch_size=512``.
 
 The *baseline* is the ``pyro_vinit`` package of the git revision
 ``--baseline`` (default ``main``), extracted with ``git archive`` into a
@@ -36,6 +38,7 @@ Usage::
     python -m benchmarks.bench_iblm_speed                      # 7 rounds, main vs here
     python -m benchmarks.bench_iblm_speed --baseline 5cae3f8 --rounds 3
     python -m benchmarks.bench_iblm_speed --quick               # smoke run, no files
+    python -m benchmarks.bench_iblm_speed --baseline c21bfb4 --tag convolutions
 """
 
 import argparse
@@ -57,6 +60,8 @@ PROBLEMS = {
     "digits": dict(sizes=(64,) + (100,) * 5 + (10,), guide="normal", batch_size=128),
     "digits512": dict(sizes=(64,) + (100,) * 5 + (10,), guide="normal", batch_size=512),
     "diabetes": dict(sizes=(10,) + (100,) * 5 + (1,), guide="normal", batch_size=128),
+    # the race's digits CNN (pyro_vinit.testing.paper_problems'), at fit's options
+    "digits_cnn": dict(paper="digits_cnn", guide="ktied", batch_size=512),
 }
 
 
@@ -76,6 +81,7 @@ def worker(num_samples):
     from pyro_vinit.data import load_diabetes, load_digits, load_mnist
     from pyro_vinit.metrics import classification_metrics, regression_metrics
     from pyro_vinit.nn import BayesianClassifier, bayesianize, mlp
+    from pyro_vinit.testing.paper_problems import PROBLEMS as PAPER_PROBLEMS
 
     class Regressor(PyroModule):
         def __init__(self, net):
@@ -91,7 +97,8 @@ def worker(num_samples):
 
     torch.set_num_threads(1)
     data = {}
-    loaders = {"mnist": load_mnist, "diabetes": load_diabetes}
+    loaders = {"mnist": load_mnist, "diabetes": load_diabetes,
+               "digits_cnn": lambda: load_digits(image=True)}
 
     def load(problem):
         if problem not in data:
@@ -104,7 +111,8 @@ def worker(num_samples):
         x, y, x_test, y_test = load(problem)
         pyro.clear_param_store()
         pyro.set_rng_seed(int(seed))
-        net = bayesianize(mlp(spec["sizes"]))
+        net = bayesianize(PAPER_PROBLEMS[spec["paper"]]["net"]() if "paper" in spec
+                          else mlp(spec["sizes"]))
         regression = problem == "diabetes"
         model = Regressor(net) if regression else BayesianClassifier(net, num_data=len(x))
         guide = AutoKTiedNormal(model, rank=2) if spec["guide"] == "ktied" else AutoNormal(model)
@@ -215,7 +223,8 @@ def main(args):
     if args.quick:
         return
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "bench_iblm_speed.json"), "w") as f:
+    name = "bench_iblm_speed" + (f"_{args.tag}" if args.tag else "") + ".json"
+    with open(os.path.join(HERE, "results", name), "w") as f:
         json.dump({"baseline": args.baseline, "baseline_commit": base_rev,
                    "current_commit": here_rev, "rounds": args.rounds, "samples": args.samples,
                    "rows": rows, "runs": results}, f, indent=2)
@@ -228,6 +237,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--samples", type=int, default=32, help="guide draws for the metrics")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 4 draws, no files")
+    parser.add_argument("--tag", default="", help="suffix of the result file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
