@@ -612,8 +612,9 @@ def _in_module(module, call, *args):
 ])
 def test_from_the_model_reads_the_first_caller_outside_torch_and_dispatch(chain, dispatch,
                                                                           expected):
-    # chain: the callers' modules, outermost first
-    call, args = from_the_model, dispatch
+    # chain: the callers' modules, outermost first; the function's own module dispatches,
+    # as for its callers (and for mutmut's trampoline, a frame of that module)
+    call, args = from_the_model, dispatch + (from_the_model.__module__,)
     for module in reversed(chain):
         call, args = _in_module(module, call, *args), ()
     assert call() is expected
@@ -624,6 +625,7 @@ def test_from_the_model_on_a_stack_of_torch_frames_only():
     out, done = [], threading.Event()
     namespace = {"__name__": "torch.fake", "from_the_model": from_the_model, "out": out,
                  "done": done}
-    exec("def run():\n    out.append(from_the_model())\n    done.set()\n", namespace)
+    exec("def run():\n    out.append(from_the_model(from_the_model.__module__))\n"
+         "    done.set()\n", namespace)
     _thread.start_new_thread(namespace["run"], ())
     assert done.wait(10) and out == [False]
