@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from pyro_vinit.poutine._batched_modules import BatchedModules
+from pyro_vinit.poutine._batched_modules import BatchedModules, _minus_one_first
 from tests.common import assert_close
 
 _SAMPLES = "_num_predictive_samples"  # (the plate of Predictive(parallel=True))
@@ -136,3 +136,19 @@ def test_the_other_arguments_from_a_batched_layer_fold_with_the_input(batched, r
         assert seen == [((15, 4, 6, 6), (15, 4, 6, 6))]
     else:
         assert seen == [(x.shape, other.shape)]
+
+
+@pytest.mark.parametrize("args, kwargs, expected", [
+    ((-1,), {}, True),
+    ((-1, 4), {}, True),
+    ((4, -1), {}, False),
+    (((-1, 4),), {}, True),
+    (([4, -1],), {}, False),
+    ((), {"shape": (-1, 4)}, True),
+    ((), {"shape": (4, -1)}, False),
+    ((), {"size": [-1]}, True),
+    ((), {}, False),
+])
+def test_minus_one_first_reads_a_reshapes_shape_however_given(args, kwargs, expected):
+    # x.reshape(-1, 4), x.reshape((-1, 4)), x.reshape(shape=(-1, 4)), x.view(size=[-1])
+    assert _minus_one_first((torch.zeros(8),) + args, kwargs) is expected
