@@ -69,7 +69,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_vinit
-from benchmarks import _peers
+from benchmarks import _peers, harness
 from pyro_vinit import AutoKTiedNormal, init_guide_iblm, init_guide_pretrained
 from pyro_vinit.data import load_digits, load_mnist
 from pyro_vinit.metrics import error_rate, mnll
@@ -530,14 +530,16 @@ def write(results, args):
     text = report(results)
     print(text)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"bench_time_to_quality{args.tag}.json"), "w") as f:
+    stem = harness.result_stem(args, "bench_time_to_quality")
+    suffix = stem[len(os.path.join(args.out, "bench_time_to_quality")):]  # "_<tag>" or ""
+    with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, f"bench_time_to_quality{args.tag}.md"), "w") as f:
+    with open(stem + ".md", "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(args.out, f"bench_time_to_quality{args.tag}.rst"), "w") as f:
+    with open(stem + ".rst", "w") as f:
         f.write(rst_report(results))
     try:
-        plot(results, os.path.join(args.figures, f"race{args.tag}.png"))
+        plot(results, os.path.join(args.figures, f"race{suffix}.png"))
     except ImportError:
         print("matplotlib is not installed: no figure")
 
