@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from pyro_vinit.poutine._batched_modules import BatchedModules, _minus_one_first
+from pyro_vinit.poutine._batched_modules import (
+    BatchedModules,
+    _conv,
+    _flattened,
+    _folds,
+    _minus_one_first,
+    _unfolds,
+)
 from tests.common import assert_close
 
 _SAMPLES = "_num_predictive_samples"  # (the plate of Predictive(parallel=True))
@@ -152,3 +159,59 @@ def test_the_other_arguments_from_a_batched_layer_fold_with_the_input(batched, r
 def test_minus_one_first_reads_a_reshapes_shape_however_given(args, kwargs, expected):
     # x.reshape(-1, 4), x.reshape((-1, 4)), x.reshape(shape=(-1, 4)), x.view(size=[-1])
     assert _minus_one_first((torch.zeros(8),) + args, kwargs) is expected
+
+
+class _Drawn(torch.Tensor):  # (a weight that is not a plain tensor, as a site's value)
+    pass
+
+
+@pytest.mark.parametrize("weight_at, bias_at", [("args", "args"), ("kwargs", "kwargs"),
+                                                ("args", "kwargs")])
+@pytest.mark.parametrize("drawn", [None, "weight", "bias"])
+def test_conv_rule_folds_a_convolution_with_a_plain_weight_and_bias(weight_at, bias_at, drawn):
+    # F.conv2d(x, w, b), F.conv2d(x, weight=w, bias=b), F.conv2d(x, w, bias=b): folded
+    # (channels and two spatial dims kept) unless the weight or the bias is not plain
+    x = torch.zeros(2, 3, 1, 4, 4)
+    w, b = torch.zeros(5, 1, 3, 3), nn.Parameter(torch.zeros(5))
+    w = w.as_subclass(_Drawn) if drawn == "weight" else w
+    b = torch.zeros(5).as_subclass(_Drawn) if drawn == "bias" else b
+    args, kwargs = (x,), {}
+    for name, value, at in (("weight", w, weight_at), ("bias", b, bias_at)):
+        if at == "args":
+            args += (value,)
+        else:
+            kwargs[name] = value
+    assert _conv(2, x, 2, args, kwargs) == (None if drawn else 3)
+
+
+@pytest.mark.parametrize("func, args, kwargs, first", [
+    (torch.Tensor.flatten, (1,), {}, 1),
+    (torch.Tensor.flatten, (), {"start_dim": 1}, 1),
+    (torch.flatten, (), {"start_dim": -2}, 2),
+    (torch.Tensor.flatten, (), {}, 0),
+    (torch.Tensor.unflatten, (), {"dim": 1, "sizes": (2, 2)}, 1),
+    (torch.Tensor.reshape, (-1,), {}, None),
+])
+def test_flattened_reads_the_first_dim_however_given(func, args, kwargs, first):
+    x = torch.zeros(2, 3, 4, 5)
+    assert _flattened(func, (x,) + args, kwargs, x.dim()) == first
+
+
+@pytest.mark.parametrize("func, args, kwargs, folds, unfolds", [
+    # a flatten from the samples' dims folds them; one past them does not
+    (torch.Tensor.flatten, (), {"start_dim": 1}, True, False),
+    (torch.Tensor.flatten, (), {"start_dim": 2}, False, False),
+    # a reshape whose shape leads with -1 folds, one of sizes may unfold
+    (torch.Tensor.reshape, (), {"shape": (-1, 4)}, True, False),
+    (torch.Tensor.reshape, (), {"shape": (2, 3, 4)}, False, True),
+    # an unflatten of the first dim unfolds; of a sample dim it takes it into others
+    # (a fold), of a later dim it does neither
+    (torch.Tensor.unflatten, (), {"dim": 0, "sizes": (1, 2)}, True, True),
+    (torch.Tensor.unflatten, (), {"dim": 1, "sizes": (1, 3)}, True, False),
+    (torch.Tensor.unflatten, (), {"dim": 2, "sizes": (2, 2)}, False, False),
+])
+def test_folds_and_unfolds_read_keyword_arguments(func, args, kwargs, folds, unfolds):
+    # of a tensor that leads with 2 sample dims
+    x = torch.zeros(2, 3, 4)
+    assert _folds(func, (x,) + args, kwargs, x.dim(), 2) is folds
+    assert _unfolds(func, (x,) + args, kwargs, x.dim()) is unfolds
