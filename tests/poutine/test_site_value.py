@@ -582,6 +582,11 @@ def test_is_not_transpose(spelling):
     assert not is_transpose(NOT_TRANSPOSES[spelling], torch.Size([2, 3]))
 
 
+#: the modules between a caller and from_the_model, which dispatch as for its callers:
+#: its own, and mutmut's trampoline, which wraps it in a mutation run
+_OWN = (from_the_model.__module__, "mutmut.mutation.trampoline")
+
+
 def _in_module(module, call, *args):
     """A function defined in a module named ``module`` (None: globals without a
     ``__name__``) that returns ``call(*args)``: a frame of that module on the stack."""
@@ -612,9 +617,8 @@ def _in_module(module, call, *args):
 ])
 def test_from_the_model_reads_the_first_caller_outside_torch_and_dispatch(chain, dispatch,
                                                                           expected):
-    # chain: the callers' modules, outermost first; the function's own module dispatches,
-    # as for its callers (and for mutmut's trampoline, a frame of that module)
-    call, args = from_the_model, dispatch + (from_the_model.__module__,)
+    # chain: the callers' modules, outermost first
+    call, args = from_the_model, dispatch + _OWN
     for module in reversed(chain):
         call, args = _in_module(module, call, *args), ()
     assert call() is expected
@@ -623,9 +627,8 @@ def test_from_the_model_reads_the_first_caller_outside_torch_and_dispatch(chain,
 def test_from_the_model_on_a_stack_of_torch_frames_only():
     # a thread whose only frame is torch's: no caller is a model's
     out, done = [], threading.Event()
-    namespace = {"__name__": "torch.fake", "from_the_model": from_the_model, "out": out,
-                 "done": done}
-    exec("def run():\n    out.append(from_the_model(from_the_model.__module__))\n"
-         "    done.set()\n", namespace)
+    namespace = {"__name__": "torch.fake", "from_the_model": from_the_model, "own": _OWN,
+                 "out": out, "done": done}
+    exec("def run():\n    out.append(from_the_model(*own))\n    done.set()\n", namespace)
     _thread.start_new_thread(namespace["run"], ())
     assert done.wait(10) and out == [False]
