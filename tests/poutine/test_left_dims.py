@@ -49,3 +49,27 @@ def test_a_dim_naming_the_first_counts_from_either_end(dim, first):
 @pytest.mark.parametrize("dim", [True, (0, True), "0", 0.0])
 def test_what_is_not_an_int_names_no_dim(dim):
     assert first_dim(torch.sum, (torch.randn(2, 3),), {"dim": dim}) is None
+
+
+@pytest.mark.parametrize("func", [torch.sum, torch.Tensor.sum])
+def test_a_call_without_its_input_names_no_dim(func):
+    # (torch would refuse it; the handlers read it first and leave it to torch)
+    assert left_dims(func, (), {"dim": 0}, lambda t: 0) is None
+    assert first_dim(func, (), {"dim": 0}) is None
+
+
+def test_a_dim_argument_that_is_not_an_int_is_passed_over_for_the_next():
+    # x.transpose("a", 0) of a tensor with named dims: dim0 names no int dim, dim1 does
+    x = torch.randn(5, 3, 4)
+    found = left_dims(torch.Tensor.transpose, (x, "a", 0), {}, lambda t: 1)
+    assert found is not None and found.name == "dim1" and found.given == 0 and found.own == -2
+
+
+@pytest.mark.parametrize("dims, own", [((0, -1), (-2, -1)), ((0, 2), (-2, 2)),
+                                       ([1, 0], (-1, -2))])
+def test_the_dims_counted_from_the_right_keep_the_others_as_given(dims, own):
+    # one leading dim and two of the model's: only those counted from the left within
+    # them move (a dim past them, 2, is torch's to refuse)
+    x = torch.randn(5, 3, 4)
+    found = left_dims(torch.sum, (x, dims), {}, lambda t: 1)
+    assert found is not None and found.given == dims and found.own == own
