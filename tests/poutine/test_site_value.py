@@ -104,7 +104,9 @@ def test_uses_whole_draw():
 
 def test_uses_part_then_whole():
     uses = Uses(torch.Size([2, 3]))
+    assert not uses.used()
     assert not uses.add(_rows(1))
+    assert uses.used() and not uses.whole  # (a part: the mask's)
     assert torch.equal(uses.mask, torch.tensor([False, False, False, True, True, True]))
     assert uses.add(None)
 
