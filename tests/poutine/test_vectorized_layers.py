@@ -716,8 +716,9 @@ class _Encoder(nn.Module):
         return self.head(self.enc(x).mean(-2))
 
 
+@pytest.mark.parametrize("from_samples", [False, True])
 @pytest.mark.parametrize("handler", [vectorized_layers, local_reparam])
-def test_a_use_of_a_batched_weight_that_torch_refuses_names_the_site(handler):
+def test_a_use_of_a_batched_weight_that_torch_refuses_names_the_site(handler, from_samples):
     # the attention's output projection (F.multi_head_attention_forward: w.t()) failed
     # inside torch ("t() expects a tensor with <= 2 dimensions")
     torch.manual_seed(0)
@@ -735,10 +736,15 @@ def test_a_use_of_a_batched_weight_that_torch_refuses_names_the_site(handler):
         "matrix products batched over them, and any other use of a site's value must take "
         "them. Predict with Predictive(..., parallel=False) (or vectorize_particles=False), "
         "or keep the layer deterministic (bayesianize(..., exclude=[...]))")
+    # from the guide, or from posterior samples (the model's message alone holds the value)
+    predictive = (Predictive(model, posterior_samples=Predictive(
+        model, guide=guide, num_samples=3, return_sites=[_OUT_PROJ])(x), parallel=True)
+        if from_samples else Predictive(model, guide=guide, num_samples=3, parallel=True))
     with pytest.raises(ValueError, match=match), torch.no_grad(), handler():
-        Predictive(model, guide=guide, num_samples=3, parallel=True)(x)
+        predictive(x)
 
 
+_OUT_PROJ = "net.enc.self_attn.out_proj.weight"
 _LEFT_DIMS = {
     # the tutorial's CNN: its class scores over the rows, or the samples merged into them
     "F.log_softmax(x, dim=1)": (lambda x: F.log_softmax(x.flatten(-3) @ torch.ones(64, 3), 1),
