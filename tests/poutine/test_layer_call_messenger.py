@@ -5,7 +5,9 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
+from pyro.poutine.indep_messenger import CondIndepStackFrame
 
+from pyro_vinit._pyro_compat import _PREDICTIVE_PLATE
 from pyro_vinit.poutine import (
     FlipoutMessenger,
     LayerCallMessenger,
@@ -15,6 +17,7 @@ from pyro_vinit.poutine import (
 )
 from pyro_vinit.poutine._site_value import SiteValue, Uses
 from pyro_vinit.poutine._tensor_ops import replay
+from pyro_vinit.poutine.layer_call_messenger import _check_sample_dims
 from tests.common import assert_close
 
 _T = torch.Tensor
@@ -528,3 +531,20 @@ def test_views_with_keyword_arguments(view):
         out = model()
     assert out.dtype == torch.float64 and out.shape == (1000, 3)
     assert_close(out.mean(0), (x @ loc.double().T).mean(0), atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("batch, refused", [((3, 4), False), ((1, 3, 4), False),
+                                            ((1, 1, 3, 4), False), ((2, 3, 4), True),
+                                            ((1, 2, 3, 4), True)])
+def test_check_sample_dims_refuses_a_dim_left_of_the_samples_plate_unless_a_singleton(
+        batch, refused):
+    # the samples' plate at dim -2 (size 3): the site's batch dims left of it must be 1s
+    msg = {"name": "obs", "fn": dist.Normal(torch.zeros(batch), 1.0),
+           "cond_indep_stack": (CondIndepStackFrame("data", -1, 4, 0),
+                                CondIndepStackFrame(_PREDICTIVE_PLATE, -2, 3, 0))}
+    if refused:
+        with pytest.raises(ValueError, match=r"the site 'obs' has batch shape .* dims left "
+                                             r"of the plate of the vectorized samples"):
+            _check_sample_dims(msg)
+    else:
+        _check_sample_dims(msg)
