@@ -496,6 +496,7 @@ NOT_BIASES = {
     "product of a product": lambda x, w, s: (x @ w) * s["b"],
     # a vector site's elements out of order: one per unit, but not unit i's at i
     "permuted latent vector": lambda x, w, s: x @ w + s["b"][torch.tensor([2, 0, 1])],
+    "latent vector in steps of two": lambda x, w, s: x @ w + s["b6"][::2],
 }
 
 
@@ -506,10 +507,11 @@ def test_additions_that_are_no_bias(name):
 
     def model(x):
         sites = {"b": _latent("b", 3), "one": _latent("one", 1), "row": _latent("row", 1, 3),
-                 "plain": plain}
+                 "b6": _latent("b6", 6), "plain": plain}
         return program(x, _latent("w", 4, 3), sites)
 
-    values = {"w": W_IN_OUT, "b": B, "one": torch.randn(1), "row": torch.randn(1, 3)}
+    values = {"w": W_IN_OUT, "b": B, "one": torch.randn(1), "row": torch.randn(1, 3),
+              "b6": torch.randn(6)}
     rec, out = _record(model, values, X)
     layer = _only_layer(rec)
     assert layer.bias_name is None and layer.site_names == ("w",)
