@@ -215,3 +215,16 @@ def test_folds_and_unfolds_read_keyword_arguments(func, args, kwargs, folds, unf
     x = torch.zeros(2, 3, 4)
     assert _folds(func, (x,) + args, kwargs, x.dim(), 2) is folds
     assert _unfolds(func, (x,) + args, kwargs, x.dim()) is unfolds
+
+
+def test_watch_of_a_later_layer_marks_its_output_and_starts_nothing():
+    # a run's later batched layers (lead 0) take their input's sample dims: their output
+    # is marked, and no samples, mode or hooks start before the run's first
+    batched = BatchedModules()
+    out = torch.zeros(3, 4)
+    batched.watch(out, 0)
+    try:
+        assert batched.carries((out,)) and batched.samples is None
+        assert batched._mode is None and batched._handles == ()
+    finally:
+        batched.close()
