@@ -223,8 +223,12 @@ def main(args):
     if args.quick:
         return
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    name = "bench_iblm_speed" + (f"_{args.tag}" if args.tag else "") + ".json"
-    with open(os.path.join(HERE, "results", name), "w") as f:
+    # (imported here: a worker runs this file with another revision's package on its path)
+    from benchmarks.harness import result_stem
+
+    stem = result_stem(argparse.Namespace(out=os.path.join(HERE, "results"), tag=args.tag),
+                       "bench_iblm_speed")
+    with open(stem + ".json", "w") as f:
         json.dump({"baseline": args.baseline, "baseline_commit": base_rev,
                    "current_commit": here_rev, "rounds": args.rounds, "samples": args.samples,
                    "rows": rows, "runs": results}, f, indent=2)
