@@ -102,11 +102,16 @@ def test_uses_whole_draw():
     assert uses.add(_rows(0))  # any part of a draw used whole was used
 
 
-def test_uses_part_then_whole():
+def test_uses_used_after_a_partial_use():
     uses = Uses(torch.Size([2, 3]))
     assert not uses.used()
-    assert not uses.add(_rows(1))
+    uses.add(_rows(1))
     assert uses.used() and not uses.whole  # (a part: the mask's)
+
+
+def test_uses_part_then_whole():
+    uses = Uses(torch.Size([2, 3]))
+    assert not uses.add(_rows(1))
     assert torch.equal(uses.mask, torch.tensor([False, False, False, True, True, True]))
     assert uses.add(None)
 
