@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.harness import (
     host_info,
+    iblm_options,
     make_parser,
     markdown_table,
     parse_args,
@@ -139,7 +140,7 @@ def latent_numel(guide):
 
 
 def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None, average=None,
-        iblm_options=None):
+        iblm_options_json=None):
     """One fit: the test metrics at each evaluation, W, the time and the warnings
     (``average``: fit's decay of the parameters' moving average, if not its default)."""
     spec = PROBLEMS[name]
@@ -158,7 +159,7 @@ def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None, average=None,
         history = fit(model, guide, (x, y), steps=steps, batch_size=BATCH_SIZE, lr=lr,
                       validation=(xt, yt), eval_every=max(1, steps // 10),
                       num_samples=num_samples, progress=False, capture=False,
-                      init_options=_init_options(iblm_kl_weight, iblm_options),
+                      init_options=iblm_options(iblm_kl_weight, iblm_options_json),
                       **({} if average is None else {"average": average}))
     seconds = time.perf_counter() - start
     seen = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
@@ -172,14 +173,6 @@ def run(name, lr, seed, steps, num_samples, iblm_kl_weight=None, average=None,
             "best_mnll": min(trained, default=math.nan), "final_mnll": curve["mnll"][-1],
             "final_" + second: curve[second][-1], "curve": curve,
             "nonfinite_loss": sum(not math.isfinite(v) for v in history.loss)}
-
-
-def _init_options(iblm_kl_weight, iblm_options):
-    """fit's ``init_options``: I-BLM's kl_weight and further options, if any."""
-    options = dict(iblm_options or {})
-    if iblm_kl_weight is not None:
-        options["kl_weight"] = iblm_kl_weight
-    return options or None
 
 
 def summarize(name, rows, grid):
@@ -306,7 +299,7 @@ def main(args):
             bar.set_postfix_str(f"{name} lr={lr:.3g} seed={seed}")
             steps = PROBLEMS[name]["steps"] if args.steps is None else args.steps
             row = run(name, lr, seed, steps, args.num_samples, args.iblm_kl_weight,
-                      iblm_options=json.loads(args.iblm_options or "{}"))
+                      iblm_options_json=args.iblm_options)
             rows.append(row)
             if args.quick:
                 print(f"{name} lr={lr:.3g} seed {seed}: best MNLL {row['best_mnll']:.3f}, "

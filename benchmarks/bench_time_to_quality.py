@@ -259,11 +259,10 @@ def ours_overrides(args):
 def make_runner(method, spec, data, args):
     x, y = data[0], data[1]
     if method == OURS:
-        iblm = dict(json.loads(getattr(args, "iblm_options", None) or "{}"))
-        if getattr(args, "iblm_kl_weight", None) is not None:
-            iblm["kl_weight"] = args.iblm_kl_weight
         return Ours(spec["net"], x, y, BATCH_SIZE, use_fit=args.use_fit,
-                    overrides=ours_overrides(args), init_options=iblm or None)
+                    overrides=ours_overrides(args),
+                    init_options=harness.iblm_options(getattr(args, "iblm_kl_weight", None),
+                                                      getattr(args, "iblm_options", None)))
     if method == OURS_TRAINED:
         return Ours(spec["net"], x, y, BATCH_SIZE, start="trained",
                     pretrain_epochs=spec["pretrain_epochs"], use_fit=args.use_fit,

@@ -397,6 +397,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
+def iblm_options(kl_weight: Optional[float], options: Optional[str]) -> Optional[Dict[str, Any]]:
+    """fit's ``init_options`` from a benchmark's ``--iblm-kl-weight`` and
+    ``--iblm-options`` (a JSON object): the options given, None if none."""
+    merged: Dict[str, Any] = dict(json.loads(options or "{}"))
+    if kl_weight is not None:
+        merged["kl_weight"] = kl_weight
+    return merged or None
+
+
 def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
     """
     The exponent ``p`` of ``y ∝ x^p``: the least-squares slope of

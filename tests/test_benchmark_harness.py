@@ -15,6 +15,7 @@ from benchmarks.harness import (
     fit_exponent,
     fit_fixed_and_rate,
     host_info,
+    iblm_options,
     make_parser,
     markdown_table,
     parse_args,
@@ -270,3 +271,11 @@ def test_result_stem():
     # a script without --tag
     args = parse_args(make_parser(None, tag=False), ["--out", "/r"])
     assert result_stem(args, "bench_x") == os.path.join("/r", "bench_x")
+
+
+def test_iblm_options_merge_the_kl_weight_over_the_json_options():
+    assert iblm_options(None, None) is None
+    assert iblm_options(None, "{}") is None
+    assert iblm_options(0.01, None) == {"kl_weight": 0.01}
+    assert iblm_options(0.01, '{"standardize_hidden": false, "kl_weight": 1.0}') == {
+        "standardize_hidden": False, "kl_weight": 0.01}
