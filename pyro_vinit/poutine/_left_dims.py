@@ -82,12 +82,18 @@ def _table() -> Dict[Callable[..., Any], _Spec]:
     return table
 
 
-def _input(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def inputs_of(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Any]:
+    """The input of a call, as the table reads its dims: the first argument or the
+    keyword torch names it by; each tensor of a list (torch.cat's tensors)."""
     x = args[0] if args else next(
         (kwargs[k] for k in ("input", "tensors", "tensor", "logits", "x1") if k in kwargs), None)
-    if isinstance(x, (tuple, list)):  # (torch.cat's tensors: the first of them)
-        return x[0] if x else None
-    return x
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def _input(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    # (of a list, the first: the tensors of a concatenation have as many dims)
+    inputs = inputs_of(args, kwargs)
+    return inputs[0] if inputs else None
 
 
 def _dims(value: Any) -> Optional[Sequence[int]]:

@@ -15,7 +15,7 @@ from torch.fx.experimental import proxy_tensor
 
 from pyro_vinit._pyro_compat import active_sample_plate, is_sample_frame
 from pyro_vinit.poutine._layer_ops import op_name
-from pyro_vinit.poutine._left_dims import left_dims
+from pyro_vinit.poutine._left_dims import inputs_of, left_dims
 from pyro_vinit.poutine._site_value import SiteValue, from_the_model, unwrap
 from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, ViewOp, element_index
 
@@ -78,8 +78,7 @@ def refuse_left_counting(func: Callable[..., Any], args: Tuple[Any, ...],
     :param tuple dispatch: The modules that handed the call on to this one (the
         handler's, and a torch function mode's).
     """
-    x = args[0] if args else None
-    x = _sampled(x[0] if isinstance(x, (tuple, list)) and x else x)
+    x = next((v for v in map(_sampled, inputs_of(args, kwargs)) if v is not None), None)
     if x is None or active_sample_plate() is None:  # (outside the run: e.g. its results)
         return
     if not from_the_model(__name__, SiteValue.__module__, *dispatch):

@@ -71,7 +71,14 @@ from pyro_vinit.poutine._layer_ops import (
     is_batched,
     op_name,
 )
-from pyro_vinit.poutine._site_value import ACTIVE, SiteValue, Uses, eager, unwrap
+from pyro_vinit.poutine._site_value import (
+    ACTIVE,
+    SiteValue,
+    Uses,
+    eager,
+    from_the_model,
+    unwrap,
+)
 from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, uses_values
 from pyro_vinit.poutine._weight_views import refuse_left_counting
 
@@ -208,9 +215,16 @@ def _msgs_of(value: Any) -> List[SampleSite]:
 
 
 def _site_values(items: Iterable[Any]) -> List[SiteValue]:
-    # Top level only: torch unpacks an operand list (einsum's) before dispatching, and the
-    # other ops of _CUSTOM_LAYER_OPS take no tensors in containers.
-    return [item for item in items if isinstance(item, SiteValue)]
+    # At the top level, and in a list of the model's own call (torch.cat([w, v])): Pyro and
+    # this library stack and concatenate draws on purpose (Predictive's samples), no use of
+    # them. (torch unpacks an operand list, einsum's, before dispatching.)
+    items = list(items)
+    found = [item for item in items if isinstance(item, SiteValue)]
+    listed = [value for item in items if isinstance(item, (tuple, list))
+              for value in item if isinstance(value, SiteValue)]
+    if listed and from_the_model(*_DISPATCH, SiteValue.__module__):
+        found += listed
+    return found
 
 
 class LayerCallMessenger(Messenger):

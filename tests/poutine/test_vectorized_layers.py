@@ -860,6 +860,15 @@ _WEIGHT_VIEWS_FROM_THE_LEFT = {  # shape, the model's use of w, what the refusal
     "w.index_select(0, idx)": ([5, 4], lambda w: w.index_select(0, torch.tensor([2, 1, 0])),
                                r"index_select\(dim=0\)", _DIM.format("dim=-2")),
     "w.chunk(2)": ([6, 4], lambda w: w.chunk(2)[0], r"chunk\(dim=0\)", _DIM.format("dim=-2")),
+    # the model's lists of tensors (torch.cat's), read by the first draw in them
+    "torch.cat([w, w])": ([5, 4], lambda w: torch.cat([w, w]), r"cat\(dim=0\)",
+                          _DIM.format("dim=-2")),
+    "torch.cat(tensors=[w, w], dim=0)": ([5, 4], lambda w: torch.cat(tensors=[w, w], dim=0),
+                                         r"cat\(dim=0\)", _DIM.format("dim=-2")),
+    "torch.cat([w * 0, w])": ([5, 4], lambda w: torch.cat([w * 0, w]), r"cat\(dim=0\)",
+                              _DIM.format("dim=-2")),
+    "torch.stack([w, w]).sum(0)": ([5, 4], lambda w: torch.stack([w, w]).sum(0),
+                                   r"stack\(dim=0\)", _DIM.format("dim=-3")),
 }
 _WEIGHT_VIEWS_FROM_THE_RIGHT = {
     "w[..., :3, :]": ([5, 4], lambda w: w[..., :3, :]),

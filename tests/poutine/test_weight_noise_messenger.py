@@ -567,6 +567,53 @@ def test_a_draw_used_as_drawn_before_its_layer_keeps_the_ordinary_sample(cls):
     assert not torch.equal(out, _plain(shape_only, x, tr.trace.nodes["w"]["value"]))
 
 
+_JOINS = {  # the model's own concatenation of a draw, in the spellings torch takes
+    "cat": lambda w, b: torch.cat([b, w.flatten()]),
+    "stack": lambda w, b: torch.stack((w[0], b)),
+    "cat by keyword": lambda w, b: torch.cat(tensors=[b, w[:, 0]], dim=-1),
+}
+
+
+@pytest.mark.parametrize("join", list(_JOINS))
+@pytest.mark.parametrize("cls", ["LocalReparamMessenger", "FlipoutMessenger"])
+def test_a_draw_joined_with_others_after_its_layer_is_refused(cls, join):
+    # the draw inside a list of the model's call (torch.cat([b, w])) is a use as drawn:
+    # after a layer that gave it per-example noise, not jointly exact with it
+    import pyro_vinit
+
+    def model(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+        b = pyro.sample("b", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        return F.linear(x, w) + _JOINS[join](w, b).sum()
+
+    op = "stack" if join == "stack" else "cat"
+    with pytest.raises(ValueError) as error, getattr(pyro_vinit, cls)():
+        model(torch.randn(5, 4))
+    assert str(error.value) == _reused_message(cls, op)
+
+
+@pytest.mark.parametrize("join", list(_JOINS))
+@pytest.mark.parametrize("cls", ["LocalReparamMessenger", "FlipoutMessenger"])
+def test_a_draw_joined_with_others_before_its_layer_keeps_the_ordinary_sample(cls, join):
+    # ... and before it, the layer then uses the same draw (the ordinary sample, exact)
+    import pyro_vinit.poutine as handlers
+
+    def joined_first(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+        b = pyro.sample("b", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        joined = _JOINS[join](w, b).sum()
+        return F.linear(x, w) * joined
+
+    x = torch.randn(5, 4)
+    with pytest.warns(UserWarning, match="'w': this sample was already used as drawn"):
+        with poutine.trace() as tr, getattr(handlers, cls)():
+            out = joined_first(x)
+    w = tr.trace.nodes["w"]["value"]
+    b = tr.trace.nodes["b"]["value"].detach().clone()
+    plain = poutine.condition(joined_first, {"w": w.detach().clone(), "b": b})(x)
+    assert torch.equal(out, plain)
+
+
 def test_strict_must_be_a_bool():
     from pyro_vinit import FlipoutMessenger, LocalReparamMessenger
 
