@@ -61,6 +61,10 @@ def eager(fn: _F) -> _F:
 
 _GRAD = getter("grad")
 
+# The frames passed over as torch's: torch's own, and those of the trampolines through
+# which mutation testing (mutmut, tools/mutate.py) calls every function of the package.
+_PASSED_OVER = ("torch.", "mutmut.")
+
 
 def from_the_model(*dispatch: str) -> bool:
     """Whether the operation being handled came from a model's own code: the first
@@ -70,7 +74,7 @@ def from_the_model(*dispatch: str) -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name not in dispatch and not name.startswith("torch."):
+        if name not in dispatch and not name.startswith(_PASSED_OVER):
             return (not name.startswith(("pyro.", "pyro_vinit."))
                     or name.startswith("pyro_vinit.testing"))
         frame = frame.f_back  # type: ignore[assignment]

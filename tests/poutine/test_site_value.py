@@ -589,9 +589,8 @@ def test_is_not_transpose(spelling):
     assert not is_transpose(NOT_TRANSPOSES[spelling], torch.Size([2, 3]))
 
 
-#: the modules between a caller and from_the_model, which dispatch as for its callers:
-#: its own, and mutmut's trampoline, which wraps it in a mutation run
-_OWN = (from_the_model.__module__, "mutmut.mutation.trampoline")
+#: the module between a caller and from_the_model, which dispatches as for its callers
+_OWN = (from_the_model.__module__,)
 
 
 def _in_module(module, call, *args):
@@ -626,6 +625,21 @@ def test_from_the_model_reads_the_first_caller_outside_torch_and_dispatch(chain,
                                                                           expected):
     # chain: the callers' modules, outermost first
     call, args = from_the_model, dispatch + _OWN
+    for module in reversed(chain):
+        call, args = _in_module(module, call, *args), ()
+    assert call() is expected
+
+
+@pytest.mark.parametrize("chain, expected", [
+    (["user_model", "mutmut.mutation.trampoline"], True),
+    (["pyro.infer.predictive", "mutmut.mutation.trampoline"], False),
+    (["pyro.infer.predictive", "mutmut.mutation.trampoline", "torch.functional",
+      "mutmut.mutation.trampoline"], False),
+])
+def test_from_the_model_passes_over_mutation_testings_trampolines(chain, expected):
+    # a mutation run (tools/mutate.py) calls each function through a trampoline of
+    # mutmut's: the handlers tell the model's calls from Pyro's there as without it
+    call, args = from_the_model, _OWN
     for module in reversed(chain):
         call, args = _in_module(module, call, *args), ()
     assert call() is expected
