@@ -175,3 +175,64 @@ def test_no_mutant_listed_as_equivalent_was_killed():
             for entry in json.load(f)["files"].values():
                 stale += mutate.stale_equivalents(entry["exit_code_by_key"], equivalent)
     assert stale == []
+
+
+def _order_module():
+    """tools/mutation_order.py, the pytest plugin of the mutation runs, imported."""
+    spec = importlib.util.spec_from_file_location(
+        "mutation_order", os.path.join(ROOT, "tools", "mutation_order.py"))
+    order = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(order)
+    return order
+
+
+def test_mutation_order_names_the_function_and_its_test_file():
+    order = _order_module()
+    mutant = "pyro_vinit.poutine._site_value.xǁUsesǁadd__mutmut_3"
+    assert order.function_of(mutant) == "pyro_vinit.poutine._site_value.xǁUsesǁadd"
+    assert order.own_test_file(mutant) == "test_site_value.py"
+    assert order.own_test_file("pyro_vinit.poutine.layer_recorder.x_f__mutmut_12") == \
+        "test_layer_recorder.py"
+
+
+def test_mutation_order_runs_the_killers_of_its_function_first():
+    order = _order_module()
+    mutant = "pkg.mod.x_f__mutmut_9"
+    killers = [("pkg.mod.x_f__mutmut_1", "tests/test_other.py::killer"),
+               ("pkg.mod.x_f__mutmut_2", "tests/test_other.py::killer"),
+               ("pkg.mod.x_f__mutmut_3", "tests/test_other.py::second"),
+               ("pkg.mod.x_g__mutmut_1", "tests/test_other.py::of_another_function")]
+    durations = {"tests/test_other.py::killer": 9.0, "tests/test_other.py::second": 0.1,
+                 "tests/test_other.py::fast": 0.01, "tests/test_mod.py::own": 5.0,
+                 "tests/test_other.py::of_another_function": 0.001}
+    key = order.order_key(mutant, killers, durations)
+    tests = sorted(durations) + ["tests/test_other.py::unknown"]
+    ranked = sorted(tests, key=lambda t: key(t, t.split("::")[0].rpartition("/")[2]))
+    assert ranked == ["tests/test_other.py::killer", "tests/test_other.py::second",
+                      "tests/test_mod.py::own", "tests/test_other.py::of_another_function",
+                      "tests/test_other.py::fast", "tests/test_other.py::unknown"]
+
+
+def test_mutation_order_acts_in_a_mutants_run_only(tmp_path, monkeypatch):
+    order = _order_module()
+    monkeypatch.chdir(tmp_path)
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid, self.path = nodeid, tmp_path / nodeid.split("::")[0]
+
+    class Report:
+        failed, nodeid = True, "tests/test_b.py::b"
+
+    items = [Item("tests/test_a.py::a"), Item("tests/test_b.py::b")]
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")  # (mutmut's statistics run)
+    order.pytest_collection_modifyitems(None, None, items)
+    order.pytest_runtest_logreport(Report())
+    assert [i.nodeid for i in items] == ["tests/test_a.py::a", "tests/test_b.py::b"]
+    assert not (tmp_path / "mutation-killers.jsonl").exists()
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "pkg.mod.x_f__mutmut_1")
+    order.pytest_runtest_logreport(Report())  # b kills mutant 1 ...
+    (tmp_path / "mutation-killers.jsonl").open("a").write("{cut short\n")
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "pkg.mod.x_f__mutmut_2")
+    order.pytest_collection_modifyitems(None, None, items)  # ... and runs first for 2
+    assert [i.nodeid for i in items] == ["tests/test_b.py::b", "tests/test_a.py::a"]

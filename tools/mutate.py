@@ -280,8 +280,10 @@ def main():
         if args.ledger is not None:
             print(f"{load_ledger(args.workdir, args.ledger)} results from {args.ledger}")
         mutmut = Path(sys.executable).with_name("mutmut")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env.pop("PYTHONPATH", None)  # mutmut puts its mutated copy first on the path
+        # mutmut puts its mutated copy first on the path; tools/ holds the plugin that
+        # orders each mutant's tests (mutation_order.py), and nothing mutmut imports
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tools"),
+               "PYTEST_ADDOPTS": "-p mutation_order"}
         cmd = [str(mutmut), "run", "--max-children", str(args.max_children)] + args.mutants
         subprocess.run(cmd, cwd=args.workdir, env=env, check=True)
 
