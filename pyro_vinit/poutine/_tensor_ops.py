@@ -83,9 +83,39 @@ def uses_values(func: Callable[..., Any], out: Any) -> bool:
     return func in VALUE_READS or isinstance(out, torch.Tensor) or (
         isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out))
 
+def _piece_of(split: Callable[..., Any]) -> Callable[..., Any]:
+    def piece(tensor: torch.Tensor, index: int, *args: Any, **kwargs: Any) -> Any:
+        return split(tensor, *args, **kwargs)[index]
+
+    piece.__name__ = split.__name__  # (named as users spell the split: "chunk")
+    return piece
+
+
+#: The ops that split a tensor into a tuple of views (``w.chunk(3)`` of a fused
+#: weight), each mapped to its piece's view op: ``PIECES[split]`` applied as
+#: ``piece(tensor, i, *args, **kwargs)`` is the ``i``-th tensor of the split.
+PIECES: Dict[Callable[..., Any], Callable[..., Any]] = {
+    split: _piece_of(split) for split in (
+        _T.chunk, _T.split, _T.tensor_split, _T.unbind, torch.chunk, torch.split,
+        torch.tensor_split, torch.unbind)
+}
+
+
+def split_views(func: Callable[..., Any], source: torch.Tensor, args: Tuple[Any, ...],
+                kwargs: Dict[str, Any]) -> Optional[List[ViewOp]]:
+    """The view op of each piece of the split ``func(source, *args, **kwargs)``
+    (a key of :data:`PIECES`), or None where ``func`` is no split; the pieces
+    counted on a stand-in of ``source``'s shape, without its values."""
+    if func not in PIECES:
+        return None
+    stand_in = torch.empty(source.shape, dtype=source.dtype, device="meta")
+    count = len(func(stand_in, *args, **kwargs))
+    return [(PIECES[func], (i,) + tuple(args), kwargs) for i in range(count)]
+
+
 # Ops after which each element of the result is one distinct element of the argument:
 # a Normal's parameters go through them as the value does.
-_RELAYOUTS = frozenset({
+_RELAYOUTS = frozenset(PIECES.values()) | frozenset({
     _T.reshape, _T.view, _T.view_as, _T.reshape_as, _T.t, _T.transpose, _T.permute,
     _T.flatten, _T.unflatten, _T.squeeze, _T.unsqueeze, _T.contiguous, _T.clone,
     _T.narrow, _T.movedim, _T.swapaxes, getter("T"), getter("mT"), torch.reshape,

@@ -18,7 +18,7 @@ The handler sees
   :func:`~pyro_vinit.poutine._layer_ops.parse_matmul`), handed to
   :meth:`~LayerCallMessenger._process_layer_call` as a
   :class:`~pyro_vinit.poutine._layer_ops.LayerCall`;
-* views of site values (transposed, reshaped, sliced or cast), whose
+* views of site values (transposed, reshaped, sliced, split or cast), whose
   distribution is that of the draw seen through the same ops
   (:attr:`SiteValue.view_ops`);
 * the other uses of site values by layer-like ops it does not treat
@@ -79,7 +79,7 @@ from pyro_vinit.poutine._site_value import (
     from_the_model,
     unwrap,
 )
-from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, uses_values
+from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, PIECES, split_views, uses_values
 from pyro_vinit.poutine._weight_views import refuse_left_counting
 
 __all__ = ["LayerCall", "LayerCallMessenger"]
@@ -386,6 +386,12 @@ class LayerCallMessenger(Messenger):
         # while this handler is active; NotImplemented means "run it as usual".
         if self._busy:
             return NotImplemented
+        if func in PIECES and args and _is_latent(args[0]):
+            # a split (w.chunk(3) of a fused weight): a tuple of views of the same draw
+            refuse_left_counting(func, args, kwargs, None, _DISPATCH)
+            draw = args[0]
+            views = split_views(func, draw, unwrap(args[1:]), unwrap(kwargs))
+            return tuple(draw.derive(*op) for op in views or ())
         if func in ELEMENT_OPS:
             source = args[0] if args else None
             if not _is_latent(source):

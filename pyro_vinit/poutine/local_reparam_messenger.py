@@ -50,7 +50,7 @@ class LocalReparamMessenger(WeightNoiseMessenger):
     shared by its positions (:class:`~pyro_vinit.poutine.Flipout`), which
     keeps each example's distribution exact. Stride, padding, dilation and
     groups are honoured. The weight may be the sample as drawn or a view of it
-    (transposed, reshaped, sliced or cast, e.g. ``x @ w.t()`` or the slices
+    (transposed, reshaped, sliced, split or cast, e.g. ``x @ w.t()`` or the slices
     of :class:`~pyro.infer.autoguide.AutoDiagonalNormal`'s flat latent):
     :math:`\mu` and :math:`\sigma` are then viewed the same way.
 

@@ -151,6 +151,11 @@ VIEWS = {
     "index and unsqueeze": lambda w: w[0].unsqueeze(0),
     "cast": lambda w: w.float(),
     "expand to the same shape": lambda w: w.expand(3, 4),
+    # the pieces of a split
+    "chunk": lambda w: w.chunk(3, 1)[1],
+    "torch.split": lambda w: torch.split(w, [1, 2])[1],
+    "tensor_split": lambda w: w.tensor_split(torch.tensor([1]), dim=1)[1],
+    "unbind, transposed": lambda w: w.t().unbind()[2],
 }
 NOT_VIEWS = {
     "expand": lambda w: w[:1].expand(3, 4),

@@ -630,6 +630,25 @@ def test_slices_of_one_draw_are_separate_layers(monkeypatch):
             tied()
 
 
+@pytest.mark.parametrize("split", ["chunk", "split", "unbind"])
+def test_pieces_of_a_split_draw_are_separate_layers(monkeypatch, split):
+    # w.chunk(2) of a fused weight (an RNN cell's gates): each piece a view of the draw,
+    # a layer of its own with the exact moments of its elements
+    x = torch.randn(4, 5, dtype=torch.float64)
+    loc, scale = torch.randn(6, 5).double(), torch.rand(6, 5).double() + 0.2
+    pieces = {"chunk": lambda w: w.chunk(2), "split": lambda w: torch.split(w, [2, 4]),
+              "unbind": lambda w: w.unflatten(0, (2, 3)).unbind()}[split]
+
+    def two_layers():
+        a, b = pieces(pyro.sample("w", _normal(loc, scale)))
+        return torch.cat([F.linear(x, a), F.linear(x, b)], -1)
+
+    with local_reparam(strict=True):
+        mean, var = _exact_moments(monkeypatch, two_layers)
+    assert_close(mean, F.linear(x, loc), atol=1e-12, rtol=0)
+    assert_close(var, F.linear(x**2, scale**2), atol=1e-12, rtol=1e-12)
+
+
 def test_k_tied_low_rank_transposed_weight():
     # x @ w with w of shape (in, out): the layer's scale is (U V^T)^T = V U^T.
     loc, u, v = torch.randn(7, 4), torch.rand(7, 2) + 0.1, torch.rand(4, 2) + 0.1

@@ -878,6 +878,8 @@ _WEIGHT_VIEWS_FROM_THE_RIGHT = {
     "w.unflatten(-1, (5, 4))": ([20], lambda w: w.unflatten(-1, (5, 4))),
     "w.flatten(-2).unflatten(-1, (5, 4))": ([5, 4], lambda w: w.flatten(-2).unflatten(
         -1, (5, 4))),
+    "w.chunk(2, -2)[1]": ([6, 4], lambda w: w.chunk(2, -2)[1]),  # (a tuple of views)
+    "torch.split(w, [1, 3], -2)[1]": ([4, 4], lambda w: torch.split(w, [1, 3], -2)[1]),
 }
 
 

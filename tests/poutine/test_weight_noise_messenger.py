@@ -614,6 +614,27 @@ def test_a_draw_joined_with_others_before_its_layer_keeps_the_ordinary_sample(cl
     assert torch.equal(out, plain)
 
 
+@pytest.mark.parametrize("cls", ["LocalReparamMessenger", "FlipoutMessenger"])
+def test_a_call_with_a_draw_at_the_top_and_others_in_a_list_uses_each(cls):
+    # torch.rnn_tanh(input, hx, params): a latent initial state at the top level and the
+    # weights in a list, each used as drawn; a later layer on the state keeps its sample
+    import pyro_vinit.poutine as handlers
+
+    def model(x):
+        w_ih = pyro.sample("w_ih", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+        w_hh = pyro.sample("w_hh", dist.Normal(torch.zeros(3, 3), 1.0).to_event(2))
+        h0 = pyro.sample("h0", dist.Normal(torch.zeros(1, 3), 1.0).to_event(2))
+        out, _ = torch.rnn_tanh(x, h0, [w_ih, w_hh], False, 1, 0.0, False, False, False)
+        return F.linear(out, h0)
+
+    x = torch.randn(5, 4)
+    with pytest.warns(UserWarning, match="'h0': this sample was already used as drawn"):
+        with poutine.trace() as tr, getattr(handlers, cls)():
+            out = model(x)
+    given = {k: tr.trace.nodes[k]["value"].detach().clone() for k in ("w_ih", "w_hh", "h0")}
+    assert torch.equal(out, poutine.condition(model, given)(x))
+
+
 def test_strict_must_be_a_bool():
     from pyro_vinit import FlipoutMessenger, LocalReparamMessenger
 
