@@ -9,13 +9,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def tool():
+def _load(name):
+    """tools/<name>.py, imported (tools/ is no package)."""
     spec = importlib.util.spec_from_file_location(
-        "mutation_tables", os.path.join(ROOT, "tools", "mutation_tables.py"))
+        name, os.path.join(ROOT, "tools", name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return _load("mutation_tables")
 
 
 def test_generated_tables_are_up_to_date(tool):
@@ -75,12 +80,7 @@ def test_figures_file_is_consistent():
 
 
 def _mutate_module():
-    """tools/mutate.py, imported (tools/ is no package)."""
-    spec = importlib.util.spec_from_file_location(
-        "mutate", os.path.join(ROOT, "tools", "mutate.py"))
-    mutate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mutate)
-    return mutate
+    return _load("mutate")
 
 
 def test_mutate_refuses_a_resume_that_would_reset_the_results(tmp_path):
@@ -161,10 +161,7 @@ def test_no_mutant_listed_as_equivalent_was_killed():
     # an edit renumbers its function's mutants: an entry of tools/mutmut_equivalent.txt
     # then names another mutant, which a ledger may record as killed (and which
     # tools/mutate.py would otherwise have counted as equivalent)
-    spec = importlib.util.spec_from_file_location(
-        "mutate", os.path.join(ROOT, "tools", "mutate.py"))
-    mutate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mutate)
+    mutate = _load("mutate")
     equivalent = mutate._equivalent()
     assert mutate.stale_equivalents({"a": 1, "b": 3, "c": 0, "d": -24, "e": 1},
                                     {"a": "", "b": "", "c": "", "d": ""}) == ["a", "b"]
@@ -178,12 +175,7 @@ def test_no_mutant_listed_as_equivalent_was_killed():
 
 
 def _order_module():
-    """tools/mutation_order.py, the pytest plugin of the mutation runs, imported."""
-    spec = importlib.util.spec_from_file_location(
-        "mutation_order", os.path.join(ROOT, "tools", "mutation_order.py"))
-    order = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(order)
-    return order
+    return _load("mutation_order")  # (the pytest plugin of the mutation runs)
 
 
 def test_mutation_order_names_the_function_and_its_test_file():

@@ -574,6 +574,18 @@ _JOINS = {  # the model's own concatenation of a draw, in the spellings torch ta
 }
 
 
+def _joined(join, first):
+    # a layer on w, and w joined with b before (first) or after it
+    def model(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+        b = pyro.sample("b", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        joined = _JOINS[join](w, b).sum() if first else None
+        out = F.linear(x, w)
+        return out * joined if first else out + _JOINS[join](w, b).sum()
+
+    return model
+
+
 @pytest.mark.parametrize("join", list(_JOINS))
 @pytest.mark.parametrize("cls", ["LocalReparamMessenger", "FlipoutMessenger"])
 def test_a_draw_joined_with_others_after_its_layer_is_refused(cls, join):
@@ -581,14 +593,9 @@ def test_a_draw_joined_with_others_after_its_layer_is_refused(cls, join):
     # after a layer that gave it per-example noise, not jointly exact with it
     import pyro_vinit
 
-    def model(x):
-        w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
-        b = pyro.sample("b", dist.Normal(torch.zeros(4), 1.0).to_event(1))
-        return F.linear(x, w) + _JOINS[join](w, b).sum()
-
     op = "stack" if join == "stack" else "cat"
     with pytest.raises(ValueError) as error, getattr(pyro_vinit, cls)():
-        model(torch.randn(5, 4))
+        _joined(join, first=False)(torch.randn(5, 4))
     assert str(error.value) == _reused_message(cls, op)
 
 
@@ -598,12 +605,7 @@ def test_a_draw_joined_with_others_before_its_layer_keeps_the_ordinary_sample(cl
     # ... and before it, the layer then uses the same draw (the ordinary sample, exact)
     import pyro_vinit.poutine as handlers
 
-    def joined_first(x):
-        w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
-        b = pyro.sample("b", dist.Normal(torch.zeros(4), 1.0).to_event(1))
-        joined = _JOINS[join](w, b).sum()
-        return F.linear(x, w) * joined
-
+    joined_first = _joined(join, first=True)
     x = torch.randn(5, 4)
     with pytest.warns(UserWarning, match="'w': this sample was already used as drawn"):
         with poutine.trace() as tr, getattr(handlers, cls)():
