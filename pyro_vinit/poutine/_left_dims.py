@@ -57,7 +57,8 @@ def _table() -> Dict[Callable[..., Any], _Spec]:
     for f in _both("cat", "concat", "concatenate"):
         table[f] = (DimArgument(1, "dim", 0),)
     table[torch.stack] = (DimArgument(1, "dim", 0, inserts=True),)
-    for f in _both("chunk", "split", "tensor_split"):
+    for f in _both("chunk", "split", "tensor_split", "split_with_sizes", "unsafe_chunk",
+                   "unsafe_split"):
         table[f] = (DimArgument(2, "dim", 0),)
     for f in _both("topk", "kthvalue", "quantile", "nanquantile", "norm", "diff"):
         table[f] = (DimArgument(2, "dim"),)

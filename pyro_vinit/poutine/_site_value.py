@@ -31,6 +31,7 @@ from pyro_vinit.poutine._tensor_ops import (
     getter,
     is_view_op,
     repeats,
+    split_views,
 )
 
 __all__: List[str] = []
@@ -312,6 +313,45 @@ class SiteValue(torch.Tensor):
             out, self.site_dist, list(self.msgs), self.view_ops, self.derived or name, self.uses
         )
 
+    def pieces(
+        self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> Tuple["SiteValue", ...]:
+        """
+        The pieces of the split ``func(self, *args, **kwargs)`` (a key of
+        :data:`~pyro_vinit.poutine._tensor_ops.PIECES`: ``w.chunk(3)``) as
+        stand-ins for the same draw: views, or derived where ``self`` is. Split
+        once; the pieces of a deferred value stay deferred.
+        """
+        args, kwargs = unwrap(args), unwrap(kwargs)
+        meta = None
+        if self.is_deferred and self.derived is None:
+            meta = _meta_result(func, self, args, kwargs)
+        if meta is None:
+            pieces = func(self.concrete, *args, **kwargs)
+            views = split_views(func, len(pieces), args, kwargs)
+            return tuple(
+                SiteValue.wrap(piece, self.site_dist, list(self.msgs),
+                               self.view_ops + ((view,) if self.derived is None else ()),
+                               self.derived, self.uses)
+                for piece, view in zip(pieces, views))
+        source, drawn = self, []  # type: SiteValue, List[Tuple[torch.Tensor, ...]]
+        # (drawn: the split of the draw, made for the first piece drawn)
+
+        def piece(i: int) -> torch.Tensor:
+            if not drawn:
+                drawn.append(func(source.concrete, *args, **kwargs))
+            out: torch.Tensor = drawn[0][i]
+            return out
+
+        outs = []
+        for i, view in enumerate(split_views(func, len(meta), args, kwargs)):
+            out = SiteValue.defer(functools.partial(piece, i), meta[i].shape, like=self,
+                                  dtype=meta[i].dtype)
+            out.site_dist, out.msgs, out.uses = self.site_dist, list(self.msgs), self.uses
+            out.view_ops = self.view_ops + (view,)
+            outs.append(out)
+        return tuple(outs)
+
     @classmethod
     @eager
     def __torch_function__(
@@ -343,10 +383,11 @@ class SiteValue(torch.Tensor):
 
 def _meta_result(
     func: Callable[..., Any], value: SiteValue, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Optional[torch.Tensor]:
-    # The shape and dtype of func's result, without drawing the value.
+) -> Any:
+    # The shapes and dtypes of func's result (a tensor, or a split's tuple), without
+    # drawing the value.
     try:
         out = func(torch.empty(value.shape, dtype=value.dtype, device="meta"), *args, **kwargs)
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return None  # e.g. a move to another device: computed from the real value
-    return out if isinstance(out, torch.Tensor) else None
+    return out if isinstance(out, (torch.Tensor, tuple)) else None

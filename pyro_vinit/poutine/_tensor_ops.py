@@ -96,20 +96,16 @@ def _piece_of(split: Callable[..., Any]) -> Callable[..., Any]:
 #: ``piece(tensor, i, *args, **kwargs)`` is the ``i``-th tensor of the split.
 PIECES: Dict[Callable[..., Any], Callable[..., Any]] = {
     split: _piece_of(split) for split in (
-        _T.chunk, _T.split, _T.tensor_split, _T.unbind, torch.chunk, torch.split,
-        torch.tensor_split, torch.unbind)
+        _T.chunk, _T.split, _T.tensor_split, _T.unbind, _T.split_with_sizes, _T.unsafe_chunk,
+        _T.unsafe_split, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
+        torch.split_with_sizes, torch.unsafe_chunk, torch.unsafe_split)
 }
 
 
-def split_views(func: Callable[..., Any], source: torch.Tensor, args: Tuple[Any, ...],
-                kwargs: Dict[str, Any]) -> Optional[List[ViewOp]]:
-    """The view op of each piece of the split ``func(source, *args, **kwargs)``
-    (a key of :data:`PIECES`), or None where ``func`` is no split; the pieces
-    counted on a stand-in of ``source``'s shape, without its values."""
-    if func not in PIECES:
-        return None
-    stand_in = torch.empty(source.shape, dtype=source.dtype, device="meta")
-    count = len(func(stand_in, *args, **kwargs))
+def split_views(func: Callable[..., Any], count: int, args: Tuple[Any, ...],
+                kwargs: Dict[str, Any]) -> List[ViewOp]:
+    """The view op of each of the ``count`` pieces of the split
+    ``func(tensor, *args, **kwargs)`` (a key of :data:`PIECES`)."""
     return [(PIECES[func], (i,) + tuple(args), kwargs) for i in range(count)]
 
 

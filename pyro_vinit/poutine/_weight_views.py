@@ -35,13 +35,15 @@ def _sampled(value: Any) -> Optional[SiteValue]:
     return value if any(is_sample_frame(f) for f in frames) else None
 
 
-def _own_dims(value: SiteValue) -> int:
-    # The dims of the site's value in a run without the samples: its event dims and
-    # those of the model's own plates
-    msg = value.msgs[0]
+def _lead(value: SiteValue) -> int:
+    # The leading dims that the samples (or particles) give the model's site, which its
+    # views keep on their left (a view may have other dims than the site,
+    # w.unflatten(-1, (2, 2)), and the draw be another site's, AutoDiagonalNormal's flat
+    # latent): its batch dims left of the model's own plates
+    msg = value.msgs[-1]  # (the model's site: a guide's draws come first)
     plates = [-f.dim for f in msg.get("cond_indep_stack", ())
               if f.dim is not None and not is_sample_frame(f)]
-    return len(getattr(msg["fn"], "event_shape", ())) + max(plates, default=0)
+    return max(len(getattr(msg["fn"], "batch_shape", ())) - max(plates, default=0), 0)
 
 
 def _keeps_samples(value: SiteValue, op: ViewOp, out: torch.Tensor) -> bool:
@@ -83,7 +85,7 @@ def refuse_left_counting(func: Callable[..., Any], args: Tuple[Any, ...],
         return
     if not from_the_model(__name__, SiteValue.__module__, *dispatch):
         return
-    lead = max(x.dim() - _own_dims(x), 0)
+    lead = _lead(x)
     found = left_dims(func, args, kwargs, lambda _: lead)
     head = (f"of the value of sample site {x.site!r}, of shape {tuple(x.shape)}, which leads "
             f"with the dims of Predictive's samples (parallel=True) or of vectorized "

@@ -79,7 +79,7 @@ from pyro_vinit.poutine._site_value import (
     from_the_model,
     unwrap,
 )
-from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, PIECES, split_views, uses_values
+from pyro_vinit.poutine._tensor_ops import ELEMENT_OPS, PIECES, uses_values
 from pyro_vinit.poutine._weight_views import refuse_left_counting
 
 __all__ = ["LayerCall", "LayerCallMessenger"]
@@ -389,9 +389,11 @@ class LayerCallMessenger(Messenger):
         if func in PIECES and args and _is_latent(args[0]):
             # a split (w.chunk(3) of a fused weight): a tuple of views of the same draw
             refuse_left_counting(func, args, kwargs, None, _DISPATCH)
-            draw = args[0]
-            views = split_views(func, draw, unwrap(args[1:]), unwrap(kwargs))
-            return tuple(draw.derive(*op) for op in views or ())
+            try:
+                return args[0].pieces(func, args[1:], kwargs)
+            except (RuntimeError, IndexError) as error:
+                refuse_left_counting(func, args, kwargs, error, _DISPATCH)
+                raise
         if func in ELEMENT_OPS:
             source = args[0] if args else None
             if not _is_latent(source):

@@ -42,7 +42,6 @@ from pyro_vinit.poutine._tensor_ops import (
     element_index,
     is_view_op,
     repeats,
-    split_views,
 )
 
 if TYPE_CHECKING:
@@ -434,15 +433,6 @@ class LayerRecorderMessenger(Messenger):
     ) -> None:
         source = args[0] if args else None
         derived = self._site_of(source)
-        views = (split_views(func, source, args[1:], kwargs)
-                 if derived is not None and isinstance(source, torch.Tensor) else None)
-        if views is not None and derived is not None:
-            # a split (w.chunk(3) of a fused weight): each piece a view of the site, as for
-            # the handlers
-            for item, view in zip(out, views):
-                piece = (_Derived(derived.name, derived.root_shape, derived.view_ops + (view,))
-                         if derived.derived is None else derived)
-                self._sites[id(item)] = (item, piece)
         if (derived is not None and isinstance(source, torch.Tensor)
                 and isinstance(out, torch.Tensor) and func in ELEMENT_OPS):
             # The views of the handlers' site values, and detached ones (which elements of

@@ -928,6 +928,32 @@ def test_narrowed_output_weight_is_named():
         init_guide_iblm(guide, (x, y), batch_size=n)
 
 
+def test_a_split_weight_keeps_its_initial_values_and_is_named():
+    # an RNN-style cell whose fused gate weight is chunked: the handlers noise each piece
+    # as a layer (a view of the draw); I-BLM, which initializes whole sites, leaves the
+    # pieces' layers as fixed ones and names the site (it had refused the whole model)
+    n = 40
+    x, y = torch.randn(n, 2), torch.randn(n)
+
+    def model(x, y=None):
+        w_ih = pyro.sample("w_ih", dist.Normal(torch.zeros(9, 2), 1.0).to_event(2))
+        w_out = pyro.sample("w_out", dist.Normal(torch.zeros(1, 3), 1.0).to_event(2))
+        w_r, w_z, w_n = w_ih.chunk(3, -2)
+        h = torch.tanh(F.linear(x, w_n)) * torch.sigmoid(F.linear(x, w_z) + F.linear(x, w_r))
+        with pyro.plate("data", n):
+            pyro.sample("obs", dist.Normal(F.linear(h, w_out).squeeze(-1), 0.5), obs=y)
+
+    with local_reparam(strict=True):  # every piece a layer: no site reported
+        pyro.poutine.trace(model).get_trace(x, y)
+    guide = AutoNormal(model)
+    guide(x, y)
+    before = guide.locs.w_ih.detach().clone()
+    with pytest.warns(UserWarning, match=r"these latent sites keep the guide's own initial "
+                      r"values: \['w_ih'\]"):
+        init_guide_iblm(guide, (x, y), batch_size=n)
+    assert torch.equal(guide.locs.w_ih, before) and is_initialized(guide)
+
+
 # ---------------------------------------------------------------- issue 23: guide lists,
 # hyperparameters hidden from the guide, pyro.condition, the data argument
 

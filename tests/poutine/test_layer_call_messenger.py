@@ -16,7 +16,7 @@ from pyro_vinit.poutine import (
     local_reparam,
 )
 from pyro_vinit.poutine._site_value import SiteValue, Uses
-from pyro_vinit.poutine._tensor_ops import replay
+from pyro_vinit.poutine._tensor_ops import PIECES, _piece_of, replay
 from pyro_vinit.poutine.layer_call_messenger import _check_sample_dims
 from tests.common import assert_close
 
@@ -156,6 +156,8 @@ VIEWS = {
     "torch.split": lambda w: torch.split(w, [1, 2])[1],
     "tensor_split": lambda w: w.tensor_split(torch.tensor([1]), dim=1)[1],
     "unbind, transposed": lambda w: w.t().unbind()[2],
+    "split_with_sizes": lambda w: w.split_with_sizes([2, 2], dim=-1)[1],
+    "torch.unsafe_chunk": lambda w: torch.unsafe_chunk(w, 3)[2],
 }
 NOT_VIEWS = {
     "expand": lambda w: w[:1].expand(3, 4),
@@ -199,6 +201,27 @@ def test_view_of_deferred_value_stays_deferred():
         assert torch.equal(view.concrete, w.concrete.t()[1:])
         pyro.sample("obs", dist.Normal(F.linear(torch.ones(1, 4), w), 1.0).to_event(2),
                     obs=torch.zeros(1, 3))
+
+
+def test_pieces_of_a_deferred_value_stay_deferred_and_split_the_draw_once(monkeypatch):
+    # w.unbind() of a fused weight's rows: one split of the draw for all its pieces (a
+    # split per piece cost time quadratic in their number)
+    calls = []
+
+    def unbind(tensor, *args, **kwargs):  # torch.Tensor.unbind, counting real splits
+        calls.append(tensor.device.type)
+        return torch.Tensor.unbind(tensor, *args, **kwargs)
+
+    monkeypatch.setitem(PIECES, unbind, _piece_of(unbind))
+    with LocalReparamMessenger():
+        w = pyro.sample("w", dist.Normal(torch.zeros(6, 4), 1.0).to_event(2))
+        rows = w.pieces(unbind, (), {})
+        assert len(rows) == 6 and all(r.is_deferred and r.shape == (4,) for r in rows)
+        assert w.is_deferred and calls == ["meta"]  # (counted on a stand-in)
+        drawn = [r.concrete for r in rows]
+        assert calls == ["meta", "cpu"]  # (the draw's split, once, for the six)
+        assert torch.equal(torch.stack(drawn), w.concrete)
+        assert torch.equal(replay(rows[1].view_ops, w.concrete), w.concrete[1])
 
 
 def test_uses_see_overlapping_elements():

@@ -363,10 +363,6 @@ SLICED = {
     "getitem": (lambda w: w[:3], "getitem"),
     "transposed, then sliced": (lambda w: w.t()[:3], "t, getitem"),
     "clone, then narrow": (lambda w: w.clone().narrow(0, 1, 3), "clone, narrow"),
-    "chunk": (lambda w: w.chunk(2)[1], "chunk"),
-    "torch.split, transposed": (lambda w: torch.split(w.t(), [1, 3])[1], "t, split"),
-    "repeating expand, then chunked": (lambda w: w[:1].expand(4, 4).chunk(2)[0],
-                                       "getitem, expand"),
     "repeating expand": (lambda w: w[:1].expand(3, 4), "getitem, expand"),
     # the ops up to the first that repeats (the later ones are not views of the site)
     "repeating expand, then transposed": (lambda w: w[:, :1].expand(4, 3).t(),

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pyro.infer import Predictive, Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 
 from pyro_vinit import (
@@ -913,6 +913,39 @@ def test_a_view_of_a_weight_counted_from_the_left_is_refused_by_name(view, handl
             Trace_ELBO(num_particles=4, vectorize_particles=True,
                        max_plate_nesting=1).loss(model, guide, x, y)
     assert all(torch.equal(v, before[k]) for k, v in pyro.get_param_store().items())
+
+
+_OTHER_RANKS = {  # shape, the model's use of w, the refused op, the spelling it advises
+    # a view of other dims than the site's: the dim counted within the view's own
+    "torch.cat([v, v], 2), v = w.unflatten(-1, (2, 2))": (
+        [5, 4], lambda w: torch.cat([w.unflatten(-1, (2, 2))] * 2, 2)[..., 0, :],
+        r"cat\(dim=2\)", "dim=-1"),
+    "w.unflatten(-1, (2, 2)).flip(2)": (
+        [5, 4], lambda w: w.unflatten(-1, (2, 2)).flip(2).flatten(-2), r"flip\(dims=2\)",
+        "dims=-1"),
+    "w.flatten(-2).narrow(0, 0, 12)": (
+        [3, 8], lambda w: w.flatten(-2).narrow(0, 0, 12).unflatten(-1, (3, 4)),
+        r"narrow\(dim=0\)", "dim=-1"),
+    "w.chunk(2)": ([6, 4], lambda w: w.chunk(2)[0], r"chunk\(dim=0\)", "dim=-2"),
+}
+
+
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoDiagonalNormal])
+@pytest.mark.parametrize("view", list(_OTHER_RANKS))
+def test_a_dim_counted_from_the_left_is_advised_within_the_views_own_dims(view, guide_class):
+    # the samples' dims are the model site's, whatever dims the view and the guide's draw
+    # have: a view that unflattens took the samples for one dim more, and
+    # AutoDiagonalNormal's flat latent (one dim) for one fewer (w.chunk(2) advised dim=-1)
+    shape, use, op, advice = _OTHER_RANKS[view]
+    model = _weight_view_model(shape, use)
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    guide = guide_class(model)
+    guide(x, y)
+    match = (rf"^{op} of the value of sample site 'w', of shape \(6, 1, [\d, ]+\), .*: a dim "
+             rf"counted from the left lands on them. Count dims from the right, as models run "
+             rf"with vectorized samples must: {advice}\n")
+    with pytest.raises(ValueError, match=match), torch.no_grad(), vectorized_layers():
+        Predictive(model, guide=guide, num_samples=6, parallel=True)(x)
 
 
 @pytest.mark.parametrize("view", list(_WEIGHT_VIEWS_FROM_THE_RIGHT))
