@@ -12,6 +12,7 @@ interception: the per-step handlers' tensor subclass
 nothing from :mod:`pyro_vinit.poutine`.
 """
 
+import functools
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
@@ -83,19 +84,17 @@ def uses_values(func: Callable[..., Any], out: Any) -> bool:
     return func in VALUE_READS or isinstance(out, torch.Tensor) or (
         isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out))
 
-def _piece_of(split: Callable[..., Any]) -> Callable[..., Any]:
-    def piece(tensor: torch.Tensor, index: int, *args: Any, **kwargs: Any) -> Any:
-        return split(tensor, *args, **kwargs)[index]
-
-    piece.__name__ = split.__name__  # (named as users spell the split: "chunk")
-    return piece
+def piece(split: Callable[..., Any], tensor: torch.Tensor, index: int, *args: Any,
+          **kwargs: Any) -> Any:
+    """The ``index``-th tensor of the split ``split(tensor, *args, **kwargs)``."""
+    return split(tensor, *args, **kwargs)[index]
 
 
 #: The ops that split a tensor into a tuple of views (``w.chunk(3)`` of a fused
-#: weight), each mapped to its piece's view op: ``PIECES[split]`` applied as
-#: ``piece(tensor, i, *args, **kwargs)`` is the ``i``-th tensor of the split.
+#: weight), each mapped to its piece's view op: ``PIECES[split](tensor, i, *args,
+#: **kwargs)`` is the ``i``-th tensor of the split.
 PIECES: Dict[Callable[..., Any], Callable[..., Any]] = {
-    split: _piece_of(split) for split in (
+    split: functools.partial(piece, split) for split in (
         _T.chunk, _T.split, _T.tensor_split, _T.unbind, _T.split_with_sizes, _T.unsafe_chunk,
         _T.unsafe_split, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
         torch.split_with_sizes, torch.unsafe_chunk, torch.unsafe_split)

@@ -1,3 +1,4 @@
+import functools
 import warnings
 
 import pyro
@@ -16,7 +17,7 @@ from pyro_vinit.poutine import (
     local_reparam,
 )
 from pyro_vinit.poutine._site_value import SiteValue, Uses
-from pyro_vinit.poutine._tensor_ops import PIECES, _piece_of, replay
+from pyro_vinit.poutine._tensor_ops import PIECES, piece, replay
 from pyro_vinit.poutine.layer_call_messenger import _check_sample_dims
 from tests.common import assert_close
 
@@ -167,6 +168,7 @@ NOT_VIEWS = {
     "bit view, keyword": lambda w: w.view(dtype=torch.int64),
     "slice, tensor bound": lambda w: w[torch.tensor(1):],
     "slice, tensor step": lambda w: w[:, ::torch.tensor(2)],
+    "expand, then chunk": lambda w: w[:1].expand(3, 4).chunk(3)[1],
 }
 
 
@@ -212,7 +214,7 @@ def test_pieces_of_a_deferred_value_stay_deferred_and_split_the_draw_once(monkey
         calls.append(tensor.device.type)
         return torch.Tensor.unbind(tensor, *args, **kwargs)
 
-    monkeypatch.setitem(PIECES, unbind, _piece_of(unbind))
+    monkeypatch.setitem(PIECES, unbind, functools.partial(piece, unbind))
     with LocalReparamMessenger():
         w = pyro.sample("w", dist.Normal(torch.zeros(6, 4), 1.0).to_event(2))
         rows = w.pieces(unbind, (), {})
@@ -222,6 +224,11 @@ def test_pieces_of_a_deferred_value_stay_deferred_and_split_the_draw_once(monkey
         assert calls == ["meta", "cpu"]  # (the draw's split, once, for the six)
         assert torch.equal(torch.stack(drawn), w.concrete)
         assert torch.equal(replay(rows[1].view_ops, w.concrete), w.concrete[1])
+        # a split with arguments, drawn with them
+        v = pyro.sample("v", dist.Normal(torch.zeros(6, 4), 1.0).to_event(2))
+        pieces = v.pieces(torch.Tensor.split, ([1, 3],), {"dim": -1})
+        assert [p.shape for p in pieces] == [(6, 1), (6, 3)] and pieces[1].is_deferred
+        assert torch.equal(pieces[1].concrete, v.concrete[:, 1:])
 
 
 def test_uses_see_overlapping_elements():

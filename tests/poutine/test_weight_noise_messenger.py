@@ -493,6 +493,13 @@ def _linear_then_norm(x):
     return F.linear(x, w) / w.norm(dim=1)
 
 
+def _chunk_then_norm(x):
+    # a piece of the draw in a layer, then the whole draw's norm: the pieces share the
+    # draw's record of uses
+    w = pyro.sample("w", dist.Normal(torch.zeros(4, 4), 1.0).to_event(2))
+    return F.linear(x, w.chunk(2)[0]).sum(-1, keepdim=True) / w.norm()
+
+
 def _reused_message(handler_name, op):
     return (
         f"{handler_name}: the sample of site 'w' is used a second time (by {op}) in one run, "
@@ -508,8 +515,8 @@ def _reused_message(handler_name, op):
 
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("model, op", [(_tied, "linear"), (_linear_then_mv, "mv"),
-                                       (_linear_then_norm, "norm")],
-                         ids=["tied weight", "then mv", "then norm"])
+                                       (_linear_then_norm, "norm"), (_chunk_then_norm, "norm")],
+                         ids=["tied weight", "then mv", "then norm", "a piece, then norm"])
 @pytest.mark.parametrize("handler_name", ["LocalReparamMessenger", "FlipoutMessenger"])
 def test_second_use_of_a_noised_draw_is_refused(handler_name, model, op, strict):
     # Issue 23 item 6: raised at the second use (strict or not), the site named, and the
@@ -635,6 +642,23 @@ def test_a_call_with_a_draw_at_the_top_and_others_in_a_list_uses_each(cls):
             out = model(x)
     given = {k: tr.trace.nodes[k]["value"].detach().clone() for k in ("w_ih", "w_hh", "h0")}
     assert torch.equal(out, poutine.condition(model, given)(x))
+
+
+@pytest.mark.parametrize("cls", ["LocalReparamMessenger", "FlipoutMessenger"])
+def test_the_pieces_of_a_split_are_layers_of_the_draws_distribution(cls):
+    # w.chunk(3) of an RNN cell's fused gates, drawn at once (Flipout) or deferred (LRT):
+    # each piece a layer the handler treats, none reported
+    import pyro_vinit.poutine as handlers
+
+    def model(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(6, 4), 1.0).to_event(2))
+        gates = [F.linear(x, piece) for piece in w.chunk(3)]
+        return torch.sigmoid(gates[0]) * torch.tanh(gates[1] + gates[2])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with getattr(handlers, cls)(strict=True):
+            assert model(torch.randn(5, 4)).shape == (5, 2)
 
 
 def test_strict_must_be_a_bool():
