@@ -388,12 +388,10 @@ class LayerCallMessenger(Messenger):
             return NotImplemented
         if func in PIECES and args and _is_latent(args[0]):
             # a split (w.chunk(3) of a fused weight): a tuple of views of the same draw
+            # (its dims counted from the left refused first: a split counted from the right
+            # fails only where the model's own call would, with torch's error)
             refuse_left_counting(func, args, kwargs, None, _DISPATCH)
-            try:
-                return args[0].pieces(func, args[1:], kwargs)
-            except (RuntimeError, IndexError) as error:
-                refuse_left_counting(func, args, kwargs, error, _DISPATCH)
-                raise
+            return args[0].pieces(func, args[1:], kwargs)
         if func in ELEMENT_OPS:
             source = args[0] if args else None
             if not _is_latent(source):
