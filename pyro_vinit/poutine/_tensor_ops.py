@@ -84,6 +84,7 @@ def uses_values(func: Callable[..., Any], out: Any) -> bool:
     return func in VALUE_READS or isinstance(out, torch.Tensor) or (
         isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out))
 
+
 def piece(split: Callable[..., Any], tensor: torch.Tensor, index: int, *args: Any,
           **kwargs: Any) -> Any:
     """The ``index``-th tensor of the split ``split(tensor, *args, **kwargs)``."""
