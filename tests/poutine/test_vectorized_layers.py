@@ -860,6 +860,12 @@ _WEIGHT_VIEWS_FROM_THE_LEFT = {  # shape, the model's use of w, what the refusal
     "w.index_select(0, idx)": ([5, 4], lambda w: w.index_select(0, torch.tensor([2, 1, 0])),
                                r"index_select\(dim=0\)", _DIM.format("dim=-2")),
     "w.chunk(2)": ([6, 4], lambda w: w.chunk(2)[0], r"chunk\(dim=0\)", _DIM.format("dim=-2")),
+    "w.unflatten(dim=0, sizes=(5, 4))": ([20], lambda w: w.unflatten(dim=0, sizes=(5, 4)),
+                                         r"unflatten\(dim=0\)", _DIM.format("dim=-1")),
+    # (torch fails on the samples' dim, fewer than the rows: the refusal reads the keywords)
+    "w.narrow(dim=0, start=5, length=3)": ([8, 4], lambda w: w.narrow(dim=0, start=5,
+                                                                      length=3),
+                                           r"narrow\(dim=0\)", _DIM.format("dim=-2")),
     # the model's lists of tensors (torch.cat's), read by the first draw in them
     "torch.cat([w, w])": ([5, 4], lambda w: torch.cat([w, w]), r"cat\(dim=0\)",
                           _DIM.format("dim=-2")),

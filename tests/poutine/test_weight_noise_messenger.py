@@ -661,6 +661,26 @@ def test_the_pieces_of_a_split_are_layers_of_the_draws_distribution(cls):
             assert model(torch.randn(5, 4)).shape == (5, 2)
 
 
+@pytest.mark.parametrize("read", ["tolist", "item"])
+@pytest.mark.parametrize("cls", ["LocalReparamMessenger", "FlipoutMessenger"])
+def test_a_draw_read_as_numbers_before_its_layer_keeps_the_ordinary_sample(cls, read):
+    # w.tolist() (say, logged) reads the values as drawn: the layer after it must use them
+    import pyro_vinit.poutine as handlers
+
+    def model(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(1, 4), 1.0).to_event(2))
+        numbers = w.tolist() if read == "tolist" else w[0, 0].item()
+        return F.linear(x, w), numbers
+
+    x = torch.randn(5, 4)
+    with pytest.warns(UserWarning, match="'w': this sample was already used as drawn"):
+        with poutine.trace() as tr, getattr(handlers, cls)():
+            out, numbers = model(x)
+    w = tr.trace.nodes["w"]["value"].detach().clone()
+    assert torch.equal(out, F.linear(x, w))
+    assert numbers == (w.tolist() if read == "tolist" else w[0, 0].item())
+
+
 def test_strict_must_be_a_bool():
     from pyro_vinit import FlipoutMessenger, LocalReparamMessenger
 
