@@ -143,6 +143,41 @@ def test_one_dim_sites_are_the_vectors_of_more_than_one_element():
     assert one_dim_sites(shapes) == ["b", "c"]
 
 
+def test_error_text_drops_pyros_trace_shapes_from_the_librarys_own_error_only():
+    # the initializers report a model's error with error_text: a check this library raises
+    # in the model (a regressor's (N, 1) targets) without the shapes poutine.trace appends
+    # to it; an error torch raises (a width mismatch, in the library's layer) with them
+    from pyro_vinit.initialization._observed import error_text
+    from pyro_vinit.nn import BayesianRegressor, bayesianize, mlp
+
+    x, y = torch.randn(8, 5), torch.randn(8)
+    model = BayesianRegressor(bayesianize(mlp((5, 4, 1))), num_data=8)
+    with pytest.raises(ValueError) as error:
+        pyro.poutine.trace(model).get_trace(x, y[:, None])
+    assert "Trace Shapes" in str(error.value)
+    text = error_text(error.value)
+    assert text.startswith("ValueError: ") and text.endswith("pass y.squeeze(-1)")
+    with pytest.raises(RuntimeError) as error:
+        pyro.poutine.trace(model).get_trace(x[:, :4], y)
+    assert "Trace Shapes" in error_text(error.value)
+    # ... torch's error where the library's handler runs the layer, and the user's own
+    # raise statement: with them too
+    from pyro_vinit.poutine import local_reparam
+
+    with pytest.raises(RuntimeError) as error, local_reparam():
+        pyro.poutine.trace(model).get_trace(x[:, :4], y)
+    assert "pyro_vinit" in str(error.traceback[-1].path)
+    assert "Trace Shapes" in error_text(error.value)
+
+    def users_model(x):
+        pyro.sample("w", dist.Normal(0.0, 1.0))
+        raise ValueError("the user's check")
+
+    with pytest.raises(ValueError) as error:
+        pyro.poutine.trace(users_model).get_trace(x)
+    assert "Trace Shapes" in error_text(error.value)
+
+
 def test_error_text_puts_the_dtype_advice_after_the_first_line():
     from pyro_vinit.initialization._observed import error_text
 
