@@ -292,13 +292,8 @@ class SiteValue(torch.Tensor):
             meta = _meta_result(func, self, args, kwargs)
             if meta is not None and not repeats(func, self, meta):
                 source = self
-                out = SiteValue.defer(
-                    lambda: func(source.concrete, *args, **kwargs),
-                    meta.shape, like=self, dtype=meta.dtype,
-                )
-                out.site_dist, out.msgs, out.uses = self.site_dist, list(self.msgs), self.uses
-                out.view_ops = self.view_ops + (view_op,)
-                return out
+                return self._deferred_view(lambda: func(source.concrete, *args, **kwargs),
+                                           meta, view_op)
         out = func(self.concrete, *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
@@ -343,14 +338,17 @@ class SiteValue(torch.Tensor):
             out: torch.Tensor = drawn[0][i]
             return out
 
-        outs = []
-        for i, view in enumerate(split_views(func, len(meta), args, kwargs)):
-            out = SiteValue.defer(functools.partial(piece, i), meta[i].shape, like=self,
-                                  dtype=meta[i].dtype)
-            out.site_dist, out.msgs, out.uses = self.site_dist, list(self.msgs), self.uses
-            out.view_ops = self.view_ops + (view,)
-            outs.append(out)
-        return tuple(outs)
+        return tuple(self._deferred_view(functools.partial(piece, i), meta[i], view)
+                     for i, view in enumerate(split_views(func, len(meta), args, kwargs)))
+
+    def _deferred_view(self, thunk: Callable[[], torch.Tensor], meta: torch.Tensor,
+                       view_op: ViewOp) -> "SiteValue":
+        # the view view_op of this deferred draw, of meta's shape and dtype: a stand-in
+        # whose value thunk() computes on first use
+        out = SiteValue.defer(thunk, meta.shape, like=self, dtype=meta.dtype)
+        out.site_dist, out.msgs, out.uses = self.site_dist, list(self.msgs), self.uses
+        out.view_ops = self.view_ops + (view_op,)
+        return out
 
     @classmethod
     @eager
