@@ -12,8 +12,9 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 from pyro_vinit import init_guide
+from pyro_vinit.initialization._data import DataPool
 from pyro_vinit.initialization._observed import per_example_sites
-from pyro_vinit.initialization._runs import prior_median, run_model
+from pyro_vinit.initialization._runs import draws_the_rows, prior_median, run_model
 
 F64 = torch.float64
 
@@ -191,6 +192,8 @@ def test_error_text_puts_the_dtype_advice_after_the_first_line():
     conv = ("Input type (torch.DoubleTensor) and weight type (torch.FloatTensor) should be "
             "the same")
     assert error_text(RuntimeError(conv)) == "RuntimeError: " + conv + advice
+    # a dtype named after the first line (e.g. in the trace's shapes) gets no advice
+    assert error_text(ValueError("boom\n  dtype x")) == "ValueError: boom\n  dtype x"
     # "should be the same" alone is no dtype mismatch (e.g. sizes)
     assert (error_text(RuntimeError("the sizes should be the same"))
             == "RuntimeError: the sizes should be the same")
@@ -245,3 +248,35 @@ def test_a_plate_of_as_many_units_as_rows_holds_no_per_example_latent():
 
     assert per_example_sites(trace(8), 8, model) == [("w", "units"), ("z", "data")]
     assert per_example_sites(trace(8), 8, model, lambda: trace(7)) == [("z", "data")]
+
+
+_SUBSAMPLES = {  # the subsample size of the data plate, given the rows n of a run's arguments
+    "len(x)": lambda n: n,
+    "a fixed size": lambda n: 256,
+    "min(256, len(x))": lambda n: min(256, n),
+    "max(256, len(x))": lambda n: max(256, n),
+    "len(x) but at one row fewer": lambda n: 7 if n == 255 else n,
+    "len(x) but at one row more": lambda n: 7 if n == 257 else n,
+}
+
+
+@pytest.mark.parametrize("rows", [256, 600], ids=["as_many_rows", "more_rows"])
+@pytest.mark.parametrize("name", sorted(_SUBSAMPLES))
+def test_draws_the_rows_if_its_subsample_follows_one_row_fewer_and_one_more(name, rows):
+    # pyro.plate("data", N, subsample_size=len(x)) draws every row of its arguments; read
+    # on 256 rows, a subsample of 256 might be that, or a subsample of its own size: a run
+    # on 255 rows and, where the data has them, on 257 tells them apart (a plate of more
+    # rows than the run's arguments have takes them wrapped around)
+    subsample = _SUBSAMPLES[name]
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([1, 3]).to_event(2))
+        with pyro.plate("data", 1000, subsample_size=subsample(len(x))) as ind:
+            pyro.sample("obs", dist.Normal((x[ind] @ w.T).squeeze(-1), 1.0),
+                        obs=None if y is None else y[ind])
+
+    pool = DataPool((torch.randn(rows, 3), torch.randn(rows)))
+    # (with no row more, min(256, len(x)) cannot be told from len(x))
+    follows = name == "len(x)" or rows == 256 and name in ("min(256, len(x))",
+                                                           "len(x) but at one row more")
+    assert draws_the_rows(model, {}, pool, 256) is follows

@@ -1448,6 +1448,60 @@ def test_a_map_that_changes_along_sorted_rows_is_named():
             init_guide_iblm(AutoNormal(model), (x, y), chunk_rows=chunk_rows)
 
 
+_PER_UNIT = {  # loc = f(out) for a network of two output units: (f, undone by the targets)
+    "a gain and an offset per unit": (
+        lambda h: h * torch.tensor([-75.0, 2.0]) + torch.tensor([150.0, -3.0]), True),
+    # (float32 rounds 1e6 + 100 h to 0.06: rounding, not a transform)
+    "a large offset": (lambda h: h * 100.0 + 1e6, True),
+    # (off by 1e-5 of the unit's spread: within the tolerance, relative to each unit)
+    "a wide unit a little off": (lambda h: h * 1e3 + 0.01 * torch.tanh(h), True),
+    # (unit 1 off by 1e-3 h^2, beside a unit 1e4 wider, whose tolerance is not its own)
+    "a narrow unit off beside a wide one": (lambda h: h * torch.tensor([1e4, 1.0]) + torch.stack(
+        [torch.zeros(len(h)), 1e-3 * h[:, 1] ** 2], -1), False),
+    # (a unit the likelihood ignores, or all but ignores, is no map of it)
+    "a zero gain": (lambda h: h * torch.tensor([2.0, 0.0]) + torch.tensor([1.0, 5.0]), False),
+    "a negligible gain": (lambda h: h * torch.tensor([2.0, 1e-6]) + torch.tensor([1.0, 5.0]),
+                          False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PER_UNIT))
+def test_an_affine_map_is_read_per_output_unit(name):
+    # each output unit has its own gain, offset and tolerance (the tests above have one unit)
+    transform, undone = _PER_UNIT[name]
+    x, y = torch.randn(120, 5), torch.randn(120, 2) * 40 + 100
+
+    def model(x, y=None):
+        w1 = pyro.sample("w1", dist.Normal(0.0, 1.0).expand([8, 5]).to_event(2))
+        w2 = pyro.sample("w2", dist.Normal(0.0, 1.0).expand([2, 8]).to_event(2))
+        h = F.linear(torch.tanh(F.linear(x, w1)), w2)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(transform(h), 1.0).to_event(1), obs=y)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        init_guide_iblm(AutoNormal(model), (x, y), batch_size=len(x))
+    named = [str(w.message) for w in record if "transforms that layer's output" in str(w.message)]
+    assert len(named) == (0 if undone else 1), named
+
+
+def test_the_affine_map_of_a_few_rows():
+    # three rows determine a gain and an offset per unit (and fewer do not); a gain just
+    # above 1e-6 of the largest plus one is one; a chunk whose outputs and targets are
+    # all zero holds an offset-free map exactly
+    from pyro_vinit.initialization._output import _affine, _holds
+
+    out = torch.tensor([[0.0, 1.0], [1.0, 3.0], [3.0, 2.0]], dtype=F64)
+    gain, offset = _affine(out, out * torch.tensor([2.0, -0.5], dtype=F64) + 1.0)
+    assert_close(gain, torch.tensor([2.0, -0.5], dtype=F64))
+    assert_close(offset, torch.tensor([1.0, 1.0], dtype=F64))
+    assert _affine(out[:2], out[:2] * 2.0 + 1.0) is None
+    assert _affine(out[:, :1], out[:, :1] * 1.5e-6 + 1.0) is not None
+    assert _affine(out[:, :1], out[:, :1] * 0.5e-6 + 1.0) is None
+    zero = torch.zeros(4, 2, dtype=F64)
+    assert _holds((torch.tensor([2.0, -0.5], dtype=F64), torch.zeros(2, dtype=F64)), zero, zero)
+
+
 def test_the_transformed_output_probe_leaves_the_random_stream_alone(monkeypatch):
     # Regression: the probe's run of a model that draws (here input noise) took from the
     # global stream, so I-BLM's fit and every later draw moved with the check
