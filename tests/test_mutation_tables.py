@@ -157,6 +157,36 @@ def test_mutate_ledger_carries_results_to_a_fresh_run(tmp_path):
     assert "other settings" in mutate.ledger_refusal(ledger, other)
 
 
+def test_mutate_maps_spawning_tests_to_every_function_of_their_files(tmp_path):
+    # a test whose ranks run the code in processes it spawns: mutmut's statistics, taken in
+    # the test's process, do not see their calls; the run is told where they land
+    mutate = _mutate_module()
+    name = "pyro_vinit/initialization/_distributed.py"
+    _meta(tmp_path, name, {"pyro_vinit.initialization._distributed.x_f__mutmut_1": 0},
+          {"x_f": "h1", "xǁShardsǁg": "h2"})
+    stats = tmp_path / "mutants" / "mutmut-stats.json"
+    with pytest.raises(SystemExit, match="run once without it first"):
+        mutate.map_spawned_tests(tmp_path, [name], ["t.py::test_ranks*"])
+    stats.write_text(json.dumps({
+        "duration_by_test": {"t.py::test_ranks[a]": 0.1, "t.py::test_ranks[b]": 0.2,
+                             "t.py::test_one": 0.3},
+        "tests_by_mangled_function_name": {
+            "pyro_vinit.initialization._distributed.x_f": ["t.py::test_one"]},
+        "stats_time": 1.0}))
+    assert mutate.map_spawned_tests(tmp_path, [name], ["t.py::test_ranks*"]) == 2
+    saved = json.loads(stats.read_text())
+    assert saved["tests_by_mangled_function_name"] == {
+        "pyro_vinit.initialization._distributed.x_f":
+            ["t.py::test_one", "t.py::test_ranks[a]", "t.py::test_ranks[b]"],
+        "pyro_vinit.initialization._distributed.xǁShardsǁg":
+            ["t.py::test_ranks[a]", "t.py::test_ranks[b]"]}
+    assert saved["stats_time"] == 1.0 and len(saved["duration_by_test"]) == 3
+    with pytest.raises(SystemExit, match="matches none"):
+        mutate.map_spawned_tests(tmp_path, [name], ["t.py::test_none*"])
+    with pytest.raises(SystemExit, match="no mutated file"):
+        mutate.map_spawned_tests(tmp_path, ["pyro_vinit/x.py"], ["t.py::test_ranks*"])
+
+
 def test_no_mutant_listed_as_equivalent_was_killed():
     # an edit renumbers its function's mutants: an entry of tools/mutmut_equivalent.txt
     # then names another mutant, which a ledger may record as killed (and which

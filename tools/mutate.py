@@ -83,6 +83,37 @@ def _function_of(mutant):
     return mutant.rpartition(".")[2].rpartition("__mutmut_")[0]
 
 
+def map_spawned_tests(workdir, modules, patterns):
+    """Maps the tests that match ``patterns`` (fnmatch, e.g. ``file.py::test_ranks*``) to
+    every function of the mutated files ``modules``, in the statistics of the run in
+    ``workdir``: tests whose code runs in processes they spawn (the ranks of a
+    ``torch.distributed`` group), where mutmut's statistics, taken in the test's own
+    process, do not see the calls. Returns the number of tests mapped; refuses a
+    folder without statistics (a first run takes them)."""
+    import fnmatch
+
+    path = Path(workdir) / "mutants" / "mutmut-stats.json"
+    if not path.exists():
+        raise SystemExit(f"--spawned-tests maps tests in the statistics of a run, which "
+                         f"{workdir} has none of yet: run once without it first")
+    stats = json.loads(path.read_text())
+    tests = sorted(t for t in stats["duration_by_test"]
+                   if any(fnmatch.fnmatch(t, p) for p in patterns))
+    if not tests:
+        raise SystemExit(f"--spawned-tests {patterns} matches none of the run's tests")
+    mapping = stats["tests_by_mangled_function_name"]
+    for module in modules:
+        meta = Path(workdir) / "mutants" / (module + ".meta")
+        if not meta.exists():
+            raise SystemExit(f"--spawned-modules: {module} is no mutated file of the run")
+        dotted = module.removesuffix(".py").replace("/", ".")
+        for function in json.loads(meta.read_text())["hash_by_function_name"]:
+            name = f"{dotted}.{function}"
+            mapping[name] = sorted(set(mapping.get(name, [])) | set(tests))
+    path.write_text(json.dumps(stats, indent=4))
+    return len(tests)
+
+
 def save_ledger(workdir, path, settings):
     """Writes the decided results of the run in ``workdir`` (run with ``settings``,
     its pyproject.toml text) to the ledger ``path``: per mutated file, its functions'
@@ -250,7 +281,16 @@ def main():
                         help="a JSON file of results carried from run to run (e.g. "
                              "tools/mutmut_ledger/initialization.json): read before the run, "
                              "written after it (and with --summary-only)")
+    parser.add_argument("--spawned-tests", nargs="+", default=[],
+                        help="tests (fnmatch patterns of pytest ids) whose code runs in "
+                             "processes they spawn, which mutmut's statistics do not see: "
+                             "run against every mutant of --spawned-modules")
+    parser.add_argument("--spawned-modules", nargs="+", default=[],
+                        help="the mutated files (e.g. pyro_vinit/initialization/_distributed"
+                             ".py) whose code the --spawned-tests run in their processes")
     args = parser.parse_args()
+    if bool(args.spawned_tests) != bool(args.spawned_modules):
+        parser.error("--spawned-tests and --spawned-modules go together")
     for path in args.modules + args.tests:
         # a test may be a pytest id, ``file::test``: the file must exist
         if not (ROOT / path.partition("::")[0]).exists():
@@ -279,6 +319,9 @@ def main():
         (args.workdir / "pyproject.toml").write_text(config)
         if args.ledger is not None:
             print(f"{load_ledger(args.workdir, args.ledger)} results from {args.ledger}")
+        if args.spawned_tests:
+            count = map_spawned_tests(args.workdir, args.spawned_modules, args.spawned_tests)
+            print(f"{count} spawning tests mapped to the functions of {args.spawned_modules}")
         mutmut = Path(sys.executable).with_name("mutmut")
         # mutmut puts its mutated copy first on the path; tools/ holds the plugin that
         # orders each mutant's tests (mutation_order.py), and nothing mutmut imports

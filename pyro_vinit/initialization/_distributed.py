@@ -388,11 +388,9 @@ def gather_batches(pool: ShardedPool, tensors: Sequence[torch.Tensor],
     owner = pool.owner[selected]
     mine = selected[owner == shards.rank]
     sizes = [int((owner == r).sum()) for r in range(shards.size)]
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
     rows = pool.local_pos[mine]
-    flat = torch.cat([t[rows].reshape(len(rows), -1).to(dtype) for t in tensors], 1)
+    # (in their promoted dtype, as torch.cat gives them; each is cast back below)
+    flat = torch.cat([t[rows].reshape(len(rows), -1) for t in tensors], 1)
     gathered = shards.all_gather(flat, sizes)  # (R, max size, width)
     # the position of each selected row among its owner's contribution
     rank_in_owner = torch.empty_like(owner)

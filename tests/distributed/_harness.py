@@ -290,3 +290,53 @@ def assert_ranks_identical(ranks: List[dict], name: str) -> None:
         assert other[name]["params"].keys() == first.keys()
         for key, value in first.items():
             assert torch.equal(other[name]["params"][key], value), key
+
+
+def threaded_ranks(size: int, fn: Callable[[int], object]) -> List[object]:
+    """``[fn(0), ..., fn(size - 1)]``, each run in a thread of this process as
+    that rank of a ``size``-rank default process group (torch's ``threaded``
+    test backend): in process, so that the mutation tool sees the calls, and
+    in milliseconds. Only for code that keeps no global state per rank (not
+    Pyro's handler stack or param store, nor the global random generator).
+    Re-raises the error of the first rank that failed; a rank that fails
+    wakes the others from their collectives."""
+    import threading
+
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    assert not dist.is_initialized()
+    results: List[object] = [None] * size
+    errors: Dict[int, BaseException] = {}
+    store = dist.HashStore()
+
+    def run(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=size, store=store)
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # (re-raised in the caller's thread)
+            errors[rank] = e
+            ProcessLocalGroup.exception_handle(e)
+        finally:
+            dist.destroy_process_group()
+
+    _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    ProcessLocalGroup.reset()
+    try:
+        threads = [threading.Thread(target=run, args=(rank,), daemon=True)
+                   for rank in range(size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+    if errors:
+        raise errors[min(errors)]
+    assert not any(thread.is_alive() for thread in threads), "a rank hangs"
+    return results

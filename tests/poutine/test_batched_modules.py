@@ -49,6 +49,28 @@ def test_pooling_folds_the_leading_dims_in_the_samples_plate_only(batched):
         pool(x)
 
 
+class _NormThenScale(nn.BatchNorm2d):  # (a module the hooks fold, with one of its own)
+    def __init__(self):
+        super().__init__(4)
+        self.scale = nn.Identity()
+
+    def forward(self, x):
+        return self.scale(super().forward(x))
+
+
+def test_a_folded_modules_inner_module_and_its_unfolded_output(batched):
+    # the inner module runs on the folded rows, left alone; the unfolded output leads with
+    # the sample dims, which a dim counted from the left would land on
+    norm = _NormThenScale().eval()
+    x = torch.randn(3, 5, 4, 6, 6)
+    batched.watch(x, 1)
+    with pyro.plate(_SAMPLES, 3, dim=-2):
+        out = norm(x)
+        with pytest.raises(ValueError, match="a dim counted from the left lands on them"):
+            out.sum(1)
+    assert_close(out, torch.stack([norm(x[s]) for s in range(3)]))
+
+
 def test_a_failed_forward_leaves_no_folded_shape_behind(batched):
     norm = _FailsOnce(4).eval()
     x = torch.randn(3, 5, 4, 6, 6)

@@ -619,6 +619,36 @@ def test_config_names_of_layer_biases_are_reported():
     assert _per_example(out)
 
 
+def test_the_reports_of_a_config_are_one_message_line_by_line():
+    # a site the named strategy cannot treat and nothing else to report: the report alone;
+    # a misspelt name and a bias's name: both, each on its line
+    from pyro.infer.autoguide import AutoDelta
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(F.linear(x, w), 1.0).to_event(1), obs=y)
+
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    guide = AutoDelta(model)
+    guide(x, y)
+    with pytest.raises(ValueError) as error:
+        with WeightNoiseMessenger(config={"w": Flipout()}, strict=True):
+            Trace_ELBO().differentiable_loss(model, guide, x, y)
+    assert str(error.value).startswith("WeightNoiseMessenger") and "config names" not in str(
+        error.value) and not str(error.value).endswith("\n")
+    with pytest.raises(ValueError) as error:
+        with WeightNoiseMessenger(config={"b": Flipout(), "c": Flipout()}, strict=True):
+            _biased(X)
+    assert str(error.value) == (
+        "WeightNoiseMessenger: config names ['c'], but no sample site of this run has that "
+        "name (its latent sites: ['b', 'w']); the sites meant keep their ordinary sample. "
+        "Use the model's site names.\n"
+        "WeightNoiseMessenger: config names ['b'], the biases of layer calls, whose strategy "
+        "is their weights' (['w']): the bias follows it (with its bias_noise). Name the "
+        "weights' sites instead.")
+
+
 def test_config_names_of_a_bias_shared_by_layers_are_reported_for_each_weight_left_out():
     # a bias shared by two layer calls: reported whichever call comes first
     def model(x):
