@@ -5,6 +5,8 @@ parameters equal to one process's on the concatenated shards, with the
 default options (see ``_iblm_harness.py``).
 """
 
+from functools import partial
+
 import pyro
 import pytest
 import torch
@@ -200,3 +202,116 @@ def test_process_group_of_one_rank_solves_an_output_layer_over_positions(one_ran
     assert states[1].keys() == states[0].keys()
     for key, value in states[0].items():
         assert_close(states[1][key], value, **TOL, msg=key)
+
+
+# ------------------------------------------- the process-group collective, ranks as threads
+# (no Pyro in the threads: see _harness.threaded_ranks; the whole I-BLM is above)
+
+
+def _layers(*shapes, block_size=None, batch_norm=False):
+    from types import SimpleNamespace
+
+    layers = [SimpleNamespace(weight_name=f"w{i}", weight_shape=torch.Size(shape),
+                              role="hidden" if i + 1 < len(shapes) else "output")
+              for i, shape in enumerate(shapes)]
+    likelihood = SimpleNamespace(family="normal", noise="site", noise_name="sigma")
+    return SimpleNamespace(layers=layers, likelihood=likelihood, block_size=block_size,
+                           batch_norm=batch_norm)
+
+
+def _collective():
+    from pyro_vinit.initialization._distributed import Shards
+    from pyro_vinit.initialization._process_group import ProcessGroupCollective
+
+    return ProcessGroupCollective(Shards(dist.group.WORLD))
+
+
+def test_ranks_that_differ_in_structure_or_guide_are_refused_alike():
+    structures = [_layers((4, 3), (2, 4)), _layers((4, 3), (2, 5))]
+    guides = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 4)]
+    message = (
+        "init_guide_iblm with a process_group: the ranks differ in the model's structure: "
+        "rank 0 has {'layers': [('w0', (4, 3), 'hidden'), ('w1', (2, 4), 'output')], "
+        "'likelihood': ('normal', 'site', 'sigma'), 'block_size': None, 'batch_norm': "
+        "False}, rank 1 has {'layers': [('w0', (4, 3), 'hidden'), ('w1', (2, 5), "
+        "'output')], 'likelihood': ('normal', 'site', 'sigma'), 'block_size': None, "
+        "'batch_norm': False}; every rank must run the same model and guide")
+    for rank_structures, rank_guides, expected in (
+            (structures, guides[:1] * 2, message),
+            (structures[:1] * 2, guides,
+             "init_guide_iblm with a process_group: the ranks differ in their guides (class "
+             "and parameter shapes): rank 0 has ('Linear', {'weight': (2, 3), 'bias': (2,)}), "
+             "rank 1 has ('Linear', {'weight': (4, 3), 'bias': (4,)}); every rank must build "
+             "the same guide (its class and options, e.g. AutoKTiedNormal's rank)")):
+        def check(rank, structures, guides):
+            with pytest.raises(ValueError) as error:
+                _collective().check_structure(structures[rank], guides[rank])
+            return str(error.value)
+
+        run = partial(check, structures=rank_structures, guides=rank_guides)
+        assert _harness.threaded_ranks(2, run) == [expected, expected]
+
+
+def test_batch_norm_runs_in_the_global_chunks_with_synchronized_statistics():
+    # a model with batch normalization and no subsampled plate: every rank runs the model
+    # once per chunk of the global pool, on its rows of it (or, with none, on one row that
+    # it keeps none of, with weight 0); with a subsampled plate: a warning, each rank alone
+    import warnings
+
+    from pyro_vinit.initialization._data import DataPool
+    from pyro_vinit.initialization._distributed import ShardedPool
+
+    counts = [5, 2]
+    every = torch.arange(7.0)[:, None]
+
+    def chunks(rank):
+        collective = _collective()
+        collective.check_structure(_layers((2, 1), batch_norm=True), torch.nn.Linear(1, 1))
+        start = sum(counts[:rank])
+        collective._pool = ShardedPool(collective.shards,
+                                       DataPool((every[start:start + counts[rank]],)), counts)
+        collective._pool.finish(100)
+        return [(chunk.args[0].flatten().tolist(), chunk.keep, chunk.norm_sync.weight)
+                for chunk in collective.chunks(3, None)]
+
+    first, second = _harness.threaded_ranks(2, chunks)
+    assert first == [([0.0, 1.0, 2.0], 3, 1.0), ([3.0, 4.0], 2, 1.0), ([0.0], 0, 0.0)]
+    assert second == [([5.0], 0, 0.0), ([5.0], 1, 1.0), ([6.0], 1, 1.0)]
+
+    def blocks(rank):
+        collective = _collective()
+        collective.check_structure(_layers((2, 1), block_size=2, batch_norm=True),
+                                   torch.nn.Linear(1, 1))
+        return collective._sync_norms
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _harness.threaded_ranks(2, blocks) == [False, False]
+    assert [str(w.message) for w in caught] == [
+        "init_guide_iblm with a process_group: the model has batch normalization and a "
+        "subsampled data plate: each rank normalizes its own blocks while fitting, so the "
+        "result is not exactly that of one process on the concatenated shards (every rank "
+        "still gets the same one)"] * 2
+
+
+@pytest.mark.parametrize("differ", ["data", "options"])
+def test_ranks_that_differ_in_data_layout_or_options_are_refused_alike(differ):
+    from contextlib import ExitStack
+
+    from pyro_vinit.initialization._options import IBLMOptions
+
+    def open_pool(rank):
+        x = torch.zeros(4, 3 if differ == "options" or rank == 0 else 2)
+        options = IBLMOptions(batch_size=8 if differ == "data" or rank == 0 else 16)
+        with pytest.raises(ValueError) as error, ExitStack() as stack:
+            _collective().open_pool((x,), options, stack)
+        return str(error.value)
+
+    first, second = _harness.threaded_ranks(2, open_pool)
+    assert first == second
+    what = ("their data arguments (per argument: trailing shape and dtype of the rows): "
+            "rank 0 has [('rows', (3,), 'torch.float32')], rank 1 has [('rows', (2,), "
+            "'torch.float32')]" if differ == "data" else "their options: rank 0 has")
+    assert first.startswith(f"init_guide_iblm with a process_group: the ranks differ in {what}")
+    assert first.endswith("; call init_guide_iblm with the same options and a shard of the "
+                          "same data on every rank")
