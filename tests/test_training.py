@@ -1623,12 +1623,17 @@ def _run(tmp_path, name, steps, every=None, **options):
                checkpoint=tmp_path / name, checkpoint_every=every, **options)
 
 
-def test_checkpoint_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("rng", ["generators", "cpu_state"])
+def test_checkpoint_resumes_bit_identically(tmp_path, rng):
     straight = _run(tmp_path, "a.pt", 12)
     params = snapshot()
     pyro.clear_param_store()
     _run(tmp_path, "b.pt", 5)  # stops at step 5 (a checkpoint at the end)
     pyro.clear_param_store()
+    if rng == "cpu_state":  # (a checkpoint holding the CPU generator's state alone)
+        saved = torch.load(tmp_path / "b.pt", weights_only=False)
+        saved["rng"] = saved["rng"]["cpu"]
+        torch.save(saved, tmp_path / "b.pt")
     resumed = _run(tmp_path, "b.pt", 12)  # a fresh model and guide: resumes at step 6
     assert not resumed.initialized
     assert resumed.loss == straight.loss

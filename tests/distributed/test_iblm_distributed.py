@@ -204,6 +204,31 @@ def test_process_group_of_one_rank_solves_an_output_layer_over_positions(one_ran
         assert_close(states[1][key], value, **TOL, msg=key)
 
 
+def test_a_shard_cannot_set_up_a_per_example_latents_guide(one_rank_group):
+    # a per-example latent's guide is set up on all the rows, which a shard does not hold:
+    # refused, saying to set it up first (a shard is never taken for the whole data, not
+    # even the one of a group of one rank)
+    import pyro.distributions as pdist
+    import torch.nn.functional as F
+    from pyro.infer.autoguide import AutoNormal
+
+    def model(x, y=None):
+        w = pyro.sample("w", pdist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", pdist.Normal(0.0, 1.0))
+            pyro.sample("obs", pdist.Normal(F.linear(x, w).sum(-1) + z, 1.0), obs=y)
+
+    x, y = torch.randn(300, 3), torch.randn(300)
+    message = ("the latent site 'z' lies in plate 'data' over the data rows (a per-example "
+               "latent), so its guide must be set up on all of them, which this data does "
+               "not give at once (a loader, more rows than max_pool_size, or a shard): set "
+               "the guide up first, e.g. guide(x, y), then initialize it")
+    with pytest.raises(ValueError) as error:
+        init_guide_iblm(AutoNormal(model), (x, y), process_group=dist.group.WORLD)
+    assert message in str(error.value)
+    assert one_rank_group, "the process-group collective was not used"
+
+
 # ------------------------------------------- the process-group collective, ranks as threads
 # (no Pyro in the threads: see _harness.threaded_ranks; the whole I-BLM is above)
 
