@@ -291,6 +291,8 @@ def test_batch_norm_runs_in_the_global_chunks_with_synchronized_statistics():
 
     def chunks(rank):
         collective = _collective()
+        with pytest.raises(RuntimeError, match="^open_pool must be called first$"):
+            assert collective.pool is None  # (raises first)
         collective.check_structure(_layers((2, 1), batch_norm=True), torch.nn.Linear(1, 1))
         start = sum(counts[:rank])
         collective._pool = ShardedPool(collective.shards,

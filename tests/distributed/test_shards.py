@@ -222,10 +222,13 @@ def test_shards_reduce_gather_and_broadcast_within_their_group():
         mine = torch.tensor([float(rank)])
         summed = shards.all_reduce(mine)
         assert torch.equal(mine, torch.tensor([float(rank)]))  # (a new tensor)
+        sent = torch.tensor([10.0 * rank])
+        broadcast = shards.broadcast(sent, src=1)
+        assert torch.equal(sent, torch.tensor([10.0 * rank]))  # (a new tensor)
         with pytest.raises(ValueError) as error:
             shards.check_equal("the data", "ab"[shards.rank], "give every rank the same")
         return (shards.rank, shards.size, summed,
-                shards.broadcast(torch.tensor([10.0 * rank]), src=1),
+                broadcast,
                 shards.all_gather(torch.full((rank, 2), float(rank)), [1, 2]),
                 shards.gather_objects(rank), shards.check_equal("the data", "x", "-"),
                 str(error.value))
@@ -266,8 +269,8 @@ def test_norm_sync_gives_the_statistics_of_every_ranks_rows():
         assert_close(var, every[:3].var((0, 2), unbiased=False))
 
 
-def test_gather_batches_and_units_from_their_ranks():
-    counts = [3, 5]
+@pytest.mark.parametrize("counts", [[3, 5], [3, 1, 4]], ids=["two_ranks", "three_ranks"])
+def test_gather_batches_and_units_from_their_ranks(counts):
     labels = torch.arange(8) * 3
     x = torch.randn(8, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     idx = torch.tensor([[7, 1, 4], [1, 3, 0]])
@@ -280,15 +283,17 @@ def test_gather_batches_and_units_from_their_ranks():
         (again_x, again_labels), again = gather_batches(pool, mine[::-1], idx)
         assert torch.equal(again_x[again], rows_x[where])
         assert torch.equal(again_labels[again], rows_labels[where])
-        units = all_gather_units(shards, 5, *(torch.full((3 if rank else 2, 4), rank + k)
-                                              for k in (0.0, 0.5)))
+        units = None if len(counts) > 2 else all_gather_units(
+            shards, 5, *(torch.full((3 if rank else 2, 4), rank + k) for k in (0.0, 0.5)))
         return rows_labels[where], rows_x[where], units
 
-    for rows_labels, rows_x, (first, second) in _harness.threaded_ranks(2, gathered):
+    for rows_labels, rows_x, units in _harness.threaded_ranks(len(counts), gathered):
         assert rows_labels.dtype == torch.int64 and torch.equal(rows_labels, labels[idx])
         assert torch.equal(rows_x, x[idx])
-        assert torch.equal(first, torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0])[:, None].expand(5, 4))
-        assert torch.equal(second, first + 0.5)
+        if len(counts) == 2:  # (units 0, 1 on rank 0 and 2, 3, 4 on rank 1)
+            first, second = units
+            assert torch.equal(first, torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0])[:, None].expand(5, 4))
+            assert torch.equal(second, first + 0.5)
 
 
 def test_data_signature_names_what_the_ranks_must_agree_on():
