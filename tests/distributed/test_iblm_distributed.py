@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 # float64: the statistics are summed over the ranks in another order than in one process
 TOL = dict(rtol=1e-5, atol=1e-9)
+F32_TOL = dict(rtol=1e-4, atol=1e-5)  # (float32: the primal form's sums in another order)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,10 +173,14 @@ def test_process_group_of_one_rank_matches_single_process(one_rank_group, name):
         assert_close(actual[key], value, **TOL, msg=key)
 
 
-def test_process_group_of_one_rank_solves_an_output_layer_over_positions(one_rank_group):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "constant_bias"])
+def test_process_group_of_one_rank_solves_an_output_layer_over_positions(one_rank_group, bias,
+                                                                        dtype):
     """An output layer applied at several positions (a convolution whose outputs are
     averaged over them): the process-group collective's shared-rows statistics pair
-    every position with its row's target and noise, as the local collective does."""
+    every position with its row's target and noise, as the local collective does (and
+    take a constant bias of the layer off the targets)."""
     import pyro.distributions as pdist
     import torch.nn.functional as F
     from pyro.infer.autoguide import AutoNormal
@@ -184,12 +189,13 @@ def test_process_group_of_one_rank_solves_an_output_layer_over_positions(one_ran
         one = torch.ones((), dtype=x.dtype)
         w1 = pyro.sample("w1", pdist.Normal(0.0, one).expand([4, 2, 3]).to_event(3))
         w2 = pyro.sample("w2", pdist.Normal(0.0, one).expand([3, 4, 2]).to_event(3))
-        logits = F.conv1d(torch.tanh(F.conv1d(x, w1)), w2).mean(-1)  # (rows, 3)
+        b2 = torch.tensor([0.5, -1.0, 2.0], dtype=x.dtype) if bias else None
+        logits = F.conv1d(torch.tanh(F.conv1d(x, w1)), w2, b2).mean(-1)  # (rows, 3)
         with pyro.plate("data", x.shape[0]):
             pyro.sample("obs", pdist.Categorical(logits=logits), obs=y)
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(60, 2, 6, generator=g, dtype=torch.float64)
+    x = torch.randn(60, 2, 6, generator=g, dtype=torch.float64).to(dtype)
     y = torch.randint(3, (60,), generator=g)
     states = []
     for group in (None, dist.group.WORLD):
@@ -201,7 +207,8 @@ def test_process_group_of_one_rank_solves_an_output_layer_over_positions(one_ran
     assert one_rank_group, "the process-group collective was not used"
     assert states[1].keys() == states[0].keys()
     for key, value in states[0].items():
-        assert_close(states[1][key], value, **TOL, msg=key)
+        assert value.dtype == dtype
+        assert_close(states[1][key], value, **(TOL if dtype == torch.float64 else F32_TOL), msg=key)
 
 
 def test_a_shard_cannot_set_up_a_per_example_latents_guide(one_rank_group):
