@@ -211,6 +211,27 @@ def test_process_group_of_one_rank_solves_an_output_layer_over_positions(one_ran
         assert_close(states[1][key], value, **(TOL if dtype == torch.float64 else F32_TOL), msg=key)
 
 
+def test_process_group_of_one_rank_reads_a_loader_up_to_max_pool_size(one_rank_group):
+    # a shard given as a loader is read up to max_pool_size rows, as one process reads it
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro_vinit.testing.user_models import blobs, functional_tanh
+
+    x, y, _, _ = blobs()
+    loader = [(x[i:i + 50], y[i:i + 50]) for i in range(0, len(x), 50)]
+    model = functional_tanh(1)
+    states = []
+    for group in (None, dist.group.WORLD):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(model)
+        init_guide_iblm(guide, loader, max_pool_size=120, process_group=group)
+        states.append({k: v.detach().clone() for k, v in guide.state_dict().items()})
+    assert one_rank_group, "the process-group collective was not used"
+    for key, value in states[0].items():
+        assert_close(states[1][key], value, **F32_TOL, msg=key)
+
+
 def test_a_shard_cannot_set_up_a_per_example_latents_guide(one_rank_group):
     # a per-example latent's guide is set up on all the rows, which a shard does not hold:
     # refused, saying to set it up first (a shard is never taken for the whole data, not
