@@ -157,6 +157,25 @@ def test_mutate_ledger_carries_results_to_a_fresh_run(tmp_path):
     assert "other settings" in mutate.ledger_refusal(ledger, other)
 
 
+def test_mutate_tells_a_changed_package_copy(tmp_path):
+    # (mutmut then keeps the statistics of the changed modules only: they are taken afresh)
+    import shutil
+
+    mutate = _mutate_module()
+    assert not mutate.package_changed(tmp_path)  # (no copy: a fresh folder)
+    copy = tmp_path / "pyro_vinit"
+    shutil.copytree(mutate.ROOT / "pyro_vinit", copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert not mutate.package_changed(tmp_path)
+    (copy / "poutine" / "gone.py").write_text("")  # (a source file deleted since)
+    assert mutate.package_changed(tmp_path)
+    (copy / "poutine" / "gone.py").unlink()
+    (copy / "poutine" / "__init__.py").write_text("# edited\n")
+    assert mutate.package_changed(tmp_path)
+    (copy / "poutine" / "__init__.py").unlink()
+    assert mutate.package_changed(tmp_path)
+
+
 def test_mutate_maps_spawning_tests_to_every_function_of_their_files(tmp_path):
     # a test whose ranks run the code in processes it spawns: mutmut's statistics, taken in
     # the test's process, do not see their calls; the run is told where they land

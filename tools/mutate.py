@@ -83,6 +83,27 @@ def _function_of(mutant):
     return mutant.rpartition(".")[2].rpartition("__mutmut_")[0]
 
 
+def _dotted(module):
+    """``pyro_vinit/x/y.py`` (or a package folder) -> ``pyro_vinit.x.y``."""
+    return module.removesuffix(".py").replace("/", ".").rstrip(".")
+
+
+def package_changed(workdir):
+    """Whether the package copy in ``workdir`` differs from the sources (files added,
+    removed or edited). mutmut 3.8 then regenerates the changed files' mutants and
+    keeps the statistics of their modules only: the other modules' mutants would
+    count as having no tests, so the statistics are to be taken afresh."""
+    import filecmp
+
+    def differs(comparison):
+        return bool(comparison.left_only or comparison.right_only or comparison.diff_files
+                    or any(differs(sub) for sub in comparison.subdirs.values()))
+
+    copy = Path(workdir) / "pyro_vinit"
+    return copy.exists() and differs(filecmp.dircmp(
+        ROOT / "pyro_vinit", copy, ignore=["__pycache__"]))
+
+
 def map_spawned_tests(workdir, modules, patterns):
     """Maps the tests that match ``patterns`` (fnmatch, e.g. ``file.py::test_ranks*``) to
     every function of the mutated files ``modules``, in the statistics of the run in
@@ -106,7 +127,7 @@ def map_spawned_tests(workdir, modules, patterns):
         meta = Path(workdir) / "mutants" / (module + ".meta")
         if not meta.exists():
             raise SystemExit(f"--spawned-modules: {module} is no mutated file of the run")
-        dotted = module.removesuffix(".py").replace("/", ".")
+        dotted = _dotted(module)
         for function in json.loads(meta.read_text())["hash_by_function_name"]:
             name = f"{dotted}.{function}"
             mapping[name] = sorted(set(mapping.get(name, [])) | set(tests))
@@ -202,7 +223,7 @@ def _equivalent():
 
 def _module_of(mutant, modules):
     for module in modules:
-        dotted = module.removesuffix(".py").replace("/", ".").rstrip(".")
+        dotted = _dotted(module)
         if mutant == dotted or mutant.startswith(dotted + "."):
             return module
     return None
@@ -311,6 +332,11 @@ def main():
         if not (args.resume or args.mutants):
             shutil.rmtree(args.workdir, ignore_errors=True)
         args.workdir.mkdir(parents=True, exist_ok=True)
+        stats = args.workdir / "mutants" / "mutmut-stats.json"
+        if stats.exists() and package_changed(args.workdir):
+            stats.unlink()
+            print("the package changed since the folder's last run: mutmut's statistics "
+                  "are taken afresh")
         for name in ("pyro_vinit", "tests"):
             shutil.rmtree(args.workdir / name, ignore_errors=True)
             shutil.copytree(ROOT / name, args.workdir / name,
